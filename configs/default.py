@@ -1,0 +1,56 @@
+"""Defaults shared by every named config; each config file changes what it needs."""
+
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+  c = config_dict.ConfigDict()
+  c.seed = 0
+
+  c.model = config_dict.ConfigDict(dict(
+      vocab_size=256,
+      num_layers=4,
+      d_model=256,
+      num_heads=8,
+      num_kv_heads=2,  # The knob: num_heads = MHA, 1 = MQA, a divisor = GQA.
+      head_dim=32,
+      mlp_dim=768,
+      max_len=256,  # Longest sequence the model accepts (and its KV cache).
+      tie_embeddings=False,
+      scan_layers=True,
+      remat=False,
+      rope_base=10_000.0,
+      local_window=config_dict.placeholder(int),
+      logits_soft_cap=config_dict.placeholder(float),
+      fused_qkv=False,
+      dtype='float32',  # Compute dtype: 'bfloat16' on GPU/TPU.
+  ))
+
+  c.data = config_dict.ConfigDict(dict(
+      path='',  # '' = the embedded stdlib corpus; else text, a folder, .bin.
+      seq_len=256,
+      val_fraction=0.05,  # Held-out tail of a single text or .bin file.
+      cache_dir='',  # '' = $XDG_CACHE_HOME/gqa-lab.
+  ))
+
+  c.train = config_dict.ConfigDict(dict(
+      steps=360,
+      batch_size=16,
+      grad_accum_steps=1,
+      learning_rate=3e-3,
+      warmup_steps=30,
+      min_learning_rate_ratio=0.1,  # Cosine decay ends at this x peak.
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.95,
+      grad_clip=1.0,
+      log_every=10,
+      eval_every=60,
+      eval_batches=8,
+      checkpoint_every=120,
+      keep_checkpoints=3,
+  ))
+
+  # Device mesh: -1 = all remaining devices.
+  c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  return c

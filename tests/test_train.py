@@ -1,0 +1,246 @@
+"""Specification of the training program (`train.main`, `train.loop`)."""
+
+import dataclasses
+import math
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from train import checkpoint, data, flops, loop
+from train.errors import UserError
+from train.model import ModelConfig, Transformer
+from train.report import read_metrics
+
+REPO = pathlib.Path(__file__).parent.parent
+
+
+def _config(**overrides):
+  config = tiny.get_config()
+  for dotted, value in overrides.items():
+    section, field = dotted.split('__')
+    config[section][field] = value
+  return config
+
+
+def _main(*args, timeout=120):
+  return subprocess.run(
+      [sys.executable, '-m', 'train.main', *args], cwd=REPO,
+      capture_output=True, text=True, timeout=timeout)
+
+
+def test_tiny_trains_and_its_loss_falls(tmp_path):
+  record = loop.train_and_evaluate(_config(train__steps=40), str(tmp_path))
+  metrics = read_metrics(tmp_path)
+  assert [m['step'] for m in metrics] == list(range(5, 45, 5))
+  assert metrics[-1]['loss'] < metrics[0]['loss'] - 1.0
+  assert record['eval_loss'] < math.log(256) - 1.0  # Well below uniform.
+  for m in metrics:
+    assert m['tokens_per_sec'] > 0 and 0 < m['mfu'] < 1
+  assert 'eval_loss' in metrics[-1] and 'eval_bpb' in metrics[-1]
+  assert list((tmp_path / 'tensorboard').iterdir())
+
+
+def _params(workdir):
+  return checkpoint.restore_latest(str(workdir))[1]
+
+
+def test_stopped_and_resumed_run_is_bit_identical_to_a_straight_run(tmp_path):
+  config = _config(train__steps=20, train__checkpoint_every=100)
+  loop.train_and_evaluate(config, str(tmp_path / 'straight'))
+
+  calls = []
+  stop_after_7 = lambda: calls.append(1) or len(calls) == 7
+  record = loop.train_and_evaluate(config, str(tmp_path / 'resumed'),
+                                   should_stop=stop_after_7)
+  assert record['stopped_at'] == 7
+  assert checkpoint.restore_latest(str(tmp_path / 'resumed'))[0] == 7
+  loop.train_and_evaluate(config, str(tmp_path / 'resumed'))
+
+  chex.assert_trees_all_equal(_params(tmp_path / 'straight'),
+                              _params(tmp_path / 'resumed'))
+  straight = read_metrics(tmp_path / 'straight')
+  resumed = read_metrics(tmp_path / 'resumed')
+  key = lambda ms: [(m['step'], m['loss'], m.get('eval_loss')) for m in ms
+                    if m['step'] % 5 == 0]
+  assert key(resumed) == key(straight)
+
+
+def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path):
+  args = ['--config=tiny', f'--workdir={tmp_path}',
+          '--config.train.steps=300', '--config.train.log_every=1']
+  proc = subprocess.Popen([sys.executable, '-m', 'train.main', *args],
+                          cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  metrics = tmp_path / 'metrics.jsonl'
+  deadline = time.time() + 90
+  while not (metrics.exists() and metrics.read_text()) and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + signal.SIGTERM, out
+  stopped = int(out.split('stopped at step ')[1].split(';')[0])
+  assert 0 < stopped < 300
+  assert checkpoint.restore_latest(str(tmp_path))[0] == stopped
+
+  resumed = _main(*args)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f'resuming from step {stopped}' in resumed.stdout
+  assert read_metrics(tmp_path)[-1]['step'] == 300
+  steps = [m['step'] for m in read_metrics(tmp_path)]
+  assert steps == sorted(set(steps))  # No step logged twice.
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config=nope'], "unknown config 'nope'; known: gqa_base"),
+    (['--config=tiny', '--config.model.nope=1'],
+     "unknown config field 'nope'"),
+    (['--config=tiny', '--config.train.steps=ten'], 'config.train.steps=ten'),
+    (['--config=tiny', '--config.model.num_kv_heads=3'],
+     'model.num_heads=4 is not divisible by model.num_kv_heads=3'),
+])
+def test_bad_command_lines_print_one_line_and_exit_1(tmp_path, args, message):
+  result = _main(*args, f'--workdir={tmp_path / "w"}')
+  assert result.returncode == 1
+  assert message in result.stderr
+  assert 'Traceback' not in result.stderr + result.stdout
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert not (tmp_path / 'w' / 'checkpoints').exists()
+
+
+def _write(path, content):
+  path.write_bytes(content)
+  return str(path)
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(train__batch_size=6, train__grad_accum_steps=4),
+     'train.batch_size=6 does not split'),
+    (dict(data__seq_len=64), 'data.seq_len=64 is longer than model.max_len=32'),
+    (dict(data__path='/nonexistent/corpus.txt'), 'does not exist'),
+    (dict(model__dtype='float8'), "model.dtype='float8'"),
+    (dict(train__steps=0), 'train.steps=0 must be positive'),
+])
+def test_bad_configs_raise_one_line_user_errors(tmp_path, overrides, message):
+  with pytest.raises(UserError, match=message):
+    loop.train_and_evaluate(_config(**overrides), str(tmp_path))
+
+
+def test_bad_data_files_raise_user_errors(tmp_path):
+  empty = _write(tmp_path / 'empty.txt', b'')
+  short = _write(tmp_path / 'short.txt', b'x' * 100)
+  odd_bin = _write(tmp_path / 'odd.bin', b'abc')
+  for path, message in ((empty, 'is empty'), (short, 'fewer than'),
+                        (odd_bin, 'uint16')):
+    with pytest.raises(UserError, match=message):
+      loop.train_and_evaluate(_config(data__path=path), str(tmp_path / 'w'))
+  big_vocab = _write(tmp_path / 'v.bin',
+                     np.arange(4000, dtype=np.uint16).tobytes())
+  with pytest.raises(UserError, match='set model.vocab_size >= 4000'):
+    loop.train_and_evaluate(_config(data__path=big_vocab), str(tmp_path / 'w'))
+
+
+def test_workdir_holding_another_model_is_refused_and_kept(tmp_path):
+  loop.train_and_evaluate(_config(train__steps=10), str(tmp_path))
+  before = _params(tmp_path)
+  with pytest.raises(UserError, match='holds another model.*new --workdir'):
+    loop.train_and_evaluate(_config(model__num_kv_heads=1), str(tmp_path))
+  chex.assert_trees_all_equal(_params(tmp_path), before)
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_good_checkpoint(
+    tmp_path):
+  config = _config(train__learning_rate=1e12, train__checkpoint_every=1,
+                   train__grad_clip=1e30, train__steps=20)
+  with pytest.raises(UserError, match=r'non-finite .* at step (\d+).*last good '
+                     r'checkpoint is step'):
+    loop.train_and_evaluate(config, str(tmp_path))
+  step, state = checkpoint.restore_latest(str(tmp_path))
+  assert step < 20
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state['params']))
+
+
+def test_text_folder_and_bin_sources(tmp_path):
+  (tmp_path / 'docs').mkdir()
+  for i in range(3):
+    (tmp_path / 'docs' / f'{i}.txt').write_text('hello world ' * 200)
+  folder = data.load(str(tmp_path / 'docs'), val_fraction=0.1, seq_len=32)
+  assert folder.vocab_size == 256 and folder.bytes_per_token == 1.0
+  assert len(folder.train) + len(folder.val) == 3 * 2400 + 2
+
+  tokens = np.random.default_rng(0).integers(0, 1000, 5000).astype(np.uint16)
+  (tmp_path / 'nano').mkdir()
+  tokens[:4000].tofile(tmp_path / 'nano' / 'train.bin')
+  tokens[4000:].tofile(tmp_path / 'nano' / 'val.bin')
+  nano = data.load(str(tmp_path / 'nano'), val_fraction=0.1, seq_len=32)
+  np.testing.assert_array_equal(nano.val, tokens[4000:])
+  assert nano.vocab_size == int(tokens.max()) + 1
+
+
+def test_batches_are_a_pure_function_of_seed_and_step_and_shard_exactly():
+  tokens = np.arange(10_000, dtype=np.uint16)
+  kw = dict(batch_size=8, seq_len=16)
+  b = data.batch(tokens, seed=3, step=5, **kw)
+  np.testing.assert_array_equal(b, data.batch(tokens, seed=3, step=5, **kw))
+  assert not np.array_equal(b, data.batch(tokens, seed=3, step=6, **kw))
+  shards = [data.batch(tokens, seed=3, step=5, shard=i, num_shards=4, **kw)
+            for i in range(4)]
+  np.testing.assert_array_equal(np.concatenate(shards), b)
+  np.testing.assert_array_equal(b[:, 1:], b[:, :-1] + 1)  # Contiguous windows.
+
+
+def test_flops_formula_against_a_hand_count():
+  # L=1, D=4, N=2, K=1, H=2, F=8, V=10, T=4 (causal: C = (1+2+3+4)/4 = 2.5):
+  # Q 2*4*2*2=32, out 32, K/V 2*2*4*1*2=32, scores+mix 2*2*2*2*2.5=40,
+  # MLP 3*2*4*8=192, logits 2*4*10=80.
+  model = dict(num_layers=1, d_model=4, num_heads=2, num_kv_heads=1,
+               head_dim=2, mlp_dim=8, vocab_size=10, seq_len=4)
+  assert flops.forward_flops_per_token(**model) == 408
+  assert flops.training_flops_per_token(**model) == 3 * 408
+  # A window of 2 sees (1+2+2+2)/4 = 1.75 keys on average.
+  assert flops.forward_flops_per_token(**model, local_window=2) == 408 - 12
+
+
+def test_flops_formula_agrees_with_xla_cost_analysis():
+  # Unrolled: XLA's cost analysis counts a scanned loop body once.
+  c = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+                  head_dim=16, mlp_dim=128, max_len=64, scan_layers=False)
+  B, T = 2, 64
+  tokens = jnp.zeros((B, T), jnp.int32)
+  model = Transformer(c)
+  params = model.init(jax.random.key(0), tokens)
+  cost = jax.jit(model.apply).lower(params, tokens).compile().cost_analysis()
+  xla_per_token = cost['flops'] / (B * T)
+  ours = flops.forward_flops_per_token(
+      num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+      mlp_dim=128, vocab_size=256, seq_len=T)
+  # The dense kernel also multiplies the masked upper triangle, which the
+  # formula does not count as work: C = T there instead of (T + 1) / 2.
+  masked = c.num_layers * 4 * c.num_heads * c.head_dim * (T - (T + 1) / 2)
+  # The rest of XLA's count is elementwise work (norms, softmax, GELU, RoPE).
+  assert ours + masked == pytest.approx(xla_per_token, rel=0.1)
+  assert ours + masked < xla_per_token
+
+
+def test_scanned_and_unrolled_layers_give_the_same_outputs():
+  config = ModelConfig(num_layers=3, d_model=32, num_heads=4, num_kv_heads=2,
+                       head_dim=8, mlp_dim=64, max_len=16)
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+  scanned = Transformer(config)
+  params = scanned.init(jax.random.key(1), tokens)['params']
+  unrolled = Transformer(dataclasses.replace(config, scan_layers=False))
+  unrolled_params = {k: v for k, v in params.items() if k != 'layers'}
+  for i in range(3):
+    unrolled_params[f'layers_{i}'] = jax.tree.map(lambda x: x[i],
+                                                  params['layers'])
+  chex.assert_trees_all_close(
+      unrolled.apply({'params': unrolled_params}, tokens),
+      scanned.apply({'params': params}, tokens), atol=1e-5)

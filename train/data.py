@@ -1,0 +1,155 @@
+"""Token data: where it comes from, and batches as a pure function of (seed, step).
+
+Sources, by `data.path`:
+  ''                 the embedded default: the bytes of this Python's standard
+                     library source and its documentation topics (pydoc_data),
+                     vocabulary 256, built once and cached;
+  DIR with train.bin nanoGPT's pre-tokenised uint16 files (train.bin, val.bin);
+  FILE.bin           one uint16 token file, its tail held out;
+  FILE or DIR        text, read as bytes (vocabulary 256), the tail held out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import sysconfig
+import zlib
+
+import numpy as np
+
+from train.errors import UserError
+
+_SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
+              'lib2to3', 'ensurepip'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  train: np.ndarray  # [num_tokens] uint8 or uint16, possibly memory-mapped.
+  val: np.ndarray
+  vocab_size: int  # Tokens are < vocab_size.
+  bytes_per_token: float | None  # 1.0 for byte-level text, None if unknown.
+  description: str
+
+
+def load(path: str, *, val_fraction: float, seq_len: int,
+         cache_dir: str | None = None) -> Dataset:
+  """Loads the data named by `path`; raises UserError if it cannot be used."""
+  if not path:
+    train, val = _stdlib_corpus(cache_dir or _default_cache_dir())
+    data = Dataset(train, val, 256, 1.0,
+                   f'Python {sysconfig.get_python_version()} stdlib source + '
+                   'pydoc topics (bytes)')
+  else:
+    p = pathlib.Path(path).expanduser()
+    if not p.exists():
+      raise UserError(f'data.path {path!r} does not exist; give a text file, '
+                      "a folder of text files, a .bin token file, or '' for "
+                      'the embedded corpus')
+    if p.is_dir() and (p / 'train.bin').exists():
+      if not (p / 'val.bin').exists():
+        raise UserError(f'{p} has train.bin but no val.bin; add one, or point '
+                        'data.path at train.bin to hold out its tail')
+      train, val = _tokens(p / 'train.bin'), _tokens(p / 'val.bin')
+      data = Dataset(train, val, _vocab(train, val), None, f'{p} (uint16)')
+    elif p.suffix == '.bin':
+      train, val = _split(_tokens(p), val_fraction, p)
+      data = Dataset(train, val, _vocab(train, val), None, f'{p} (uint16)')
+    else:
+      train, val = _split(_text_bytes(p), val_fraction, p)
+      data = Dataset(train, val, 256, 1.0, f'{p} (bytes)')
+  for split, tokens in (('training', data.train), ('validation', data.val)):
+    if len(tokens) < seq_len + 1:
+      raise UserError(
+          f'{data.description}: the {split} split has {len(tokens)} tokens, '
+          f'fewer than data.seq_len + 1 = {seq_len + 1}; use more data or a '
+          'shorter --config.data.seq_len')
+  return data
+
+
+def batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
+          seq_len: int, shard: int = 0, num_shards: int = 1,
+          stream: int = 0) -> np.ndarray:
+  """Rows [batch_size // num_shards, seq_len + 1] of random windows, int32.
+
+  A pure function of (seed, step): a resumed run sees exactly the data of an
+  uninterrupted one. Shard i of num_shards (one per host) is rows
+  [i * b, (i + 1) * b) of the global batch, so hosts load only their part.
+  """
+  rng = np.random.default_rng([stream, seed, step])
+  starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
+  per_shard = batch_size // num_shards
+  starts = starts[shard * per_shard:(shard + 1) * per_shard]
+  return np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def eval_batch(tokens: np.ndarray, *, index: int, **kwargs) -> np.ndarray:
+  """The index-th held-out batch: the same rows at every evaluation."""
+  return batch(tokens, seed=0, step=index, stream=1, **kwargs)
+
+
+def _default_cache_dir() -> str:
+  return os.path.join(os.environ.get('XDG_CACHE_HOME', '~/.cache'), 'gqa-lab')
+
+
+def _stdlib_corpus(cache_dir: str):
+  """The standard library's .py files and pydoc topics; ~2% of files held out."""
+  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  files = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+    files += [pathlib.Path(dirpath, f) for f in sorted(filenames)
+              if f.endswith('.py')]
+  fingerprint = hashlib.sha256(repr([
+      (str(f.relative_to(root)), f.stat().st_size) for f in files
+  ]).encode()).hexdigest()[:12]
+  cache = pathlib.Path(cache_dir).expanduser() / f'stdlib-{fingerprint}'
+  if not (cache / 'val.bin').exists():
+    train, val = [], []
+    for f in files:
+      # A stable hash of the path decides the split, whatever else changes.
+      rel = str(f.relative_to(root))
+      (val if zlib.crc32(rel.encode()) % 50 == 0 else train).append(
+          f.read_bytes())
+    train += [t.encode() for _, t in sorted(pydoc_data.topics.topics.items())]
+    cache.mkdir(parents=True, exist_ok=True)
+    for name, parts in (('train.bin', train), ('val.bin', val)):
+      tmp = cache / f'{name}.tmp{os.getpid()}'
+      tmp.write_bytes(b'\n'.join(parts))
+      tmp.replace(cache / name)  # Atomic: a concurrent reader never sees half.
+  return (np.memmap(cache / 'train.bin', np.uint8, 'r'),
+          np.memmap(cache / 'val.bin', np.uint8, 'r'))
+
+
+def _text_bytes(p: pathlib.Path) -> np.ndarray:
+  files = ([p] if p.is_file() else
+           sorted(f for f in p.rglob('*') if f.is_file()
+                  and not any(part.startswith('.') for part in f.parts)))
+  data = b'\n'.join(f.read_bytes() for f in files)
+  if not data:
+    raise UserError(f'data.path {str(p)!r} is empty; give it some text')
+  return np.frombuffer(data, np.uint8)
+
+
+def _tokens(p: pathlib.Path) -> np.ndarray:
+  size = p.stat().st_size
+  if size == 0 or size % 2:
+    raise UserError(f'{p} has {size} bytes; a .bin token file holds uint16 '
+                    'tokens (nanoGPT format), so a positive even size')
+  return np.memmap(p, np.uint16, 'r')
+
+
+def _vocab(*splits) -> int:
+  # Sampled rather than scanned in full: .bin files can hold billions.
+  return max(int(s[:10_000_000].max()) for s in splits) + 1
+
+
+def _split(tokens: np.ndarray, val_fraction: float, p: pathlib.Path):
+  if not 0 < val_fraction < 1:
+    raise UserError(f'data.val_fraction must be in (0, 1), got {val_fraction}')
+  n_val = int(len(tokens) * val_fraction)
+  return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]

@@ -1,0 +1,247 @@
+"""Training, as plain functions: build state, train step, eval step, the loop."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from attention import Attention
+from train import config_lib, data as data_lib, flops
+from train.checkpoint import Checkpointer
+from train.errors import UserError
+from train.model import Transformer
+from train.report import Reporter
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def make_optimizer(tc) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with warmup + cosine decay and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
+      end_value=tc.learning_rate * tc.min_learning_rate_ratio)
+  # Weight decay on matrices only, not on norm scales.
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  tx = optax.chain(
+      optax.clip_by_global_norm(tc.grad_clip),
+      optax.adamw(schedule, tc.b1, tc.b2, weight_decay=tc.weight_decay,
+                  mask=decay_mask))
+  return tx, schedule
+
+
+def init_state(model: Transformer, tx, seed: int) -> TrainState:
+  tokens = jnp.zeros((1, model.config.max_len), jnp.int32)
+  params = model.init(jax.random.key(seed), tokens)['params']
+  return TrainState(jnp.array(0, jnp.int32), params, tx.init(params))
+
+
+def loss_fn(params, model: Transformer, tokens_BT1: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy in nats, float32."""
+  logits_BTV = model.apply({'params': params}, tokens_BT1[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits_BTV, tokens_BT1[:, 1:]).mean()
+
+
+def train_step(state: TrainState, tokens_BT1, *, model, tx, accum_steps: int):
+  """One optimizer update, averaging gradients over `accum_steps` microbatches."""
+  grad_fn = jax.value_and_grad(loss_fn)
+  if accum_steps == 1:
+    loss, grads = grad_fn(state.params, model, tokens_BT1)
+  else:
+    micro_ABT1 = tokens_BT1.reshape(accum_steps, -1, tokens_BT1.shape[-1])
+
+    def accumulate(carry, micro_BT1):
+      loss, grads = grad_fn(state.params, model, micro_BT1)
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro_ABT1)
+    loss, grads = jax.tree.map(lambda x: x / accum_steps, (loss, grads))
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
+  return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def eval_step(params, tokens_BT1, *, model) -> jax.Array:
+  return loss_fn(params, model, tokens_BT1)
+
+
+def train_and_evaluate(config, workdir: str, *,
+                       should_stop: Callable[[], bool] = lambda: False
+                       ) -> dict:
+  """Trains per `config`, resuming from WORKDIR's checkpoints; returns the last record.
+
+  Stops early, saving a checkpoint, when `should_stop()` turns true (the
+  signal handlers in `train.main` use it); then the returned record has
+  'stopped_at'.
+  """
+  num_devices = jax.device_count()
+  config_lib.validate(config, num_devices)
+  mc = config_lib.model_config(config)
+  tc, dc = config.train, config.data
+  dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
+                          seq_len=dc.seq_len, cache_dir=dc.cache_dir or None)
+  if dataset.vocab_size > mc.vocab_size:
+    raise UserError(f'{dataset.description} has token ids up to '
+                    f'{dataset.vocab_size - 1}; set model.vocab_size >= '
+                    f'{dataset.vocab_size}')
+
+  workdir_path = pathlib.Path(workdir)
+  workdir_path.mkdir(parents=True, exist_ok=True)
+  model = Transformer(mc)
+  tx, schedule = make_optimizer(tc)
+  mesh = jax.make_mesh((num_devices,), ('data',),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
+  replicated = jax.NamedSharding(mesh, jax.P())
+
+  checkpointer = Checkpointer(workdir, every=tc.checkpoint_every,
+                              keep=tc.keep_checkpoints)
+  abstract = jax.eval_shape(lambda: init_state(model, tx, config.seed))
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+      abstract)
+  resume_step = checkpointer.latest_step()
+  if resume_step is not None:
+    state = checkpointer.restore(abstract)
+  else:
+    state = jax.jit(lambda: init_state(model, tx, config.seed),
+                    out_shardings=replicated)()
+  (workdir_path / 'config.json').write_text(config.to_json(indent=2))
+
+  n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
+  kv_bytes = mc.num_layers * Attention(
+      mc.num_heads, mc.num_kv_heads, mc.head_dim).kv_cache_bytes(
+          1, 1, mc.dtype)
+  flops_per_token = flops.training_flops_per_token(
+      **config.model, seq_len=dc.seq_len)
+  peak, peak_source = flops.peak_flops()
+  tokens_per_step = tc.batch_size * dc.seq_len
+
+  reporter = Reporter(workdir, tc.steps, enabled=jax.process_index() == 0,
+                      resume_step=resume_step or 0)
+  say = reporter.message
+  say(f'config:\n{config}')
+  say(f'data: {dataset.description}: {len(dataset.train):,} training and '
+      f'{len(dataset.val):,} held-out tokens')
+  say(f'model: {n_params:,} parameters; KV cache {kv_bytes:,} bytes/token '
+      f'({mc.num_layers} layers x 2 x {mc.num_kv_heads} KV heads x '
+      f'{mc.head_dim} x {np.dtype(mc.dtype).itemsize} B); '
+      f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
+  say(f'devices: {num_devices} x {jax.devices()[0].device_kind}; peak '
+      f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
+  if resume_step is not None:
+    say(f'resuming from step {resume_step} ({checkpointer.directory})')
+
+  def get_batch(step):
+    return jax.device_put(
+        data_lib.batch(dataset.train, seed=config.seed, step=step,
+                       batch_size=tc.batch_size, seq_len=dc.seq_len),
+        batch_sharding)
+
+  step_fn = jax.jit(
+      lambda s, b: train_step(s, b, model=model, tx=tx,
+                              accum_steps=tc.grad_accum_steps),
+      donate_argnums=0)
+  eval_fn = jax.jit(lambda p, b: eval_step(p, b, model=model))
+  start = int(state.step)
+  t0 = time.perf_counter()
+  step_fn = step_fn.lower(state, get_batch(start)).compile()
+  say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
+  eval_batches = [
+      jax.device_put(data_lib.eval_batch(
+          dataset.val, index=i, batch_size=tc.batch_size,
+          seq_len=dc.seq_len), batch_sharding)
+      for i in range(tc.eval_batches)]
+
+  def evaluate(params):
+    loss = float(np.mean([eval_fn(params, b) for b in eval_batches]))
+    out = {'eval_loss': loss}
+    if dataset.bytes_per_token:
+      out['eval_bpb'] = loss / math.log(2) / dataset.bytes_per_token
+    return out
+
+  def check_finite(step, metrics):
+    if not all(np.isfinite(float(v)) for v in metrics.values()):
+      last = checkpointer.latest_step()
+      raise UserError(
+          f'non-finite loss or gradient at step {step} ({metrics}); stopped; '
+          f'the last good checkpoint is step {last}; lower '
+          'train.learning_rate or check the data')
+
+  pending = None  # (step, device metrics): fetched one step behind.
+  window = []  # Host metrics since the last log line.
+  t_last = time.perf_counter()
+  record = {}
+  stopped_at = None
+  for step in range(start, tc.steps):
+    batch = get_batch(step)
+    state, metrics = step_fn(state, batch)
+    if pending is not None:
+      # Waits for the previous step only, while this one runs on the device.
+      done_step, host = pending[0], jax.device_get(pending[1])
+      check_finite(done_step, host)
+      now = time.perf_counter()
+      window.append({**host, 'step_time': now - t_last})
+      t_last = now
+    pending = (step + 1, metrics)
+    n = step + 1
+    last = n == tc.steps
+    stop = should_stop()
+    if not (last or stop or n % tc.log_every == 0 or n % tc.eval_every == 0
+            or n % tc.checkpoint_every == 0):
+      continue
+    host = jax.device_get(pending[1])  # Logging/eval/saving steps sync here.
+    check_finite(n, host)
+    now = time.perf_counter()
+    window.append({**host, 'step_time': now - t_last})
+    t_last = now
+    pending = None
+    step_time = float(np.mean([w['step_time'] for w in window]))
+    record = {
+        'loss': float(host['loss']),  # This step's, so a resume logs the same.
+        'grad_norm': float(host['grad_norm']),
+        'learning_rate': float(schedule(step)),
+        'step_time': step_time,
+        'tokens_per_sec': tokens_per_step / step_time,
+        'tokens_per_sec_per_device': tokens_per_step / step_time / num_devices,
+        'mfu': tokens_per_step / step_time * flops_per_token
+               / (peak * num_devices),
+    }
+    window = []
+    if last or n % tc.eval_every == 0:
+      record.update(evaluate(state.params))
+    checkpointer.save(n, state, force=last or stop)
+    reporter.log(n, record)
+    t_last = time.perf_counter()  # Evaluation and saving are not step time.
+    if stop and not last:
+      stopped_at = n
+      break
+  checkpointer.close()
+  if stopped_at is not None:
+    say(f'stopped at step {stopped_at}; checkpoint saved; rerun the same '
+        'command to resume')
+    record['stopped_at'] = stopped_at
+  elif record:
+    summary = f'done: step {tc.steps}, held-out loss {record["eval_loss"]:.4f}'
+    if 'eval_bpb' in record:
+      summary += f' nats/token = {record["eval_bpb"]:.3f} bits/byte'
+    say(summary)
+  reporter.close()
+  (workdir_path / 'final.json').write_text(json.dumps(record))
+  return record

@@ -1,0 +1,69 @@
+"""Trains a GQA/MHA/MQA language model: `python -m train.main --config=gqa_small`.
+
+Flags:
+  --config=NAME|PATH   a config in configs/ by name, or a path to a config file
+  --config.SECTION.FIELD=VALUE   overrides, e.g. --config.model.num_kv_heads=1
+  --workdir=DIR        checkpoints, metrics.jsonl and TensorBoard events;
+                       rerunning with the same DIR resumes
+
+SIGTERM or SIGINT (Ctrl-C) saves a checkpoint and exits (status 128 + signal).
+"""
+
+import signal
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from train import config_lib
+from train.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'config name or file')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'output directory')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise UserError(f'unexpected arguments {argv[1:]}; flags look like '
+                    '--config.train.steps=100')
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  from train import loop  # pylint: disable=import-outside-toplevel
+  received = []
+
+  def on_signal(signum, _):
+    received.append(signum)
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, on_signal)
+  record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                   should_stop=lambda: bool(received))
+  if 'stopped_at' in record:
+    sys.exit(128 + received[0])
+
+
+def parse_flags(argv):
+  """absl's parsing, with every flag or override error as one UserError line."""
+  try:
+    return flags.FLAGS(config_lib.resolve(argv))
+  except flags.Error as e:
+    raise UserError(str(e)) from None
+  except (AttributeError, KeyError) as e:  # config_flags: an unknown field.
+    overrides = [a.split('=')[0] for a in argv if a.startswith('--config.')]
+    field = str(e).strip('"\'')
+    raise UserError(
+        f'unknown config field {field!r} among {", ".join(overrides)}; the '
+        'fields are those of the config file (sections model, data, train, '
+        'mesh)'
+    ) from None
+
+
+def run():
+  flags.mark_flags_as_required(['config', 'workdir'])
+  try:
+    app.run(main, flags_parser=parse_flags)
+  except UserError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  run()

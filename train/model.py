@@ -1,0 +1,120 @@
+"""A decoder-only Transformer language model on `attention.Attention`.
+
+Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> gated MLP ->
+residual), token embedding, RoPE inside the attention, optionally tied output.
+Layers are stacked with `nn.scan` (compile time independent of depth) and can
+be rematerialised with `nn.remat`. Parameters are float32; activations use
+`dtype`; logits and the loss are float32.
+
+Letters: B batch, T length, D model width, F MLP hidden, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention import Attention
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  num_layers: int = 4
+  d_model: int = 256
+  num_heads: int = 8
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  mlp_dim: int = 1024
+  max_len: int = 256
+  tie_embeddings: bool = False
+  scan_layers: bool = True
+  remat: bool = False
+  rope_base: float = 10_000.0
+  local_window: int | None = None
+  logits_soft_cap: float | None = None
+  fused_qkv: bool = False
+  dtype: Any = jnp.float32
+
+
+class RMSNorm(nn.Module):
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    scale_D = self.param('scale', nn.initializers.zeros, (x_BTD.shape[-1],))
+    x = x_BTD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return (x * (1.0 + scale_D)).astype(self.dtype)
+
+
+class MLP(nn.Module):
+  """Gated (GELU) MLP: down(gelu(x @ gate) * (x @ up))."""
+  mlp_dim: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    D, F = x_BTD.shape[-1], self.mlp_dim
+    init = nn.initializers.lecun_normal()
+    w = lambda name, shape: self.param(name, init, shape).astype(self.dtype)
+    gate_BTF = jnp.einsum('BTD,DF->BTF', x_BTD, w('gate', (D, F)))
+    up_BTF = jnp.einsum('BTD,DF->BTF', x_BTD, w('up', (D, F)))
+    return jnp.einsum('BTF,FD->BTD', nn.gelu(gate_BTF) * up_BTF,
+                      w('down', (F, D)))
+
+
+class Block(nn.Module):
+  config: ModelConfig
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD, _=None):
+    c = self.config
+    attention = Attention(
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, dtype=c.dtype, rope_base=c.rope_base,
+        local_window=c.local_window, logits_soft_cap=c.logits_soft_cap,
+        fused_qkv=c.fused_qkv, decode=self.decode, name='attention')
+    x_BTD = x_BTD + attention(RMSNorm(c.dtype, name='attention_norm')(x_BTD))
+    x_BTD = x_BTD + MLP(c.mlp_dim, c.dtype, name='mlp')(
+        RMSNorm(c.dtype, name='mlp_norm')(x_BTD))
+    return x_BTD, None  # (carry, output) for nn.scan.
+
+
+class Transformer(nn.Module):
+  """tokens [B, T] int -> logits [B, T, V] float32."""
+  config: ModelConfig
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, tokens_BT):
+    c = self.config
+    embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype,
+                     embedding_init=nn.initializers.normal(1.0), name='embed')
+    x_BTD = embed(tokens_BT) * jnp.sqrt(c.d_model).astype(c.dtype)
+
+    block = Block
+    if c.remat:
+      block = nn.remat(block, prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      layers = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
+                       split_rngs={'params': True}, length=c.num_layers)
+      x_BTD, _ = layers(c, self.decode, name='layers')(x_BTD)
+    else:
+      for i in range(c.num_layers):
+        x_BTD, _ = block(c, self.decode, name=f'layers_{i}')(x_BTD)
+
+    x_BTD = RMSNorm(c.dtype, name='final_norm')(x_BTD)
+    if c.tie_embeddings:
+      logits_BTV = embed.attend(x_BTD) / jnp.sqrt(c.d_model).astype(c.dtype)
+    else:
+      # Small init: the first prediction is near uniform, loss near log V.
+      logits_BTV = nn.DenseGeneral(
+          c.vocab_size, use_bias=False, dtype=c.dtype,
+          kernel_init=nn.initializers.normal(0.02), name='unembed')(x_BTD)
+    return logits_BTV.astype(jnp.float32)
