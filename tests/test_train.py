@@ -244,3 +244,25 @@ def test_scanned_and_unrolled_layers_give_the_same_outputs():
   chex.assert_trees_all_close(
       unrolled.apply({'params': unrolled_params}, tokens),
       scanned.apply({'params': params}, tokens), atol=1e-5)
+
+
+def test_remat_gives_the_same_gradients():
+  config = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=1,
+                       head_dim=8, mlp_dim=64, max_len=16)
+  tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
+  params = Transformer(config).init(jax.random.key(1), tokens)['params']
+  grads = [jax.grad(loop.loss_fn)(params, Transformer(c), tokens)
+           for c in (config, dataclasses.replace(config, remat=True))]
+  chex.assert_trees_all_close(grads[0], grads[1], atol=1e-6)
+
+
+def test_gradient_accumulation_matches_one_large_batch():
+  config = _config()
+  model = Transformer(loop.config_lib.model_config(config))
+  tx, _ = loop.make_optimizer(config.train)
+  state = loop.init_state(model, tx, seed=0)
+  tokens = jax.random.randint(jax.random.key(0), (8, 33), 0, 256)
+  one, m1 = loop.train_step(state, tokens, model=model, tx=tx, accum_steps=1)
+  four, m4 = loop.train_step(state, tokens, model=model, tx=tx, accum_steps=4)
+  chex.assert_trees_all_close(m1, m4, rtol=1e-5)
+  chex.assert_trees_all_close(one.params, four.params, atol=1e-6)
