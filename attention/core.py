@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attention import blockwise
+
 Array = jax.Array
 
 
@@ -33,6 +35,7 @@ def dot_product_attention(
     scale: float | None = None,
     local_window: int | None = None,
     logits_soft_cap: float | None = None,
+    implementation: str | None = None,
 ) -> Array:
   """Scaled dot-product attention with K key/value heads shared by N query heads.
 
@@ -51,6 +54,12 @@ def dot_product_attention(
       less than w positions away on either side.
     logits_soft_cap: c > 0, logits become c * tanh(logits / c) before masking
       (Gemma 2).
+    implementation: None chooses; 'xla' is the dense einsum below; 'blockwise'
+      is `attention.blockwise` (flash-style: masked blocks skipped, O(T)
+      memory; no extra mask, window or soft cap); 'cudnn' is cuDNN's flash
+      attention through `jax.nn.dot_product_attention` (GPU, 16-bit inputs).
+      None picks 'blockwise' on CPU for long sequences where it is faster,
+      'cudnn' on GPU where it applies, else 'xla'.
 
   Returns:
     [B, T, N, H] in the query's dtype. Logits and softmax are computed in
@@ -67,6 +76,30 @@ def dot_product_attention(
     raise ValueError(f'logits_soft_cap must be > 0, got {logits_soft_cap}')
   G = N // K
   scale = H**-0.5 if scale is None else scale
+  plain = mask is None and local_window is None and logits_soft_cap is None
+  if implementation is None:
+    implementation = _choose(query.dtype, T, S, G, plain)
+  if implementation == 'blockwise':
+    if not plain:
+      raise ValueError("implementation='blockwise' supports is_causal only, "
+                       'not mask, local_window or logits_soft_cap')
+    block = blockwise.block_size(T, G)
+    if T % block or (is_causal and T > S):
+      raise ValueError(f"implementation='blockwise' needs T={T} divisible by "
+                       f'{block} and T <= S={S}')
+    return blockwise.blockwise_attention(query, key, value,
+                                         is_causal=is_causal, scale=scale,
+                                         block=block)
+  if implementation == 'cudnn':
+    if not plain or (is_causal and T != S):
+      raise ValueError("implementation='cudnn' supports is_causal with T == S "
+                       'and no mask, local_window or logits_soft_cap')
+    return jax.nn.dot_product_attention(
+        query, key, value, mask=mask, is_causal=is_causal, scale=scale,
+        implementation='cudnn')
+  if implementation != 'xla':
+    raise ValueError(f'implementation={implementation!r}; use None, '
+                     "'xla', 'blockwise' or 'cudnn'")
 
   query_BTKGH = query.reshape(B, T, K, G, H)
   logits_BKGTS = jnp.einsum(
@@ -90,6 +123,18 @@ def dot_product_attention(
       'BKGTS,BSKH->BTKGH', probs_BKGTS.astype(value.dtype), value,
       preferred_element_type=jnp.float32)
   return out_BTKGH.reshape(B, T, N, H).astype(query.dtype)
+
+
+def _choose(dtype, T, S, G, plain) -> str:
+  """The fastest implementation that supports the call (see BENCHMARKS.md)."""
+  backend = jax.default_backend()
+  if (backend == 'cpu' and plain and blockwise.MIN_LENGTH <= T <= S
+      and blockwise.block_size(T, G) < T):
+    return 'blockwise'
+  if (backend == 'gpu' and plain and T == S
+      and dtype in (jnp.bfloat16, jnp.float16)):
+    return 'cudnn'
+  return 'xla'
 
 
 def attention_mask(

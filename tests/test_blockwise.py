@@ -1,0 +1,89 @@
+"""Specification of the blockwise (flash-style) path of dot_product_attention."""
+
+import re
+
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention import blockwise, dot_product_attention
+from tests import reference
+
+B, N, H = 2, 8, 16
+
+
+def _inputs(K, T, S, dtype=jnp.float32):
+  kq, kk, kv, kg = jax.random.split(jax.random.key(0), 4)
+  return (jax.random.normal(kq, (B, T, N, H), dtype),
+          jax.random.normal(kk, (B, S, K, H), dtype),
+          jax.random.normal(kv, (B, S, K, H), dtype),
+          jax.random.normal(kg, (B, T, N, H), jnp.float32))
+
+
+class BlockwiseTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      ('mha_causal', 8, 64, 64, True),
+      ('gqa_causal', 2, 64, 64, True),
+      ('mqa_causal', 1, 64, 64, True),
+      ('gqa_causal_t_below_s', 2, 32, 80, True),
+      ('mha_full', 8, 64, 48, False),
+      ('mqa_full', 1, 32, 64, False),
+  )
+  def test_matches_reference_forward_and_gradients(self, K, T, S, is_causal):
+    q, k, v, ct = _inputs(K, T, S)
+    # Block 16: several blocks, so the causal prefixes really are skipped.
+    ours = self.variant(lambda q, k, v: blockwise.blockwise_attention(
+        q, k, v, is_causal=is_causal, scale=H**-0.5, block=16))
+    ref = lambda q, k, v: reference.reference_attention(
+        q, k, v, is_causal=is_causal)
+    chex.assert_trees_all_close(ours(q, k, v), ref(q, k, v), atol=2e-5)
+    grads = [jax.grad(lambda q, k, v: jnp.vdot(ct, f(q, k, v)),
+                      argnums=(0, 1, 2))(q, k, v) for f in (ours, ref)]
+    chex.assert_trees_all_close(grads[0], grads[1], atol=2e-4, rtol=2e-4)
+
+  def test_bfloat16_within_tolerance_of_float32(self):
+    q, k, v, _ = _inputs(2, 64, 64)
+    run = lambda *a: blockwise.blockwise_attention(*a, is_causal=True,
+                                                   scale=H**-0.5, block=16)
+    bf16 = run(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    self.assertEqual(bf16.dtype, jnp.bfloat16)
+    chex.assert_trees_all_close(bf16.astype(jnp.float32), run(q, k, v),
+                                atol=3e-2)
+
+  @parameterized.parameters(8, 2, 1)
+  def test_long_causal_sequences_use_it_by_default_on_cpu(self, K):
+    T = 256
+    q, k, v, _ = _inputs(K, T, T)
+    auto = jax.jit(lambda q, k, v: dot_product_attention(q, k, v,
+                                                         is_causal=True))
+    hlo = auto.lower(q, k, v).as_text()
+    self.assertIn('while', hlo)  # lax.map over the groups: the blockwise path.
+    dense = dot_product_attention(q, k, v, is_causal=True,
+                                  implementation='xla')
+    chex.assert_trees_all_close(auto(q, k, v), dense, atol=2e-5)
+
+  def test_never_materialises_the_full_logits_or_kv_copies(self):
+    T, S = 256, 512  # T != S: N·S·H elements can only be a K/V copy.
+    q, k, v, _ = _inputs(2, T, S)
+    grad = jax.jit(jax.grad(
+        lambda q, k, v: dot_product_attention(q, k, v, is_causal=True).sum(),
+        argnums=(0, 1, 2)))
+    text = grad.lower(q, k, v).compile().as_text()
+    sizes = [int(np.prod([int(d) for d in s.split(',')]))
+             for s in re.findall(r'\bf32\[([\d,]+)\]', text)]
+    # The dense path holds B·N·T·S logits; blockwise holds one group's
+    # G x block x S at a time, and never N·S·H copies of K or V.
+    self.assertLess(max(sizes), B * N * T * S // 8)
+    self.assertFalse(B * S * N * H in sizes, 'a K/V copy per query head')
+
+  def test_unsupported_options_are_refused(self):
+    q, k, v, _ = _inputs(2, 64, 64)
+    with self.assertRaisesRegex(ValueError, 'blockwise'):
+      dot_product_attention(q, k, v, logits_soft_cap=1.0,
+                            implementation='blockwise')
+    with self.assertRaisesRegex(ValueError, 'implementation='):
+      dot_product_attention(q, k, v, implementation='pallas')
