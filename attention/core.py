@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attention import blockwise
+from attention import blockwise, decode
 
 Array = jax.Array
 
@@ -54,12 +54,14 @@ def dot_product_attention(
       less than w positions away on either side.
     logits_soft_cap: c > 0, logits become c * tanh(logits / c) before masking
       (Gemma 2).
-    implementation: None chooses; 'xla' is the dense einsum below; 'blockwise'
-      is `attention.blockwise` (flash-style: masked blocks skipped, O(T)
-      memory; no extra mask, window or soft cap); 'cudnn' is cuDNN's flash
-      attention through `jax.nn.dot_product_attention` (GPU, 16-bit inputs).
-      None picks 'blockwise' on CPU for long sequences where it is faster,
-      'cudnn' on GPU where it applies, else 'xla'.
+    implementation: None chooses; 'xla' is the dense einsum below; 'decode'
+      is `attention.decode` (reads a [B, S, K, H] cache in place: for a few
+      query tokens); 'blockwise' is `attention.blockwise` (flash-style:
+      masked blocks skipped, O(T) memory; no extra mask, window or soft cap);
+      'cudnn' is cuDNN's flash attention via `jax.nn.dot_product_attention`
+      (GPU, 16-bit inputs). None picks, on CPU, 'decode' for T <= 8 and
+      'blockwise' for long sequences where they are faster; on GPU 'cudnn'
+      where it applies; else 'xla'.
 
   Returns:
     [B, T, N, H] in the query's dtype. Logits and softmax are computed in
@@ -97,9 +99,16 @@ def dot_product_attention(
     return jax.nn.dot_product_attention(
         query, key, value, mask=mask, is_causal=is_causal, scale=scale,
         implementation='cudnn')
-  if implementation != 'xla':
+  if implementation not in ('xla', 'decode'):
     raise ValueError(f'implementation={implementation!r}; use None, '
-                     "'xla', 'blockwise' or 'cudnn'")
+                     "'xla', 'decode', 'blockwise' or 'cudnn'")
+
+  mask_BKGTS = _grouped_mask(mask, query.shape, key.shape, is_causal,
+                             local_window)
+  if implementation == 'decode':
+    return decode.cache_layout_attention(
+        query, key, value, mask_BKGTS, scale=scale,
+        logits_soft_cap=logits_soft_cap)
 
   query_BTKGH = query.reshape(B, T, K, G, H)
   logits_BKGTS = jnp.einsum(
@@ -108,8 +117,6 @@ def dot_product_attention(
   if logits_soft_cap is not None:
     logits_BKGTS = logits_soft_cap * jnp.tanh(logits_BKGTS / logits_soft_cap)
 
-  mask_BKGTS = _grouped_mask(mask, query.shape, key.shape, is_causal,
-                             local_window)
   if mask_BKGTS is not None:
     # A large finite negative rather than -inf: a fully masked row then gives
     # a finite softmax, which the `where` below turns into zeros.
@@ -134,6 +141,8 @@ def _choose(dtype, T, S, G, plain) -> str:
   if (backend == 'gpu' and plain and T == S
       and dtype in (jnp.bfloat16, jnp.float16)):
     return 'cudnn'
+  if backend == 'cpu' and T <= decode.MAX_QUERIES:
+    return 'decode'  # Stream the [B, S, K, H] cache instead of transposing it.
   return 'xla'
 
 

@@ -48,11 +48,19 @@ class DotProductAttentionTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(*CASES)
   def test_matches_repeated_kv_reference_forward_and_gradients(self, K, opts):
+    self._check_against_reference(K, opts, 'xla')
+
+  @chex.variants(with_jit=True)
+  @parameterized.named_parameters(*CASES)
+  def test_decode_path_matches_reference_forward_and_gradients(self, K, opts):
+    self._check_against_reference(K, opts, 'decode')
+
+  def _check_against_reference(self, K, opts, implementation):
     opts = dict(opts)
     mask = _padding() if opts.pop('padding', False) else None
     q, k, v, ct = _inputs(K)
-    attend = self.variant(
-        lambda q, k, v, m: dot_product_attention(q, k, v, mask=m, **opts))
+    attend = self.variant(lambda q, k, v, m: dot_product_attention(
+        q, k, v, mask=m, implementation=implementation, **opts))
 
     out = attend(q, k, v, mask)
     chex.assert_shape(out, (B, T, N, H))
@@ -193,9 +201,11 @@ def _hlo_element_counts(fn, *args):
   return {int(np.prod([int(d) for d in s.split(',')])) for s in shapes}
 
 
+@pytest.mark.parametrize('implementation', ['xla', 'decode'])
 @pytest.mark.parametrize('K', [2, 1])
 @pytest.mark.parametrize('is_causal', [False, True])
-def test_compiled_function_never_copies_kv_per_query_head(K, is_causal):
+def test_compiled_function_never_copies_kv_per_query_head(K, is_causal,
+                                                          implementation):
   """No tensor in the optimised HLO, forward or backward, has N·S·H elements."""
   b, t, s, n, h = 2, 3, 50, 8, 16  # t != s, so N·S·H is unique to K/V copies.
   q, k, v, _ = _inputs(K, t=t, s=s)
@@ -207,7 +217,9 @@ def test_compiled_function_never_copies_kv_per_query_head(K, is_causal):
         lambda q, k, v: fn(q, k, v, is_causal=is_causal).sum(),
         argnums=(0, 1, 2))(q, k, v)
 
-  ours = _hlo_element_counts(loss(dot_product_attention), q, k, v)
+  ours = _hlo_element_counts(
+      loss(functools.partial(dot_product_attention,
+                             implementation=implementation)), q, k, v)
   assert repeated not in ours
   # The check can fail: the repeat-K/V reference does materialise the copies.
   ref = _hlo_element_counts(loss(reference.reference_attention), q, k, v)

@@ -1,0 +1,201 @@
+"""Attention benchmark: ours against the peers a researcher would otherwise use.
+
+  python -m scripts.bench_attention [--json=out.json] [--repeats=5] [--quick]
+
+Peers, timed in this process on this machine (medians of --repeats runs after
+a warm-up):
+  torch     torch.nn.functional.scaled_dot_product_attention(is_causal=True,
+            enable_gqa=True), if torch is installed (pip install -e '.[bench]')
+  jax.nn    jax.nn.dot_product_attention (implementation 'xla'; 'cudnn' on GPU)
+  repeat    the seeds' method: jnp.repeat K/V to N heads, then MHA einsums
+  ours      attention.dot_product_attention, implementation chosen by it
+
+Training shapes: causal, batch 8, length 512 and 2048, 8 heads, head_dim 64,
+num_kv_heads 8/4/2/1 (float32 on CPU, bfloat16 on GPU): forward, and forward
++ backward. Decode shapes: one query token against a [B, S, K, H] cache, batch
+32, cache 2048, 16 heads, head_dim 64, num_kv_heads 16/4/1: time, KV bytes read
+per second, and that as a fraction of the read bandwidth measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention import dot_product_attention
+
+
+def median_time(fn, repeats):
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def repeat_kv_attention(q, k, v, is_causal=True):
+  """The seeds' method: K/V copied to every query head, then plain MHA."""
+  G = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+  logits = jnp.einsum('BTNH,BSNH->BNTS', q, k).astype(jnp.float32)
+  logits *= q.shape[-1] ** -0.5
+  T, S = q.shape[1], k.shape[1]
+  if is_causal:
+    mask = jnp.arange(S)[None, :] <= jnp.arange(S - T, S)[:, None]
+    logits = jnp.where(mask, logits, -1e30)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum('BNTS,BSNH->BTNH', probs, v)
+
+
+def jax_peers(on_gpu):
+  impl = 'cudnn' if on_gpu else 'xla'
+  return {
+      'ours': lambda q, k, v: dot_product_attention(q, k, v, is_causal=True),
+      'jax.nn': lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, implementation=impl),
+      'repeat': repeat_kv_attention,
+  }
+
+
+def torch_peer():
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  torch.set_num_threads(max(1, len(jax.devices('cpu')) and
+                            torch.get_num_threads()))
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def make(q, k, v, backward):
+    # torch wants [B, N, T, H]; converted once, outside the timing.
+    tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32).transpose(
+        0, 2, 1, 3).copy()).requires_grad_(backward) for x in (q, k, v))
+
+    def run():
+      out = sdpa(tq, tk, tv, is_causal=True, enable_gqa=True)
+      if backward:
+        out.backward(torch.ones_like(out))
+      return None
+    return run
+  return make, torch.__version__
+
+
+def bench_training(args, on_gpu, dtype, torch_make):
+  rows = []
+  B, N, H = 8, 8, 64
+  for T in args.lengths:
+    for K in (8, 4, 2, 1):
+      keys = jax.random.split(jax.random.key(0), 3)
+      q = jax.random.normal(keys[0], (B, T, N, H), dtype)
+      k = jax.random.normal(keys[1], (B, T, K, H), dtype)
+      v = jax.random.normal(keys[2], (B, T, K, H), dtype)
+      for mode in ('fwd', 'fwd+bwd'):
+        row = {'shape': 'train', 'T': T, 'K': K, 'mode': mode}
+        for name, fn in jax_peers(on_gpu).items():
+          if mode == 'fwd':
+            run = jax.jit(fn)
+          else:
+            run = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(
+                q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+          try:
+            row[name] = median_time(lambda run=run: run(q, k, v), args.repeats)
+          except Exception as e:  # pylint: disable=broad-except
+            row[name] = None  # e.g. cuDNN refuses the shape.
+            print(f'  {name} T={T} K={K} {mode}: {type(e).__name__}')
+          if mode == 'fwd+bwd' and name in ('ours', 'repeat'):
+            row[f'{name}_peak_bytes'] = peak_bytes(run, q, k, v)
+        if torch_make and not on_gpu:
+          row['torch'] = median_time(torch_make(q, k, v, mode != 'fwd'),
+                                     args.repeats)
+        peers = [row[p] for p in ('torch', 'jax.nn', 'repeat')
+                 if row.get(p) is not None]
+        row['ours/best_peer'] = row['ours'] / min(peers)
+        rows.append(row)
+        print(format_row(row), flush=True)
+  return rows
+
+
+def peak_bytes(run, *xs):
+  analysis = run.lower(*xs).compile().memory_analysis()
+  return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+
+
+def read_bandwidth(repeats) -> float:
+  """Bytes/s of a jitted sum over 1 GiB (float32): the machine's read rate."""
+  x = jnp.ones((2**28,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  return x.nbytes / median_time(lambda: total(x), repeats)
+
+
+def bench_decode(args, dtype, bandwidth):
+  rows = []
+  B, S, N, H = 32, 2048, 16, 64
+  for K in (16, 4, 1):
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (B, 1, N, H), dtype)
+    k = jax.random.normal(keys[1], (B, S, K, H), dtype)
+    v = jax.random.normal(keys[2], (B, S, K, H), dtype)
+    run = jax.jit(lambda q, k, v: dot_product_attention(q, k, v,
+                                                        is_causal=True))
+    seconds = median_time(lambda: run(q, k, v), args.repeats)
+    kv_bytes = k.nbytes + v.nbytes
+    rows.append({'shape': 'decode', 'K': K, 'seconds': seconds,
+                 'kv_bytes': kv_bytes, 'bytes_per_sec': kv_bytes / seconds,
+                 'fraction_of_bandwidth': kv_bytes / seconds / bandwidth})
+  mha = rows[0]['seconds']
+  for row in rows:
+    row['speedup_vs_mha'] = mha / row['seconds']
+    print(f'decode B={B} S={S} N={N} K={row["K"]:>2}: '
+          f'{row["seconds"] * 1e3:8.2f} ms  {row["bytes_per_sec"] / 1e9:6.1f} '
+          f'GB/s = {100 * row["fraction_of_bandwidth"]:5.1f}% of read '
+          f'bandwidth  {row["speedup_vs_mha"]:5.1f}x MHA', flush=True)
+  return rows
+
+
+def format_row(row):
+  ms = lambda x: '     -' if x is None else f'{x * 1e3:8.1f}'
+  return (f'T={row["T"]:>5} K={row["K"]} {row["mode"]:>8}: ours '
+          f'{ms(row["ours"])}  torch {ms(row.get("torch"))}  jax.nn '
+          f'{ms(row["jax.nn"])}  repeat {ms(row["repeat"])} ms   '
+          f'ours/best peer {row["ours/best_peer"]:.2f}')
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--json', help='also write the results here')
+  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--lengths', type=lambda s: [int(x) for x in
+                                                   s.split(',')],
+                      default=[512, 2048])
+  parser.add_argument('--skip_decode', action='store_true')
+  args = parser.parse_args()
+
+  on_gpu = jax.default_backend() == 'gpu'
+  dtype = jnp.bfloat16 if on_gpu else jnp.float32
+  torch = torch_peer()
+  torch_make, torch_version = torch if torch else (None, None)
+  bandwidth = read_bandwidth(args.repeats)
+  env = {'machine': f'{platform.processor() or platform.machine()}, '
+                    f'{jax.devices()[0].device_kind}',
+         'jax': jax.__version__, 'torch': torch_version,
+         'dtype': jnp.dtype(dtype).name,
+         'read_bandwidth_GBps': bandwidth / 1e9}
+  print(json.dumps(env))
+  rows = bench_training(args, on_gpu, dtype, torch_make)
+  if not args.skip_decode:
+    rows += bench_decode(args, dtype, bandwidth)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump({'env': env, 'rows': rows}, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
