@@ -29,11 +29,11 @@ MIN_LENGTH = 256  # Below this the dense path is as fast (BENCHMARKS.md).
 def block_size(T: int, G: int) -> int:
   """Query rows per block: G·block ~ 128 rows (256 past T = 1024), measured.
 
-  Blocks that fit a core's L2 cache win; fewer than 64 blocks keep compile
-  time short. Falls back to T when no power of two divides it.
+  Blocks that fit a core's L2 cache win; at most 32 blocks keep compile
+  time short (and XLA's simplifier out of trouble). Falls back to T when no power of two divides it.
   """
   rows = 128 if T <= 1024 else 256
-  block = max(rows // G, 32, T // 64)
+  block = max(rows // G, 32, T // 32)
   while block > 1 and T % block:
     block //= 2
   return block if block >= 16 else T

@@ -42,6 +42,9 @@ class Attention(nn.Module):
     local_window: sliding-window size w, or None for global attention.
     logits_soft_cap: Gemma-2 style soft cap on the logits, or None.
     fused_qkv: one [D, N + 2K, H] input projection instead of three.
+    partitioned: annotate the kernels with logical axis names (embed,
+      q_heads, kv_heads, head_dim) for sharding with flax's partitioning
+      rules; `init` then returns `nn.LogicallyPartitioned` boxes.
     decode: autoregressive decoding with a KV cache (flax's convention):
       `init` on a [B, max_len, D] input creates the cache in the 'cache'
       collection; each `apply(..., mutable=['cache'])` on the next token(s)
@@ -59,6 +62,7 @@ class Attention(nn.Module):
   local_window: int | None = None
   logits_soft_cap: float | None = None
   fused_qkv: bool = False
+  partitioned: bool = False
   decode: bool = False
   kernel_init: nn.initializers.Initializer = default_kernel_init
 
@@ -88,18 +92,26 @@ class Attention(nn.Module):
     D = x_BTD.shape[-1]
     x_BTD = x_BTD.astype(self.dtype)
 
-    def kernel(name, shape):
-      w = self.param(name, self.kernel_init, shape, self.param_dtype)
+    def kernel(name, shape, axes):
+      init = self.kernel_init
+      if self.partitioned:
+        init = nn.with_logical_partitioning(init, axes)
+      w = self.param(name, init, shape, self.param_dtype)
       return w.astype(self.dtype)
 
     if self.fused_qkv:
-      w_DCH = kernel('qkv', (D, N + 2 * K, H))  # C = N + 2K heads.
+      w_DCH = kernel('qkv', (D, N + 2 * K, H),  # C = N + 2K heads.
+                     ('embed', None, 'head_dim'))
       qkv_BTCH = jnp.einsum('BTD,DCH->BTCH', x_BTD, w_DCH)
       q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [N, N + K], axis=2)
     else:
-      q_BTNH = jnp.einsum('BTD,DNH->BTNH', x_BTD, kernel('query', (D, N, H)))
-      k_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD, kernel('key', (D, K, H)))
-      v_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD, kernel('value', (D, K, H)))
+      kv_axes = ('embed', 'kv_heads', 'head_dim')
+      q_BTNH = jnp.einsum('BTD,DNH->BTNH', x_BTD, kernel(
+          'query', (D, N, H), ('embed', 'q_heads', 'head_dim')))
+      k_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD,
+                          kernel('key', (D, K, H), kv_axes))
+      v_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD,
+                          kernel('value', (D, K, H), kv_axes))
 
     B, T = x_BTD.shape[:2]
     # `init` with decode=True creates the cache from the [B, max_len, D]
@@ -152,7 +164,8 @@ class Attention(nn.Module):
       # that visible as NaN rather than silently attending to the wrong tokens.
       out_BTNH = jnp.where(start + T > max_len, jnp.nan, out_BTNH)
 
-    return jnp.einsum('BTNH,NHD->BTD', out_BTNH, kernel('out', (N, H, D)))
+    return jnp.einsum('BTNH,NHD->BTD', out_BTNH, kernel(
+        'out', (N, H, D), ('q_heads', 'head_dim', 'embed')))
 
   def kv_cache_bytes(self, batch: int, length: int, dtype: Dtype = None) -> int:
     """Bytes of this layer's KV cache: 2 (K and V) x B x length x K x H."""

@@ -9,6 +9,7 @@ import sys
 import time
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,7 +236,7 @@ def test_scanned_and_unrolled_layers_give_the_same_outputs():
                        head_dim=8, mlp_dim=64, max_len=16)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
   scanned = Transformer(config)
-  params = scanned.init(jax.random.key(1), tokens)['params']
+  params = nn.unbox(scanned.init(jax.random.key(1), tokens)['params'])
   unrolled = Transformer(dataclasses.replace(config, scan_layers=False))
   unrolled_params = {k: v for k, v in params.items() if k != 'layers'}
   for i in range(3):
@@ -250,7 +251,8 @@ def test_remat_gives_the_same_gradients():
   config = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=1,
                        head_dim=8, mlp_dim=64, max_len=16)
   tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
-  params = Transformer(config).init(jax.random.key(1), tokens)['params']
+  params = nn.unbox(Transformer(config).init(jax.random.key(1), tokens)[
+      'params'])
   grads = [jax.grad(loop.loss_fn)(params, Transformer(c), tokens)
            for c in (config, dataclasses.replace(config, remat=True))]
   chex.assert_trees_all_close(grads[0], grads[1], atol=1e-6)

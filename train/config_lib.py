@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import jax.numpy as jnp
@@ -45,7 +46,8 @@ def model_config(config: config_dict.ConfigDict) -> ModelConfig:
   return ModelConfig(**fields)
 
 
-def validate(config: config_dict.ConfigDict, num_devices: int):
+def validate(config: config_dict.ConfigDict, batch_shards: int,
+             num_hosts: int = 1):
   """Raises UserError naming the setting to change."""
   m, d, t = config.model, config.data, config.train
   if m.dtype not in DTYPES:
@@ -72,12 +74,13 @@ def validate(config: config_dict.ConfigDict, num_devices: int):
     raise UserError(
         f'data.seq_len={d.seq_len} is longer than model.max_len={m.max_len}; '
         'shorten the sequence or raise model.max_len')
-  per_step = num_devices * t.grad_accum_steps
+  per_step = math.lcm(batch_shards * t.grad_accum_steps, num_hosts)
   if t.batch_size % per_step:
     raise UserError(
-        f'train.batch_size={t.batch_size} does not split over {num_devices} '
-        f'device(s) x {t.grad_accum_steps} accumulation step(s); use a '
-        f'multiple of {per_step}')
+        f'train.batch_size={t.batch_size} does not split over {batch_shards} '
+        f'data x fsdp device(s), {num_hosts} host(s) and '
+        f'{t.grad_accum_steps} accumulation step(s); use a multiple of '
+        f'{per_step}')
   if t.learning_rate <= 0 or not 0 <= t.min_learning_rate_ratio <= 1:
     raise UserError('train.learning_rate must be > 0 and '
                     'train.min_learning_rate_ratio in [0, 1]')

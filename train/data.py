@@ -76,7 +76,8 @@ def batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
   """Rows [batch_size // num_shards, seq_len + 1] of random windows, int32.
 
   A pure function of (seed, step): a resumed run sees exactly the data of an
-  uninterrupted one. Shard i of num_shards (one per host) is rows
+  uninterrupted one. Held-out batches use stream 1 (step = batch index), so
+  every evaluation sees the same rows. Shard i of num_shards (one per host) is rows
   [i * b, (i + 1) * b) of the global batch, so hosts load only their part.
   """
   rng = np.random.default_rng([stream, seed, step])
@@ -84,11 +85,6 @@ def batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
   per_shard = batch_size // num_shards
   starts = starts[shard * per_shard:(shard + 1) * per_shard]
   return np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
-
-
-def eval_batch(tokens: np.ndarray, *, index: int, **kwargs) -> np.ndarray:
-  """The index-th held-out batch: the same rows at every evaluation."""
-  return batch(tokens, seed=0, step=index, stream=1, **kwargs)
 
 
 def _default_cache_dir() -> str:

@@ -9,13 +9,14 @@ import time
 from typing import Any, Callable
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from attention import Attention
-from train import config_lib, data as data_lib, flops
+from train import config_lib, data as data_lib, flops, sharding
 from train.checkpoint import Checkpointer
 from train.errors import UserError
 from train.model import Transformer
@@ -43,9 +44,14 @@ def make_optimizer(tc) -> tuple[optax.GradientTransformation, optax.Schedule]:
   return tx, schedule
 
 
-def init_state(model: Transformer, tx, seed: int) -> TrainState:
+def init_params(model: Transformer, seed: int):
+  """Parameters with their logical-axis boxes (see `train.sharding`)."""
   tokens = jnp.zeros((1, model.config.max_len), jnp.int32)
-  params = model.init(jax.random.key(seed), tokens)['params']
+  return model.init(jax.random.key(seed), tokens)['params']
+
+
+def init_state(model: Transformer, tx, seed: int) -> TrainState:
+  params = nn.unbox(init_params(model, seed))
   return TrainState(jnp.array(0, jnp.int32), params, tx.init(params))
 
 
@@ -91,8 +97,11 @@ def train_and_evaluate(config, workdir: str, *,
   'stopped_at'.
   """
   num_devices = jax.device_count()
-  config_lib.validate(config, num_devices)
+  mesh = sharding.make_mesh(config.mesh)
+  config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
+                      jax.process_count())
   mc = config_lib.model_config(config)
+  rules = sharding.rules(mc, mesh)
   tc, dc = config.train, config.data
   dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
                           seq_len=dc.seq_len, cache_dir=dc.cache_dir or None)
@@ -105,23 +114,23 @@ def train_and_evaluate(config, workdir: str, *,
   workdir_path.mkdir(parents=True, exist_ok=True)
   model = Transformer(mc)
   tx, schedule = make_optimizer(tc)
-  mesh = jax.make_mesh((num_devices,), ('data',),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  batch_sharding = jax.NamedSharding(mesh, jax.P('data'))
+  batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.NamedSharding(mesh, jax.P())
+  abstract = jax.eval_shape(lambda: init_state(model, tx, config.seed))
+  state_sharding = sharding.state_shardings(
+      jax.eval_shape(lambda: init_params(model, config.seed)), tx, abstract,
+      mesh, rules)
 
   checkpointer = Checkpointer(workdir, every=tc.checkpoint_every,
                               keep=tc.keep_checkpoints)
-  abstract = jax.eval_shape(lambda: init_state(model, tx, config.seed))
-  abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-      abstract)
   resume_step = checkpointer.latest_step()
-  if resume_step is not None:
-    state = checkpointer.restore(abstract)
+  if resume_step is not None:  # Onto this run's mesh, whatever wrote it.
+    state = checkpointer.restore(jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract, state_sharding))
   else:
     state = jax.jit(lambda: init_state(model, tx, config.seed),
-                    out_shardings=replicated)()
+                    out_shardings=state_sharding)()
   (workdir_path / 'config.json').write_text(config.to_json(indent=2))
 
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
@@ -143,31 +152,37 @@ def train_and_evaluate(config, workdir: str, *,
       f'({mc.num_layers} layers x 2 x {mc.num_kv_heads} KV heads x '
       f'{mc.head_dim} x {np.dtype(mc.dtype).itemsize} B); '
       f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
-  say(f'devices: {num_devices} x {jax.devices()[0].device_kind}; peak '
+  say(f'devices: {num_devices} x {jax.devices()[0].device_kind} on '
+      f'{jax.process_count()} host(s), mesh {dict(mesh.shape)}; peak '
       f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
   if resume_step is not None:
     say(f'resuming from step {resume_step} ({checkpointer.directory})')
 
+  def global_batch(tokens, **kwargs):
+    # Each host makes only its rows; together they form the global batch.
+    local = data_lib.batch(tokens, batch_size=tc.batch_size,
+                           seq_len=dc.seq_len, shard=jax.process_index(),
+                           num_shards=jax.process_count(), **kwargs)
+    return jax.make_array_from_process_local_data(
+        batch_sharding, local, (tc.batch_size, dc.seq_len + 1))
+
   def get_batch(step):
-    return jax.device_put(
-        data_lib.batch(dataset.train, seed=config.seed, step=step,
-                       batch_size=tc.batch_size, seq_len=dc.seq_len),
-        batch_sharding)
+    return global_batch(dataset.train, seed=config.seed, step=step)
 
   step_fn = jax.jit(
       lambda s, b: train_step(s, b, model=model, tx=tx,
                               accum_steps=tc.grad_accum_steps),
-      donate_argnums=0)
-  eval_fn = jax.jit(lambda p, b: eval_step(p, b, model=model))
+      in_shardings=(state_sharding, batch_sharding),
+      out_shardings=(state_sharding, replicated), donate_argnums=0)
+  eval_fn = jax.jit(lambda p, b: eval_step(p, b, model=model),
+                    in_shardings=(state_sharding.params, batch_sharding),
+                    out_shardings=replicated)
   start = int(state.step)
   t0 = time.perf_counter()
   step_fn = step_fn.lower(state, get_batch(start)).compile()
   say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
-  eval_batches = [
-      jax.device_put(data_lib.eval_batch(
-          dataset.val, index=i, batch_size=tc.batch_size,
-          seq_len=dc.seq_len), batch_sharding)
-      for i in range(tc.eval_batches)]
+  eval_batches = [global_batch(dataset.val, seed=0, step=i, stream=1)
+                  for i in range(tc.eval_batches)]
 
   def evaluate(params):
     loss = float(np.mean([eval_fn(params, b) for b in eval_batches]))

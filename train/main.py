@@ -7,8 +7,11 @@ Flags:
                        rerunning with the same DIR resumes
 
 SIGTERM or SIGINT (Ctrl-C) saves a checkpoint and exits (status 128 + signal).
+Launched as one of several processes (a multi-host TPU slice, SLURM, Open MPI,
+or JAX_COORDINATOR_ADDRESS set), it joins JAX's distributed runtime first.
 """
 
+import os
 import signal
 import sys
 
@@ -27,6 +30,9 @@ def main(argv):
     raise UserError(f'unexpected arguments {argv[1:]}; flags look like '
                     '--config.train.steps=100')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+  if _is_multiprocess(os.environ):
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.distributed.initialize()  # Reads the cluster from the environment.
   from train import loop  # pylint: disable=import-outside-toplevel
   received = []
 
@@ -38,6 +44,13 @@ def main(argv):
                                    should_stop=lambda: bool(received))
   if 'stopped_at' in record:
     sys.exit(128 + received[0])
+
+
+def _is_multiprocess(env) -> bool:
+  return ('JAX_COORDINATOR_ADDRESS' in env
+          or int(env.get('SLURM_NTASKS', '1')) > 1
+          or int(env.get('OMPI_COMM_WORLD_SIZE', '1')) > 1
+          or ',' in env.get('TPU_WORKER_HOSTNAMES', ''))
 
 
 def parse_flags(argv):

@@ -46,7 +46,9 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x_BTD):
-    scale_D = self.param('scale', nn.initializers.zeros, (x_BTD.shape[-1],))
+    scale_D = self.param(
+        'scale', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)),
+        (x_BTD.shape[-1],))
     x = x_BTD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
     return (x * (1.0 + scale_D)).astype(self.dtype)
@@ -60,12 +62,13 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     D, F = x_BTD.shape[-1], self.mlp_dim
-    init = nn.initializers.lecun_normal()
-    w = lambda name, shape: self.param(name, init, shape).astype(self.dtype)
-    gate_BTF = jnp.einsum('BTD,DF->BTF', x_BTD, w('gate', (D, F)))
-    up_BTF = jnp.einsum('BTD,DF->BTF', x_BTD, w('up', (D, F)))
+    w = lambda name, shape, axes: self.param(name, nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), axes), shape).astype(self.dtype)
+    gate_BTF = jnp.einsum('BTD,DF->BTF', x_BTD,
+                          w('gate', (D, F), ('embed', 'mlp')))
+    up_BTF = jnp.einsum('BTD,DF->BTF', x_BTD, w('up', (D, F), ('embed', 'mlp')))
     return jnp.einsum('BTF,FD->BTD', nn.gelu(gate_BTF) * up_BTF,
-                      w('down', (F, D)))
+                      w('down', (F, D), ('mlp', 'embed')))
 
 
 class Block(nn.Module):
@@ -79,7 +82,8 @@ class Block(nn.Module):
         num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim, dtype=c.dtype, rope_base=c.rope_base,
         local_window=c.local_window, logits_soft_cap=c.logits_soft_cap,
-        fused_qkv=c.fused_qkv, decode=self.decode, name='attention')
+        fused_qkv=c.fused_qkv, partitioned=True, decode=self.decode,
+        name='attention')
     x_BTD = x_BTD + attention(RMSNorm(c.dtype, name='attention_norm')(x_BTD))
     x_BTD = x_BTD + MLP(c.mlp_dim, c.dtype, name='mlp')(
         RMSNorm(c.dtype, name='mlp_norm')(x_BTD))
@@ -87,7 +91,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-  """tokens [B, T] int -> logits [B, T, V] float32."""
+  """tokens [B, T] int -> logits [B, T, V] float32.
+
+  Parameters carry logical axis names for `train.sharding`; `init` returns
+  them boxed (`nn.LogicallyPartitioned`), `nn.unbox` gives plain arrays.
+  """
   config: ModelConfig
   decode: bool = False
 
@@ -95,7 +103,9 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BT):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype,
-                     embedding_init=nn.initializers.normal(1.0), name='embed')
+                     embedding_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(1.0), ('vocab', 'embed')),
+                     name='embed')
     x_BTD = embed(tokens_BT) * jnp.sqrt(c.d_model).astype(c.dtype)
 
     block = Block
@@ -103,7 +113,8 @@ class Transformer(nn.Module):
       block = nn.remat(block, prevent_cse=not c.scan_layers)
     if c.scan_layers:
       layers = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
-                       split_rngs={'params': True}, length=c.num_layers)
+                       split_rngs={'params': True}, length=c.num_layers,
+                       metadata_params={nn.PARTITION_NAME: 'layers'})
       x_BTD, _ = layers(c, self.decode, name='layers')(x_BTD)
     else:
       for i in range(c.num_layers):
@@ -116,5 +127,7 @@ class Transformer(nn.Module):
       # Small init: the first prediction is near uniform, loss near log V.
       logits_BTV = nn.DenseGeneral(
           c.vocab_size, use_bias=False, dtype=c.dtype,
-          kernel_init=nn.initializers.normal(0.02), name='unembed')(x_BTD)
+          kernel_init=nn.with_logical_partitioning(
+              nn.initializers.normal(0.02), ('embed', 'vocab')),
+          name='unembed')(x_BTD)
     return logits_BTV.astype(jnp.float32)
