@@ -1,6 +1,7 @@
 """Attention benchmark: ours against the peers a researcher would otherwise use.
 
-  python -m scripts.bench_attention [--json=out.json] [--repeats=5] [--quick]
+  python -m scripts.bench_attention [--json=out.json] [--markdown=BENCHMARKS.md]
+                                    [--repeats=5] [--lengths=512,2048]
 
 Peers, timed in this process on this machine (medians of --repeats runs after
 a warm-up):
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 import jax
@@ -175,6 +177,7 @@ def main():
   parser.add_argument('--lengths', type=lambda s: [int(x) for x in
                                                    s.split(',')],
                       default=[512, 2048])
+  parser.add_argument('--markdown', help='write the results as this file')
   parser.add_argument('--skip_decode', action='store_true')
   args = parser.parse_args()
 
@@ -195,6 +198,44 @@ def main():
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'env': env, 'rows': rows}, f, indent=1)
+  if args.markdown:
+    with open(args.markdown, 'w') as f:
+      f.write(markdown(env, rows, ' '.join(sys.argv[1:])))
+
+
+def markdown(env, rows, argv) -> str:
+  ms = lambda x: '-' if x is None else f'{x * 1e3:.1f}'
+  lines = [
+      '# Attention benchmarks', '',
+      'Written by `python -m scripts.bench_attention ' + argv + '` '
+      f'on {time.strftime("%Y-%m-%d")}: {env["machine"]}, jax {env["jax"]}, '
+      f'torch {env["torch"]}, {env["dtype"]}, {jax.device_count()} device(s), '
+      f'measured read bandwidth {env["read_bandwidth_GBps"]:.1f} GB/s. '
+      'Medians; every column of a row measured in the same run.', '',
+      '## Training shapes (causal; B=8, N=8, H=64)', '',
+      '| T | K | pass | ours ms | torch SDPA ms | jax.nn ms | repeat-K/V ms '
+      '| ours / best peer | peak bytes ours | peak bytes repeat |',
+      '|---|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    if r['shape'] == 'train':
+      peaks = [f'{r[p] / 2**20:.0f} MiB' if f'{p}' in r else '-'
+               for p in ('ours_peak_bytes', 'repeat_peak_bytes')]
+      lines.append(
+          f'| {r["T"]} | {r["K"]} | {r["mode"]} | {ms(r["ours"])} | '
+          f'{ms(r.get("torch"))} | {ms(r["jax.nn"])} | {ms(r["repeat"])} | '
+          f'{r["ours/best_peer"]:.2f} | {peaks[0]} | {peaks[1]} |')
+  decode = [r for r in rows if r['shape'] == 'decode']
+  if decode:
+    lines += ['', '## Decode shapes (one query token; B=32, S=2048, N=16, '
+              'H=64, [B, S, K, H] cache)', '',
+              '| K | ms | KV GB/s | of read bandwidth | speed-up vs MHA |',
+              '|---|---|---|---|---|']
+    for r in decode:
+      lines.append(f'| {r["K"]} | {r["seconds"] * 1e3:.2f} | '
+                   f'{r["bytes_per_sec"] / 1e9:.1f} | '
+                   f'{100 * r["fraction_of_bandwidth"]:.0f}% | '
+                   f'{r["speedup_vs_mha"]:.1f}x |')
+  return '\n'.join(lines) + '\n'
 
 
 if __name__ == '__main__':

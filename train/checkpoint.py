@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 from flax import serialization
@@ -76,3 +77,15 @@ def restore_latest(workdir: str) -> tuple[int, dict]:
     raise UserError(f'no checkpoint in {directory}; train first with '
                     f'python -m train.main --workdir={workdir}')
   return step, manager.restore(step, args=ocp.args.StandardRestore())
+
+
+def load_workdir(workdir: str):
+  """(ModelConfig, params, ConfigDict) of a train.main WORKDIR's latest step."""
+  from ml_collections import config_dict  # pylint: disable=import-outside-toplevel
+  from train import config_lib  # pylint: disable=import-outside-toplevel
+  path = pathlib.Path(workdir) / 'config.json'
+  if not path.exists():
+    raise UserError(f'{path} not found; --workdir must be a train.main workdir')
+  config = config_dict.ConfigDict(json.loads(path.read_text()))
+  _, state = restore_latest(workdir)
+  return config_lib.model_config(config), state['params'], config

@@ -131,7 +131,9 @@ def train_and_evaluate(config, workdir: str, *,
   else:
     state = jax.jit(lambda: init_state(model, tx, config.seed),
                     out_shardings=state_sharding)()
-  (workdir_path / 'config.json').write_text(config.to_json(indent=2))
+  is_chief = jax.process_index() == 0  # Writes the files beside checkpoints.
+  if is_chief:
+    (workdir_path / 'config.json').write_text(config.to_json(indent=2))
 
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
   kv_bytes = mc.num_layers * Attention(
@@ -142,7 +144,7 @@ def train_and_evaluate(config, workdir: str, *,
   peak, peak_source = flops.peak_flops()
   tokens_per_step = tc.batch_size * dc.seq_len
 
-  reporter = Reporter(workdir, tc.steps, enabled=jax.process_index() == 0,
+  reporter = Reporter(workdir, tc.steps, enabled=is_chief,
                       resume_step=resume_step or 0)
   say = reporter.message
   say(f'config:\n{config}')
@@ -199,6 +201,7 @@ def train_and_evaluate(config, workdir: str, *,
           f'the last good checkpoint is step {last}; lower '
           'train.learning_rate or check the data')
 
+  train_seconds = 0.0  # Wall time in train steps, excluding eval and saving.
   pending = None  # (step, device metrics): fetched one step behind.
   window = []  # Host metrics since the last log line.
   t_last = time.perf_counter()
@@ -228,6 +231,7 @@ def train_and_evaluate(config, workdir: str, *,
     t_last = now
     pending = None
     step_time = float(np.mean([w['step_time'] for w in window]))
+    train_seconds += sum(w['step_time'] for w in window)
     record = {
         'loss': float(host['loss']),  # This step's, so a resume logs the same.
         'grad_norm': float(host['grad_norm']),
@@ -237,6 +241,7 @@ def train_and_evaluate(config, workdir: str, *,
         'tokens_per_sec_per_device': tokens_per_step / step_time / num_devices,
         'mfu': tokens_per_step / step_time * flops_per_token
                / (peak * num_devices),
+        'train_seconds': train_seconds,  # Since this process started.
     }
     window = []
     if last or n % tc.eval_every == 0:
@@ -258,5 +263,6 @@ def train_and_evaluate(config, workdir: str, *,
       summary += f' nats/token = {record["eval_bpb"]:.3f} bits/byte'
     say(summary)
   reporter.close()
-  (workdir_path / 'final.json').write_text(json.dumps(record))
+  if is_chief:
+    (workdir_path / 'final.json').write_text(json.dumps(record))
   return record

@@ -19,7 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from train import config_lib
-from train.errors import UserError
+from train.errors import UserError, exit_on_user_error
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'config name or file')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'output directory')
@@ -32,7 +32,13 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
   if _is_multiprocess(os.environ):
     import jax  # pylint: disable=import-outside-toplevel
-    jax.distributed.initialize()  # Reads the cluster from the environment.
+    # TPU slices, SLURM and Open MPI are detected by jax; a hand-made cluster
+    # names itself with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    # JAX_PROCESS_ID.
+    jax.distributed.initialize(**{
+        arg: int(os.environ[var]) for arg, var in (
+            ('num_processes', 'JAX_NUM_PROCESSES'),
+            ('process_id', 'JAX_PROCESS_ID')) if var in os.environ})
   from train import loop  # pylint: disable=import-outside-toplevel
   received = []
 
@@ -71,11 +77,7 @@ def parse_flags(argv):
 
 def run():
   flags.mark_flags_as_required(['config', 'workdir'])
-  try:
-    app.run(main, flags_parser=parse_flags)
-  except UserError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(1)
+  exit_on_user_error(lambda: app.run(main, flags_parser=parse_flags))
 
 
 if __name__ == '__main__':

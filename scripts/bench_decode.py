@@ -1,0 +1,128 @@
+"""Decode throughput per variant against the memory-bandwidth roofline.
+
+  python -m scripts.bench_decode [--config=gqa_small] [--kv_heads=8,2,1]
+      [--batches=1,16,64,256] [--contexts=256,1024,2048] [--out=DIR]
+
+For each num_kv_heads, batch and context, times one decode step of the whole
+model (all layers) against a KV cache filled to `context`, with the same
+jitted step `train.sample` uses, and reports tokens/s, KV-cache bytes, and the
+roofline: the tokens/s that reading the cache once per token at the machine's
+measured read bandwidth would allow (weights are read once per step as well,
+and are included). Writes decode.json and decode.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scripts import bench_attention
+from train import config_lib, loop
+from train.model import Transformer
+
+
+def decode_step_seconds(mc, batch: int, context: int, repeats: int) -> float:
+  """Median time of one token per sequence, cache filled to `context`."""
+  mc = dataclasses.replace(mc, max_len=context + 1)
+  model = Transformer(mc, decode=True)
+  params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
+  cache = jax.tree.map(jnp.zeros_like, nn.unbox(jax.eval_shape(
+      model.init, jax.random.key(0),
+      jnp.zeros((batch, mc.max_len), jnp.int32))['cache']))
+  cache['layers']['attention']['cache_index'] = jnp.full(
+      (mc.num_layers,), context, jnp.int32)
+
+  @jax.jit
+  def step(cache, token_B1):
+    logits, mutated = model.apply({'params': params, 'cache': cache}, token_B1,
+                                  mutable=['cache'])
+    return logits, mutated['cache']
+
+  token = jnp.zeros((batch, 1), jnp.int32)
+  # The step appends at `context`; the cache stays that full in every run.
+  return bench_attention.median_time(lambda: step(cache, token)[0], repeats)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--config', default='gqa_small')
+  parser.add_argument('--kv_heads', default='8,2,1')
+  parser.add_argument('--batches', default='1,16,64,256')
+  parser.add_argument('--contexts', default='256,1024,2048')
+  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--out', default='out/decode')
+  args = parser.parse_args()
+  results = run(args.config, [int(k) for k in args.kv_heads.split(',')],
+                [int(b) for b in args.batches.split(',')],
+                [int(c) for c in args.contexts.split(',')], args.repeats)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'decode.json').write_text(json.dumps(results, indent=1))
+  plot(results, out / 'decode.png')
+  print(f'wrote {out}/decode.json and decode.png')
+
+
+def run(config_name, kv_heads, batches, contexts, repeats):
+  import importlib  # pylint: disable=import-outside-toplevel
+  config = importlib.import_module(f'configs.{config_name}').get_config()
+  bandwidth = bench_attention.read_bandwidth(repeats)
+  rows = []
+  print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s')
+  print(f'{"K":>3} {"batch":>6} {"context":>8} {"tokens/s":>10} '
+        f'{"KV MiB":>8} {"roofline tok/s":>15}')
+  for K in kv_heads:
+    config.model.num_kv_heads = K
+    mc = config_lib.model_config(config)
+    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(
+        jax.eval_shape(lambda: loop.init_params(Transformer(mc), 0))))
+    for batch in batches:
+      for context in contexts:
+        seconds = decode_step_seconds(mc, batch, context, repeats)
+        kv_bytes = (2 * mc.num_layers * batch * context * K * mc.head_dim
+                    * np.dtype(mc.dtype).itemsize)
+        roofline = batch * bandwidth / (kv_bytes + param_bytes)
+        row = dict(num_kv_heads=K, batch=batch, context=context,
+                   tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
+                   roofline_tokens_per_sec=roofline)
+        rows.append(row)
+        print(f'{K:>3} {batch:>6} {context:>8} {row["tokens_per_sec"]:>10,.0f}'
+              f' {kv_bytes / 2**20:>8.1f} {roofline:>15,.0f}', flush=True)
+  return {'bandwidth': bandwidth, 'rows': rows}
+
+
+def plot(results, path):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  rows = results['rows']
+  contexts = sorted({r['context'] for r in rows})
+  fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4),
+                           squeeze=False)
+  for ax, context in zip(axes[0], contexts):
+    for i, K in enumerate(sorted({r['num_kv_heads'] for r in rows},
+                                 reverse=True)):
+      sel = [r for r in rows if r['context'] == context
+             and r['num_kv_heads'] == K]
+      b = [r['batch'] for r in sel]
+      color = f'C{i}'
+      ax.plot(b, [r['tokens_per_sec'] for r in sel], 'o-', color=color,
+              label=f'K={K} measured')
+      ax.plot(b, [r['roofline_tokens_per_sec'] for r in sel], '--',
+              color=color, label=f'K={K} bandwidth roofline')
+    ax.set(xscale='log', yscale='log', xlabel='batch',
+           ylabel='decoded tokens/s', title=f'context {context}')
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,171 @@
+"""Trains MHA, GQA and MQA on the same data and budget, and writes a report.
+
+  python -m scripts.compare --out=out/compare [--quick] [--kv_heads=8,2,1]
+      [--seeds=1] [--equal_params] [--steps=N] [--config=gqa_small]
+
+Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed};
+then one decode step per variant is timed (batch 16, context 256, see
+scripts/bench_decode.py). OUT/report.md gets the table (num_kv_heads,
+parameters, KV bytes per token, held-out loss and bits per byte, training and
+decode tokens/s, mean ± spread over seeds) and the plots beside it: loss
+against step and against training time, training throughput, decode
+throughput with its bandwidth roofline. --equal_params widens the MLP of
+variants with fewer K/V heads to MHA's parameter count (as Shazeer 2019 did).
+--quick (120 steps per variant) finishes on a 2-core CPU in about 12 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import sys
+
+import numpy as np
+
+from scripts import bench_decode
+from train import config_lib, loop
+from train.report import read_metrics
+
+DECODE_BATCH, DECODE_CONTEXT = 16, 256
+
+
+def variant_config(base, K, seed, steps, equal_params):
+  config = importlib.import_module(f'configs.{base}').get_config()
+  m = config.model
+  if equal_params:  # 2·D·(N-K)·H fewer K/V weights; 3·D per MLP unit.
+    extra = 2 * (m.num_heads - K) * m.head_dim / 3
+    m.mlp_dim += int(round(extra / 8)) * 8
+  m.num_kv_heads = K
+  config.seed = seed
+  if steps:
+    config.train.update(steps=steps, eval_every=max(steps // 3, 1),
+                        checkpoint_every=steps,
+                        warmup_steps=min(config.train.warmup_steps, steps // 4))
+  return config
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--config', default='gqa_small')
+  parser.add_argument('--kv_heads', default='8,2,1')
+  parser.add_argument('--seeds', type=int, default=1)
+  parser.add_argument('--steps', type=int, default=0, help='0: the config')
+  parser.add_argument('--equal_params', action='store_true')
+  parser.add_argument('--quick', action='store_true', help='120 steps each')
+  args = parser.parse_args()
+  steps = 120 if args.quick and not args.steps else args.steps
+  out = pathlib.Path(args.out)
+  runs = []
+  for K in [int(k) for k in args.kv_heads.split(',')]:
+    for seed in range(args.seeds):
+      config = variant_config(args.config, K, seed, steps, args.equal_params)
+      print(f'=== num_kv_heads={K} seed={seed}', flush=True)
+      workdir = out / f'K{K}_s{seed}'
+      record = loop.train_and_evaluate(config, str(workdir))
+      runs.append(dict(K=K, seed=seed, config=config, record=record,
+                       metrics=read_metrics(workdir)))
+  decode = {}
+  for K in sorted({r['K'] for r in runs}):
+    mc = config_lib.model_config(next(r['config'] for r in runs if r['K'] == K))
+    decode[K] = DECODE_BATCH / bench_decode.decode_step_seconds(
+        mc, DECODE_BATCH, DECODE_CONTEXT, repeats=5)
+    print(f'decode K={K}: {decode[K]:,.0f} tokens/s', flush=True)
+  bandwidth = bench_decode.bench_attention.read_bandwidth(5)
+  write_report(out, runs, decode, bandwidth, args)
+  print(f'wrote {out}/report.md')
+
+
+def _spread(values):
+  values = np.asarray(values, float)
+  if len(values) == 1:
+    return f'{values[0]:.3f}'
+  return f'{values.mean():.3f} ± {values.std(ddof=1):.3f}'
+
+
+def write_report(out, runs, decode, bandwidth, args):
+  import jax  # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from train.model import Transformer  # pylint: disable=import-outside-toplevel
+  kvs = sorted({r['K'] for r in runs}, reverse=True)
+  rows = []
+  for K in kvs:
+    mine = [r for r in runs if r['K'] == K]
+    c = mine[0]['config']
+    mc = config_lib.model_config(c)
+    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+        lambda: loop.init_params(Transformer(mc), 0))))
+    kv_per_token = 2 * mc.num_layers * K * mc.head_dim * 2  # bfloat16 cache.
+    rows.append(dict(
+        K=K, params=n_params, kv=kv_per_token, mlp=c.model.mlp_dim,
+        loss=_spread([r['record']['eval_loss'] for r in mine]),
+        bpb=_spread([r['record']['eval_bpb'] for r in mine]),
+        train=np.mean([np.median([m['tokens_per_sec'] for m in r['metrics']])
+                       for r in mine]),
+        decode=decode[K],
+        roofline=DECODE_BATCH * bandwidth / (
+            kv_per_token * DECODE_CONTEXT * DECODE_BATCH + 4 * n_params)))
+  c = runs[0]['config']
+  lines = [
+      '# Comparing MHA, GQA and MQA', '',
+      f'`python -m scripts.compare {" ".join(sys.argv[1:])}`: '
+      f'{c.model.num_layers} layers, d_model {c.model.d_model}, '
+      f'{c.model.num_heads} query heads of {c.model.head_dim}; '
+      f'{c.train.steps} steps of {c.train.batch_size} x {c.data.seq_len} '
+      f'tokens each, {args.seeds} seed(s) per variant'
+      + (', MLP widened to equal parameters' if args.equal_params else '')
+      + f'. Decode: batch {DECODE_BATCH}, context {DECODE_CONTEXT}, float32; '
+      f'read bandwidth {bandwidth / 1e9:.1f} GB/s.', '',
+      '| num_kv_heads | params | mlp_dim | KV bytes/token (bf16) | held-out '
+      'loss (nats) | bits/byte | train tok/s | decode tok/s | decode roofline '
+      'tok/s |', '|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    lines.append(f'| {r["K"]} | {r["params"]:,} | {r["mlp"]} | {r["kv"]:,} | '
+                 f'{r["loss"]} | {r["bpb"]} | {r["train"]:,.0f} | '
+                 f'{r["decode"]:,.0f} | {r["roofline"]:,.0f} |')
+  lines += ['', '![loss](loss.png)', '', '![throughput](throughput.png)', '']
+  (out / 'report.md').write_text('\n'.join(lines))
+
+  fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+  for i, K in enumerate(kvs):
+    for r in (r for r in runs if r['K'] == K):
+      evals = [m for m in r['metrics'] if 'eval_loss' in m]
+      label = f'K={K}' if r['seed'] == 0 else None
+      by_step.plot([m['step'] for m in r['metrics']],
+                   [m['loss'] for m in r['metrics']], color=f'C{i}',
+                   alpha=0.4)
+      by_step.plot([m['step'] for m in evals], [m['eval_loss'] for m in evals],
+                   'o-', color=f'C{i}', label=label)
+      by_time.plot([m['train_seconds'] for m in evals],
+                   [m['eval_loss'] for m in evals], 'o-', color=f'C{i}',
+                   label=label)
+  by_step.set(xlabel='step', ylabel='loss (nats/token)',
+              title='train (faint) and held-out loss')
+  by_time.set(xlabel='training seconds', ylabel='held-out loss',
+              title='held-out loss against time')
+  by_step.legend()
+  by_time.legend()
+  fig.tight_layout()
+  fig.savefig(out / 'loss.png', dpi=100)
+
+  fig, (train_ax, decode_ax) = plt.subplots(1, 2, figsize=(11, 4))
+  names = [f'K={r["K"]}' for r in rows]
+  train_ax.bar(names, [r['train'] for r in rows], color='C0')
+  train_ax.set(ylabel='tokens/s', title='training throughput')
+  decode_ax.bar(names, [r['decode'] for r in rows], color='C1',
+                label='measured')
+  decode_ax.plot(names, [r['roofline'] for r in rows], 'k_', markersize=30,
+                 mew=2, label='bandwidth roofline')
+  decode_ax.set(ylabel='tokens/s', yscale='log',
+                title=f'decode (batch {DECODE_BATCH}, context '
+                      f'{DECODE_CONTEXT})')
+  decode_ax.legend()
+  fig.tight_layout()
+  fig.savefig(out / 'throughput.png', dpi=100)
+
+
+if __name__ == '__main__':
+  main()

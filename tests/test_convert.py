@@ -1,0 +1,110 @@
+"""Specification of MHA -> GQA/MQA checkpoint conversion (`train.convert`)."""
+
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from train import checkpoint, config_lib, generate, kv_heads, loop
+from train.model import Transformer
+
+REPO = pathlib.Path(__file__).parent.parent
+
+
+def test_pooling_takes_contiguous_groups_in_query_head_order():
+  kernel = jnp.arange(1.0, 5.0).reshape(1, 4, 1)  # [D=1, K=4, H=1].
+  np.testing.assert_array_equal(kv_heads.pool_heads(kernel, 2, 'mean'),
+                                [[[1.5], [3.5]]])
+  np.testing.assert_array_equal(kv_heads.pool_heads(kernel, 2, 'first'),
+                                [[[1.0], [3.0]]])
+  np.testing.assert_array_equal(kv_heads.pool_heads(kernel, 1, 'mean'),
+                                [[[2.5]]])
+
+
+def _mha():
+  config = tiny.get_config()
+  config.model.num_kv_heads = 4
+  mc = config_lib.model_config(config)
+  return mc, nn.unbox(loop.init_params(Transformer(mc), seed=0))
+
+
+def test_mean_pooling_is_lossless_when_grouped_heads_agree():
+  mc, params = _mha()
+  # Make K/V heads equal within each pair; pooling them to 2 loses nothing.
+  def pair_up(path, x):
+    name = jax.tree_util.keystr(path)
+    if "['key']" in name or "['value']" in name:
+      return jnp.repeat(x[..., ::2, :], 2, axis=-2)
+    return x
+  params = jax.tree_util.tree_map_with_path(pair_up, params)
+  gqa_params, gqa_config = kv_heads.convert_params(params, mc, 2, 'mean')
+  assert gqa_config.num_kv_heads == 2
+  chex.assert_shape(gqa_params['layers']['attention']['key'],
+                    (mc.num_layers, mc.d_model, 2, mc.head_dim))
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+  chex.assert_trees_all_close(
+      Transformer(gqa_config).apply({'params': gqa_params}, tokens),
+      Transformer(mc).apply({'params': params}, tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize('method', ['mean', 'first', 'random'])
+def test_methods_give_the_new_shapes_and_touch_only_key_and_value(method):
+  mc, params = _mha()
+  new, _ = kv_heads.convert_params(params, mc, 1, method)
+  for name in ('key', 'value'):
+    chex.assert_shape(new['layers']['attention'][name],
+                      (mc.num_layers, mc.d_model, 1, mc.head_dim))
+  for name in ('query', 'out'):
+    np.testing.assert_array_equal(new['layers']['attention'][name],
+                                  params['layers']['attention'][name])
+  np.testing.assert_array_equal(new['embed']['embedding'],
+                                params['embed']['embedding'])
+
+
+def _convert(*args):
+  return subprocess.run([sys.executable, '-m', 'train.convert', *args],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_keeping_all_heads_is_an_exact_copy_with_identical_samples(
+    trained, tmp_path):
+  result = _convert(f'--source={trained}', f'--workdir={tmp_path}/copy',
+                    '--num_kv_heads=-1')
+  assert result.returncode == 0, result.stderr
+  mc, original, _ = checkpoint.load_workdir(str(trained))
+  _, copied, _ = checkpoint.load_workdir(str(tmp_path / 'copy'))
+  chex.assert_trees_all_equal(copied, original)
+  greedy = lambda p: generate.generate(
+      p, jnp.array([[100, 101, 102]]), jax.random.key(0),
+      model=Transformer(mc, decode=True), max_new_tokens=12, temperature=0.0,
+      top_k=0)
+  np.testing.assert_array_equal(greedy(copied), greedy(original))
+
+
+def test_converted_workdir_uptrains_with_train_main(trained, tmp_path):
+  result = _convert(f'--source={trained}', f'--workdir={tmp_path}/mqa',
+                    '--num_kv_heads=1', '--method=mean')
+  assert result.returncode == 0, result.stderr
+  config = tiny.get_config()
+  config.model.num_kv_heads = 1
+  config.train.steps = 5
+  record = loop.train_and_evaluate(config, str(tmp_path / 'mqa'))
+  assert np.isfinite(record['eval_loss'])
+  assert checkpoint.restore_latest(str(tmp_path / 'mqa'))[0] == 5
+
+
+def test_impossible_head_counts_are_one_line_errors(trained, tmp_path):
+  result = _convert(f'--source={trained}', f'--workdir={tmp_path}/x',
+                    '--num_kv_heads=3')
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      'error: --num_kv_heads=3: the source has 2 KV heads; pick a divisor of '
+      '2 or -1']

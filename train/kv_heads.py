@@ -1,0 +1,43 @@
+"""Fewer K/V heads from a trained model's: pooling key and value projections.
+
+KV head j of the result serves query heads [j·N/K, (j+1)·N/K), which in the
+source were served by its KV heads [j·r, (j+1)·r), r = K_source / K (the
+`jnp.repeat` head order of `attention.dot_product_attention`).
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from train import loop
+from train.errors import UserError
+from train.model import Transformer
+
+
+def pool_heads(kernel_DKH: jax.Array, num_kv_heads: int, method: str):
+  """[..., K_source, H] -> [..., K, H]: contiguous groups of r heads become one."""
+  *lead, k_source, H = kernel_DKH.shape
+  grouped = kernel_DKH.reshape(*lead, num_kv_heads, k_source // num_kv_heads, H)
+  return grouped.mean(-2) if method == 'mean' else grouped[..., 0, :]
+
+
+def convert_params(params, model_config, num_kv_heads: int, method: str,
+                   seed: int = 0):
+  """Params of `model_config` with K/V projections for `num_kv_heads` heads."""
+  new_config = dataclasses.replace(model_config, num_kv_heads=num_kv_heads)
+  if model_config.fused_qkv:
+    raise UserError('convert works on separate query/key/value kernels; '
+                    'train with model.fused_qkv=False')
+  fresh = nn.unbox(loop.init_params(Transformer(new_config), seed))
+
+  def convert(path, leaf, fresh_leaf):
+    name = jax.tree_util.keystr(path)
+    if "['attention']" in name and ("['key']" in name or "['value']" in name):
+      if method == 'random':
+        return fresh_leaf
+      return pool_heads(jnp.asarray(leaf), num_kv_heads, method)
+    return jnp.asarray(leaf)
+
+  return jax.tree_util.tree_map_with_path(convert, params, fresh), new_config
