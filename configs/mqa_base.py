@@ -1,15 +1,9 @@
-"""MQA base: sized for one GPU/TPU (~110M parameters, bfloat16 compute)."""
+"""MQA base: gqa_base with num_kv_heads=1 (one GPU/TPU, bfloat16 compute)."""
 
-from configs import default
+from configs import gqa_base
 
 
 def get_config():
-  config = default.get_config()
-  config.model.update(num_layers=12, d_model=768, num_heads=12,
-                      num_kv_heads=1, head_dim=64, mlp_dim=2048,
-                      max_len=1024, dtype='bfloat16')
-  config.data.seq_len = 1024
-  config.train.update(steps=20_000, batch_size=64, learning_rate=6e-4,
-                      warmup_steps=1000, eval_every=1000,
-                      checkpoint_every=1000)
+  config = gqa_base.get_config()
+  config.model.num_kv_heads = 1
   return config
