@@ -149,6 +149,15 @@ def test_bad_data_files_raise_user_errors(tmp_path):
     loop.train_and_evaluate(_config(data__path=big_vocab), str(tmp_path / 'w'))
 
 
+def test_rerunning_a_finished_workdir_changes_nothing(tmp_path):
+  config = _config(train__steps=10)
+  first = loop.train_and_evaluate(config, str(tmp_path))
+  files = {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()
+           and 'tensorboard' not in p.parts}
+  assert loop.train_and_evaluate(config, str(tmp_path)) == first
+  assert {p: p.read_bytes() for p in files} == files
+
+
 def test_workdir_holding_another_model_is_refused_and_kept(tmp_path):
   loop.train_and_evaluate(_config(train__steps=10), str(tmp_path))
   before = _params(tmp_path)

@@ -6,12 +6,14 @@ source were served by its KV heads [j·r, (j+1)·r), r = K_source / K (the
 """
 
 import dataclasses
+import json
+import pathlib
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from train import loop
+from train import checkpoint, loop
 from train.errors import UserError
 from train.model import Transformer
 
@@ -41,3 +43,34 @@ def convert_params(params, model_config, num_kv_heads: int, method: str,
     return jnp.asarray(leaf)
 
   return jax.tree_util.tree_map_with_path(convert, params, fresh), new_config
+
+
+def convert_workdir(source: str, workdir: str, num_kv_heads: int,
+                    method: str, seed: int = 0) -> tuple[int, int]:
+  """Writes WORKDIR: SOURCE's config and a step-0 checkpoint with K KV heads.
+
+  Returns (K of the source, K written); num_kv_heads -1 keeps the source's.
+  """
+  model_config, params, config = checkpoint.load_workdir(source)
+  k_source = model_config.num_kv_heads
+  k = k_source if num_kv_heads == -1 else num_kv_heads
+  if k is None or k < 1 or k_source % k:
+    raise UserError(f'--num_kv_heads={num_kv_heads}: the source has '
+                    f'{k_source} KV heads; pick a divisor of {k_source} or -1')
+  path = pathlib.Path(workdir)
+  if (path / 'checkpoints').exists():
+    raise UserError(f'{workdir} already holds checkpoints; pick a new '
+                    '--workdir')
+  new_params, _ = convert_params(params, model_config, k, method, seed)
+  config.model.num_kv_heads = k
+  tx, _ = loop.make_optimizer(config.train)
+  state = loop.TrainState(jnp.array(0, jnp.int32), new_params,
+                          tx.init(new_params))
+  checkpointer = checkpoint.Checkpointer(workdir, every=1, keep=1)
+  checkpointer.save(0, state, force=True)
+  checkpointer.close()
+  (path / 'config.json').write_text(config.to_json(indent=2))
+  (path / 'convert.json').write_text(json.dumps({
+      'source': str(source), 'num_kv_heads': k,
+      'source_num_kv_heads': k_source, 'method': method}))
+  return k_source, k

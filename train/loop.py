@@ -159,6 +159,13 @@ def train_and_evaluate(config, workdir: str, *,
       f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
   if resume_step is not None:
     say(f'resuming from step {resume_step} ({checkpointer.directory})')
+  if int(state.step) >= tc.steps:
+    say(f'{workdir} is already trained to step {int(state.step)} '
+        f'(train.steps={tc.steps}); nothing to do. Raise '
+        '--config.train.steps to train on, or use a new --workdir')
+    checkpointer.close()
+    reporter.close()
+    return json.loads((workdir_path / 'final.json').read_text() or '{}')
 
   def global_batch(tokens, **kwargs):
     # Each host makes only its rows; together they form the global batch.

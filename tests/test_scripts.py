@@ -1,0 +1,46 @@
+"""The scripts' own logic: fair comparisons, peers, verdicts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import dot_product_attention
+from scripts import bench_attention, compare, uptrain_ablation
+from train import config_lib, loop
+from train.model import Transformer
+
+
+def _params(config):
+  mc = config_lib.model_config(config)
+  return sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      lambda: loop.init_params(Transformer(mc), 0))))
+
+
+@pytest.mark.parametrize('K', [2, 1])
+def test_equal_params_widens_the_mlp_to_mha_size(K):
+  mha = _params(compare.variant_config('gqa_small', 8, 0, 10, False))
+  plain = _params(compare.variant_config('gqa_small', K, 0, 10, False))
+  equal = _params(compare.variant_config('gqa_small', K, 0, 10, True))
+  assert plain < 0.9 * mha
+  assert equal == pytest.approx(mha, rel=0.005)
+
+
+def test_the_repeat_kv_peer_computes_the_same_attention():
+  q = jax.random.normal(jax.random.key(0), (2, 16, 8, 8))
+  k, v = jax.random.normal(jax.random.key(1), (2, 2, 16, 2, 8))
+  np.testing.assert_allclose(
+      bench_attention.repeat_kv_attention(q, k, v),
+      dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
+
+
+def test_ablation_verdict_reports_the_ordering_honestly(tmp_path, capsys):
+  good = {'source': 1.0, ('mean', 0): 2.0, ('first', 0): 2.5,
+          ('random', 0): 3.0, ('mean', 0.1): 1.2, ('first', 0.1): 1.3,
+          ('random', 0.1): 1.4}
+  uptrain_ablation.write(tmp_path, good, [0, 0.1], 1, 100)
+  assert 'mean < first < random at alpha=0: holds' in capsys.readouterr().out
+  bad = {**good, ('first', 0): 1.5}
+  uptrain_ablation.write(tmp_path, bad, [0, 0.1], 1, 100)
+  text = (tmp_path / 'ablation.md').read_text()
+  assert 'does not hold' in text and '(closing)' in text
