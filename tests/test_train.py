@@ -156,6 +156,8 @@ def test_rerunning_a_finished_workdir_changes_nothing(tmp_path):
            and 'tensorboard' not in p.parts}
   assert loop.train_and_evaluate(config, str(tmp_path)) == first
   assert {p: p.read_bytes() for p in files} == files
+  (tmp_path / 'final.json').unlink()  # As if killed right after saving.
+  assert loop.train_and_evaluate(config, str(tmp_path)) == {}
 
 
 def test_workdir_holding_another_model_is_refused_and_kept(tmp_path):

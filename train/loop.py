@@ -165,7 +165,8 @@ def train_and_evaluate(config, workdir: str, *,
         '--config.train.steps to train on, or use a new --workdir')
     checkpointer.close()
     reporter.close()
-    return json.loads((workdir_path / 'final.json').read_text() or '{}')
+    final = workdir_path / 'final.json'  # Absent if a crash followed the save.
+    return json.loads(final.read_text()) if final.exists() else {}
 
   def global_batch(tokens, **kwargs):
     # Each host makes only its rows; together they form the global batch.
