@@ -3,7 +3,13 @@
 One knob, `num_kv_heads` (K), selects the variant; the parameter shapes show it:
 
   query kernel  [D, N, H]        key and value kernels  [D, K, H]
-  output kernel [N, H, D]        KV cache               [B, max_len, K, H] x 2
+  output kernel [N, H, D]        KV cache               [B, max_len, K·H] x 2
+
+The cache is the [B, S, K, H] layout with each position's K heads side by side
+as one K·H row. Stored 4-D, XLA fuses the one-token write with the reshape that
+the decode matmul reads through, and so copies the whole cache, in every layer
+at every step (a 5-10x slower decode); flat, the write happens in place and
+attention reads the cache where it lies.
 
 With `fused_qkv=True` the three input projections are one kernel [D, N + 2K, H]
 (one matmul producing (N + 2K)·H features), split into Q, K and V by heads.
@@ -117,11 +123,11 @@ class Attention(nn.Module):
     # `init` with decode=True creates the cache from the [B, max_len, D]
     # template and runs a plain pass; later calls append to it.
     appending = self.decode and self.has_variable('cache', 'cached_key')
-    if self.decode:
+    if self.decode:  # [B, max_len, K·H]: see the module docstring.
       cached_k = self.variable('cache', 'cached_key', jnp.zeros,
-                               k_BTKH.shape, k_BTKH.dtype)
+                               (B, T, K * H), k_BTKH.dtype)
       cached_v = self.variable('cache', 'cached_value', jnp.zeros,
-                               v_BTKH.shape, v_BTKH.dtype)
+                               (B, T, K * H), v_BTKH.dtype)
       cache_index = self.variable('cache', 'cache_index',
                                   lambda: jnp.array(0, jnp.int32))
     start = cache_index.value if appending else 0
@@ -135,18 +141,21 @@ class Attention(nn.Module):
           q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=self.is_causal,
           local_window=self.local_window, logits_soft_cap=self.logits_soft_cap)
     else:
-      _, max_len, *kv_shape = cached_k.value.shape
-      if cached_k.value.shape[0] != B or tuple(kv_shape) != (K, H):
+      cache_B, max_len, cache_C = cached_k.value.shape
+      if (cache_B, cache_C) != (B, K * H):
         raise ValueError(
             f'decode step gives K/V {(B, T, K, H)} but the cache holds '
-            f'{cached_k.value.shape}; init the cache with the same batch size')
+            f'{cached_k.value.shape} = [B, max_len, K·H]; init the cache with '
+            'the same batch size and heads')
       _check_capacity(start, T, max_len)
       cached_k.value = jax.lax.dynamic_update_slice(
-          cached_k.value, k_BTKH, (0, start, 0, 0))
+          cached_k.value, k_BTKH.reshape(B, T, K * H), (0, start, 0))
       cached_v.value = jax.lax.dynamic_update_slice(
-          cached_v.value, v_BTKH, (0, start, 0, 0))
+          cached_v.value, v_BTKH.reshape(B, T, K * H), (0, start, 0))
       cache_index.value = start + T
-      # The cache is [B, S = max_len, K, H]; positions decide what each query
+      key_BSKH = cached_k.value.reshape(B, max_len, K, H)
+      value_BSKH = cached_v.value.reshape(B, max_len, K, H)
+      # S = max_len cached positions; positions decide what each query
       # sees, and slots not written yet are hidden.
       k_pos_S = jnp.arange(max_len)
       visible_TS = k_pos_S[None, :] < start + T
@@ -158,7 +167,7 @@ class Attention(nn.Module):
       if mask is not None:
         visible = _as_4d(mask) & visible
       out_BTNH = dot_product_attention(
-          q_BTNH, cached_k.value, cached_v.value, mask=visible,
+          q_BTNH, key_BSKH, value_BSKH, mask=visible,
           logits_soft_cap=self.logits_soft_cap)
       # Under jit an overflowing write is clamped onto the last slots; make
       # that visible as NaN rather than silently attending to the wrong tokens.

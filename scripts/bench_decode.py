@@ -26,7 +26,7 @@ import numpy as np
 
 from scripts import bench_attention
 from train import config_lib, loop
-from train.model import Transformer
+from train.model import Transformer, unroll_layers
 
 
 def decode_step_seconds(mc, batch: int, context: int, repeats: int,
@@ -37,8 +37,9 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
   so the cache is updated in place rather than copied per call.
   """
   mc = dataclasses.replace(mc, max_len=context + steps)
-  model = Transformer(mc, decode=True)
-  params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
+  model, params = unroll_layers(  # As train.generate decodes.
+      Transformer(mc, decode=True),
+      nn.unbox(loop.init_params(Transformer(mc), seed=0)))
   cache = jax.tree.map(jnp.zeros_like, nn.unbox(jax.eval_shape(
       model.init, jax.random.key(0),
       jnp.zeros((batch, mc.max_len), jnp.int32))['cache']))

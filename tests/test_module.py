@@ -1,12 +1,14 @@
 """Specification of the `attention.Attention` Flax module."""
 
+import re
+
 from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention import Attention
+from attention import Attention, dot_product_attention
 
 B, L, D, N, H = 2, 12, 32, 8, 8
 VARIANTS = (('mha', 8), ('gqa', 2), ('mqa', 1))
@@ -81,7 +83,7 @@ class AttentionTest(chex.TestCase):
     chex.assert_trees_all_close(stepped, full, atol=1e-5)
     # The cache holds K heads, not N: it is N/K times smaller than MHA's.
     chex.assert_shape([cache['cached_key'], cache['cached_value']],
-                      (B, L, K, H))
+                      (B, L, K * H))
     self.assertEqual(int(cache['cache_index']), L)
 
   def test_decode_under_jit_with_window_soft_cap_and_padding(self):
@@ -126,6 +128,31 @@ class AttentionTest(chex.TestCase):
     self.assertGreater(abs(float(score(3, 1) - score(3, 2))), 1e-4)
 
   @parameterized.named_parameters(*VARIANTS)
+  def test_decode_step_writes_the_cache_in_place(self, K):
+    """The jitted step copies no cache-sized buffer: decoding reads it once."""
+    m = Attention(N, K, H, decode=True)
+    x = _x(t=64)
+    variables = m.init(jax.random.key(0), x)
+    step = jax.jit(lambda c, x: m.apply({'params': variables['params'],
+                                         'cache': c}, x, mutable=['cache']),
+                   donate_argnums=0)
+    cache_size = B * 64 * K * H
+    self.assertEqual(
+        _copies_of_size(step, cache_size, variables['cache'], x[:, :1]), 0)
+
+    # The check can fail: XLA copies a cache kept 4-D, [B, S, K, H], when
+    # one token is written into it and the decode kernel reads it.
+    def four_d(cache_BSKH, new_BTKH, q_BTNH, i):
+      cache_BSKH = jax.lax.dynamic_update_slice(cache_BSKH, new_BTKH,
+                                                (0, i, 0, 0))
+      return cache_BSKH, dot_product_attention(
+          q_BTNH, cache_BSKH, cache_BSKH, implementation='decode')
+    self.assertGreater(_copies_of_size(
+        jax.jit(four_d, donate_argnums=0), cache_size,
+        jnp.zeros((B, 64, K, H)), jnp.ones((B, 1, K, H)),
+        jnp.ones((B, 1, N, H)), 3), 0)
+
+  @parameterized.named_parameters(*VARIANTS)
   def test_kv_cache_bytes(self, K):
     m = Attention(N, K, H, dtype=jnp.bfloat16)
     self.assertEqual(m.kv_cache_bytes(batch=4, length=100),
@@ -149,3 +176,11 @@ class AttentionTest(chex.TestCase):
     self.assertEqual(out.dtype, jnp.bfloat16)
     f32 = m.clone(dtype=jnp.float32).apply(variables, _x())
     chex.assert_trees_all_close(out.astype(jnp.float32), f32, atol=5e-2)
+
+
+def _copies_of_size(jitted, size, *args):
+  """Copy instructions in the compiled HLO whose result has `size` elements."""
+  text = jitted.lower(*args).compile().as_text()
+  shapes = re.findall(r'= f32\[([\d,]+)\]\{[\d,]*\} copy\(', text)
+  return sum(int(np.prod([int(d) for d in s.split(',')])) == size
+             for s in shapes)

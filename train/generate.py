@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from train.model import Transformer
+from train.model import Transformer, unroll_layers
 
 
 def sample_logits(rng, logits_BV, temperature: float, top_k: int):
@@ -26,6 +26,7 @@ def generate(params, prompt_BP, rng, *, model: Transformer,
              max_new_tokens: int, temperature: float, top_k: int):
   """[B, P] prompt tokens -> [B, max_new_tokens] generated tokens."""
   B = prompt_BP.shape[0]
+  model, params = unroll_layers(model, params)
   cache = jax.tree.map(
       jnp.zeros_like,
       jax.eval_shape(model.init, jax.random.key(0),

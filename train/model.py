@@ -131,3 +131,21 @@ class Transformer(nn.Module):
               nn.initializers.normal(0.02), ('embed', 'vocab')),
           name='unembed')(x_BTD)
     return logits_BTV.astype(jnp.float32)
+
+
+def unroll_layers(model: Transformer, params) -> tuple[Transformer, Any]:
+  """The same network with its scanned layers unrolled, for decoding.
+
+  Under `nn.scan` the KV caches of all layers are one stacked [L, ...] array,
+  and every decode step copies each layer's cache out of it and back in.
+  Unrolled, each layer's cache is its own buffer, updated in place: decoding
+  reads the cache once per token, which is what it is bound by.
+  """
+  if not model.config.scan_layers:
+    return model, params
+  params = dict(params)
+  stacked = params.pop('layers')
+  for i in range(model.config.num_layers):
+    params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
+  config = dataclasses.replace(model.config, scan_layers=False)
+  return model.clone(config=config), params
