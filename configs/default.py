@@ -27,7 +27,9 @@ def get_config() -> config_dict.ConfigDict:
   ))
 
   c.data = config_dict.ConfigDict(dict(
+      task='lm',  # 'lm': data.path; 'recall': the synthetic recall probe.
       path='',  # '' = the embedded stdlib corpus; else text, a folder, .bin.
+      recall_pairs=0,  # task='recall': key-value pairs per row; 0 = all fit.
       seq_len=256,
       val_fraction=0.05,  # Held-out tail of a single text or .bin file.
       cache_dir='',  # '' = $XDG_CACHE_HOME/gqa-lab.

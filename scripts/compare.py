@@ -12,6 +12,8 @@ against step and against training time, training throughput, decode
 throughput with its bandwidth roofline. --equal_params widens the MLP of
 variants with fewer K/V heads to MHA's parameter count (as Shazeer 2019 did).
 --quick (120 steps per variant) finished on a 2-core CPU in 8 minutes.
+--config=recall runs the recall probe instead (see configs/recall.py); the
+table then adds each variant's first-query accuracy (pure retrieval).
 --report_only rebuilds the report from the runs already in --out.
 """
 
@@ -26,7 +28,8 @@ import sys
 import numpy as np
 
 from scripts import bench_decode
-from train import config_lib, loop
+from train import checkpoint, config_lib, data, loop
+from train.model import Transformer
 from train.report import read_metrics
 
 DECODE_BATCH, DECODE_CONTEXT = 16, 256
@@ -72,6 +75,8 @@ def main():
         record = json.loads((workdir / 'final.json').read_text())
       else:
         record = loop.train_and_evaluate(config, str(workdir))
+      if config.data.task == 'recall':
+        record['accuracy_by_query'] = recall_accuracy_by_query(workdir)
       runs.append(dict(K=K, seed=seed, config=config, record=record,
                        metrics=read_metrics(workdir)))
   decode = {}
@@ -85,8 +90,28 @@ def main():
   print(f'wrote {out}/report.md')
 
 
+def recall_accuracy_by_query(workdir, rows: int = 512) -> list[float]:
+  """Held-out answer accuracy of the j-th query, j = 1..P, for a recall run.
+
+  The first query is the pure retrieval test: later ones can be guessed
+  partly by crossing out values already asked for.
+  """
+  mc, params, config = checkpoint.load_workdir(str(workdir))
+  task = data.load('', val_fraction=0.1, seq_len=config.data.seq_len,
+                   task='recall', recall_pairs=config.data.recall_pairs,
+                   vocab_size=mc.vocab_size)
+  tokens = task.batch('val', seed=0, step=0, batch_size=rows,
+                      seq_len=config.data.seq_len, stream=1)
+  logits = Transformer(mc).apply({'params': params}, tokens[:, :-1])
+  P = task.num_pairs
+  predicted = np.asarray(logits.argmax(-1))[:, 2 * P:4 * P:2]
+  return (predicted == tokens[:, 2 * P + 1:4 * P:2]).mean(0).tolist()
+
+
 def _spread(values):
   values = np.asarray(values, float)
+  if np.isnan(values).all():
+    return '-'  # Not measured: bits/byte of non-text data, or older runs.
   if len(values) == 1:
     return f'{values[0]:.3f}'
   return f'{values.mean():.3f} ± {values.std(ddof=1):.3f}'
@@ -97,7 +122,6 @@ def write_report(out, runs, decode, bandwidth, args):
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  from train.model import Transformer  # pylint: disable=import-outside-toplevel
   kvs = sorted({r['K'] for r in runs}, reverse=True)
   rows = []
   for K in kvs:
@@ -111,7 +135,11 @@ def write_report(out, runs, decode, bandwidth, args):
     rows.append(dict(
         K=K, params=n_params, kv=kv_per_token, mlp=c.model.mlp_dim,
         loss=_spread([r['record']['eval_loss'] for r in mine]),
-        bpb=_spread([r['record']['eval_bpb'] for r in mine]),
+        bpb=_spread([r['record'].get('eval_bpb', np.nan) for r in mine]),
+        accuracy=_spread([r['record'].get('eval_accuracy', np.nan)
+                          for r in mine]),
+        first=_spread([r['record'].get('accuracy_by_query', [np.nan])[0]
+                       for r in mine]),
         train=np.mean([np.median([m['tokens_per_sec'] for m in r['metrics']])
                        for r in mine]),
         decode=decode[K],
@@ -129,13 +157,18 @@ def write_report(out, runs, decode, bandwidth, args):
       + f'. Compute dtype {c.model.dtype}. Decode: batch {DECODE_BATCH}, '
       f'context {DECODE_CONTEXT}; '
       f'read bandwidth {bandwidth / 1e9:.1f} GB/s.', '',
+      f'Data: {c.data.task}'
+      + (f' ({c.data.recall_pairs} pairs; accuracy is on the answers only)'
+         if c.data.task == 'recall' else '') + '.', '',
       '| num_kv_heads | params | mlp_dim | KV bytes/token | held-out '
-      'loss (nats) | bits/byte | train tok/s | decode tok/s | decode roofline '
-      'tok/s |', '|---|---|---|---|---|---|---|---|---|']
+      'loss (nats) | bits/byte | next-token accuracy | first-query accuracy '
+      '| train tok/s | decode tok/s | decode roofline tok/s |',
+      '|---|---|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     lines.append(f'| {r["K"]} | {r["params"]:,} | {r["mlp"]} | {r["kv"]:,} | '
-                 f'{r["loss"]} | {r["bpb"]} | {r["train"]:,.0f} | '
-                 f'{r["decode"]:,.0f} | {r["roofline"]:,.0f} |')
+                 f'{r["loss"]} | {r["bpb"]} | {r["accuracy"]} | {r["first"]} | '
+                 f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '
+                 f'{r["roofline"]:,.0f} |')
   lines += ['', '![loss](loss.png)', '', '![throughput](throughput.png)', '']
   (out / 'report.md').write_text('\n'.join(lines))
 

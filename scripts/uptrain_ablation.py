@@ -34,7 +34,7 @@ def held_out_loss(workdir) -> float:
   dataset = data.load(config.data.path, val_fraction=config.data.val_fraction,
                       seq_len=config.data.seq_len)
   model = Transformer(mc)
-  loss = jax.jit(lambda p, b: loop.eval_step(p, b, model=model))
+  loss = jax.jit(lambda p, b: loop.eval_step(p, b, model=model)[0])
   return float(np.mean([
       loss(params, data.batch(dataset.val, seed=0, step=i, stream=1,
                               batch_size=config.train.batch_size,

@@ -129,6 +129,9 @@ def _write(path, content):
     (dict(data__path='/nonexistent/corpus.txt'), 'does not exist'),
     (dict(model__dtype='float8'), "model.dtype='float8'"),
     (dict(train__steps=0), 'train.steps=0 must be positive'),
+    (dict(data__task='mlm'), "data.task='mlm'; use 'lm'"),
+    (dict(data__task='recall', data__recall_pairs=9),
+     r'data.recall_pairs=9 does not fit.*use 1..8'),
 ])
 def test_bad_configs_raise_one_line_user_errors(tmp_path, overrides, message):
   with pytest.raises(UserError, match=message):

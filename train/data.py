@@ -1,12 +1,23 @@
 """Token data: where it comes from, and batches as a pure function of (seed, step).
 
-Sources, by `data.path`:
+Sources, by `data.path` (with `data.task='lm'`, the default):
   ''                 the embedded default: the bytes of this Python's standard
                      library source and its documentation topics (pydoc_data),
                      vocabulary 256, built once and cached;
   DIR with train.bin nanoGPT's pre-tokenised uint16 files (train.bin, val.bin);
   FILE.bin           one uint16 token file, its tail held out;
   FILE or DIR        text, read as bytes (vocabulary 256), the tail held out.
+
+`data.task='recall'` is made by the code instead: multi-query associative
+recall (Arora et al. 2023, "Zoology"), a probe of what attention can look up.
+Each row lists P key-value pairs, then asks for every key again in a random
+order; only the answers are scored:
+
+  k1 v1 k2 v2 ... kP vP  q1 a1 q2 a2 ... qP aP  0 ...     (qj = some ki, aj = vi)
+
+Keys are distinct ids from the lower half of the vocabulary, values any ids
+from the upper half. A model must store every pair and retrieve by content,
+which is where fewer K/V heads (less K/V capacity per layer) can cost.
 """
 
 from __future__ import annotations
@@ -28,16 +39,86 @@ _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
+  """A token stream; `batch` cuts random windows from its train or val split."""
   train: np.ndarray  # [num_tokens] uint8 or uint16, possibly memory-mapped.
   val: np.ndarray
   vocab_size: int  # Tokens are < vocab_size.
   bytes_per_token: float | None  # 1.0 for byte-level text, None if unknown.
   description: str
+  loss_weights: np.ndarray | None = None  # [seq_len] target weights; None: all.
+
+  def batch(self, split: str, **kwargs) -> np.ndarray:
+    return batch(self.train if split == 'train' else self.val, **kwargs)
+
+  def summary(self) -> str:
+    return (f'{self.description}: {len(self.train):,} training and '
+            f'{len(self.val):,} held-out tokens')
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallTask:
+  """Multi-query associative recall (see the module docstring), made per batch."""
+  num_pairs: int  # P.
+  vocab_size: int
+  seq_len: int
+  bytes_per_token: float | None = None
+  description: str = ''
+  loss_weights: np.ndarray | None = None  # [seq_len]: 1 where a target is an answer.
+
+  def __post_init__(self):
+    P, T = self.num_pairs, self.seq_len
+    weights_T = np.zeros(T, np.float32)
+    weights_T[2 * P:4 * P:2] = 1.0  # Target t predicts token t + 1.
+    object.__setattr__(self, 'loss_weights', weights_T)
+    object.__setattr__(self, 'description', (
+        f'associative recall: {P} key-value pairs, then {P} queries '
+        f'(vocabulary {self.vocab_size})'))
+
+  def summary(self) -> str:
+    return f'{self.description}, made for each batch'
+
+  def batch(self, split: str, *, seed: int, step: int, batch_size: int,
+            seq_len: int, shard: int = 0, num_shards: int = 1,
+            stream: int = 0) -> np.ndarray:
+    """Rows [batch_size // num_shards, seq_len + 1], int32; pure in (seed, step).
+
+    The split only names the caller's intent: held-out batches differ by
+    `stream` (1), as for text.
+    """
+    del split
+    P, half = self.num_pairs, self.vocab_size // 2
+    rng = np.random.default_rng([stream, seed, step, P])
+    keys_BP = np.argsort(rng.random((batch_size, half)), axis=1)[:, :P]
+    values_BP = rng.integers(half, self.vocab_size, (batch_size, P))
+    order_BP = np.argsort(rng.random((batch_size, P)), axis=1)
+    tokens = np.zeros((batch_size, seq_len + 1), np.int32)
+    tokens[:, 0:2 * P:2], tokens[:, 1:2 * P:2] = keys_BP, values_BP
+    tokens[:, 2 * P:4 * P:2] = np.take_along_axis(keys_BP, order_BP, 1)
+    tokens[:, 2 * P + 1:4 * P:2] = np.take_along_axis(values_BP, order_BP, 1)
+    per_shard = batch_size // num_shards
+    return tokens[shard * per_shard:(shard + 1) * per_shard]
 
 
 def load(path: str, *, val_fraction: float, seq_len: int,
-         cache_dir: str | None = None) -> Dataset:
-  """Loads the data named by `path`; raises UserError if it cannot be used."""
+         cache_dir: str | None = None, task: str = 'lm', recall_pairs: int = 0,
+         vocab_size: int = 256) -> Dataset | RecallTask:
+  """Loads the data named by `path`; raises UserError if it cannot be used.
+
+  For task='recall', `path` is ignored and `recall_pairs` (0: as many as fit,
+  (seq_len + 1) // 4) and `vocab_size` shape the task.
+  """
+  if task == 'recall':
+    pairs = recall_pairs or (seq_len + 1) // 4
+    if not 1 <= pairs <= min((seq_len + 1) // 4, vocab_size // 2):
+      raise UserError(
+          f'data.recall_pairs={pairs} does not fit: P pairs and P queries take '
+          f'4P <= data.seq_len + 1 = {seq_len + 1} tokens, and keys are '
+          f'distinct ids below model.vocab_size / 2 = {vocab_size // 2}; use '
+          f'1..{min((seq_len + 1) // 4, vocab_size // 2)}')
+    return RecallTask(pairs, vocab_size, seq_len)
+  if task != 'lm':
+    raise UserError(f"data.task={task!r}; use 'lm' (text or tokens from "
+                    "data.path) or 'recall' (the synthetic recall probe)")
   if not path:
     train, val = _stdlib_corpus(cache_dir or _default_cache_dir())
     data = Dataset(train, val, 256, 1.0,

@@ -55,23 +55,37 @@ def init_state(model: Transformer, tx, seed: int) -> TrainState:
   return TrainState(jnp.array(0, jnp.int32), params, tx.init(params))
 
 
-def loss_fn(params, model: Transformer, tokens_BT1: jax.Array) -> jax.Array:
-  """Mean next-token cross-entropy in nats, float32."""
+def loss_fn(params, model: Transformer, tokens_BT1: jax.Array,
+            weights_T: jax.Array | None = None, with_accuracy: bool = False):
+  """Mean next-token cross-entropy in nats, float32.
+
+  weights_T: which targets count (the recall task scores only its answers);
+  None counts all. with_accuracy: also return the argmax accuracy on them.
+  """
   logits_BTV = model.apply({'params': params}, tokens_BT1[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits_BTV, tokens_BT1[:, 1:]).mean()
+  targets_BT = tokens_BT1[:, 1:]
+  if weights_T is None:
+    weights_T = jnp.ones(targets_BT.shape[1], jnp.float32)
+  weights_BT = jnp.broadcast_to(weights_T, targets_BT.shape)
+  mean = lambda x_BT: (x_BT * weights_BT).sum() / weights_BT.sum()
+  loss = mean(optax.softmax_cross_entropy_with_integer_labels(
+      logits_BTV, targets_BT))
+  if not with_accuracy:
+    return loss
+  return loss, mean(logits_BTV.argmax(-1) == targets_BT)
 
 
-def train_step(state: TrainState, tokens_BT1, *, model, tx, accum_steps: int):
+def train_step(state: TrainState, tokens_BT1, *, model, tx, accum_steps: int,
+               weights_T=None):
   """One optimizer update, averaging gradients over `accum_steps` microbatches."""
   grad_fn = jax.value_and_grad(loss_fn)
   if accum_steps == 1:
-    loss, grads = grad_fn(state.params, model, tokens_BT1)
+    loss, grads = grad_fn(state.params, model, tokens_BT1, weights_T)
   else:
     micro_ABT1 = tokens_BT1.reshape(accum_steps, -1, tokens_BT1.shape[-1])
 
     def accumulate(carry, micro_BT1):
-      loss, grads = grad_fn(state.params, model, micro_BT1)
+      loss, grads = grad_fn(state.params, model, micro_BT1, weights_T)
       return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
     zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, state.params))
@@ -83,8 +97,9 @@ def train_step(state: TrainState, tokens_BT1, *, model, tx, accum_steps: int):
   return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def eval_step(params, tokens_BT1, *, model) -> jax.Array:
-  return loss_fn(params, model, tokens_BT1)
+def eval_step(params, tokens_BT1, *, model, weights_T=None):
+  """(held-out loss, next-token accuracy) on the scored targets."""
+  return loss_fn(params, model, tokens_BT1, weights_T, with_accuracy=True)
 
 
 def train_and_evaluate(config, workdir: str, *,
@@ -104,7 +119,9 @@ def train_and_evaluate(config, workdir: str, *,
   rules = sharding.rules(mc, mesh)
   tc, dc = config.train, config.data
   dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
-                          seq_len=dc.seq_len, cache_dir=dc.cache_dir or None)
+                          seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
+                          task=dc.task, recall_pairs=dc.recall_pairs,
+                          vocab_size=config.model.vocab_size)
   if dataset.vocab_size > mc.vocab_size:
     raise UserError(f'{dataset.description} has token ids up to '
                     f'{dataset.vocab_size - 1}; set model.vocab_size >= '
@@ -148,8 +165,7 @@ def train_and_evaluate(config, workdir: str, *,
                       resume_step=resume_step or 0)
   say = reporter.message
   say(f'config:\n{config}')
-  say(f'data: {dataset.description}: {len(dataset.train):,} training and '
-      f'{len(dataset.val):,} held-out tokens')
+  say(f'data: {dataset.summary()}')
   say(f'model: {n_params:,} parameters; KV cache {kv_bytes:,} bytes/token '
       f'({mc.num_layers} layers x 2 x {mc.num_kv_heads} KV heads x '
       f'{mc.head_dim} x {np.dtype(mc.dtype).itemsize} B); '
@@ -168,35 +184,39 @@ def train_and_evaluate(config, workdir: str, *,
     final = workdir_path / 'final.json'  # Absent if a crash followed the save.
     return json.loads(final.read_text()) if final.exists() else {}
 
-  def global_batch(tokens, **kwargs):
+  def global_batch(split, **kwargs):
     # Each host makes only its rows; together they form the global batch.
-    local = data_lib.batch(tokens, batch_size=tc.batch_size,
-                           seq_len=dc.seq_len, shard=jax.process_index(),
-                           num_shards=jax.process_count(), **kwargs)
+    local = dataset.batch(split, batch_size=tc.batch_size,
+                          seq_len=dc.seq_len, shard=jax.process_index(),
+                          num_shards=jax.process_count(), **kwargs)
     return jax.make_array_from_process_local_data(
         batch_sharding, local, (tc.batch_size, dc.seq_len + 1))
 
   def get_batch(step):
-    return global_batch(dataset.train, seed=config.seed, step=step)
+    return global_batch('train', seed=config.seed, step=step)
 
+  weights_T = dataset.loss_weights
   step_fn = jax.jit(
       lambda s, b: train_step(s, b, model=model, tx=tx,
-                              accum_steps=tc.grad_accum_steps),
+                              accum_steps=tc.grad_accum_steps,
+                              weights_T=weights_T),
       in_shardings=(state_sharding, batch_sharding),
       out_shardings=(state_sharding, replicated), donate_argnums=0)
-  eval_fn = jax.jit(lambda p, b: eval_step(p, b, model=model),
+  eval_fn = jax.jit(lambda p, b: eval_step(p, b, model=model,
+                                           weights_T=weights_T),
                     in_shardings=(state_sharding.params, batch_sharding),
                     out_shardings=replicated)
   start = int(state.step)
   t0 = time.perf_counter()
   step_fn = step_fn.lower(state, get_batch(start)).compile()
   say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
-  eval_batches = [global_batch(dataset.val, seed=0, step=i, stream=1)
+  eval_batches = [global_batch('val', seed=0, step=i, stream=1)
                   for i in range(tc.eval_batches)]
 
   def evaluate(params):
-    loss = float(np.mean([eval_fn(params, b) for b in eval_batches]))
-    out = {'eval_loss': loss}
+    loss, accuracy = np.mean(jax.device_get(
+        [eval_fn(params, b) for b in eval_batches]), axis=0)
+    out = {'eval_loss': float(loss), 'eval_accuracy': float(accuracy)}
     if dataset.bytes_per_token:
       out['eval_bpb'] = loss / math.log(2) / dataset.bytes_per_token
     return out
@@ -269,7 +289,7 @@ def train_and_evaluate(config, workdir: str, *,
     summary = f'done: step {tc.steps}, held-out loss {record["eval_loss"]:.4f}'
     if 'eval_bpb' in record:
       summary += f' nats/token = {record["eval_bpb"]:.3f} bits/byte'
-    say(summary)
+    say(f'{summary}, next-token accuracy {record["eval_accuracy"]:.3f}')
   reporter.close()
   if is_chief:
     (workdir_path / 'final.json').write_text(json.dumps(record))

@@ -33,6 +33,10 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   mc, params, config = checkpoint.load_workdir(_WORKDIR.value)
+  if config.data.get('task', 'lm') != 'lm':
+    raise UserError(f'this model was trained on data.task='
+                    f'{config.data.task!r}, not text; sample from a language '
+                    'model')
   if mc.vocab_size != 256 or config.data.path.endswith('.bin'):
     raise UserError('this model reads token ids (data.path='
                     f'{config.data.path!r}), not bytes; text prompts need a '

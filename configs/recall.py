@@ -1,0 +1,24 @@
+"""The recall probe: multi-query associative recall (see train/data.py).
+
+Two layers of 8 query heads of 16: with one K/V head (MQA) a layer stores each
+position's key in 16 numbers, with eight (MHA) in 128. Each row lists 8
+key-value pairs (keys from 32 ids, values from 32 more), then asks for every
+key again; only the answers are scored. Chance is 1/32 per answer; picking
+among the row's 8 values gives 1/8, and crossing out answered values (the
+last query then has one left) about 0.34 on average. Only retrieving by
+content reaches 1: `scripts/compare.py` reports the first query's accuracy,
+where crossing out cannot help.
+"""
+
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.model.update(num_layers=2, d_model=128, num_heads=8, num_kv_heads=2,
+                      head_dim=16, mlp_dim=256, max_len=64, vocab_size=64)
+  config.data.update(task='recall', seq_len=64, recall_pairs=8)
+  config.train.update(steps=1500, batch_size=32, learning_rate=3e-3,
+                      warmup_steps=50, log_every=50, eval_every=250,
+                      eval_batches=4, checkpoint_every=1500)
+  return config

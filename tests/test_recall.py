@@ -1,0 +1,92 @@
+"""Specification of the recall probe (data.task='recall')."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from scripts import compare
+from train import data, loop
+from train.model import Transformer
+from train.report import read_metrics
+
+P, V, T = 6, 64, 32
+
+
+def _task():
+  return data.load('', val_fraction=0.1, seq_len=T, task='recall',
+                   recall_pairs=P, vocab_size=V)
+
+
+def test_rows_list_pairs_then_ask_every_key_once():
+  rows = _task().batch('train', seed=0, step=3, batch_size=16, seq_len=T)
+  assert rows.shape == (16, T + 1) and rows.dtype == np.int32
+  for row in rows:
+    keys, values = row[0:2 * P:2], row[1:2 * P:2]
+    queries, answers = row[2 * P:4 * P:2], row[2 * P + 1:4 * P:2]
+    assert len(set(keys)) == P and keys.max() < V // 2
+    assert values.min() >= V // 2 and values.max() < V
+    assert sorted(queries) == sorted(keys)
+    pairs = dict(zip(keys, values))
+    assert [pairs[q] for q in queries] == list(answers)
+    assert not row[4 * P:].any()  # Padding.
+
+
+def test_only_the_answers_are_scored():
+  task = _task()
+  rows = task.batch('train', seed=0, step=0, batch_size=4, seq_len=T)
+  scored = rows[:, 1:][:, task.loss_weights == 1]  # Targets are tokens[1:].
+  np.testing.assert_array_equal(scored, rows[:, 2 * P + 1:4 * P:2])
+  assert task.loss_weights.shape == (T,) and task.loss_weights.sum() == P
+
+
+def test_batches_are_pure_in_seed_and_step_and_shard_exactly():
+  task = _task()
+  kw = dict(seed=1, step=5, batch_size=8, seq_len=T)
+  b = task.batch('train', **kw)
+  np.testing.assert_array_equal(b, task.batch('train', **kw))
+  assert not np.array_equal(b, task.batch('train', **{**kw, 'step': 6}))
+  assert not np.array_equal(b, task.batch('val', **kw, stream=1))
+  shards = [task.batch('train', **kw, shard=i, num_shards=4) for i in range(4)]
+  np.testing.assert_array_equal(np.concatenate(shards), b)
+
+
+def test_weighted_loss_and_accuracy_count_only_weighted_targets():
+  config = tiny.get_config()
+  model = Transformer(loop.config_lib.model_config(config))
+  params = jax.tree.map(jnp.asarray, loop.init_state(
+      model, loop.make_optimizer(config.train)[0], 0).params)
+  tokens = jax.random.randint(jax.random.key(0), (2, T + 1), 0, 256)
+  weights = np.zeros(T, np.float32)
+  weights[[3, 10]] = 1
+  logits = model.apply({'params': params}, tokens[:, :-1])
+  logp = jax.nn.log_softmax(logits)
+  picked = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+  expected = -picked[:, [3, 10]].mean()
+  loss, accuracy = loop.loss_fn(params, model, tokens, jnp.asarray(weights),
+                                with_accuracy=True)
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  hits = logits.argmax(-1)[:, [3, 10]] == tokens[:, 1:][:, [3, 10]]
+  np.testing.assert_allclose(accuracy, hits.mean())
+
+
+def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
+  """Only answers are scored: the model learns they are values of its row."""
+  config = tiny.get_config()
+  config.model.update(vocab_size=32)
+  config.data.update(task='recall', recall_pairs=4, seq_len=32)
+  config.train.update(steps=150, batch_size=32, learning_rate=1e-2,
+                      warmup_steps=10, log_every=50, eval_every=150,
+                      checkpoint_every=150)
+  record = loop.train_and_evaluate(config, str(tmp_path))
+  chance = 1 / 16  # Values are 16 ids.
+  assert record['eval_accuracy'] > 2 * chance, record
+  assert record['eval_loss'] < math.log(16) - 0.5, record
+  assert 'eval_bpb' not in record  # Not text: no bits per byte.
+  # scripts/compare.py splits the accuracy by query (the first is retrieval).
+  by_query = compare.recall_accuracy_by_query(tmp_path)
+  assert len(by_query) == 4 and all(0 <= a <= 1 for a in by_query)
+  assert np.mean(by_query) == pytest.approx(record['eval_accuracy'], abs=0.1)
