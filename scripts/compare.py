@@ -146,6 +146,7 @@ def write_report(out, runs, decode, bandwidth, args):
         roofline=DECODE_BATCH * bandwidth / (
             kv_per_token * DECODE_CONTEXT * DECODE_BATCH + 4 * n_params)))
   c = runs[0]['config']
+  recall = c.data.task == 'recall'
   lines = [
       '# Comparing MHA, GQA and MQA', '',
       f'`python -m scripts.compare {" ".join(sys.argv[1:])}`: '
@@ -157,18 +158,26 @@ def write_report(out, runs, decode, bandwidth, args):
       + f'. Compute dtype {c.model.dtype}. Decode: batch {DECODE_BATCH}, '
       f'context {DECODE_CONTEXT}; '
       f'read bandwidth {bandwidth / 1e9:.1f} GB/s.', '',
-      f'Data: {c.data.task}'
-      + (f' ({c.data.recall_pairs} pairs; accuracy is on the answers only)'
-         if c.data.task == 'recall' else '') + '.', '',
+      (f'Data: the recall probe, {c.data.recall_pairs} key-value pairs per '
+       'row; accuracy counts the answers only.' if recall else
+       f'Data: {c.data.path or "the embedded stdlib corpus"} (bytes).'), '',
       '| num_kv_heads | params | mlp_dim | KV bytes/token | held-out '
-      'loss (nats) | bits/byte | next-token accuracy | first-query accuracy '
-      '| train tok/s | decode tok/s | decode roofline tok/s |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
+      'loss (nats) | bits/byte | next-token accuracy | '
+      + ('first-query accuracy | ' if recall else '')
+      + 'train tok/s | decode tok/s | decode roofline tok/s |',
+      '|---' * (10 + recall) + '|']
   for r in rows:
     lines.append(f'| {r["K"]} | {r["params"]:,} | {r["mlp"]} | {r["kv"]:,} | '
-                 f'{r["loss"]} | {r["bpb"]} | {r["accuracy"]} | {r["first"]} | '
-                 f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '
+                 f'{r["loss"]} | {r["bpb"]} | {r["accuracy"]} | '
+                 + (f'{r["first"]} | ' if recall else '')
+                 + f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '
                  f'{r["roofline"]:,.0f} |')
+  if recall:  # Crossing out asked values helps later queries; retrieval all.
+    lines += ['', 'Answer accuracy by query (1st ... last):', '']
+    for K in kvs:
+      by_query = np.mean([r['record']['accuracy_by_query'] for r in runs
+                          if r['K'] == K], axis=0)
+      lines.append(f'- K={K}: ' + ' '.join(f'{a:.2f}' for a in by_query))
   lines += ['', '![loss](loss.png)', '', '![throughput](throughput.png)', '']
   (out / 'report.md').write_text('\n'.join(lines))
 

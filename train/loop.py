@@ -215,8 +215,8 @@ def train_and_evaluate(config, workdir: str, *,
 
   def evaluate(params):
     loss, accuracy = np.mean(jax.device_get(
-        [eval_fn(params, b) for b in eval_batches]), axis=0)
-    out = {'eval_loss': float(loss), 'eval_accuracy': float(accuracy)}
+        [eval_fn(params, b) for b in eval_batches]), axis=0).tolist()
+    out = {'eval_loss': loss, 'eval_accuracy': accuracy}
     if dataset.bytes_per_token:
       out['eval_bpb'] = loss / math.log(2) / dataset.bytes_per_token
     return out
