@@ -13,7 +13,7 @@ recall (Arora et al. 2023, "Zoology"), a probe of what attention can look up.
 Each row lists P key-value pairs, then asks for every key again in a random
 order; only the answers are scored:
 
-  k1 v1 k2 v2 ... kP vP  q1 a1 q2 a2 ... qP aP  0 ...     (qj = some ki, aj = vi)
+  k1 v1 k2 v2 ... kP vP  q1 a1 q2 a2 ... qP aP  0 ...   (qj = some ki, aj = vi)
 
 Keys are distinct ids from the lower half of the vocabulary, values any ids
 from the upper half. A model must store every pair and retrieve by content,
@@ -57,22 +57,23 @@ class Dataset:
 
 @dataclasses.dataclass(frozen=True)
 class RecallTask:
-  """Multi-query associative recall (see the module docstring), made per batch."""
+  """Multi-query associative recall (module docstring), made per batch."""
   num_pairs: int  # P.
   vocab_size: int
   seq_len: int
-  bytes_per_token: float | None = None
-  description: str = ''
-  loss_weights: np.ndarray | None = None  # [seq_len]: 1 where a target is an answer.
+  bytes_per_token = None  # Not text.
 
-  def __post_init__(self):
-    P, T = self.num_pairs, self.seq_len
-    weights_T = np.zeros(T, np.float32)
-    weights_T[2 * P:4 * P:2] = 1.0  # Target t predicts token t + 1.
-    object.__setattr__(self, 'loss_weights', weights_T)
-    object.__setattr__(self, 'description', (
-        f'associative recall: {P} key-value pairs, then {P} queries '
-        f'(vocabulary {self.vocab_size})'))
+  @property
+  def description(self) -> str:
+    return (f'associative recall: {self.num_pairs} key-value pairs, then '
+            f'{self.num_pairs} queries (vocabulary {self.vocab_size})')
+
+  @property
+  def loss_weights(self) -> np.ndarray:
+    """[seq_len]: 1 where the target is an answer (target t is token t + 1)."""
+    weights_T = np.zeros(self.seq_len, np.float32)
+    weights_T[2 * self.num_pairs:4 * self.num_pairs:2] = 1.0
+    return weights_T
 
   def summary(self) -> str:
     return f'{self.description}, made for each batch'
@@ -80,7 +81,7 @@ class RecallTask:
   def batch(self, split: str, *, seed: int, step: int, batch_size: int,
             seq_len: int, shard: int = 0, num_shards: int = 1,
             stream: int = 0) -> np.ndarray:
-    """Rows [batch_size // num_shards, seq_len + 1], int32; pure in (seed, step).
+    """Rows [batch_size // num_shards, seq_len + 1] int32, pure in (seed, step).
 
     The split only names the caller's intent: held-out batches differ by
     `stream` (1), as for text.
