@@ -1,6 +1,9 @@
 """Specification of the recall probe (data.task='recall')."""
 
 import math
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -90,3 +93,11 @@ def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
   by_query = compare.recall_accuracy_by_query(tmp_path)
   assert len(by_query) == 4 and all(0 <= a <= 1 for a in by_query)
   assert np.mean(by_query) == pytest.approx(record['eval_accuracy'], abs=0.1)
+  # A recall model is not a text model: train.sample refuses it in one line.
+  result = subprocess.run(
+      [sys.executable, '-m', 'train.sample', f'--workdir={tmp_path}',
+       '--prompt=x'], cwd=pathlib.Path(__file__).parent.parent,
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert "trained on data.task='recall', not text" in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
