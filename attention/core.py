@@ -85,13 +85,12 @@ def dot_product_attention(
     if not plain:
       raise ValueError("implementation='blockwise' supports is_causal only, "
                        'not mask, local_window or logits_soft_cap')
-    block = blockwise.block_size(T, G)
+    block = blockwise.tiling(T, G)[1]
     if T % block or (is_causal and T > S):
       raise ValueError(f"implementation='blockwise' needs T={T} divisible by "
                        f'{block} and T <= S={S}')
     return blockwise.blockwise_attention(query, key, value,
-                                         is_causal=is_causal, scale=scale,
-                                         block=block)
+                                         is_causal=is_causal, scale=scale)
   if implementation == 'cudnn':
     if not plain or (is_causal and T != S):
       raise ValueError("implementation='cudnn' supports is_causal with T == S "
@@ -136,7 +135,7 @@ def _choose(dtype, T, S, G, plain) -> str:
   """The fastest implementation that supports the call (see BENCHMARKS.md)."""
   backend = jax.default_backend()
   if (backend == 'cpu' and plain and blockwise.MIN_LENGTH <= T <= S
-      and blockwise.block_size(T, G) < T):
+      and blockwise.tiling(T, G)[1] < T):
     return 'blockwise'
   if (backend == 'gpu' and plain and T == S
       and dtype in (jnp.bfloat16, jnp.float16)):
