@@ -4,7 +4,7 @@
                                     [--repeats=5] [--lengths=512,2048]
 
 Peers, timed in this process on this machine (medians of --repeats runs after
-a warm-up):
+a warm-up, taking turns round by round so that all see the same machine load):
   torch     torch.nn.functional.scaled_dot_product_attention(is_causal=True,
             enable_gqa=True), if torch is installed (pip install -e '.[bench]')
   jax.nn    jax.nn.dot_product_attention (implementation 'xla'; 'cudnn' on GPU)
@@ -34,13 +34,24 @@ from attention import dot_product_attention
 
 
 def median_time(fn, repeats):
-  jax.block_until_ready(fn())
-  times = []
+  return median_times({'fn': fn}, repeats)['fn']
+
+
+def median_times(fns, repeats):
+  """{name: median seconds}, the fns timed in turn, round after round.
+
+  Interleaving puts every contestant under the same drift of the machine's
+  load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
+  """
+  for fn in fns.values():
+    jax.block_until_ready(fn())  # Compile and warm up.
+  times = {name: [] for name in fns}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def repeat_kv_attention(q, k, v, is_causal=True):
@@ -101,6 +112,7 @@ def bench_training(args, on_gpu, dtype, torch_make):
       v = jax.random.normal(keys[2], (B, T, K, H), dtype)
       for mode in ('fwd', 'fwd+bwd'):
         row = {'shape': 'train', 'T': T, 'K': K, 'mode': mode}
+        contestants = {}
         for name, fn in jax_peers(on_gpu).items():
           if mode == 'fwd':
             run = jax.jit(fn)
@@ -108,15 +120,17 @@ def bench_training(args, on_gpu, dtype, torch_make):
             run = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(
                 q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
           try:
-            row[name] = median_time(lambda run=run: run(q, k, v), args.repeats)
+            jax.block_until_ready(run(q, k, v))
           except Exception as e:  # pylint: disable=broad-except
             row[name] = None  # e.g. cuDNN refuses the shape.
             print(f'  {name} T={T} K={K} {mode}: {type(e).__name__}')
+            continue
+          contestants[name] = lambda run=run: run(q, k, v)
           if mode == 'fwd+bwd' and name in ('ours', 'repeat'):
             row[f'{name}_peak_bytes'] = peak_bytes(run, q, k, v)
         if torch_make and not on_gpu:
-          row['torch'] = median_time(torch_make(q, k, v, mode != 'fwd'),
-                                     args.repeats)
+          contestants['torch'] = torch_make(q, k, v, mode != 'fwd')
+        row.update(median_times(contestants, args.repeats))
         peers = [row[p] for p in ('torch', 'jax.nn', 'repeat')
                  if row.get(p) is not None]
         row['ours/best_peer'] = row['ours'] / min(peers)
@@ -137,9 +151,11 @@ def read_bandwidth(repeats) -> float:
   return x.nbytes / median_time(lambda: total(x), repeats)
 
 
-def bench_decode(args, dtype, bandwidth):
+def bench_decode(args, dtype, env):
+  """One query token against the cache, timed in turns with the read test."""
   rows = []
   B, S, N, H = 32, 2048, 16, 64
+  contestants, kv_bytes = {}, {}
   for K in (16, 4, 1):
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (B, 1, N, H), dtype)
@@ -147,16 +163,23 @@ def bench_decode(args, dtype, bandwidth):
     v = jax.random.normal(keys[2], (B, S, K, H), dtype)
     run = jax.jit(lambda q, k, v: dot_product_attention(q, k, v,
                                                         is_causal=True))
-    seconds = median_time(lambda: run(q, k, v), args.repeats)
-    kv_bytes = k.nbytes + v.nbytes
+    contestants[K] = lambda run=run, q=q, k=k, v=v: run(q, k, v)
+    kv_bytes[K] = k.nbytes + v.nbytes
+  x = jnp.ones((2**28,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  contestants['read'] = lambda: total(x)
+  times = median_times(contestants, args.repeats)
+  bandwidth = x.nbytes / times.pop('read')
+  env['read_bandwidth_GBps'] = bandwidth / 1e9
+  for K, seconds in times.items():
     rows.append({'shape': 'decode', 'K': K, 'seconds': seconds,
-                 'kv_bytes': kv_bytes, 'bytes_per_sec': kv_bytes / seconds,
-                 'fraction_of_bandwidth': kv_bytes / seconds / bandwidth})
-  mha = rows[0]['seconds']
-  for row in rows:
-    row['speedup_vs_mha'] = mha / row['seconds']
-    print(f'decode B={B} S={S} N={N} K={row["K"]:>2}: '
-          f'{row["seconds"] * 1e3:8.2f} ms  {row["bytes_per_sec"] / 1e9:6.1f} '
+                 'kv_bytes': kv_bytes[K],
+                 'bytes_per_sec': kv_bytes[K] / seconds,
+                 'fraction_of_bandwidth': kv_bytes[K] / seconds / bandwidth,
+                 'speedup_vs_mha': times[16] / seconds})
+    row = rows[-1]
+    print(f'decode B={B} S={S} N={N} K={K:>2}: '
+          f'{seconds * 1e3:8.2f} ms  {row["bytes_per_sec"] / 1e9:6.1f} '
           f'GB/s = {100 * row["fraction_of_bandwidth"]:5.1f}% of read '
           f'bandwidth  {row["speedup_vs_mha"]:5.1f}x MHA', flush=True)
   return rows
@@ -185,16 +208,16 @@ def main():
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   torch = torch_peer()
   torch_make, torch_version = torch if torch else (None, None)
-  bandwidth = read_bandwidth(args.repeats)
   env = {'machine': f'{platform.processor() or platform.machine()}, '
                     f'{jax.devices()[0].device_kind}',
          'jax': jax.__version__, 'torch': torch_version,
-         'dtype': jnp.dtype(dtype).name,
-         'read_bandwidth_GBps': bandwidth / 1e9}
+         'dtype': jnp.dtype(dtype).name}
   print(json.dumps(env))
   rows = bench_training(args, on_gpu, dtype, torch_make)
-  if not args.skip_decode:
-    rows += bench_decode(args, dtype, bandwidth)
+  if args.skip_decode:
+    env['read_bandwidth_GBps'] = read_bandwidth(args.repeats) / 1e9
+  else:
+    rows += bench_decode(args, dtype, env)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'env': env, 'rows': rows}, f, indent=1)
@@ -211,7 +234,8 @@ def markdown(env, rows, argv) -> str:
       f'on {time.strftime("%Y-%m-%d")}: {env["machine"]}, jax {env["jax"]}, '
       f'torch {env["torch"]}, {env["dtype"]}, {jax.device_count()} device(s), '
       f'measured read bandwidth {env["read_bandwidth_GBps"]:.1f} GB/s. '
-      'Medians; every column of a row measured in the same run.', '',
+      'Medians; every column of a row measured in the same run, the '
+      'contestants taking turns.', '',
       '## Training shapes (causal; B=8, N=8, H=64)', '',
       '| T | K | pass | ours ms | torch SDPA ms | jax.nn ms | repeat-K/V ms '
       '| ours / best peer | peak bytes ours | peak bytes repeat |',
