@@ -127,7 +127,7 @@ def _backward(is_causal, scale, block, residuals, do_XCgTH):
   delta_XCgT = jnp.einsum('XCGTH,XCGTH->XCGT', do_XCgTH.astype(jnp.float32),
                           o_XCgTH.astype(jnp.float32))
 
-  def one_chunk(dk_SH, dv_SH, chunk, k_SH, v_SH):
+  def one_chunk(dk_HS, dv_HS, chunk, k_SH, v_SH):
     q_gTH, do_gTH, lse_gT, delta_gT = chunk
     dqs = []
     for rows, end in _blocks(T, S, is_causal, block):
@@ -138,17 +138,19 @@ def _backward(is_causal, scale, block, residuals, do_XCgTH):
                           preferred_element_type=jnp.float32)
       ds_gbS = p_gbS * (dp_gbS - delta_gT[:, rows, None]) * scale
       dqs.append(jnp.einsum('GTS,SH->GTH', ds_gbS, k_SH[:end]))
-      dk_SH = dk_SH.at[:end].add(jnp.einsum('GTS,GTH->SH', ds_gbS, q_gbH))
-      dv_SH = dv_SH.at[:end].add(jnp.einsum('GTS,GTH->SH', p_gbS, do_gbH))
-    return (dk_SH, dv_SH), jnp.concatenate(dqs, 1)
+      # dK, dV as [H, S]: the matmuls then read ds and p in their own layout
+      # (an [S, H] result would first copy each block's ds and p transposed).
+      dk_HS = dk_HS.at[:, :end].add(jnp.einsum('GTH,GTS->HS', q_gbH, ds_gbS))
+      dv_HS = dv_HS.at[:, :end].add(jnp.einsum('GTH,GTS->HS', do_gbH, p_gbS))
+    return (dk_HS, dv_HS), jnp.concatenate(dqs, 1)
 
   def one_group(args):  # dK, dV summed over the group's chunks of heads.
     q_CgTH, k_SH, v_SH, do_CgTH, lse_CgT, delta_CgT = args
-    zeros_SH = jnp.zeros(k_SH.shape, jnp.float32)
-    (dk_SH, dv_SH), dq_CgTH = jax.lax.scan(
+    zeros_HS = jnp.zeros(k_SH.shape[::-1], jnp.float32)
+    (dk_HS, dv_HS), dq_CgTH = jax.lax.scan(
         lambda carry, chunk: one_chunk(*carry, chunk, k_SH, v_SH),
-        (zeros_SH, zeros_SH), (q_CgTH, do_CgTH, lse_CgT, delta_CgT))
-    return dq_CgTH, dk_SH, dv_SH
+        (zeros_HS, zeros_HS), (q_CgTH, do_CgTH, lse_CgT, delta_CgT))
+    return dq_CgTH, dk_HS.T, dv_HS.T
 
   dq, dk, dv = jax.lax.map(
       one_group, (q_XCgTH, k_XSH, v_XSH, do_XCgTH, lse_XCgT, delta_XCgT))
