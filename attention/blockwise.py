@@ -3,13 +3,14 @@
 The dense path materialises [B, N, T, S] logits; for long causal sequences
 that is both wasted work (half of it is masked) and memory traffic that
 dominates on a CPU. Here the queries of one (batch, KV-head) group, `heads`
-of its G heads at a time, are split into blocks of `block` rows; query block i only
-multiplies the keys up to its diagonal, a static prefix, so masked blocks are
-never computed. Each block's logits row is complete, so its softmax is exact
-(no running rescaling); its log-sum-exp is kept for the backward pass, which
-recomputes the probabilities block by block (FlashAttention-2's backward,
-Dao 2023): dQ per block, dK and dV accumulated over the same prefixes.
-`lax.map` walks the B·K groups so that one group's blocks stay in cache.
+of its G heads at a time (see `tiling`), are split into blocks of `block`
+rows; query block i only multiplies the keys up to its diagonal, a static
+prefix, so masked blocks are never computed. Each block's logits row is
+complete, so its softmax is exact (no running rescaling); its log-sum-exp is
+kept for the backward pass, which recomputes the probabilities block by
+block (FlashAttention-2's backward, Dao 2023): dQ per block, dK and dV
+accumulated over the same prefixes. `lax.map` walks the B·K groups, and each
+group's chunks of heads, so that one step's blocks stay in cache.
 
 Supports causal or full attention without extra masks, soft cap or window;
 `attention.core` falls back to the dense path for the rest.
@@ -59,8 +60,8 @@ def blockwise_attention(query, key, value, *, is_causal: bool, scale: float,
   S, K = key.shape[1:3]
   G = N // K
   heads, block = heads_and_block or tiling(T, G)
-  # Heads-major layouts, one transpose each: X = B·K groups of G heads, taken
-  # `heads` at a time (C = G // heads chunks).
+  # Heads-major layouts, one transpose each: X = B·K groups of G heads, in
+  # C = G // heads chunks of g = heads; b below is a block's query rows.
   q_XCgTH = query.reshape(B, T, K, G // heads, heads, H).transpose(
       0, 2, 3, 4, 1, 5).reshape(B * K, G // heads, heads, T, H)
   k_XSH = key.transpose(0, 2, 1, 3).reshape(B * K, S, H)
@@ -82,13 +83,13 @@ def _blocks(T, S, is_causal, block):
     yield slice(start, start + block), end
 
 
-def _logits(q_GbH, k_SH, rows, end, T, S, is_causal, scale):
-  logits_GbS = jnp.einsum('GTH,SH->GTS', q_GbH, k_SH[:end],
+def _logits(q_gbH, k_SH, rows, end, T, S, is_causal, scale):
+  logits_gbS = jnp.einsum('gbH,SH->gbS', q_gbH, k_SH[:end],
                           preferred_element_type=jnp.float32) * scale
   if is_causal:  # Only the diagonal block has masked entries.
     q_pos = S - T + jnp.arange(rows.start, rows.stop)[:, None]
-    logits_GbS = jnp.where(jnp.arange(end)[None, :] <= q_pos, logits_GbS, _NEG)
-  return logits_GbS
+    logits_gbS = jnp.where(jnp.arange(end)[None, :] <= q_pos, logits_gbS, _NEG)
+  return logits_gbS
 
 
 def _forward(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block):
@@ -102,7 +103,7 @@ def _forward(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block):
       max_gb1 = logits_gbS.max(-1, keepdims=True)
       p_gbS = jnp.exp(logits_gbS - max_gb1)
       sum_gb1 = p_gbS.sum(-1, keepdims=True)
-      o_gbH = jnp.einsum('GTS,SH->GTH', p_gbS.astype(v_SH.dtype), v_SH[:end],
+      o_gbH = jnp.einsum('gbS,SH->gbH', p_gbS.astype(v_SH.dtype), v_SH[:end],
                          preferred_element_type=jnp.float32) / sum_gb1
       outs.append(o_gbH.astype(q_gTH.dtype))
       lses.append(max_gb1[..., 0] + jnp.log(sum_gb1[..., 0]))
@@ -124,7 +125,7 @@ def _backward(is_causal, scale, block, residuals, do_XCgTH):
   q_XCgTH, k_XSH, v_XSH, o_XCgTH, lse_XCgT = residuals
   T, S = q_XCgTH.shape[3], k_XSH.shape[1]
   # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax Jacobian's term.
-  delta_XCgT = jnp.einsum('XCGTH,XCGTH->XCGT', do_XCgTH.astype(jnp.float32),
+  delta_XCgT = jnp.einsum('XCgTH,XCgTH->XCgT', do_XCgTH.astype(jnp.float32),
                           o_XCgTH.astype(jnp.float32))
 
   def one_chunk(dk_HS, dv_HS, chunk, k_SH, v_SH):
@@ -134,14 +135,14 @@ def _backward(is_causal, scale, block, residuals, do_XCgTH):
       q_gbH, do_gbH = q_gTH[:, rows], do_gTH[:, rows]
       logits_gbS = _logits(q_gbH, k_SH, rows, end, T, S, is_causal, scale)
       p_gbS = jnp.exp(logits_gbS - lse_gT[:, rows, None])
-      dp_gbS = jnp.einsum('GTH,SH->GTS', do_gbH, v_SH[:end],
+      dp_gbS = jnp.einsum('gbH,SH->gbS', do_gbH, v_SH[:end],
                           preferred_element_type=jnp.float32)
       ds_gbS = p_gbS * (dp_gbS - delta_gT[:, rows, None]) * scale
-      dqs.append(jnp.einsum('GTS,SH->GTH', ds_gbS, k_SH[:end]))
+      dqs.append(jnp.einsum('gbS,SH->gbH', ds_gbS, k_SH[:end]))
       # dK, dV as [H, S]: the matmuls then read ds and p in their own layout
       # (an [S, H] result would first copy each block's ds and p transposed).
-      dk_HS = dk_HS.at[:, :end].add(jnp.einsum('GTH,GTS->HS', q_gbH, ds_gbS))
-      dv_HS = dv_HS.at[:, :end].add(jnp.einsum('GTH,GTS->HS', do_gbH, p_gbS))
+      dk_HS = dk_HS.at[:, :end].add(jnp.einsum('gbH,gbS->HS', q_gbH, ds_gbS))
+      dv_HS = dv_HS.at[:, :end].add(jnp.einsum('gbH,gbS->HS', do_gbH, p_gbS))
     return (dk_HS, dv_HS), jnp.concatenate(dqs, 1)
 
   def one_group(args):  # dK, dV summed over the group's chunks of heads.
