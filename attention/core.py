@@ -85,10 +85,9 @@ def dot_product_attention(
     if not plain:
       raise ValueError("implementation='blockwise' supports is_causal only, "
                        'not mask, local_window or logits_soft_cap')
-    block = blockwise.tiling(T, G)[1]
-    if T % block or (is_causal and T > S):
-      raise ValueError(f"implementation='blockwise' needs T={T} divisible by "
-                       f'{block} and T <= S={S}')
+    if is_causal and T > S:
+      raise ValueError(f"implementation='blockwise' with is_causal needs "
+                       f'T={T} <= S={S}')
     return blockwise.blockwise_attention(query, key, value,
                                          is_causal=is_causal, scale=scale)
   if implementation == 'cudnn':

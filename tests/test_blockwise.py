@@ -87,8 +87,20 @@ class BlockwiseTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, 'blockwise'):
       dot_product_attention(q, k, v, logits_soft_cap=1.0,
                             implementation='blockwise')
+    with self.assertRaisesRegex(ValueError, 'T=64 <= S=32'):
+      dot_product_attention(q, k[:, :32], v[:, :32], is_causal=True,
+                            implementation='blockwise')
     with self.assertRaisesRegex(ValueError, 'implementation='):
       dot_product_attention(q, k, v, implementation='pallas')
+
+  def test_a_length_without_power_of_two_blocks_is_one_block(self):
+    q, k, v, _ = _inputs(2, 36, 36)  # 36 = 4·9: no block of 16 or more.
+    self.assertEqual(blockwise.tiling(36, N // 2), (4, 36))
+    ours = dot_product_attention(q, k, v, is_causal=True,
+                                 implementation='blockwise')
+    chex.assert_trees_all_close(
+        ours, reference.reference_attention(q, k, v, is_causal=True),
+        atol=2e-5)
 
   def test_grouped_heads_need_less_peak_memory_than_mha(self):
     # The benchmark's long training shape (compiled only, not run).
