@@ -144,11 +144,17 @@ def peak_bytes(run, *xs):
   return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
 
 
-def read_bandwidth(repeats) -> float:
-  """Bytes/s of a jitted sum over 1 GiB (float32): the machine's read rate."""
+def read_test():
+  """(bytes, fn): a jitted sum over 1 GiB of float32, read at full rate."""
   x = jnp.ones((2**28,), jnp.float32)
   total = jax.jit(jnp.sum)
-  return x.nbytes / median_time(lambda: total(x), repeats)
+  return x.nbytes, lambda: total(x)
+
+
+def read_bandwidth(repeats) -> float:
+  """Bytes/s of the read test: the machine's read rate."""
+  nbytes, fn = read_test()
+  return nbytes / median_time(fn, repeats)
 
 
 def bench_decode(args, dtype, env):
@@ -165,11 +171,9 @@ def bench_decode(args, dtype, env):
                                                         is_causal=True))
     contestants[K] = lambda run=run, q=q, k=k, v=v: run(q, k, v)
     kv_bytes[K] = k.nbytes + v.nbytes
-  x = jnp.ones((2**28,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  contestants['read'] = lambda: total(x)
+  read_bytes, contestants['read'] = read_test()
   times = median_times(contestants, args.repeats)
-  bandwidth = x.nbytes / times.pop('read')
+  bandwidth = read_bytes / times.pop('read')
   env['read_bandwidth_GBps'] = bandwidth / 1e9
   for K, seconds in times.items():
     rows.append({'shape': 'decode', 'K': K, 'seconds': seconds,
