@@ -9,8 +9,11 @@ prefix, so masked blocks are never computed. Each block's logits row is
 complete, so its softmax is exact (no running rescaling); its log-sum-exp is
 kept for the backward pass, which recomputes the probabilities block by
 block (FlashAttention-2's backward, Dao 2023): dQ per block, dK and dV
-accumulated over the same prefixes. `lax.map` walks the B·K groups, and each
-group's chunks of heads, so that one step's blocks stay in cache.
+accumulated over the same prefixes. A `lax.fori_loop` walks the steps, one
+chunk of heads each: a step copies its queries and its KV head out of the
+[B, T, N, H] and [B, S, K, H] arrays (small strided copies that stay in
+cache) and writes its results back in place, so no array is ever transposed
+whole and the step's blocks stay in cache.
 
 Supports causal or full attention without extra masks, soft cap or window;
 `attention.core` falls back to the dense path for the rest.
@@ -56,24 +59,35 @@ def blockwise_attention(query, key, value, *, is_causal: bool, scale: float,
   heads_and_block defaults to tiling(T, N // K); heads must divide N // K and
   block T (and T <= S when causal).
   """
-  B, T, N, H = query.shape
-  S, K = key.shape[1:3]
-  G = N // K
-  heads, block = heads_and_block or tiling(T, G)
-  # Heads-major layouts, one transpose each: X = B·K groups of G heads, in
-  # C = G // heads chunks of g = heads; b below is a block's query rows.
-  q_XCgTH = query.reshape(B, T, K, G // heads, heads, H).transpose(
-      0, 2, 3, 4, 1, 5).reshape(B * K, G // heads, heads, T, H)
-  k_XSH = key.transpose(0, 2, 1, 3).reshape(B * K, S, H)
-  v_XSH = value.transpose(0, 2, 1, 3).reshape(B * K, S, H)
-  o_XCgTH = _attention(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block)
-  return o_XCgTH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(
-      B, T, N, H)
+  T, N = query.shape[1:3]
+  heads, block = heads_and_block or tiling(T, N // key.shape[2])
+  return _attention(query, key, value, is_causal, scale, heads, block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block):
-  return _forward(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(query, key, value, is_causal, scale, heads, block):
+  return _forward(query, key, value, is_causal, scale, heads, block)[0]
+
+
+def _step(i, K, G, heads):
+  """Step i -> (batch row, KV head, first query head) of its chunk of heads."""
+  chunks = G // heads
+  b, rest = jnp.divmod(i, K * chunks)
+  k, chunk = jnp.divmod(rest, chunks)
+  return b, k, k * G + chunk * heads
+
+
+def _heads(x_BTNH, b, n, count):
+  """x[b, :, n:n + count] as [count, T, H] (x: [B, T, N, H] or [B, S, K, H])."""
+  _, T, _, H = x_BTNH.shape
+  x_1TcH = jax.lax.dynamic_slice(x_BTNH, (b, 0, n, 0), (1, T, count, H))
+  return x_1TcH[0].transpose(1, 0, 2)
+
+
+def _put_heads(x_BTNH, b, n, x_cTH):
+  """x with x[b, :, n:n + c] = x_cTH, in place."""
+  return jax.lax.dynamic_update_slice(
+      x_BTNH, x_cTH.transpose(1, 0, 2)[None].astype(x_BTNH.dtype), (b, 0, n, 0))
 
 
 def _blocks(T, S, is_causal, block):
@@ -92,8 +106,9 @@ def _logits(q_gbH, k_SH, rows, end, T, S, is_causal, scale):
   return logits_gbS
 
 
-def _forward(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block):
-  T, S = q_XCgTH.shape[3], k_XSH.shape[1]
+def _forward(query, key, value, is_causal, scale, heads, block):
+  B, T, N, _ = query.shape
+  S, K = key.shape[1:3]
 
   def one_chunk(q_gTH, k_SH, v_SH):
     outs, lses = [], []
@@ -109,27 +124,35 @@ def _forward(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block):
       lses.append(max_gb1[..., 0] + jnp.log(sum_gb1[..., 0]))
     return jnp.concatenate(outs, 1), jnp.concatenate(lses, 1)
 
-  def one_group(args):  # One (batch, KV head), its query heads chunk by chunk.
-    q_CgTH, k_SH, v_SH = args
-    return jax.lax.map(lambda q_gTH: one_chunk(q_gTH, k_SH, v_SH), q_CgTH)
+  def step(i, carry):
+    out_BTNH, lse_BNT = carry
+    b, k, n = _step(i, K, N // K, heads)
+    o_gTH, lse_gT = one_chunk(_heads(query, b, n, heads),
+                              _heads(key, b, k, 1)[0],
+                              _heads(value, b, k, 1)[0])
+    return (_put_heads(out_BTNH, b, n, o_gTH),
+            jax.lax.dynamic_update_slice(lse_BNT, lse_gT[None], (b, n, 0)))
 
-  o_XCgTH, lse_XCgT = jax.lax.map(one_group, (q_XCgTH, k_XSH, v_XSH))
-  return o_XCgTH, (q_XCgTH, k_XSH, v_XSH, o_XCgTH, lse_XCgT)
+  out_BTNH, lse_BNT = jax.lax.fori_loop(
+      0, B * N // heads, step,
+      (jnp.zeros_like(query), jnp.zeros((B, N, T), jnp.float32)))
+  return out_BTNH, (query, key, value, out_BTNH, lse_BNT)
 
 
-def _forward_vjp(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block):
-  return _forward(q_XCgTH, k_XSH, v_XSH, is_causal, scale, block)
+def _forward_vjp(query, key, value, is_causal, scale, heads, block):
+  return _forward(query, key, value, is_causal, scale, heads, block)
 
 
-def _backward(is_causal, scale, block, residuals, do_XCgTH):
-  q_XCgTH, k_XSH, v_XSH, o_XCgTH, lse_XCgT = residuals
-  T, S = q_XCgTH.shape[3], k_XSH.shape[1]
+def _backward(is_causal, scale, heads, block, residuals, do_BTNH):
+  query, key, value, out_BTNH, lse_BNT = residuals
+  B, T, N, H = query.shape
+  S, K = key.shape[1:3]
   # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax Jacobian's term.
-  delta_XCgT = jnp.einsum('XCgTH,XCgTH->XCgT', do_XCgTH.astype(jnp.float32),
-                          o_XCgTH.astype(jnp.float32))
+  delta_BNT = jnp.einsum('BTNH,BTNH->BNT', do_BTNH.astype(jnp.float32),
+                         out_BTNH.astype(jnp.float32))
 
-  def one_chunk(dk_HS, dv_HS, chunk, k_SH, v_SH):
-    q_gTH, do_gTH, lse_gT, delta_gT = chunk
+  def one_chunk(q_gTH, do_gTH, lse_gT, delta_gT, k_SH, v_SH):
+    dk_HS = dv_HS = jnp.zeros((H, S), jnp.float32)
     dqs = []
     for rows, end in _blocks(T, S, is_causal, block):
       q_gbH, do_gbH = q_gTH[:, rows], do_gTH[:, rows]
@@ -143,21 +166,28 @@ def _backward(is_causal, scale, block, residuals, do_XCgTH):
       # (an [S, H] result would first copy each block's ds and p transposed).
       dk_HS = dk_HS.at[:, :end].add(jnp.einsum('gbH,gbS->HS', q_gbH, ds_gbS))
       dv_HS = dv_HS.at[:, :end].add(jnp.einsum('gbH,gbS->HS', do_gbH, p_gbS))
-    return (dk_HS, dv_HS), jnp.concatenate(dqs, 1)
+    return jnp.concatenate(dqs, 1), dk_HS, dv_HS
 
-  def one_group(args):  # dK, dV summed over the group's chunks of heads.
-    q_CgTH, k_SH, v_SH, do_CgTH, lse_CgT, delta_CgT = args
-    zeros_HS = jnp.zeros(k_SH.shape[::-1], jnp.float32)
-    (dk_HS, dv_HS), dq_CgTH = jax.lax.scan(
-        lambda carry, chunk: one_chunk(*carry, chunk, k_SH, v_SH),
-        (zeros_HS, zeros_HS), (q_CgTH, do_CgTH, lse_CgT, delta_CgT))
-    return dq_CgTH, dk_HS.T, dv_HS.T
+  def step(i, carry):
+    dq_BTNH, dk_BSKH, dv_BSKH = carry
+    b, k, n = _step(i, K, N // K, heads)
+    rows_gT = lambda x_BNT: jax.lax.dynamic_slice(x_BNT, (b, n, 0),
+                                                  (1, heads, T))[0]
+    dq_gTH, dk_HS, dv_HS = one_chunk(
+        _heads(query, b, n, heads), _heads(do_BTNH, b, n, heads),
+        rows_gT(lse_BNT), rows_gT(delta_BNT), _heads(key, b, k, 1)[0],
+        _heads(value, b, k, 1)[0])
+    # A KV head's gradient sums over its chunks of query heads.
+    add = lambda d_BSKH, d_HS: _put_heads(
+        d_BSKH, b, k, _heads(d_BSKH, b, k, 1) + d_HS.T[None])
+    return (_put_heads(dq_BTNH, b, n, dq_gTH), add(dk_BSKH, dk_HS),
+            add(dv_BSKH, dv_HS))
 
-  dq, dk, dv = jax.lax.map(
-      one_group, (q_XCgTH, k_XSH, v_XSH, do_XCgTH, lse_XCgT, delta_XCgT))
-  return (dq.astype(q_XCgTH.dtype), dk.astype(k_XSH.dtype),
-          dv.astype(v_XSH.dtype))
+  f32_zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, dk, dv = jax.lax.fori_loop(
+      0, B * N // heads, step,
+      (f32_zeros(query), f32_zeros(key), f32_zeros(value)))
+  return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
 _attention.defvjp(_forward_vjp, _backward)
-
