@@ -86,8 +86,8 @@ def _heads(x_BTNH, b, n, count):
 
 def _put_heads(x_BTNH, b, n, x_cTH):
   """x with x[b, :, n:n + c] = x_cTH, in place."""
-  return jax.lax.dynamic_update_slice(
-      x_BTNH, x_cTH.transpose(1, 0, 2)[None].astype(x_BTNH.dtype), (b, 0, n, 0))
+  x_1TcH = x_cTH.transpose(1, 0, 2)[None].astype(x_BTNH.dtype)
+  return jax.lax.dynamic_update_slice(x_BTNH, x_1TcH, (b, 0, n, 0))
 
 
 def _blocks(T, S, is_causal, block):
