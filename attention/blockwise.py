@@ -33,11 +33,11 @@ MIN_LENGTH = 256  # Below this the dense path is as fast (BENCHMARKS.md).
 def tiling(T: int, G: int) -> tuple[int, int]:
   """(heads, block): query heads of a KV group taken together, rows per block.
 
-  Heads sharing a KV head are multiplied together (bigger matmuls, the K/V
-  prefix read once for all of them: 1.1-1.2x faster backward at T = 2048),
-  but at most 4096 query rows, heads·T, per step: XLA's CPU scheduler runs
-  the independent blocks of a step concurrently, so all their temporaries can
-  be live at once, and taking all G heads let MQA's peak memory exceed MHA's.
+  Heads sharing a KV head are multiplied together (bigger matmuls, and the
+  K/V prefix read once for all of them), but at most 4096 query rows,
+  heads·T, per step: XLA's CPU scheduler runs the independent blocks of a
+  step concurrently, so all their temporaries can be live at once, and
+  taking all G heads let MQA's peak memory exceed MHA's.
   Rows per block heads·block ~ 128 (256 past T = 1024), measured: blocks that
   fit a core's L2 cache win; at most 32 blocks keep compile time short (and
   XLA's simplifier out of trouble). block = T when no power of two divides T.
