@@ -139,10 +139,6 @@ def _forward(query, key, value, is_causal, scale, heads, block):
   return out_BTNH, (query, key, value, out_BTNH, lse_BNT)
 
 
-def _forward_vjp(query, key, value, is_causal, scale, heads, block):
-  return _forward(query, key, value, is_causal, scale, heads, block)
-
-
 def _backward(is_causal, scale, heads, block, residuals, do_BTNH):
   query, key, value, out_BTNH, lse_BNT = residuals
   B, T, N, H = query.shape
@@ -190,4 +186,4 @@ def _backward(is_causal, scale, heads, block, residuals, do_BTNH):
   return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
 
 
-_attention.defvjp(_forward_vjp, _backward)
+_attention.defvjp(_forward, _backward)  # _forward returns the residuals.
