@@ -1,9 +1,20 @@
-"""Orbax checkpoints of the train state in WORKDIR/checkpoints, and resume."""
+"""Orbax checkpoints of the train state in WORKDIR/checkpoints, and resume.
+
+A checkpoint that cannot be read (a truncated or overwritten array file, empty
+metadata) is never a traceback: `Checkpointer.restore` moves it to
+WORKDIR/unreadable_checkpoints/ (nothing is deleted) and resumes from the
+newest intact one, with a warning; the read-only `restore_latest` (sampling,
+conversion) stops with one line naming the step directory to remove.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
+import shutil
+import sys
+from typing import Callable
 
 from flax import serialization
 import jax
@@ -12,27 +23,52 @@ import orbax.checkpoint as ocp
 
 from train.errors import UserError
 
+UNREADABLE_DIR = 'unreadable_checkpoints'
+
 
 class Checkpointer:
   """Saves every `every` steps (and on demand), keeps the last `keep`."""
 
   def __init__(self, workdir: str, *, every: int, keep: int):
-    self.directory = pathlib.Path(workdir).absolute() / 'checkpoints'
+    self.workdir = pathlib.Path(workdir).absolute()
+    self.directory = self.workdir / 'checkpoints'
     self.every = every
-    self._manager = ocp.CheckpointManager(
+    self._keep = keep
+    self._manager = self._open()
+
+  def _open(self):
+    return ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=self._keep, create=True,
+            # The temporary folders of saves that a kill interrupted.
+            cleanup_tmp_directories=True),
         item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def restore(self, abstract_state):
-    """Restores the latest checkpoint onto `abstract_state`'s shapes/shardings."""
-    step = self._manager.latest_step()
-    self._check_shapes(step, abstract_state)
-    return self._manager.restore(
-        step, args=ocp.args.StandardRestore(abstract_state))
+  def restore(self, abstract_state, warn: Callable[[str], None] = print):
+    """(step, state) of the newest intact checkpoint, or None if there is none.
+
+    Restores onto `abstract_state`'s shapes and shardings. Unreadable newer
+    checkpoints are moved out of the way (to WORKDIR/unreadable_checkpoints)
+    with a warning, so that training does not stop on them or overwrite them.
+    """
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        with _quiet_orbax():
+          self._check_shapes(step, abstract_state)
+          state = self._manager.restore(
+              step, args=ocp.args.StandardRestore(abstract_state))
+        return step, state
+      except UserError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        moved = self._move_aside(step)
+        warn(f'warning: checkpoint step {step} cannot be read '
+             f'({_cause(e)}); moved it to {moved}, trying the one before')
+    return None
 
   def save(self, step: int, state, *, force: bool = False) -> bool:
     if not force and step % self.every:
@@ -42,9 +78,24 @@ class Checkpointer:
     return self._manager.save(step, args=ocp.args.StandardSave(state),
                               force=True)
 
-  def close(self):
+  def wait(self):
+    """Blocks until every pending (asynchronous) save is on disk."""
     self._manager.wait_until_finished()
+
+  def close(self):
+    self.wait()
     self._manager.close()
+
+  def _move_aside(self, step: int) -> pathlib.Path:
+    target = self.workdir / UNREADABLE_DIR / str(step)
+    if jax.process_index() == 0:
+      if target.exists():
+        shutil.rmtree(target)
+      target.parent.mkdir(exist_ok=True)
+      shutil.move(str(self.directory / str(step)), str(target))
+    self._manager.close()
+    self._manager = self._open()
+    return target
 
   def _check_shapes(self, step, abstract_state):
     """Names the first parameter whose shape differs from this run's model."""
@@ -67,25 +118,76 @@ def _flatten(tree):
   return [(jax.tree_util.keystr(p), leaf) for p, leaf in flat]
 
 
+def _cause(error: BaseException) -> str:
+  """The innermost error's first line: TensorStore names the array and file."""
+  while error.__cause__ is not None or error.__context__ is not None:
+    error = error.__cause__ or error.__context__
+  line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  return line if len(line) <= 300 else line[:297] + '...'
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Silences the 'Exception ignored in coroutine' reports of a failed read.
+
+  Orbax reads arrays concurrently; when one read fails, the others' failures
+  are reported through sys.unraisablehook as tracebacks after ours.
+  """
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda _: None
+  try:
+    yield
+  finally:
+    sys.unraisablehook = hook
+
+
 def restore_latest(workdir: str) -> tuple[int, dict]:
-  """(step, saved state as a dict of arrays) of WORKDIR's latest checkpoint."""
+  """(step, saved state as a dict of arrays) of WORKDIR's latest checkpoint.
+
+  Read-only: nothing in WORKDIR is created, moved or changed.
+  """
   directory = pathlib.Path(workdir).absolute() / 'checkpoints'
-  manager = ocp.CheckpointManager(
-      directory, item_handlers=ocp.StandardCheckpointHandler())
-  step = manager.latest_step()
+  manager = None
+  if directory.is_dir():
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(create=False),
+        item_handlers=ocp.StandardCheckpointHandler())
+  step = manager and manager.latest_step()
   if step is None:
-    raise UserError(f'no checkpoint in {directory}; train first with '
+    raise UserError(f'no checkpoint in {directory} yet; train first with '
                     f'python -m train.main --workdir={workdir}')
-  return step, manager.restore(step, args=ocp.args.StandardRestore())
+  try:
+    with _quiet_orbax():
+      return step, manager.restore(step, args=ocp.args.StandardRestore())
+  except Exception as e:  # pylint: disable=broad-except
+    older = [s for s in manager.all_steps() if s < step]
+    fallback = (f'to use step {max(older)}' if older else
+                'and retrain (no older checkpoint)')
+    raise UserError(
+        f'checkpoint step {step} in {directory} cannot be read ({_cause(e)}); '
+        f'move or remove {directory / str(step)} {fallback}') from None
+  finally:
+    manager.close()
 
 
-def load_workdir(workdir: str):
-  """(ModelConfig, params, ConfigDict) of a train.main WORKDIR's latest step."""
+def load_workdir(workdir: str, flag: str = '--workdir'):
+  """(ModelConfig, params, ConfigDict) of a train.main WORKDIR's latest step.
+
+  flag: the command-line flag that named WORKDIR, for the error messages.
+  """
   from ml_collections import config_dict  # pylint: disable=import-outside-toplevel
   from train import config_lib  # pylint: disable=import-outside-toplevel
   path = pathlib.Path(workdir) / 'config.json'
+  if not pathlib.Path(workdir).is_dir():
+    raise UserError(f'{flag}={workdir} is not a directory; give the workdir '
+                    'of a train.main run')
   if not path.exists():
-    raise UserError(f'{path} not found; --workdir must be a train.main workdir')
-  config = config_dict.ConfigDict(json.loads(path.read_text()))
+    raise UserError(f'{path} not found; {flag} must be a train.main workdir '
+                    'with a checkpoint')
+  try:
+    config = config_dict.ConfigDict(json.loads(path.read_text()))
+  except json.JSONDecodeError as e:
+    raise UserError(f'{path} is not valid JSON ({e}); restore it from the '
+                    'config the run was started with') from None
   _, state = restore_latest(workdir)
   return config_lib.model_config(config), state['params'], config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -17,6 +18,7 @@ import optax
 
 from attention import Attention
 from train import config_lib, data as data_lib, flops, sharding
+from train import workdir as workdir_lib
 from train.checkpoint import Checkpointer
 from train.errors import UserError
 from train.model import Transformer
@@ -109,12 +111,42 @@ def train_and_evaluate(config, workdir: str, *,
 
   Stops early, saving a checkpoint, when `should_stop()` turns true (the
   signal handlers in `train.main` use it); then the returned record has
-  'stopped_at'.
+  'stopped_at'. Holds WORKDIR/lock throughout (`train.workdir`), and on every
+  way out, an error included, waits for pending checkpoint saves.
   """
-  num_devices = jax.device_count()
   mesh = sharding.make_mesh(config.mesh)
   config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
                       jax.process_count())
+  path = workdir_lib.check_writable(workdir)
+  is_chief = jax.process_index() == 0  # Writes the files beside checkpoints.
+  with workdir_lib.lock(path, enabled=is_chief):
+    run = _setup(config, path, mesh, is_chief)
+    try:
+      return _train(run, config, should_stop)
+    finally:
+      run.checkpointer.close()
+      run.reporter.close()
+
+
+@dataclasses.dataclass
+class _Run:
+  """What the loop works with, built once by `_setup`."""
+  workdir: pathlib.Path
+  state: TrainState
+  start: int  # First step to run (the restored step, or 0).
+  step_fn: Callable  # Compiled (state, batch) -> (state, metrics).
+  evaluate: Callable  # params -> {'eval_loss', 'eval_accuracy'[, 'eval_bpb']}
+  get_batch: Callable  # step -> global training batch.
+  schedule: optax.Schedule
+  checkpointer: Checkpointer
+  reporter: Reporter
+  tokens_per_step: int
+  flops_per_token: float
+  peak_flops: float  # Of all devices together.
+  write_config: Callable[[], None]  # config.json, once it describes a save.
+
+
+def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
   mc = config_lib.model_config(config)
   rules = sharding.rules(mc, mesh)
   tc, dc = config.train, config.data
@@ -127,8 +159,6 @@ def train_and_evaluate(config, workdir: str, *,
                     f'{dataset.vocab_size - 1}; set model.vocab_size >= '
                     f'{dataset.vocab_size}')
 
-  workdir_path = pathlib.Path(workdir)
-  workdir_path.mkdir(parents=True, exist_ok=True)
   model = Transformer(mc)
   tx, schedule = make_optimizer(tc)
   batch_sharding = sharding.batch_sharding(mesh)
@@ -138,20 +168,21 @@ def train_and_evaluate(config, workdir: str, *,
       jax.eval_shape(lambda: init_params(model, config.seed)), tx, abstract,
       mesh, rules)
 
-  checkpointer = Checkpointer(workdir, every=tc.checkpoint_every,
+  say = print if is_chief else lambda _: None
+  checkpointer = Checkpointer(str(path), every=tc.checkpoint_every,
                               keep=tc.keep_checkpoints)
-  resume_step = checkpointer.latest_step()
-  if resume_step is not None:  # Onto this run's mesh, whatever wrote it.
-    state = checkpointer.restore(jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        abstract, state_sharding))
+  restored = checkpointer.restore(  # Onto this run's mesh, whatever wrote it.
+      jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          abstract, state_sharding), warn=say)
+  if restored is not None:
+    resume_step, state = restored
   else:
+    resume_step = None
     state = jax.jit(lambda: init_state(model, tx, config.seed),
                     out_shardings=state_sharding)()
-  is_chief = jax.process_index() == 0  # Writes the files beside checkpoints.
-  if is_chief:
-    (workdir_path / 'config.json').write_text(config.to_json(indent=2))
 
+  num_devices = jax.device_count()
   n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
   kv_bytes = mc.num_layers * Attention(
       mc.num_heads, mc.num_kv_heads, mc.head_dim).kv_cache_bytes(
@@ -159,9 +190,8 @@ def train_and_evaluate(config, workdir: str, *,
   flops_per_token = flops.training_flops_per_token(
       **config.model, seq_len=dc.seq_len)
   peak, peak_source = flops.peak_flops()
-  tokens_per_step = tc.batch_size * dc.seq_len
 
-  reporter = Reporter(workdir, tc.steps, enabled=is_chief,
+  reporter = Reporter(str(path), tc.steps, enabled=is_chief,
                       resume_step=resume_step or 0)
   say = reporter.message
   say(f'config:\n{config}')
@@ -175,14 +205,6 @@ def train_and_evaluate(config, workdir: str, *,
       f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
   if resume_step is not None:
     say(f'resuming from step {resume_step} ({checkpointer.directory})')
-  if int(state.step) >= tc.steps:
-    say(f'{workdir} is already trained to step {int(state.step)} '
-        f'(train.steps={tc.steps}); nothing to do. Raise '
-        '--config.train.steps to train on, or use a new --workdir')
-    checkpointer.close()
-    reporter.close()
-    final = workdir_path / 'final.json'  # Absent if a crash followed the save.
-    return json.loads(final.read_text()) if final.exists() else {}
 
   def global_batch(split, **kwargs):
     # Each host makes only its rows; together they form the global batch.
@@ -191,9 +213,6 @@ def train_and_evaluate(config, workdir: str, *,
                           num_shards=jax.process_count(), **kwargs)
     return jax.make_array_from_process_local_data(
         batch_sharding, local, (tc.batch_size, dc.seq_len + 1))
-
-  def get_batch(step):
-    return global_batch('train', seed=config.seed, step=step)
 
   weights_T = dataset.loss_weights
   step_fn = jax.jit(
@@ -206,10 +225,12 @@ def train_and_evaluate(config, workdir: str, *,
                                            weights_T=weights_T),
                     in_shardings=(state_sharding.params, batch_sharding),
                     out_shardings=replicated)
+  get_batch = lambda step: global_batch('train', seed=config.seed, step=step)
   start = int(state.step)
-  t0 = time.perf_counter()
-  step_fn = step_fn.lower(state, get_batch(start)).compile()
-  say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
+  if start < tc.steps:
+    t0 = time.perf_counter()
+    step_fn = step_fn.lower(state, get_batch(start)).compile()
+    say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
   eval_batches = [global_batch('val', seed=0, step=i, stream=1)
                   for i in range(tc.eval_batches)]
 
@@ -221,76 +242,137 @@ def train_and_evaluate(config, workdir: str, *,
       out['eval_bpb'] = loss / math.log(2) / dataset.bytes_per_token
     return out
 
-  def check_finite(step, metrics):
-    if not all(np.isfinite(float(v)) for v in metrics.values()):
-      last = checkpointer.latest_step()
-      raise UserError(
-          f'non-finite loss or gradient at step {step} ({metrics}); stopped; '
-          f'the last good checkpoint is step {last}; lower '
-          'train.learning_rate or check the data')
+  def write_config():
+    if is_chief:
+      _write_atomically(path / 'config.json', config.to_json(indent=2))
+
+  return _Run(path, state, start, step_fn, evaluate, get_batch, schedule,
+              checkpointer, reporter, tc.batch_size * dc.seq_len,
+              flops_per_token, peak * num_devices, write_config)
+
+
+class _NonFinite(Exception):
+  """A step's loss or gradient norm is NaN or infinite."""
+
+
+class _Window:
+  """Host metrics of the steps since the last log line.
+
+  Device metrics are fetched one step behind, so the host never waits on
+  the step it has just dispatched; each fetched step is checked for
+  non-finite values and timed from the previous fetch.
+  """
+
+  def __init__(self):
+    self.rows, self._pending, self._t_last = [], None, time.perf_counter()
+
+  def add(self, step: int, metrics):
+    """Records step's device metrics; fetches the step before it."""
+    self.fetch()
+    self._pending = (step, metrics)
+
+  def fetch(self):
+    """Waits for the pending step's metrics, if any."""
+    if self._pending is None:
+      return
+    step, host = self._pending[0], jax.device_get(self._pending[1])
+    self._pending = None
+    if not all(np.isfinite(float(v)) for v in host.values()):
+      raise _NonFinite(f'at step {step} ({_rounded(host)})')
+    now = time.perf_counter()
+    self.rows.append({**host, 'step_time': now - self._t_last})
+    self._t_last = now
+
+  def take(self) -> list[dict]:
+    """The fetched rows, emptied; the clock restarts (eval and saves are
+    not step time)."""
+    rows, self.rows = self.rows, []
+    self._t_last = time.perf_counter()
+    return rows
+
+
+def _train(run: _Run, config, should_stop) -> dict:
+  tc = config.train
+  state, workdir = run.state, run.workdir
+  if run.start >= tc.steps:
+    run.reporter.message(
+        f'{workdir} is already trained to step {run.start} (train.steps='
+        f'{tc.steps}); nothing to do. Raise --config.train.steps to train '
+        'on, or use a new --workdir')
+    final = workdir / 'final.json'  # Absent if a crash followed the save.
+    return json.loads(final.read_text()) if final.exists() else {}
 
   train_seconds = 0.0  # Wall time in train steps, excluding eval and saving.
-  pending = None  # (step, device metrics): fetched one step behind.
-  window = []  # Host metrics since the last log line.
-  t_last = time.perf_counter()
-  record = {}
-  stopped_at = None
-  for step in range(start, tc.steps):
-    batch = get_batch(step)
-    state, metrics = step_fn(state, batch)
-    if pending is not None:
-      # Waits for the previous step only, while this one runs on the device.
-      done_step, host = pending[0], jax.device_get(pending[1])
-      check_finite(done_step, host)
-      now = time.perf_counter()
-      window.append({**host, 'step_time': now - t_last})
-      t_last = now
-    pending = (step + 1, metrics)
+  window, record, stopped_at, config_written = _Window(), {}, None, False
+  for step in range(run.start, tc.steps):
+    state, metrics = run.step_fn(state, run.get_batch(step))
     n = step + 1
-    last = n == tc.steps
-    stop = should_stop()
-    if not (last or stop or n % tc.log_every == 0 or n % tc.eval_every == 0
-            or n % tc.checkpoint_every == 0):
-      continue
-    host = jax.device_get(pending[1])  # Logging/eval/saving steps sync here.
-    check_finite(n, host)
-    now = time.perf_counter()
-    window.append({**host, 'step_time': now - t_last})
-    t_last = now
-    pending = None
-    step_time = float(np.mean([w['step_time'] for w in window]))
-    train_seconds += sum(w['step_time'] for w in window)
+    try:
+      window.add(n, metrics)
+      last, stop = n == tc.steps, should_stop()
+      if not (last or stop or n % tc.log_every == 0 or n % tc.eval_every == 0
+              or n % tc.checkpoint_every == 0):
+        continue
+      window.fetch()  # Logging, evaluation and saving steps sync here.
+    except _NonFinite as e:
+      run.checkpointer.wait()  # The last good save must be complete.
+      last_good = run.checkpointer.latest_step()
+      raise UserError(
+          f'non-finite loss or gradient {e}; stopped; '
+          + ('no checkpoint yet' if last_good is None else
+             f'the last good checkpoint is step {last_good}')
+          + '; lower train.learning_rate or check the data') from None
+    rows = window.take()
+    step_time = float(np.mean([r['step_time'] for r in rows]))
+    train_seconds += sum(r['step_time'] for r in rows)
     record = {
-        'loss': float(host['loss']),  # This step's, so a resume logs the same.
-        'grad_norm': float(host['grad_norm']),
-        'learning_rate': float(schedule(step)),
+        'loss': float(rows[-1]['loss']),  # This step's: a resume logs the same.
+        'grad_norm': float(rows[-1]['grad_norm']),
+        'learning_rate': float(run.schedule(step)),
         'step_time': step_time,
-        'tokens_per_sec': tokens_per_step / step_time,
-        'tokens_per_sec_per_device': tokens_per_step / step_time / num_devices,
-        'mfu': tokens_per_step / step_time * flops_per_token
-               / (peak * num_devices),
+        'tokens_per_sec': run.tokens_per_step / step_time,
+        'tokens_per_sec_per_device':
+            run.tokens_per_step / step_time / jax.device_count(),
+        'mfu': run.tokens_per_step / step_time * run.flops_per_token
+               / run.peak_flops,
         'train_seconds': train_seconds,  # Since this process started.
     }
-    window = []
     if last or n % tc.eval_every == 0:
-      record.update(evaluate(state.params))
-    checkpointer.save(n, state, force=last or stop)
-    reporter.log(n, record)
-    t_last = time.perf_counter()  # Evaluation and saving are not step time.
+      record.update(run.evaluate(state.params))
+    if not config_written and (last or stop or n % tc.checkpoint_every == 0):
+      # Written with this run's first save, so that it describes the
+      # checkpoints: a run that fails before saving leaves the old one.
+      run.write_config()
+      config_written = True
+    # Logged before the save starts: a kill between the two then resumes
+    # from an earlier step and logs this one again, never leaves it out.
+    run.reporter.log(n, record)
+    run.checkpointer.save(n, state, force=last or stop)
+    window.take()
     if stop and not last:
       stopped_at = n
       break
-  checkpointer.close()
+  run.checkpointer.wait()
+  say = run.reporter.message
   if stopped_at is not None:
     say(f'stopped at step {stopped_at}; checkpoint saved; rerun the same '
         'command to resume')
     record['stopped_at'] = stopped_at
-  elif record:
+  else:
     summary = f'done: step {tc.steps}, held-out loss {record["eval_loss"]:.4f}'
     if 'eval_bpb' in record:
       summary += f' nats/token = {record["eval_bpb"]:.3f} bits/byte'
     say(f'{summary}, next-token accuracy {record["eval_accuracy"]:.3f}')
-  reporter.close()
-  if is_chief:
-    (workdir_path / 'final.json').write_text(json.dumps(record))
+  if jax.process_index() == 0:
+    _write_atomically(workdir / 'final.json', json.dumps(record))
   return record
+
+
+def _rounded(metrics: dict) -> dict:
+  return {k: float(f'{float(v):.4g}') for k, v in metrics.items()}
+
+
+def _write_atomically(path: pathlib.Path, text: str):
+  tmp = path.with_name(f'.{path.name}.tmp')
+  tmp.write_text(text)
+  tmp.replace(path)

@@ -21,8 +21,8 @@ class Reporter:
     self.enabled = enabled
     self.total_steps = total_steps
     self.interactive = sys.stderr.isatty()
-    self._start = time.perf_counter()
-    self._start_step = resume_step
+    self._first_log = None  # (time, step): the ETA counts from here, after
+    # compilation, which would otherwise dominate a short (resumed) run.
     if not enabled:
       return
     path = pathlib.Path(workdir) / 'metrics.jsonl'
@@ -57,9 +57,13 @@ class Reporter:
       self._tb.close()
 
   def _show(self, step, record):
-    elapsed = time.perf_counter() - self._start
-    done = step - self._start_step
-    eta = elapsed / done * (self.total_steps - step) if done else math.nan
+    now = time.perf_counter()
+    if self._first_log is None:
+      self._first_log = (now, step)
+      seconds_per_step = record['step_time']
+    else:
+      seconds_per_step = (now - self._first_log[0]) / (step - self._first_log[1])
+    eta = seconds_per_step * (self.total_steps - step)
     parts = [f'step {step}/{self.total_steps}', f'loss {record["loss"]:.4f}']
     if 'eval_loss' in record:
       parts.append(f'eval {record["eval_loss"]:.4f}')
@@ -81,15 +85,28 @@ class Reporter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  path = pathlib.Path(workdir) / 'metrics.jsonl'
-  return [json.loads(line) for line in path.read_text().splitlines() if line]
+  return _records(pathlib.Path(workdir) / 'metrics.jsonl')
+
+
+def _records(path: pathlib.Path) -> list[dict]:
+  """The records of a metrics.jsonl, without the partial line a kill
+  mid-write leaves."""
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
 
 
 def _truncate_after(path: pathlib.Path, step: int):
+  """Drops the records past `step` (the resumed checkpoint): they rerun."""
   if path.exists():
-    kept = [line for line in path.read_text().splitlines()
-            if line and json.loads(line)['step'] <= step]
-    path.write_text(''.join(line + '\n' for line in kept))
+    kept = [r for r in _records(path) if r.get('step', math.inf) <= step]
+    tmp = path.with_name(f'.{path.name}.tmp')
+    tmp.write_text(''.join(json.dumps(r) + '\n' for r in kept))
+    tmp.replace(path)
 
 
 def _plain(value):

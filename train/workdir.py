@@ -1,0 +1,87 @@
+"""A run's workdir: checked before any work, and held by one run at a time.
+
+Two runs writing one workdir interleave their metrics and race their
+checkpoint saves, so `train.main` holds WORKDIR/lock for the whole run: an
+exclusive `flock` on a file naming the holder's host and pid. The kernel drops
+the flock when its process dies, however it dies (SIGKILL included), so a
+lock file whose flock can be taken is stale, and is taken over with a note.
+The file stays after a run, empty. Multi-host runs share one workdir by
+design: only process 0 writes, and only process 0 takes the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pathlib
+import socket
+from typing import Callable, Iterator
+
+from train.errors import UserError
+
+LOCK_NAME = 'lock'
+
+
+def check_writable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
+  """Creates WORKDIR if needed; raises UserError if it cannot hold a run."""
+  if not workdir:
+    raise UserError(f'{flag} is empty; give a directory for the run')
+  path = pathlib.Path(workdir).expanduser()
+  if path.exists() and not path.is_dir():
+    raise UserError(f'{flag}={workdir} is a file, not a directory; give a '
+                    'directory (new or a run\'s) instead')
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f'.write-test-{os.getpid()}'
+    probe.touch()
+    probe.unlink()
+  except OSError as e:
+    raise UserError(f'{flag}={workdir} cannot be written ({e.strerror}); '
+                    'give a directory you can write to') from None
+  return path
+
+
+def check_readable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
+  """WORKDIR as a path; raises UserError unless it is an existing directory."""
+  path = pathlib.Path(workdir).expanduser()
+  if not path.is_dir():
+    raise UserError(f'{flag}={workdir} is not a directory; give the workdir '
+                    'of a train.main run')
+  return path
+
+
+@contextlib.contextmanager
+def lock(workdir: str | os.PathLike, *, enabled: bool = True,
+         say: Callable[[str], None] = print) -> Iterator[None]:
+  """Holds WORKDIR/lock for the duration; refuses if a live run holds it."""
+  if not enabled:
+    yield
+    return
+  path = pathlib.Path(workdir) / LOCK_NAME
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise UserError(
+          f'{workdir} is in use by another run ({_holder(fd)}); wait for it '
+          'to finish or stop it, or use another --workdir') from None
+    stale = _holder(fd)
+    if stale:
+      say(f'note: taking over the lock of a run that ended without releasing '
+          f'it ({stale})')
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f'host {socket.gethostname()} pid {os.getpid()}\n'.encode(),
+              0)
+    try:
+      yield
+    finally:
+      os.ftruncate(fd, 0)  # Emptied, not removed: a removed file could be
+      # flocked by one waiter while the next creates and flocks a new one.
+  finally:
+    os.close(fd)  # Releases the flock.
+
+
+def _holder(fd: int) -> str:
+  return os.pread(fd, 200, 0).decode(errors='replace').strip()
