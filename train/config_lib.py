@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import pathlib
 
@@ -40,10 +41,64 @@ def resolve(argv: list[str]) -> list[str]:
   return out
 
 
+def load(name: str) -> config_dict.ConfigDict:
+  """The config called NAME in configs/, or the one in the .py file NAME."""
+  path = pathlib.Path(resolve([f'--config={name}'])[0].split('=', 1)[1])
+  spec = importlib.util.spec_from_file_location(f'config_{path.stem}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def model_config(config: config_dict.ConfigDict) -> ModelConfig:
   fields = config.model.to_dict()
   fields['dtype'] = DTYPES[fields['dtype']]
   return ModelConfig(**fields)
+
+
+def _is(low=None, high=None, *, low_open=False, high_open=False,
+        optional=False, integer=False):
+  """A range check: (predicate, what the value must be)."""
+  def check(x):
+    if x is None:
+      return optional
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+      return False
+    if integer and x != int(x) or not math.isfinite(x):
+      return False
+    if low is not None and (x <= low if low_open else x < low):
+      return False
+    return high is None or (x < high if high_open else x <= high)
+  bounds = [f'{">" if low_open else ">="} {low}' if low is not None else '',
+            f'{"<" if high_open else "<="} {high}' if high is not None else '']
+  what = ' and '.join(b for b in bounds if b) or 'finite'
+  what = f'{"an integer" if integer else "a number"} {what}'
+  return check, what + (' (or None)' if optional else '')
+
+
+_COUNT = _is(1, integer=True)
+# Every numeric field's range, in one place: (section, field) -> check.
+RANGES = {
+    **{('model', f): _COUNT for f in (
+        'vocab_size', 'num_layers', 'd_model', 'num_heads', 'num_kv_heads',
+        'head_dim', 'mlp_dim', 'max_len')},
+    ('model', 'rope_base'): _is(1, low_open=True),
+    ('model', 'local_window'): _is(1, integer=True, optional=True),
+    ('model', 'logits_soft_cap'): _is(0, low_open=True, optional=True),
+    ('data', 'seq_len'): _COUNT,
+    ('data', 'val_fraction'): _is(0, 1, low_open=True, high_open=True),
+    ('data', 'recall_pairs'): _is(0, integer=True),
+    **{('train', f): _COUNT for f in (
+        'steps', 'batch_size', 'grad_accum_steps', 'log_every', 'eval_every',
+        'eval_batches', 'checkpoint_every', 'keep_checkpoints')},
+    ('train', 'learning_rate'): _is(0, low_open=True),
+    ('train', 'warmup_steps'): _is(0, integer=True),
+    ('train', 'min_learning_rate_ratio'): _is(0, 1),
+    ('train', 'weight_decay'): _is(0),
+    ('train', 'b1'): _is(0, 1, high_open=True),
+    ('train', 'b2'): _is(0, 1, high_open=True),
+    ('train', 'grad_clip'): _is(0, low_open=True),
+}
 
 
 def validate(config: config_dict.ConfigDict, batch_shards: int,
@@ -52,17 +107,12 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
   m, d, t = config.model, config.data, config.train
   if m.dtype not in DTYPES:
     raise UserError(f'model.dtype={m.dtype!r}; use one of {sorted(DTYPES)}')
-  for section, names in (('model', ('num_layers', 'd_model', 'num_heads',
-                                    'num_kv_heads', 'head_dim', 'mlp_dim',
-                                    'max_len', 'vocab_size')),
-                         ('data', ('seq_len',)),
-                         ('train', ('steps', 'batch_size', 'grad_accum_steps',
-                                    'log_every', 'eval_every', 'eval_batches',
-                                    'checkpoint_every', 'keep_checkpoints'))):
-    for name in names:
-      if config[section][name] < 1:
-        raise UserError(f'{section}.{name}={config[section][name]} must be '
-                        'positive')
+  if not isinstance(config.seed, int) or config.seed < 0:
+    raise UserError(f'seed={config.seed!r} must be an integer >= 0')
+  for (section, name), (check, what) in RANGES.items():
+    value = config[section].get(name)
+    if not check(value):
+      raise UserError(f'{section}.{name}={value!r} must be {what}')
   if m.num_heads % m.num_kv_heads:
     divisors = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
     raise UserError(
@@ -81,9 +131,6 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
         f'data x fsdp device(s), {num_hosts} host(s) and '
         f'{t.grad_accum_steps} accumulation step(s); use a multiple of '
         f'{per_step}')
-  if t.learning_rate <= 0 or not 0 <= t.min_learning_rate_ratio <= 1:
-    raise UserError('train.learning_rate must be > 0 and '
-                    'train.min_learning_rate_ratio in [0, 1]')
   if t.warmup_steps >= t.steps:
     raise UserError(f'train.warmup_steps={t.warmup_steps} must be below '
                     f'train.steps={t.steps}')

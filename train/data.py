@@ -204,13 +204,36 @@ def _stdlib_corpus(cache_dir: str):
 
 
 def _text_bytes(p: pathlib.Path) -> np.ndarray:
+  # Hidden files and folders below p are skipped; p's own path may have any.
   files = ([p] if p.is_file() else
-           sorted(f for f in p.rglob('*') if f.is_file()
-                  and not any(part.startswith('.') for part in f.parts)))
-  data = b'\n'.join(f.read_bytes() for f in files)
+           sorted(f for f in p.rglob('*') if f.is_file() and not any(
+               part.startswith('.') for part in f.relative_to(p).parts)))
+  parts = []
+  for f in files:
+    content = f.read_bytes()
+    _check_text(f, content)
+    parts.append(content)
+  data = b'\n'.join(parts)
   if not data:
     raise UserError(f'data.path {str(p)!r} is empty; give it some text')
   return np.frombuffer(data, np.uint8)
+
+
+MAX_INVALID_UTF8 = 0.01  # Share of undecodable bytes that text may hold.
+
+
+def _check_text(f: pathlib.Path, content: bytes):
+  """Raises UserError if `content` looks binary: NUL bytes or mostly not UTF-8.
+
+  Text is trained on as its bytes, so a stray image or archive would be
+  learnt as noise; token files are read as tokens only when named *.bin.
+  """
+  sample = content[:1 << 20]
+  invalid = len(sample) - len(sample.decode('utf-8', 'ignore').encode())
+  if b'\0' in content or invalid > MAX_INVALID_UTF8 * len(sample):
+    raise UserError(
+        f'{f} is not text (NUL bytes or invalid UTF-8); remove it from '
+        'data.path, or name pre-tokenised uint16 files *.bin')
 
 
 def _tokens(p: pathlib.Path) -> np.ndarray:
