@@ -1,0 +1,1 @@
+"""Benchmarks and studies: python -m scripts.NAME (or python scripts/NAME.py)."""

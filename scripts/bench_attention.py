@@ -20,7 +20,6 @@ per second, and that as a fraction of the read bandwidth measured in this run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -31,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import dot_product_attention
+from train.errors import (ArgumentParser, exit_on_user_error, int_list,
+                          positive_int)
 
 
 def median_time(fn, repeats):
@@ -198,12 +199,10 @@ def format_row(row):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--json', help='also write the results here')
-  parser.add_argument('--repeats', type=int, default=5)
-  parser.add_argument('--lengths', type=lambda s: [int(x) for x in
-                                                   s.split(',')],
-                      default=[512, 2048])
+  parser.add_argument('--repeats', type=positive_int, default=5)
+  parser.add_argument('--lengths', type=int_list, default=[512, 2048])
   parser.add_argument('--markdown', help='write the results as this file')
   parser.add_argument('--skip_decode', action='store_true')
   args = parser.parse_args()
@@ -267,4 +266,4 @@ def markdown(env, rows, argv) -> str:
 
 
 if __name__ == '__main__':
-  main()
+  exit_on_user_error(main)

@@ -13,7 +13,6 @@ and are included). Writes decode.json and decode.png under --out.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -26,6 +25,8 @@ import numpy as np
 
 from scripts import bench_attention
 from train import config_lib, loop
+from train.errors import (ArgumentParser, exit_on_user_error, int_list,
+                          positive_int)
 from train.model import Transformer, unroll_layers
 
 
@@ -63,17 +64,16 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', default='8,2,1')
-  parser.add_argument('--batches', default='1,16,64,256')
-  parser.add_argument('--contexts', default='256,1024,2048')
-  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
+  parser.add_argument('--batches', type=int_list, default=[1, 16, 64, 256])
+  parser.add_argument('--contexts', type=int_list, default=[256, 1024, 2048])
+  parser.add_argument('--repeats', type=positive_int, default=5)
   parser.add_argument('--out', default='out/decode')
   args = parser.parse_args()
-  results = run(args.config, [int(k) for k in args.kv_heads.split(',')],
-                [int(b) for b in args.batches.split(',')],
-                [int(c) for c in args.contexts.split(',')], args.repeats)
+  results = run(args.config, args.kv_heads, args.batches, args.contexts,
+                args.repeats)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / 'decode.json').write_text(json.dumps(results, indent=1))
@@ -82,8 +82,10 @@ def main():
 
 
 def run(config_name, kv_heads, batches, contexts, repeats):
-  import importlib  # pylint: disable=import-outside-toplevel
-  config = importlib.import_module(f'configs.{config_name}').get_config()
+  config = config_lib.load(config_name)
+  for K in kv_heads:  # Every bad setting refused before any measurement.
+    config.model.num_kv_heads = K
+    config_lib.validate(config, batch_shards=1)
   bandwidth = bench_attention.read_bandwidth(repeats)
   rows = []
   print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s')
@@ -136,4 +138,4 @@ def plot(results, path):
 
 
 if __name__ == '__main__':
-  main()
+  exit_on_user_error(main)

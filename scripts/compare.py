@@ -19,8 +19,6 @@ table then adds each variant's first-query accuracy (pure retrieval).
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import pathlib
 import sys
@@ -29,6 +27,8 @@ import numpy as np
 
 from scripts import bench_decode
 from train import checkpoint, config_lib, data, loop
+from train.errors import (ArgumentParser, UserError, exit_on_user_error,
+                          int_list, positive_int)
 from train.model import Transformer
 from train.report import read_metrics
 
@@ -36,7 +36,7 @@ DECODE_BATCH, DECODE_CONTEXT = 16, 256
 
 
 def variant_config(base, K, seed, steps, equal_params):
-  config = importlib.import_module(f'configs.{base}').get_config()
+  config = config_lib.load(base)
   m = config.model
   if equal_params:  # 2·D·(N-K)·H fewer K/V weights; 3·D per MLP unit.
     extra = 2 * (m.num_heads - K) * m.head_dim / 3
@@ -51,12 +51,13 @@ def variant_config(base, K, seed, steps, equal_params):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', required=True)
   parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', default='8,2,1')
-  parser.add_argument('--seeds', type=int, default=1)
-  parser.add_argument('--steps', type=int, default=0, help='0: the config')
+  parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
+  parser.add_argument('--seeds', type=positive_int, default=1)
+  parser.add_argument('--steps', type=positive_int, default=None,
+                      help='default: the config\'s')
   parser.add_argument('--equal_params', action='store_true')
   parser.add_argument('--quick', action='store_true', help='120 steps each')
   parser.add_argument('--report_only', action='store_true',
@@ -64,21 +65,27 @@ def main():
   args = parser.parse_args()
   steps = 120 if args.quick and not args.steps else args.steps
   out = pathlib.Path(args.out)
+  configs = {(K, seed): variant_config(args.config, K, seed, steps,
+                                       args.equal_params)
+             for K in args.kv_heads for seed in range(args.seeds)}
+  for config in configs.values():  # Refused before anything trains.
+    config_lib.validate(config, batch_shards=1)
   runs = []
-  for K in [int(k) for k in args.kv_heads.split(',')]:
-    for seed in range(args.seeds):
-      config = variant_config(args.config, K, seed, steps, args.equal_params)
-      if not args.report_only:
-        print(f'=== num_kv_heads={K} seed={seed}', flush=True)
-      workdir = out / f'K{K}_s{seed}'
-      if args.report_only:
-        record = json.loads((workdir / 'final.json').read_text())
-      else:
-        record = loop.train_and_evaluate(config, str(workdir))
-      if config.data.task == 'recall':
-        record['accuracy_by_query'] = recall_accuracy_by_query(workdir)
-      runs.append(dict(K=K, seed=seed, config=config, record=record,
-                       metrics=read_metrics(workdir)))
+  for (K, seed), config in configs.items():
+    workdir = out / f'K{K}_s{seed}'
+    if args.report_only:
+      final = workdir / 'final.json'
+      if not final.exists():
+        raise UserError(f'{final} not found: --report_only needs finished '
+                        'runs in --out; run without it first')
+      record = json.loads(final.read_text())
+    else:
+      print(f'=== num_kv_heads={K} seed={seed}', flush=True)
+      record = loop.train_and_evaluate(config, str(workdir))
+    if config.data.task == 'recall':
+      record['accuracy_by_query'] = recall_accuracy_by_query(workdir)
+    runs.append(dict(K=K, seed=seed, config=config, record=record,
+                     metrics=read_metrics(workdir)))
   decode = {}
   for K in sorted({r['K'] for r in runs}):
     mc = config_lib.model_config(next(r['config'] for r in runs if r['K'] == K))
@@ -220,4 +227,4 @@ def write_report(out, runs, decode, bandwidth, args):
 
 
 if __name__ == '__main__':
-  main()
+  exit_on_user_error(main)

@@ -3,7 +3,6 @@
   python -m scripts.compile_time [--layers=2,12]
 """
 
-import argparse
 import dataclasses
 import time
 
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 
 from configs import gqa_small
 from train import config_lib, loop
+from train.errors import ArgumentParser, exit_on_user_error, int_list
 from train.model import Transformer
 
 
@@ -29,12 +29,12 @@ def compile_seconds(model_config, batch=16, seq_len=256) -> float:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--layers', default='2,12')
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--layers', type=int_list, default=[2, 12])
   args = parser.parse_args()
   base = config_lib.model_config(gqa_small.get_config())
   print(f'{"layers":>6} {"scanned s":>10} {"unrolled s":>11}')
-  for n in (int(x) for x in args.layers.split(',')):
+  for n in args.layers:
     scanned = compile_seconds(dataclasses.replace(base, num_layers=n))
     unrolled = compile_seconds(dataclasses.replace(base, num_layers=n,
                                                    scan_layers=False))
@@ -42,4 +42,4 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  exit_on_user_error(main)

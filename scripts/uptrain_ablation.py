@@ -13,7 +13,6 @@ before uptraining; the gap closing with alpha) holds here.
 
 from __future__ import annotations
 
-import argparse
 import math
 import pathlib
 
@@ -21,7 +20,9 @@ import jax
 import numpy as np
 
 from configs import mha_small
-from train import checkpoint, data, kv_heads, loop
+from train import checkpoint, config_lib, data, kv_heads, loop
+from train.errors import (ArgumentParser, UserError, exit_on_user_error,
+                          float_list, positive_int)
 from train.model import Transformer
 
 METHODS = ('mean', 'first', 'random')
@@ -43,25 +44,32 @@ def held_out_loss(workdir) -> float:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', required=True)
   parser.add_argument('--source', help='a trained MHA workdir')
-  parser.add_argument('--source_steps', type=int, default=0,
-                      help='steps to train the source (0: the config)')
-  parser.add_argument('--num_kv_heads', type=int, default=1)
-  parser.add_argument('--alphas', default='0,0.05,0.1')
+  parser.add_argument('--source_steps', type=positive_int, default=None,
+                      help='steps to train the source (default: the config)')
+  parser.add_argument('--num_kv_heads', type=positive_int, default=1)
+  parser.add_argument('--alphas', type=float_list, default=[0, 0.05, 0.1])
   args = parser.parse_args()
   out = pathlib.Path(args.out)
   source = pathlib.Path(args.source) if args.source else out / 'source'
   source_config = mha_small.get_config()
   if args.source_steps:
     source_config.train.steps = args.source_steps
+  if args.source:  # Its config, checked before anything trains.
+    source_config = checkpoint.load_workdir(str(source), '--source')[2]
+  heads = source_config.model.num_heads
+  if heads % args.num_kv_heads:
+    raise UserError(f'--num_kv_heads={args.num_kv_heads} does not divide the '
+                    f'source\'s {heads} query heads; pick a divisor of {heads}')
+  config_lib.validate(source_config, batch_shards=1)
   if not args.source:
     print('=== training the MHA source', flush=True)
     loop.train_and_evaluate(source_config, str(source))
   _, _, source_config = checkpoint.load_workdir(str(source))
   results = {'source': held_out_loss(source)}
-  alphas = [float(a) for a in args.alphas.split(',')]
+  alphas = args.alphas
   for method in METHODS:
     for alpha in alphas:
       workdir = out / f'{method}_alpha{alpha:g}'
@@ -111,4 +119,4 @@ def write(out, results, alphas, K, source_steps):
 
 
 if __name__ == '__main__':
-  main()
+  exit_on_user_error(main)

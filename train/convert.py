@@ -14,15 +14,15 @@ same config, the new num_kv_heads and the steps to spend, e.g.
       --config.train.steps=36 --workdir=NEWDIR
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from train import kv_heads
-from train.errors import exit_on_user_error
+from train.errors import run_app
 
 _SOURCE = flags.DEFINE_string('source', None, 'trained workdir')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'new workdir to write')
 _KV_HEADS = flags.DEFINE_integer('num_kv_heads', None, 'K; -1 keeps all')
-_METHOD = flags.DEFINE_enum('method', 'mean', ['mean', 'first', 'random'],
+_METHOD = flags.DEFINE_enum('method', 'mean', kv_heads.METHODS,
                             'how grouped heads become one')
 _SEED = flags.DEFINE_integer('seed', 0, 'seed of --method=random')
 
@@ -38,5 +38,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['source', 'workdir', 'num_kv_heads'])
-  exit_on_user_error(lambda: app.run(main))
+  run_app(main, required=['source', 'workdir', 'num_kv_heads'])

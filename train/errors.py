@@ -1,19 +1,81 @@
-"""The one exception type for bad input that a person must fix."""
+"""The one exception type for bad input, and the shell that prints it as one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
 
 
 class UserError(Exception):
   """A bad config, flag, file or checkpoint.
 
-  Its message is one line saying what is wrong and what to do; `train.main`
-  prints it, without a traceback, and exits non-zero.
+  Its message is one line saying what is wrong and what to do; the commands
+  print it, without a traceback, and exit non-zero.
   """
 
 
-def exit_on_user_error(fn):
+def exit_on_user_error(fn: Callable[[], object]):
   """Runs fn(); a UserError becomes one line on stderr and exit status 1."""
-  import sys  # pylint: disable=import-outside-toplevel
   try:
     fn()
   except UserError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)
+
+
+def run_app(main: Callable, *, required: Sequence[str] = (),
+            parse: Callable | None = None):
+  """absl's `app.run(main)`, every flag error and UserError one line, exit 1."""
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  flags.mark_flags_as_required(list(required))
+  exit_on_user_error(lambda: app.run(main, flags_parser=parse or parse_flags))
+
+
+def parse_flags(argv):
+  """absl's flag parsing, an error raised as one UserError line."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    raise UserError(f'{str(e).rstrip(".")}; see --help') from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse for the scripts: a bad flag is one UserError line."""
+
+  def error(self, message):
+    raise UserError(f'{message.rstrip(".")}; see --help')
+
+
+def positive_int(text: str) -> int:
+  """An argparse type: an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer')
+  return value
+
+
+def int_list(text: str) -> list[int]:
+  """'8,2,1' -> [8, 2, 1]: an argparse type of positive integers."""
+  try:
+    return [positive_int(x) for x in text.split(',')]
+  except argparse.ArgumentTypeError:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a comma-separated list of positive integers'
+    ) from None
+
+
+def float_list(text: str) -> list[float]:
+  """'0,0.05' -> [0.0, 0.05]: an argparse type of numbers >= 0."""
+  try:
+    values = [float(x) for x in text.split(',')]
+  except ValueError:
+    values = [-1.0]
+  if min(values) < 0:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a comma-separated list of numbers >= 0')
+  return values

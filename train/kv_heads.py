@@ -14,15 +14,33 @@ import jax
 import jax.numpy as jnp
 
 from train import checkpoint, loop
+from train import workdir as workdir_lib
 from train.errors import UserError
 from train.model import Transformer
 
 
+# How the r source heads of a group become one: [..., K, r, H] -> [..., K, H].
+POOLERS = {
+    'mean': lambda grouped: grouped.mean(-2),  # Ainslie et al. 2023.
+    'first': lambda grouped: grouped[..., 0, :],
+}
+METHODS = (*POOLERS, 'random')  # 'random': freshly initialised projections.
+
+
 def pool_heads(kernel_DKH: jax.Array, num_kv_heads: int, method: str):
   """[..., K_source, H] -> [..., K, H]: contiguous groups of r heads become one."""
+  if method not in POOLERS:
+    raise ValueError(f'method={method!r}; pooling is one of {list(POOLERS)}')
   *lead, k_source, H = kernel_DKH.shape
   grouped = kernel_DKH.reshape(*lead, num_kv_heads, k_source // num_kv_heads, H)
-  return grouped.mean(-2) if method == 'mean' else grouped[..., 0, :]
+  return POOLERS[method](grouped)
+
+
+def is_kv_kernel(path) -> bool:
+  """Whether a parameter path ends in an attention's key or value kernel."""
+  names = [getattr(k, 'key', None) for k in path]
+  return len(names) >= 2 and names[-2] == 'attention' and names[-1] in (
+      'key', 'value')
 
 
 def convert_params(params, model_config, num_kv_heads: int, method: str,
@@ -35,8 +53,7 @@ def convert_params(params, model_config, num_kv_heads: int, method: str,
   fresh = nn.unbox(loop.init_params(Transformer(new_config), seed))
 
   def convert(path, leaf, fresh_leaf):
-    name = jax.tree_util.keystr(path)
-    if "['attention']" in name and ("['key']" in name or "['value']" in name):
+    if is_kv_kernel(path):
       if method == 'random':
         return fresh_leaf
       return pool_heads(jnp.asarray(leaf), num_kv_heads, method)
@@ -51,26 +68,31 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
 
   Returns (K of the source, K written); num_kv_heads -1 keeps the source's.
   """
-  model_config, params, config = checkpoint.load_workdir(source)
-  k_source = model_config.num_kv_heads
-  k = k_source if num_kv_heads == -1 else num_kv_heads
-  if k is None or k < 1 or k_source % k:
-    raise UserError(f'--num_kv_heads={num_kv_heads}: the source has '
-                    f'{k_source} KV heads; pick a divisor of {k_source} or -1')
-  path = pathlib.Path(workdir)
+  if method not in METHODS:
+    raise UserError(f'--method={method!r}; use one of {", ".join(METHODS)}')
+  # The target is checked before the (possibly long) work on the source.
+  path = workdir_lib.check_writable(workdir)
   if (path / 'checkpoints').exists():
     raise UserError(f'{workdir} already holds checkpoints; pick a new '
                     '--workdir')
-  new_params, _ = convert_params(params, model_config, k, method, seed)
-  config.model.num_kv_heads = k
-  tx, _ = loop.make_optimizer(config.train)
-  state = loop.TrainState(jnp.array(0, jnp.int32), new_params,
-                          tx.init(new_params))
-  checkpointer = checkpoint.Checkpointer(workdir, every=1, keep=1)
-  checkpointer.save(0, state, force=True)
-  checkpointer.close()
-  (path / 'config.json').write_text(config.to_json(indent=2))
-  (path / 'convert.json').write_text(json.dumps({
-      'source': str(source), 'num_kv_heads': k,
-      'source_num_kv_heads': k_source, 'method': method}))
+  with workdir_lib.lock(path):
+    model_config, params, config = checkpoint.load_workdir(source, '--source')
+    k_source = model_config.num_kv_heads
+    k = k_source if num_kv_heads == -1 else num_kv_heads
+    if k is None or k < 1 or k_source % k:
+      raise UserError(f'--num_kv_heads={num_kv_heads}: the source has '
+                      f'{k_source} KV heads; pick a divisor of {k_source} or '
+                      '-1')
+    new_params, _ = convert_params(params, model_config, k, method, seed)
+    config.model.num_kv_heads = k
+    tx, _ = loop.make_optimizer(config.train)
+    state = loop.TrainState(jnp.array(0, jnp.int32), new_params,
+                            tx.init(new_params))
+    checkpointer = checkpoint.Checkpointer(workdir, every=1, keep=1)
+    checkpointer.save(0, state, force=True)
+    checkpointer.close()
+    (path / 'config.json').write_text(config.to_json(indent=2))
+    (path / 'convert.json').write_text(json.dumps({
+        'source': str(source), 'num_kv_heads': k,
+        'source_num_kv_heads': k_source, 'method': method}))
   return k_source, k

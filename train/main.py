@@ -15,11 +15,11 @@ import os
 import signal
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from train import config_lib
-from train.errors import UserError, exit_on_user_error
+from train.errors import UserError, run_app
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'config name or file')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'output directory')
@@ -67,17 +67,20 @@ def parse_flags(argv):
     raise UserError(str(e)) from None
   except (AttributeError, KeyError) as e:  # config_flags: an unknown field.
     overrides = [a.split('=')[0] for a in argv if a.startswith('--config.')]
-    field = str(e).strip('"\'')
+    # AttributeError(KeyError("'stepz'\nDid you mean \"steps\" ...?")).
+    while e.args and isinstance(e.args[0], Exception):
+      e = e.args[0]
+    message = str(e.args[0]) if e.args else str(e)
+    field, *hint = message.splitlines() or ['?']
+    hint = f' ({" ".join(hint).strip()})' if hint else ''
     raise UserError(
-        f'unknown config field {field!r} among {", ".join(overrides)}; the '
-        'fields are those of the config file (sections model, data, train, '
-        'mesh)'
-    ) from None
+        f'unknown config field {field.strip(chr(39) + chr(34))!r}{hint} among '
+        f'{", ".join(overrides)}; the fields are those of the config file '
+        '(sections model, data, train, mesh)') from None
 
 
 def run():
-  flags.mark_flags_as_required(['config', 'workdir'])
-  exit_on_user_error(lambda: app.run(main, flags_parser=parse_flags))
+  run_app(main, required=['config', 'workdir'], parse=parse_flags)
 
 
 if __name__ == '__main__':

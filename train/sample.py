@@ -12,13 +12,13 @@ import functools
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint, generate
-from train.errors import UserError, exit_on_user_error
+from train.errors import UserError, run_app
 from train.model import Transformer
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'a train.main workdir')
@@ -49,8 +49,9 @@ def main(argv):
     raise UserError(f'prompt ({len(prompt)} bytes) + max_new_tokens '
                     f'({_MAX_NEW.value}) must be within 1..model.max_len '
                     f'({mc.max_len}); shorten one')
-  if _TEMPERATURE.value < 0 or _TOP_K.value < 0:
-    raise UserError('--temperature and --top_k must be >= 0')
+  if _TEMPERATURE.value < 0 or not 0 <= _TOP_K.value <= mc.vocab_size:
+    raise UserError(f'--temperature must be >= 0 and --top_k in '
+                    f'0..{mc.vocab_size} (the vocabulary; 0 = all)')
   run = functools.partial(
       generate.generate, model=Transformer(mc, decode=True),
       max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
@@ -70,5 +71,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['workdir'])
-  exit_on_user_error(lambda: app.run(main))
+  run_app(main, required=['workdir'])
