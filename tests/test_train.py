@@ -128,7 +128,7 @@ def _write(path, content):
     (dict(data__seq_len=64), 'data.seq_len=64 is longer than model.max_len=32'),
     (dict(data__path='/nonexistent/corpus.txt'), 'does not exist'),
     (dict(model__dtype='float8'), "model.dtype='float8'"),
-    (dict(train__steps=0), 'train.steps=0 must be positive'),
+    (dict(train__steps=0), 'train.steps=0 must be an integer >= 1'),
     (dict(data__task='mlm'), "data.task='mlm'; use 'lm'"),
     (dict(data__task='recall', data__recall_pairs=9),
      r'data.recall_pairs=9 does not fit.*use 1..8'),

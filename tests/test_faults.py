@@ -1,0 +1,435 @@
+"""Faults a run must survive, and bad inputs that must be one line, not a traceback.
+
+Each kind of failure found by trying the commands as a new user would: two
+runs on one workdir, a non-finite loss during asynchronous saves, corrupted
+checkpoints and metrics, out-of-range settings, non-text data, and kills at
+random moments (SIGKILL, mid-save included) that must resume bit-identically.
+"""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from train import checkpoint, config_lib, data, loop, report, workdir
+from train.errors import UserError
+
+REPO = pathlib.Path(__file__).parent.parent
+
+
+def _config(**overrides):
+  config = tiny.get_config()
+  for dotted, value in overrides.items():
+    section, field = dotted.split('__')
+    config[section][field] = value
+  return config
+
+
+def _run(module, *args, cwd=REPO, timeout=180, python=sys.executable):
+  return subprocess.run([python, '-m', module, *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(result, message):
+  """The command failed with exactly one stderr line containing `message`."""
+  assert result.returncode != 0, result.stdout
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and message in lines[0], result.stderr[-3000:]
+  assert 'Traceback' not in result.stdout + result.stderr
+
+
+def _tmp_dirs(workdir_path):
+  return [p for p in pathlib.Path(workdir_path).rglob('*') if 'tmp' in p.name
+          and p.name not in ('tmp',)]
+
+
+# Two runs, one workdir.
+
+def test_a_second_run_on_a_held_workdir_is_refused_naming_the_holder(
+    tmp_path):
+  with workdir.lock(tmp_path):
+    holder = (tmp_path / 'lock').read_text()
+    assert f'pid {os.getpid()}' in holder
+    with pytest.raises(UserError, match=r'in use by another run \(host .+ '
+                       rf'pid {os.getpid()}\); wait for it'):
+      loop.train_and_evaluate(_config(), str(tmp_path))
+  assert not (tmp_path / 'metrics.jsonl').exists()  # Nothing was written.
+  assert not (tmp_path / 'checkpoints').exists()
+  assert (tmp_path / 'lock').read_text() == ''  # Released on the way out.
+
+
+def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_note(tmp_path,
+                                                              capsys):
+  # What a SIGKILLed run leaves: the file, but no process holding its flock.
+  (tmp_path / 'lock').write_text('host elsewhere pid 999999\n')
+  loop.train_and_evaluate(_config(train__steps=5), str(tmp_path))
+  out = capsys.readouterr().out
+  assert 'taking over the lock of a run that ended without releasing it ' \
+         '(host elsewhere pid 999999)' in out
+  assert checkpoint.restore_latest(str(tmp_path))[0] == 5
+
+
+def test_only_the_chief_process_takes_the_lock(tmp_path):
+  with workdir.lock(tmp_path):
+    with workdir.lock(tmp_path, enabled=False):  # Another host of the run.
+      pass
+    with pytest.raises(UserError, match='in use'):
+      with workdir.lock(tmp_path):
+        pass
+
+
+# Failure paths that must not lose the last good state.
+
+def test_non_finite_loss_waits_for_saves_and_names_the_last_good_step(
+    tmp_path):
+  config = _config(train__learning_rate=1e12, train__checkpoint_every=1,
+                   train__grad_clip=1e30, train__steps=20)
+  with pytest.raises(UserError) as error:
+    loop.train_and_evaluate(config, str(tmp_path))
+  message = str(error.value)
+  assert 'non-finite loss or gradient at step' in message
+  last_good = int(message.split('last good checkpoint is step ')[1].split(';')[0])
+  assert not _tmp_dirs(tmp_path / 'checkpoints')  # Every save completed.
+  step, state = checkpoint.restore_latest(str(tmp_path))
+  assert step == last_good
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state['params']))
+
+
+def test_a_run_failing_before_its_first_save_leaves_config_json_alone(
+    tmp_path):
+  loop.train_and_evaluate(_config(train__steps=10), str(tmp_path))
+  before = (tmp_path / 'config.json').read_text()
+  bad = _config(train__steps=20, train__learning_rate=1e12,
+                train__grad_clip=1e30, train__checkpoint_every=20)
+  with pytest.raises(UserError, match='last good checkpoint is step 10'):
+    loop.train_and_evaluate(bad, str(tmp_path))
+  assert (tmp_path / 'config.json').read_text() == before
+
+
+def test_no_checkpoint_yet_is_said_so(tmp_path):
+  config = _config(train__learning_rate=1e12, train__grad_clip=1e30,
+                   train__steps=20, train__checkpoint_every=20)
+  with pytest.raises(UserError, match='no checkpoint yet; lower'):
+    loop.train_and_evaluate(config, str(tmp_path))
+
+
+def _corrupt(step_dir: pathlib.Path, kind: str):
+  default = step_dir / 'default'
+  arrays = sorted(p for p in default.rglob('d/*') if p.is_file())
+  if kind == 'truncated':
+    for p in arrays:
+      os.truncate(p, 10)
+  elif kind == 'overwritten':
+    for p in arrays:
+      p.write_bytes(np.random.default_rng(0).bytes(p.stat().st_size))
+  else:  # An empty metadata file.
+    (default / '_METADATA').write_text('')
+
+
+@pytest.fixture(scope='module')
+def two_checkpoints(tmp_path_factory):
+  """A tiny run with checkpoints at steps 10 and 20."""
+  path = tmp_path_factory.mktemp('two_checkpoints')
+  loop.train_and_evaluate(_config(), str(path))
+  assert sorted(int(p.name) for p in (path / 'checkpoints').iterdir()) == [
+      10, 20]
+  return path
+
+
+@pytest.mark.parametrize('kind', ['truncated', 'overwritten', 'empty_metadata'])
+def test_reading_a_corrupt_latest_checkpoint_names_the_step_to_remove(
+    two_checkpoints, tmp_path, kind):
+  copy = tmp_path / 'w'
+  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  _corrupt(copy / 'checkpoints' / '20', kind)
+  with pytest.raises(UserError, match=r'checkpoint step 20 in .* cannot be '
+                     r'read \(.+\); move or remove .*/checkpoints/20 to use '
+                     r'step 10'):
+    checkpoint.restore_latest(str(copy))
+
+
+def test_train_main_falls_back_to_the_newest_intact_checkpoint(
+    two_checkpoints, tmp_path, capsys):
+  copy = tmp_path / 'w'
+  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  _corrupt(copy / 'checkpoints' / '20', 'truncated')
+  loop.train_and_evaluate(_config(), str(copy))
+  out = capsys.readouterr().out
+  assert 'warning: checkpoint step 20 cannot be read (' in out
+  assert 'resuming from step 10' in out
+  # The unreadable one is kept aside, not deleted; step 20 is trained again
+  # and equals the original, since a resumed run is bit-identical.
+  assert (copy / checkpoint.UNREADABLE_DIR / '20' / 'default').is_dir()
+  chex.assert_trees_all_equal(checkpoint.restore_latest(str(copy)),
+                              checkpoint.restore_latest(str(two_checkpoints)))
+
+
+def test_sample_and_convert_refuse_a_corrupt_checkpoint_in_one_line(
+    two_checkpoints, tmp_path):
+  copy = tmp_path / 'w'
+  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  _corrupt(copy / 'checkpoints' / '20', 'empty_metadata')
+  _one_line_error(_run('train.sample', f'--workdir={copy}'),
+                  'checkpoint step 20 in')
+  _one_line_error(_run('train.convert', f'--source={copy}',
+                       f'--workdir={tmp_path / "new"}', '--num_kv_heads=1'),
+                  'move or remove')
+
+
+def test_a_partial_last_metrics_line_is_dropped_on_resume(tmp_path):
+  config = _config(train__checkpoint_every=10)
+  calls = []
+  loop.train_and_evaluate(config, str(tmp_path),
+                          should_stop=lambda: calls.append(1) or len(calls) == 10)
+  with (tmp_path / 'metrics.jsonl').open('a') as f:
+    f.write('{"step": 11, "loss": 2.')  # A kill in the middle of a write.
+  assert [m['step'] for m in report.read_metrics(tmp_path)] == [5, 10]
+  loop.train_and_evaluate(config, str(tmp_path))
+  assert [m['step'] for m in report.read_metrics(tmp_path)] == [5, 10, 15, 20]
+
+
+def test_eta_counts_step_times_not_compilation(tmp_path, capsys):
+  reporter = report.Reporter(str(tmp_path), 100)
+  reporter.interactive = False  # Plain lines, as in a log.
+  time.sleep(0.5)  # As if compiling: must not count.
+  reporter.log(10, {'loss': 1.0, 'tokens_per_sec': 1.0, 'mfu': 0.1,
+                    'step_time': 0.1})
+  reporter.close()
+  assert 'ETA 0:09' in capsys.readouterr().out
+
+
+# Settings that train wrongly must be refused, one line each.
+
+@pytest.mark.parametrize('field, value, message', [
+    ('train__grad_clip', -1.0, 'train.grad_clip=-1.0 must be a number > 0'),
+    ('train__learning_rate', float('nan'), 'train.learning_rate=nan'),
+    ('train__b1', 1.0, 'train.b1=1.0 must be a number >= 0 and < 1'),
+    ('train__b2', -0.5, 'train.b2=-0.5'),
+    ('train__weight_decay', -0.1, 'train.weight_decay=-0.1 must be'),
+    ('train__min_learning_rate_ratio', 2.0, 'min_learning_rate_ratio=2.0'),
+    ('train__warmup_steps', -1, 'train.warmup_steps=-1'),
+    ('model__local_window', 0, 'model.local_window=0 must be an integer >= 1'),
+    ('model__logits_soft_cap', 0.0, 'model.logits_soft_cap=0.0'),
+    ('model__rope_base', 0.5, 'model.rope_base=0.5'),
+    ('data__val_fraction', 1.0, 'data.val_fraction=1.0'),
+])
+def test_out_of_range_settings_are_refused(field, value, message):
+  with pytest.raises(UserError, match=message.replace('.', r'\.')):
+    config_lib.validate(_config(**{field: value}), batch_shards=1)
+
+
+# Data that is not what it seems.
+
+def test_binary_files_are_not_trained_on_as_text(tmp_path):
+  noise = tmp_path / 'noise.txt'
+  noise.write_bytes(np.random.default_rng(0).bytes(100_000))
+  with pytest.raises(UserError, match='noise.txt is not text'):
+    data.load(str(noise), val_fraction=0.1, seq_len=32)
+  folder = tmp_path / 'docs'
+  folder.mkdir()
+  (folder / 'a.txt').write_text('plain text, café ' * 500)
+  (folder / 'figure.png').write_bytes(b'\x89PNG\r\n\x1a\n\0\0\0\rIHDR' * 100)
+  with pytest.raises(UserError, match='figure.png is not text'):
+    data.load(str(folder), val_fraction=0.1, seq_len=32)
+  (folder / 'figure.png').unlink()
+  assert data.load(str(folder), val_fraction=0.1, seq_len=32).vocab_size == 256
+
+
+def test_a_folder_reached_through_a_dotted_path_is_read(tmp_path, monkeypatch):
+  corpus = tmp_path / '.local' / 'corpus'
+  corpus.mkdir(parents=True)
+  (corpus / 'a.txt').write_text('hello world ' * 100)
+  (corpus / '.hidden.txt').write_text('secret ' * 100)  # Skipped.
+  monkeypatch.chdir(corpus / '..')
+  for path in (str(corpus), '../.local/corpus'):
+    loaded = data.load(path, val_fraction=0.1, seq_len=32)
+    assert len(loaded.train) + len(loaded.val) == 1200
+
+
+# Commands that must answer in one line.
+
+def _scripts(*args):
+  return [sys.executable, '-m', *args]
+
+
+@pytest.mark.parametrize('module, args, message', [
+    ('train.main', ['--config=tiny', '--config.train.stepz=3'],
+     """unknown config field 'stepz' (Did you mean "steps" instead of "stepz"?)"""),
+    ('train.main', ['--config=tiny', '--config.model.local_window=0'],
+     'model.local_window=0 must be'),
+    ('train.convert', ['--num_kv_heads=1'],
+     'flag --source=None: Flag --source must have a value'),
+    ('scripts.compile_time', ['--layers=abc'],
+     "argument --layers: 'abc' is not a comma-separated list"),
+    ('scripts.compare', ['--out=OUT', '--kv_heads=3'],
+     'model.num_heads=8 is not divisible by model.num_kv_heads=3'),
+    ('scripts.bench_decode', ['--kv_heads=8,0'], 'argument --kv_heads'),
+    ('scripts.bench_decode', ['--config=nope'], "unknown config 'nope'"),
+    ('scripts.uptrain_ablation', ['--out=OUT', '--alphas=x'],
+     'argument --alphas'),
+    ('scripts.bench_attention', ['--lengths=0'], 'argument --lengths'),
+])
+def test_bad_command_lines_are_one_line(tmp_path, module, args, message):
+  args = [a.replace('OUT', str(tmp_path / 'out')) for a in args]
+  if module in ('train.main', 'train.convert'):
+    args.append(f'--workdir={tmp_path / "w"}')
+  _one_line_error(_run(module, *args), message)
+  assert not (tmp_path / 'out').exists()
+
+
+def test_bad_workdirs_are_one_line_before_any_work(trained, tmp_path):
+  a_file = tmp_path / 'a_file'
+  a_file.write_text('')
+  _one_line_error(_run('train.main', '--config=tiny', f'--workdir={a_file}'),
+                  'is a file, not a directory')
+  _one_line_error(_run('train.main', '--config=tiny', '--workdir=/proc/x/y'),
+                  'cannot be written')
+  _one_line_error(_run('train.convert', f'--source={trained}',
+                       f'--workdir={a_file}', '--num_kv_heads=1'),
+                  'is a file, not a directory')
+  _one_line_error(_run('train.convert', f'--source={tmp_path / "nope"}',
+                       f'--workdir={tmp_path / "new"}', '--num_kv_heads=1'),
+                  f'--source={tmp_path / "nope"} is not a directory')
+  _one_line_error(_run('train.sample', f'--workdir={trained}', '--top_k=257',
+                       '--max_new_tokens=5'),
+                  '--top_k in 0..256')
+
+
+def test_sample_leaves_the_workdir_it_reads_untouched(trained, tmp_path):
+  only_config = tmp_path / 'w'
+  only_config.mkdir()
+  (only_config / 'config.json').write_text(
+      (trained / 'config.json').read_text())
+  _one_line_error(_run('train.sample', f'--workdir={only_config}'),
+                  'no checkpoint in')
+  assert [p.name for p in only_config.iterdir()] == ['config.json']
+
+
+# Installed, not run from the repository.
+
+@pytest.mark.slow
+def test_installed_package_runs_from_any_directory(tmp_path):
+  """pip install . (not -e) into a fresh venv; the README's commands elsewhere.
+
+  The new venv sees this one's dependencies through a .pth file, so the test
+  needs no network; gqa-lab itself comes only from the wheel it builds.
+  """
+  venv = tmp_path / 'venv'
+  subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True)
+  python = str(venv / 'bin' / 'python')
+  site = subprocess.run([python, '-c', 'import site; print('
+                         'site.getsitepackages()[0])'], check=True,
+                        capture_output=True, text=True).stdout.strip()
+  deps = [p for p in sys.path if p.endswith('site-packages')]
+  pathlib.Path(site, 'deps.pth').write_text('\n'.join(deps) + '\n')
+  install = subprocess.run([python, '-m', 'pip', 'install', '-q', '--no-deps',
+                            str(REPO)], capture_output=True, text=True,
+                           timeout=300)
+  assert install.returncode == 0, install.stderr[-3000:]
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  where = subprocess.run([python, '-c', 'import train, configs, scripts; '
+                          'print(train.__file__, configs.__file__)'],
+                         cwd=elsewhere, capture_output=True, text=True)
+  assert where.stdout.count(site) == 2, where.stdout + where.stderr
+  result = _run('train.main', '--config=tiny', '--workdir=run',
+                '--config.train.steps=4', '--config.train.warmup_steps=1',
+                cwd=elsewhere, python=python)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'done: step 4' in result.stdout
+  # A script run as a file finds its package (here: the refusal's one line).
+  as_file = subprocess.run([python, str(REPO / 'scripts' / 'compile_time.py'),
+                            '--layers=x'], cwd=elsewhere, capture_output=True,
+                           text=True)
+  _one_line_error(as_file, 'argument --layers')
+
+
+# Kills at random moments.
+
+def _params_and_losses(workdir_path):
+  metrics = report.read_metrics(workdir_path)
+  steps = [m['step'] for m in metrics]
+  assert steps == sorted(set(steps)), 'a step was logged twice'
+  losses = [(m['step'], m['loss'], m.get('eval_loss')) for m in metrics]
+  return checkpoint.restore_latest(str(workdir_path))[1]['params'], losses
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_equals_a_straight_run(
+    tmp_path):
+  args = ['--config=tiny', '--config.train.steps=60',
+          '--config.train.checkpoint_every=4', '--config.train.log_every=1',
+          '--config.train.eval_every=20', '--config.train.keep_checkpoints=2']
+  straight = _run('train.main', *args, f'--workdir={tmp_path / "straight"}')
+  assert straight.returncode == 0, straight.stderr[-3000:]
+
+  killed = tmp_path / 'killed'
+  rng = random.Random(0)
+  moments = ['mid-save', 'after-steps', 'mid-save', 'after-steps']
+  for moment in moments:
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'train.main', *args, f'--workdir={killed}'],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = killed / 'metrics.jsonl'
+    logged = lambda: len(metrics.read_text().splitlines()) if (
+        metrics.exists()) else 0
+    start = logged()
+    target = rng.randint(1, 6)
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+      if moment == 'mid-save' and logged() > start and list(
+          (killed / 'checkpoints').glob('*tmp*')):
+        break
+      if moment == 'after-steps' and logged() >= start + target:
+        time.sleep(rng.uniform(0, 0.02))
+        break
+      time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    # Killed, not finished: each attempt runs at most a few of the 60 steps.
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-3000:]
+
+    # The killed run could not release its lock: the next start takes it
+    # over (test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_note).
+    assert (killed / 'lock').read_text().startswith('host ')
+
+  resumed = _run('train.main', *args, f'--workdir={killed}')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  params, losses = _params_and_losses(killed)
+  straight_params, straight_losses = _params_and_losses(tmp_path / 'straight')
+  chex.assert_trees_all_equal(params, straight_params)
+  assert losses == straight_losses
+  assert not _tmp_dirs(killed / 'checkpoints')
+
+
+@pytest.mark.slow
+def test_a_second_train_main_on_a_running_workdir_is_refused_at_once(
+    tmp_path):
+  args = ['--config=tiny', f'--workdir={tmp_path}',
+          '--config.train.steps=100000', '--config.train.log_every=1']
+  first = subprocess.Popen([sys.executable, '-m', 'train.main', *args],
+                           cwd=REPO, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.time() + 120
+    while not (tmp_path / 'metrics.jsonl').exists() and time.time() < deadline:
+      time.sleep(0.05)
+    second = _run('train.main', *args)
+    _one_line_error(second, f'is in use by another run (host ')
+    assert f'pid {first.pid})' in second.stderr
+    assert first.poll() is None  # The first run goes on, untouched.
+  finally:
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 128 + signal.SIGTERM
+  steps = [m['step'] for m in report.read_metrics(tmp_path)]
+  assert steps == sorted(set(steps))
