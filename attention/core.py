@@ -17,12 +17,20 @@ are never copied per query head.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 
-from attention import blockwise, decode
+from attention import blockwise, decode, splash
 
 Array = jax.Array
+
+
+Implementation = Literal['xla', 'decode', 'blockwise', 'splash', 'cudnn']
+PLATFORMS = ('cpu', 'cuda', 'tpu')
 
 
 def dot_product_attention(
@@ -35,7 +43,7 @@ def dot_product_attention(
     scale: float | None = None,
     local_window: int | None = None,
     logits_soft_cap: float | None = None,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
 ) -> Array:
   """Scaled dot-product attention with K key/value heads shared by N query heads.
 
@@ -54,14 +62,21 @@ def dot_product_attention(
       less than w positions away on either side.
     logits_soft_cap: c > 0, logits become c * tanh(logits / c) before masking
       (Gemma 2).
-    implementation: None chooses; 'xla' is the dense einsum below; 'decode'
-      is `attention.decode` (reads a [B, S, K, H] cache in place: for a few
-      query tokens); 'blockwise' is `attention.blockwise` (flash-style:
-      masked blocks skipped, O(T) memory; no extra mask, window or soft cap);
-      'cudnn' is cuDNN's flash attention via `jax.nn.dot_product_attention`
-      (GPU, 16-bit inputs). None picks, on CPU, 'decode' for T <= 8 and
-      'blockwise' for long sequences where they are faster; on GPU 'cudnn'
-      where it applies; else 'xla'.
+    implementation: None chooses, per platform (`choose`); or one of
+      'xla'        the dense einsum below, anywhere, with every option;
+      'decode'     `attention.decode`: a few query tokens against a long
+                   [B, S, K, H] cache, read in place (CPU);
+      'blockwise'  `attention.blockwise`: flash-style, masked blocks skipped,
+                   O(T) memory; causal or full only (CPU);
+      'splash'     `attention.splash`: TPU splash attention (Pallas), causal,
+                   full or windowed, soft cap; T and S multiples of 128; no
+                   explicit mask. Elsewhere it runs in Pallas interpret mode
+                   (slow; for tests);
+      'cudnn'      cuDNN flash attention through `jax.nn.dot_product_attention`
+                   (GPU, 16-bit inputs, head dim a multiple of 8 up to 256,
+                   T == S when causal, windows only when causal, no mask or
+                   soft cap); needs cuDNN where the function is traced.
+      An explicit name that cannot take the call raises ValueError.
 
   Returns:
     [B, T, N, H] in the query's dtype. Logits and softmax are computed in
@@ -76,44 +91,87 @@ def dot_product_attention(
     raise ValueError(f'local_window must be a positive int, got {local_window}')
   if logits_soft_cap is not None and logits_soft_cap <= 0:
     raise ValueError(f'logits_soft_cap must be > 0, got {logits_soft_cap}')
+  if implementation is not None and implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f'implementation={implementation!r}; use None or one of '
+                     f'{", ".join(map(repr, _IMPLEMENTATIONS))}')
+  call = _Call(query, key, value, mask, is_causal,
+               H**-0.5 if scale is None else scale, local_window,
+               logits_soft_cap)
+  if implementation is not None:
+    refusal = _REFUSALS[implementation](call)
+    if refusal:
+      raise ValueError(f'implementation={implementation!r} cannot take this '
+                       f'call: {refusal}')
+    return _IMPLEMENTATIONS[implementation](call)
+  chosen = {platform: choose(platform, call) for platform in PLATFORMS}
+  if len(set(chosen.values())) == 1:  # One program for every platform.
+    return _IMPLEMENTATIONS[chosen['cpu']](call)
+  # Each platform lowers only its own branch: one jitted function carries
+  # the CPU, CUDA and TPU kernels, whatever the host that traces it.
+  return jax.lax.platform_dependent(**{
+      platform: functools.partial(_IMPLEMENTATIONS[name], call)
+      for platform, name in chosen.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """One call's arrays and options, validated."""
+  query: Array
+  key: Array
+  value: Array
+  mask: Array | None
+  is_causal: bool
+  scale: float
+  local_window: int | None
+  logits_soft_cap: float | None
+
+  @property
+  def plain(self) -> bool:  # Causal or full attention, nothing else.
+    return (self.mask is None and self.local_window is None
+            and self.logits_soft_cap is None)
+
+
+def choose(platform: str, call: _Call) -> str:
+  """The fastest implementation that takes `call` on `platform` (BENCHMARKS.md).
+
+  cpu   'decode' for T <= 8; 'blockwise' for plain attention over 256 or
+        more tokens; else 'xla'.
+  tpu   'splash' where it applies (see its entry above); else 'xla'
+        (decoding included: the grouped einsum reads the cache in place).
+  cuda  'cudnn' where it applies and cuDNN is present at trace time; else
+        'xla'. Lowering for CUDA on a host without cuDNN therefore gives the
+        einsum: export on a GPU machine to get the cuDNN kernel.
+  """
+  B, T, N, H = call.query.shape
+  S, K = call.key.shape[1:3]
+  if platform == 'cpu':
+    if (call.plain and blockwise.MIN_LENGTH <= T <= S
+        and blockwise.tiling(T, N // K)[1] < T):
+      return 'blockwise'
+    if T <= decode.MAX_QUERIES:
+      return 'decode'  # Stream the [B, S, K, H] cache instead of copying it.
+    return 'xla'
+  if platform == 'tpu':
+    return 'splash' if not _refuse_splash(call) else 'xla'
+  if platform == 'cuda':
+    return 'cudnn' if not _refuse_cudnn(call) else 'xla'
+  raise ValueError(f'platform={platform!r}; one of {PLATFORMS}')
+
+
+def _xla(call: _Call) -> Array:
+  query, key, value = call.query, call.key, call.value
+  B, T, N, H = query.shape
+  K = key.shape[2]
   G = N // K
-  scale = H**-0.5 if scale is None else scale
-  plain = mask is None and local_window is None and logits_soft_cap is None
-  if implementation is None:
-    implementation = _choose(query.dtype, T, S, G, plain)
-  if implementation == 'blockwise':
-    if not plain:
-      raise ValueError("implementation='blockwise' supports is_causal only, "
-                       'not mask, local_window or logits_soft_cap')
-    if is_causal and T > S:
-      raise ValueError(f"implementation='blockwise' with is_causal needs "
-                       f'T={T} <= S={S}')
-    return blockwise.blockwise_attention(query, key, value,
-                                         is_causal=is_causal, scale=scale)
-  if implementation == 'cudnn':
-    if not plain or (is_causal and T != S):
-      raise ValueError("implementation='cudnn' supports is_causal with T == S "
-                       'and no mask, local_window or logits_soft_cap')
-    return jax.nn.dot_product_attention(
-        query, key, value, mask=mask, is_causal=is_causal, scale=scale,
-        implementation='cudnn')
-  if implementation not in ('xla', 'decode'):
-    raise ValueError(f'implementation={implementation!r}; use None, '
-                     "'xla', 'decode', 'blockwise' or 'cudnn'")
-
-  mask_BKGTS = _grouped_mask(mask, query.shape, key.shape, is_causal,
-                             local_window)
-  if implementation == 'decode':
-    return decode.cache_layout_attention(
-        query, key, value, mask_BKGTS, scale=scale,
-        logits_soft_cap=logits_soft_cap)
-
+  mask_BKGTS = _grouped_mask(call.mask, query.shape, key.shape,
+                             call.is_causal, call.local_window)
   query_BTKGH = query.reshape(B, T, K, G, H)
   logits_BKGTS = jnp.einsum(
       'BTKGH,BSKH->BKGTS', query_BTKGH, key,
-      preferred_element_type=jnp.float32) * scale
-  if logits_soft_cap is not None:
-    logits_BKGTS = logits_soft_cap * jnp.tanh(logits_BKGTS / logits_soft_cap)
+      preferred_element_type=jnp.float32) * call.scale
+  if call.logits_soft_cap is not None:
+    cap = call.logits_soft_cap
+    logits_BKGTS = cap * jnp.tanh(logits_BKGTS / cap)
 
   if mask_BKGTS is not None:
     # A large finite negative rather than -inf: a fully masked row then gives
@@ -130,18 +188,95 @@ def dot_product_attention(
   return out_BTKGH.reshape(B, T, N, H).astype(query.dtype)
 
 
-def _choose(dtype, T, S, G, plain) -> str:
-  """The fastest implementation that supports the call (see BENCHMARKS.md)."""
-  backend = jax.default_backend()
-  if (backend == 'cpu' and plain and blockwise.MIN_LENGTH <= T <= S
-      and blockwise.tiling(T, G)[1] < T):
-    return 'blockwise'
-  if (backend == 'gpu' and plain and T == S
-      and dtype in (jnp.bfloat16, jnp.float16)):
-    return 'cudnn'
-  if backend == 'cpu' and T <= decode.MAX_QUERIES:
-    return 'decode'  # Stream the [B, S, K, H] cache instead of transposing it.
-  return 'xla'
+def _decode(call: _Call) -> Array:
+  mask_BKGTS = _grouped_mask(call.mask, call.query.shape, call.key.shape,
+                             call.is_causal, call.local_window)
+  return decode.cache_layout_attention(
+      call.query, call.key, call.value, mask_BKGTS, scale=call.scale,
+      logits_soft_cap=call.logits_soft_cap)
+
+
+def _blockwise(call: _Call) -> Array:
+  return blockwise.blockwise_attention(call.query, call.key, call.value,
+                                       is_causal=call.is_causal,
+                                       scale=call.scale)
+
+
+def _splash(call: _Call, *, interpret: bool | None = None) -> Array:
+  run = functools.partial(
+      splash.splash_attention, call.query, call.key, call.value,
+      is_causal=call.is_causal, scale=call.scale,
+      local_window=call.local_window, logits_soft_cap=call.logits_soft_cap)
+  if interpret is not None:
+    return run(interpret=interpret)
+  # The compiled kernel where lowering for TPU, interpret mode elsewhere.
+  return jax.lax.platform_dependent(tpu=lambda: run(interpret=False),
+                                    default=lambda: run(interpret=True))
+
+
+def _cudnn(call: _Call) -> Array:
+  window = None
+  if call.local_window is not None:
+    window = (call.local_window - 1, 0)
+  return jax.nn.dot_product_attention(
+      call.query, call.key, call.value, is_causal=call.is_causal,
+      scale=call.scale, local_window_size=window, implementation='cudnn')
+
+
+def _refuse_none(call: _Call) -> str | None:
+  del call
+  return None
+
+
+def _refuse_blockwise(call: _Call) -> str | None:
+  T, S = call.query.shape[1], call.key.shape[1]
+  if not call.plain:
+    return 'it supports is_causal only, not mask, local_window or soft cap'
+  if call.is_causal and T > S:
+    return f'is_causal needs T={T} <= S={S}'
+  return None
+
+
+def _refuse_splash(call: _Call) -> str | None:
+  return splash.supports(call.query.shape[1], call.key.shape[1],
+                         mask=call.mask, is_causal=call.is_causal)
+
+
+def _refuse_cudnn(call: _Call) -> str | None:
+  T, H = call.query.shape[1], call.query.shape[3]
+  S = call.key.shape[1]
+  if call.query.dtype not in (jnp.bfloat16, jnp.float16):
+    return f'it needs bfloat16 or float16 inputs, got {call.query.dtype}'
+  if H % 8 or H > 256:
+    return f'it needs a head dim H that is a multiple of 8 up to 256, got {H}'
+  if call.mask is not None or call.logits_soft_cap is not None:
+    return 'it takes no mask or logits_soft_cap'
+  if call.local_window is not None and not call.is_causal:
+    # cuDNN's non-causal windows also show future tokens (JAX PR 39576).
+    return 'a local_window needs is_causal'
+  if call.is_causal and T != S:
+    return f'is_causal needs T == S (T={T}, S={S})'
+  if not cudnn_available():
+    return 'cuDNN is not present where this is traced'
+  return None
+
+
+@functools.cache
+def cudnn_available() -> bool:
+  """JAX's own trace-time check for cuDNN (false on a CPU-only host)."""
+  try:
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version  # pylint: disable=import-outside-toplevel
+    check_cudnn_version()
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+_IMPLEMENTATIONS = {'xla': _xla, 'decode': _decode, 'blockwise': _blockwise,
+                    'splash': _splash, 'cudnn': _cudnn}
+_REFUSALS = {'xla': _refuse_none, 'decode': _refuse_none,
+             'blockwise': _refuse_blockwise, 'splash': _refuse_splash,
+             'cudnn': _refuse_cudnn}
 
 
 def attention_mask(

@@ -227,12 +227,16 @@ def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
                     out_shardings=replicated)
   get_batch = lambda step: global_batch('train', seed=config.seed, step=step)
   start = int(state.step)
-  if start < tc.steps:
-    t0 = time.perf_counter()
-    step_fn = step_fn.lower(state, get_batch(start)).compile()
-    say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
   eval_batches = [global_batch('val', seed=0, step=i, stream=1)
                   for i in range(tc.eval_batches)]
+  if start < tc.steps:
+    t0 = time.perf_counter()
+    # Traced under the mesh: kernels that XLA cannot partition (TPU splash
+    # attention) run per shard with shard_map.
+    with jax.set_mesh(mesh):
+      step_fn = step_fn.lower(state, get_batch(start)).compile()
+      eval_fn = eval_fn.lower(state.params, eval_batches[0]).compile()
+    say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
 
   def evaluate(params):
     loss, accuracy = np.mean(jax.device_get(
