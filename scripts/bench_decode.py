@@ -16,17 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from scripts import bench_attention
 from train import config_lib, loop
 from train.errors import (ArgumentParser, exit_on_user_error, int_list,
                           positive_int)
+from train import model as model_lib
 from train.model import Transformer, unroll_layers
 
 
@@ -63,6 +62,14 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
                                      repeats) / steps
 
 
+def roofline_tokens_per_sec(mc, batch: int, context: int,
+                            bandwidth: float) -> float:
+  """Tokens/s if each step only read the weights and the cache at `bandwidth`."""
+  step_bytes = (model_lib.kv_cache_bytes(mc, batch, context)
+                + model_lib.param_bytes(mc))
+  return batch * bandwidth / step_bytes
+
+
 def main():
   parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', default='gqa_small')
@@ -94,14 +101,11 @@ def run(config_name, kv_heads, batches, contexts, repeats):
   for K in kv_heads:
     config.model.num_kv_heads = K
     mc = config_lib.model_config(config)
-    param_bytes = 4 * sum(x.size for x in jax.tree.leaves(
-        jax.eval_shape(lambda: loop.init_params(Transformer(mc), 0))))
     for batch in batches:
       for context in contexts:
         seconds = decode_step_seconds(mc, batch, context, repeats)
-        kv_bytes = (2 * mc.num_layers * batch * context * K * mc.head_dim
-                    * np.dtype(mc.dtype).itemsize)
-        roofline = batch * bandwidth / (kv_bytes + param_bytes)
+        kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
+        roofline = roofline_tokens_per_sec(mc, batch, context, bandwidth)
         row = dict(num_kv_heads=K, batch=batch, context=context,
                    tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
                    roofline_tokens_per_sec=roofline)

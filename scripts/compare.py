@@ -29,6 +29,7 @@ from scripts import bench_decode
 from train import checkpoint, config_lib, data, loop
 from train.errors import (ArgumentParser, UserError, exit_on_user_error,
                           int_list, positive_int)
+from train import model as model_lib
 from train.model import Transformer
 from train.report import read_metrics
 
@@ -125,7 +126,6 @@ def _spread(values):
 
 
 def write_report(out, runs, decode, bandwidth, args):
-  import jax  # pylint: disable=import-outside-toplevel
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -135,10 +135,8 @@ def write_report(out, runs, decode, bandwidth, args):
     mine = [r for r in runs if r['K'] == K]
     c = mine[0]['config']
     mc = config_lib.model_config(c)
-    n_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
-        lambda: loop.init_params(Transformer(mc), 0))))
-    kv_per_token = (2 * mc.num_layers * K * mc.head_dim
-                    * np.dtype(mc.dtype).itemsize)
+    n_params = model_lib.num_params(mc)
+    kv_per_token = model_lib.kv_cache_bytes(mc, batch=1, length=1)
     rows.append(dict(
         K=K, params=n_params, kv=kv_per_token, mlp=c.model.mlp_dim,
         loss=_spread([r['record']['eval_loss'] for r in mine]),
@@ -150,8 +148,8 @@ def write_report(out, runs, decode, bandwidth, args):
         train=np.mean([np.median([m['tokens_per_sec'] for m in r['metrics']])
                        for r in mine]),
         decode=decode[K],
-        roofline=DECODE_BATCH * bandwidth / (
-            kv_per_token * DECODE_CONTEXT * DECODE_BATCH + 4 * n_params)))
+        roofline=bench_decode.roofline_tokens_per_sec(
+            mc, DECODE_BATCH, DECODE_CONTEXT, bandwidth)))
   c = runs[0]['config']
   recall = c.data.task == 'recall'
   lines = [

@@ -8,7 +8,6 @@ import json
 import sys
 
 import jax
-import numpy as np
 
 from tests import test_mesh
 from train import checkpoint, loop

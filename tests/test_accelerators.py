@@ -245,3 +245,20 @@ def test_splash_runs_per_shard_under_a_mesh_that_splits_heads():
   assert len(errors) == 4
   for name, (forward, grads) in errors.items():
     assert forward < 2e-5 and max(grads) < 2e-4, (name, forward, grads)
+
+
+@pytest.mark.slow
+def test_the_prepared_device_command_runs_end_to_end(tmp_path):
+  """scripts.accelerator_check --quick: every part, at tiny sizes, on CPU."""
+  result = subprocess.run(
+      [sys.executable, '-m', 'scripts.accelerator_check', '--quick',
+       f'--out={tmp_path}'], cwd=pathlib.Path(__file__).parent.parent,
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = (tmp_path / 'accelerator.md').read_text()
+  assert re.search(r'Tests on the device: 1 passed', report), report
+  assert '| 256 | 1 | fwd+bwd |' in report
+  assert 'Training tiny for 4 steps' in report and 'MFU' in report
+  results = json.loads((tmp_path / 'accelerator.json').read_text())
+  assert [r['K'] for r in results['decode']['rows']] == [4, 1]
+  assert all(r['tokens_per_sec'] > 0 for r in results['decode']['rows'])

@@ -1,6 +1,5 @@
 """Specification of MHA -> GQA/MQA checkpoint conversion (`train.convert`)."""
 
-import dataclasses
 import pathlib
 import subprocess
 import sys

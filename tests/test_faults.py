@@ -6,7 +6,6 @@ checkpoints and metrics, out-of-range settings, non-text data, and kills at
 random moments (SIGKILL, mid-save included) that must resume bit-identically.
 """
 
-import json
 import os
 import pathlib
 import random
@@ -425,7 +424,7 @@ def test_a_second_train_main_on_a_running_workdir_is_refused_at_once(
     while not (tmp_path / 'metrics.jsonl').exists() and time.time() < deadline:
       time.sleep(0.05)
     second = _run('train.main', *args)
-    _one_line_error(second, f'is in use by another run (host ')
+    _one_line_error(second, 'is in use by another run (host ')
     assert f'pid {first.pid})' in second.stderr
     assert first.poll() is None  # The first run goes on, untouched.
   finally:

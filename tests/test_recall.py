@@ -14,7 +14,6 @@ from configs import tiny
 from scripts import compare
 from train import data, loop
 from train.model import Transformer
-from train.report import read_metrics
 
 P, V, T = 6, 64, 32
 

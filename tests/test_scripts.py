@@ -1,7 +1,6 @@
 """The scripts' own logic: fair comparisons, peers, verdicts."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -7,7 +7,6 @@ source were served by its KV heads [j·r, (j+1)·r), r = K_source / K (the
 
 import dataclasses
 import json
-import pathlib
 
 import flax.linen as nn
 import jax

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from attention import Attention
 from train import config_lib, data as data_lib, flops, sharding
 from train import workdir as workdir_lib
 from train.checkpoint import Checkpointer
 from train.errors import UserError
+from train import model as model_lib
 from train.model import Transformer
 from train.report import Reporter
 
@@ -183,10 +183,8 @@ def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
                     out_shardings=state_sharding)()
 
   num_devices = jax.device_count()
-  n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
-  kv_bytes = mc.num_layers * Attention(
-      mc.num_heads, mc.num_kv_heads, mc.head_dim).kv_cache_bytes(
-          1, 1, mc.dtype)
+  n_params = model_lib.num_params(mc)
+  kv_bytes = model_lib.kv_cache_bytes(mc, batch=1, length=1)
   flops_per_token = flops.training_flops_per_token(
       **config.model, seq_len=dc.seq_len)
   peak, peak_source = flops.peak_flops()

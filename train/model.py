@@ -133,6 +133,29 @@ class Transformer(nn.Module):
     return logits_BTV.astype(jnp.float32)
 
 
+def kv_cache_bytes(config: ModelConfig, batch: int, length: int) -> int:
+  """Bytes of the whole model's KV cache: layers x `Attention.kv_cache_bytes`."""
+  layer = Attention(config.num_heads, config.num_kv_heads, config.head_dim,
+                    dtype=config.dtype)
+  return config.num_layers * layer.kv_cache_bytes(batch, length)
+
+
+def parameter_shapes(config: ModelConfig):
+  """The parameters as ShapeDtypeStructs (nothing allocated)."""
+  tokens = jax.ShapeDtypeStruct((1, config.max_len), jnp.int32)
+  return nn.unbox(jax.eval_shape(Transformer(config).init, jax.random.key(0),
+                                 tokens)['params'])
+
+
+def num_params(config: ModelConfig) -> int:
+  return sum(x.size for x in jax.tree.leaves(parameter_shapes(config)))
+
+
+def param_bytes(config: ModelConfig) -> int:
+  return sum(x.size * x.dtype.itemsize
+             for x in jax.tree.leaves(parameter_shapes(config)))
+
+
 def unroll_layers(model: Transformer, params) -> tuple[Transformer, Any]:
   """The same network with its scanned layers unrolled, for decoding.
 

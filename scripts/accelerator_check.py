@@ -1,0 +1,235 @@
+"""The one command to run when a GPU or TPU machine is at hand.
+
+  pip install -e '.[cuda,test,bench]'   # or '.[tpu,test]' on a TPU VM
+  python -m scripts.accelerator_check --out=out/accelerator
+
+In under 10 minutes on one GPU or TPU:
+  1. the accelerator and attention tests, on the device (pytest);
+  2. the attention benchmark in bfloat16: causal, B=4, N=16, H=128,
+     T = 2048 and 8192, K = 16, 4, 1; ours (whatever `implementation=None`
+     picks there: splash on TPU, cuDNN on GPU) against jax.nn's XLA and cuDNN
+     paths and PyTorch's SDPA where installed; forward and forward+backward,
+     ms and TFLOP/s;
+  3. gqa_base trained for --steps steps: median tokens/s and MFU against the
+     chip's datasheet peak;
+  4. decode of gqa_base-shaped models (K = 12, 4, 1) against the HBM
+     bandwidth roofline measured in the same run.
+Writes OUT/accelerator.md (a section for BENCHMARKS.md) and accelerator.json.
+--quick shrinks every part to seconds (the test suite runs it on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention import core, dot_product_attention
+from scripts import bench_attention, bench_decode
+from train import config_lib, flops, loop
+from train.errors import ArgumentParser, exit_on_user_error, positive_int
+from train.report import read_metrics
+
+REPO = pathlib.Path(__file__).parent.parent
+TESTS = ['tests/test_accelerators.py', 'tests/test_core.py',
+         'tests/test_blockwise.py', 'tests/test_module.py']
+
+
+def run_tests(quick: bool) -> dict:
+  """pytest on the device; {'summary': its closing line, 'returncode'}."""
+  args = [sys.executable, '-m', 'pytest', '-q', '-m', 'not slow', *TESTS]
+  if quick:
+    args += ['-k', 'lengths_off_the_block']
+  result = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  lines = result.stdout.strip().splitlines()
+  return {'summary': lines[-1] if lines else result.stderr[-500:],
+          'returncode': result.returncode}
+
+
+def attention_flops(B, T, N, H, backward):
+  """Causal attention FLOPs: QK and PV over the unmasked half."""
+  forward = 2 * 2 * B * N * H * T * (T + 1) / 2
+  return forward * (3.5 if backward else 1)  # FA2 backward: 2.5x forward.
+
+
+def bench_attention_bf16(lengths, kv_heads, repeats, B=4, N=16, H=128):
+  on_gpu = jax.default_backend() == 'gpu'
+  torch_sdpa = _torch_cuda_sdpa() if on_gpu else None
+  rows = []
+  for T in lengths:
+    for K in kv_heads:
+      keys = jax.random.split(jax.random.key(T + K), 3)
+      q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
+      k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
+      v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
+      peers = {'ours': lambda q, k, v: dot_product_attention(
+          q, k, v, is_causal=True),
+               'jax.nn xla': lambda q, k, v: jax.nn.dot_product_attention(
+                   q, k, v, is_causal=True, implementation='xla')}
+      if on_gpu and core.cudnn_available():
+        peers['jax.nn cudnn'] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation='cudnn')
+      for backward in (False, True):
+        contestants = {}
+        for name, fn in peers.items():
+          run = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(
+              jnp.float32).sum(), argnums=(0, 1, 2)) if backward else fn)
+          try:
+            jax.block_until_ready(run(q, k, v))
+          except Exception as e:  # pylint: disable=broad-except
+            print(f'  {name} T={T} K={K}: {type(e).__name__}: {e}'[:200])
+            continue
+          contestants[name] = lambda run=run: run(q, k, v)
+        if torch_sdpa:
+          contestants['torch sdpa'] = torch_sdpa(q, k, v, backward)
+        times = bench_attention.median_times(contestants, repeats)
+        work = attention_flops(B, T, N, H, backward)
+        row = {'T': T, 'K': K, 'pass': 'fwd+bwd' if backward else 'fwd',
+               'ms': {n: t * 1e3 for n, t in times.items()},
+               'tflops': {n: work / t / 1e12 for n, t in times.items()}}
+        rows.append(row)
+        print(f'T={T} K={K} {row["pass"]}: ' + '  '.join(
+            f'{n} {t:.2f} ms' for n, t in row['ms'].items()), flush=True)
+  return rows
+
+
+def _torch_cuda_sdpa():
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  if not torch.cuda.is_available():
+    return None
+
+  def make(q, k, v, backward):
+    tq, tk, tv = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(
+        'cuda', torch.bfloat16).transpose(1, 2).contiguous().requires_grad_(
+            backward) for x in (q, k, v))
+
+    def run():
+      out = torch.nn.functional.scaled_dot_product_attention(
+          tq, tk, tv, is_causal=True, enable_gqa=True)
+      if backward:
+        out.backward(torch.ones_like(out))
+      torch.cuda.synchronize()
+    return run
+  return make
+
+
+def train_base(out: pathlib.Path, steps: int, quick: bool) -> dict:
+  config = config_lib.load('tiny' if quick else 'gqa_base')
+  config.train.update(steps=steps, warmup_steps=max(1, steps // 10),
+                      log_every=max(1, steps // 20), eval_every=steps,
+                      checkpoint_every=steps)
+  workdir = out / 'train_gqa_base'
+  start = time.perf_counter()
+  record = loop.train_and_evaluate(config, str(workdir))
+  metrics = read_metrics(workdir)[1:]  # The first window has warm-up steps.
+  tokens = [m['tokens_per_sec'] for m in metrics] or [record['tokens_per_sec']]
+  mfu = [m['mfu'] for m in metrics] or [record['mfu']]
+  peak, source = flops.peak_flops()
+  return {'config': 'tiny' if quick else 'gqa_base', 'steps': steps,
+          'tokens_per_sec': float(np.median(tokens)),
+          'mfu': float(np.median(mfu)), 'peak_flops': peak,
+          'peak_source': source, 'eval_loss': record.get('eval_loss'),
+          'seconds': time.perf_counter() - start}
+
+
+def decode_roofline(quick: bool, repeats: int) -> dict:
+  config = config_lib.load('tiny' if quick else 'gqa_base')
+  heads = config.model.num_heads
+  batch, context = (2, 16) if quick else (64, 1024)
+  bandwidth = bench_attention.read_bandwidth(repeats)
+  rows = []
+  for K in sorted({heads, max(1, heads // 4), 1}, reverse=True):
+    config.model.num_kv_heads = K
+    mc = config_lib.model_config(config)
+    seconds = bench_decode.decode_step_seconds(mc, batch, context, repeats)
+    roofline = bench_decode.roofline_tokens_per_sec(mc, batch, context,
+                                                    bandwidth)
+    rows.append({'K': K, 'batch': batch, 'context': context,
+                 'tokens_per_sec': batch / seconds,
+                 'roofline_tokens_per_sec': roofline})
+    print(f'decode K={K}: {batch / seconds:,.0f} tokens/s, roofline '
+          f'{roofline:,.0f}', flush=True)
+  return {'bandwidth': bandwidth, 'rows': rows}
+
+
+def markdown(env, tests, attention, train, decode) -> str:
+  device = f'{env["device_kind"]} ({env["platform"]})'
+  lines = [f'## On {device}', '',
+           f'`python -m scripts.accelerator_check` on {env["date"]}: '
+           f'{env["devices"]} device(s), jax {env["jax"]}, cuDNN at trace '
+           f'time: {env["cudnn"]}; `implementation=None` chose '
+           f'{env["chosen"]} for causal bf16 training shapes.', '',
+           f'Tests on the device: {tests["summary"]}.', '',
+           '| T | K | pass | ' + ' | '.join(
+               f'{n} ms (TFLOP/s)' for n in attention[0]['ms']) + ' |',
+           '|---|---|---|' + '---|' * len(attention[0]['ms'])]
+  for r in attention:
+    lines.append(f'| {r["T"]} | {r["K"]} | {r["pass"]} | ' + ' | '.join(
+        f'{r["ms"][n]:.2f} ({r["tflops"][n]:.1f})' for n in r['ms']) + ' |')
+  lines += ['', f'Training {train["config"]} for {train["steps"]} steps: '
+            f'{train["tokens_per_sec"]:,.0f} tokens/s, MFU '
+            f'{100 * train["mfu"]:.1f}% of {train["peak_flops"] / 1e12:,.1f} '
+            f'TFLOP/s ({train["peak_source"]}).', '',
+            f'Decode (read bandwidth measured {decode["bandwidth"] / 1e9:.0f} '
+            'GB/s):', '', '| K | batch | context | tokens/s | roofline | '
+            'share |', '|---|---|---|---|---|---|']
+  for r in decode['rows']:
+    lines.append(f'| {r["K"]} | {r["batch"]} | {r["context"]} | '
+                 f'{r["tokens_per_sec"]:,.0f} | '
+                 f'{r["roofline_tokens_per_sec"]:,.0f} | '
+                 f'{100 * r["tokens_per_sec"] / r["roofline_tokens_per_sec"]:.0f}%'
+                 ' |')
+  return '\n'.join(lines) + '\n'
+
+
+def main():
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--steps', type=positive_int, default=300)
+  parser.add_argument('--repeats', type=positive_int, default=5)
+  parser.add_argument('--quick', action='store_true',
+                      help='tiny sizes: checks the command itself, on CPU too')
+  args = parser.parse_args()
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  device = jax.devices()[0]
+  probe = jnp.zeros((1, 2048, 16, 128), jnp.bfloat16)
+  call = core._Call(probe, probe, probe, None, True, 1.0, None, None)  # pylint: disable=protected-access
+  env = {'date': time.strftime('%Y-%m-%d'), 'platform': device.platform,
+         'device_kind': device.device_kind, 'devices': jax.device_count(),
+         'jax': jax.__version__, 'host': platform.node(),
+         'cudnn': core.cudnn_available(),
+         'chosen': core.choose({'gpu': 'cuda'}.get(device.platform,
+                                                  device.platform), call)}
+  print(json.dumps(env), flush=True)
+  tests = run_tests(args.quick)
+  print(f'tests: {tests["summary"]}', flush=True)
+  attention = bench_attention_bf16([256] if args.quick else [2048, 8192],
+                                   [2, 1] if args.quick else [16, 4, 1],
+                                   1 if args.quick else args.repeats,
+                                   **(dict(B=1, N=2, H=16) if args.quick
+                                      else {}))
+  train = train_base(out, 4 if args.quick else args.steps, args.quick)
+  decode = decode_roofline(args.quick, 1 if args.quick else args.repeats)
+  (out / 'accelerator.json').write_text(json.dumps(
+      {'env': env, 'tests': tests, 'attention': attention, 'train': train,
+       'decode': decode}, indent=1))
+  (out / 'accelerator.md').write_text(markdown(env, tests, attention, train,
+                                               decode))
+  print(f'wrote {out}/accelerator.md and accelerator.json')
+  if tests['returncode'] != 0:
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  exit_on_user_error(main)
