@@ -72,22 +72,25 @@ def _attention(query, key, value, is_causal, scale, heads, block):
 def _step(i, K, G, heads):
   """Step i -> (batch row, KV head, first query head) of its chunk of heads."""
   chunks = G // heads
-  b, rest = jnp.divmod(i, K * chunks)
+  row, rest = jnp.divmod(i, K * chunks)
   k, chunk = jnp.divmod(rest, chunks)
-  return b, k, k * G + chunk * heads
+  return row, k, k * G + chunk * heads
 
 
-def _heads(x_BTNH, b, n, count):
-  """x[b, :, n:n + count] as [count, T, H] (x: [B, T, N, H] or [B, S, K, H])."""
-  _, T, _, H = x_BTNH.shape
-  x_1TcH = jax.lax.dynamic_slice(x_BTNH, (b, 0, n, 0), (1, T, count, H))
-  return x_1TcH[0].transpose(1, 0, 2)
+def _heads(x, row, first, count):
+  """x[row, :, first:first + count] as [count, M, H].
+
+  x: queries [B, T, N, H] (M = T) or keys/values [B, S, K, H] (M = S).
+  """
+  _, M, _, H = x.shape
+  x_1MgH = jax.lax.dynamic_slice(x, (row, 0, first, 0), (1, M, count, H))
+  return x_1MgH[0].transpose(1, 0, 2)
 
 
-def _put_heads(x_BTNH, b, n, x_cTH):
-  """x with x[b, :, n:n + c] = x_cTH, in place."""
-  x_1TcH = x_cTH.transpose(1, 0, 2)[None].astype(x_BTNH.dtype)
-  return jax.lax.dynamic_update_slice(x_BTNH, x_1TcH, (b, 0, n, 0))
+def _put_heads(x, row, first, x_gMH):
+  """x with x[row, :, first:first + g] = x_gMH, in place."""
+  x_1MgH = x_gMH.transpose(1, 0, 2)[None].astype(x.dtype)
+  return jax.lax.dynamic_update_slice(x, x_1MgH, (row, 0, first, 0))
 
 
 def _blocks(T, S, is_causal, block):
@@ -126,12 +129,12 @@ def _forward(query, key, value, is_causal, scale, heads, block):
 
   def step(i, carry):
     out_BTNH, lse_BNT = carry
-    b, k, n = _step(i, K, N // K, heads)
-    o_gTH, lse_gT = one_chunk(_heads(query, b, n, heads),
-                              _heads(key, b, k, 1)[0],
-                              _heads(value, b, k, 1)[0])
-    return (_put_heads(out_BTNH, b, n, o_gTH),
-            jax.lax.dynamic_update_slice(lse_BNT, lse_gT[None], (b, n, 0)))
+    row, k, n = _step(i, K, N // K, heads)
+    o_gTH, lse_gT = one_chunk(_heads(query, row, n, heads),
+                              _heads(key, row, k, 1)[0],
+                              _heads(value, row, k, 1)[0])
+    return (_put_heads(out_BTNH, row, n, o_gTH),
+            jax.lax.dynamic_update_slice(lse_BNT, lse_gT[None], (row, n, 0)))
 
   out_BTNH, lse_BNT = jax.lax.fori_loop(
       0, B * N // heads, step,
@@ -166,17 +169,17 @@ def _backward(is_causal, scale, heads, block, residuals, do_BTNH):
 
   def step(i, carry):
     dq_BTNH, dk_BSKH, dv_BSKH = carry
-    b, k, n = _step(i, K, N // K, heads)
-    rows_gT = lambda x_BNT: jax.lax.dynamic_slice(x_BNT, (b, n, 0),
+    row, k, n = _step(i, K, N // K, heads)
+    rows_gT = lambda x_BNT: jax.lax.dynamic_slice(x_BNT, (row, n, 0),
                                                   (1, heads, T))[0]
     dq_gTH, dk_HS, dv_HS = one_chunk(
-        _heads(query, b, n, heads), _heads(do_BTNH, b, n, heads),
-        rows_gT(lse_BNT), rows_gT(delta_BNT), _heads(key, b, k, 1)[0],
-        _heads(value, b, k, 1)[0])
+        _heads(query, row, n, heads), _heads(do_BTNH, row, n, heads),
+        rows_gT(lse_BNT), rows_gT(delta_BNT), _heads(key, row, k, 1)[0],
+        _heads(value, row, k, 1)[0])
     # A KV head's gradient sums over its chunks of query heads.
     add = lambda d_BSKH, d_HS: _put_heads(
-        d_BSKH, b, k, _heads(d_BSKH, b, k, 1) + d_HS.T[None])
-    return (_put_heads(dq_BTNH, b, n, dq_gTH), add(dk_BSKH, dk_HS),
+        d_BSKH, row, k, _heads(d_BSKH, row, k, 1) + d_HS.T[None])
+    return (_put_heads(dq_BTNH, row, n, dq_gTH), add(dk_BSKH, dk_HS),
             add(dv_BSKH, dv_HS))
 
   f32_zeros = lambda x: jnp.zeros(x.shape, jnp.float32)

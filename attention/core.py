@@ -7,6 +7,15 @@ Dimension letters, used in einsum strings, shape comments and checks:
   K  key/value heads             G  group size, N // K (query heads per KV head)
   H  head dimension
 
+and, where they occur (one meaning each across the codebase):
+
+  D  model width                 F  MLP hidden units
+  V  vocabulary                  L  layers
+  E  N + 2K fused QKV heads      C  K·H cache columns (decode)
+  J  a second KV head index      R  T·K·G query rows (decode)
+  M  a length, T or S            P  key-value pairs (the recall task)
+  g  query heads of one step     b  query rows of one block (blockwise)
+
 K == N is multi-head attention, 1 < K < N grouped-query attention, K == 1
 multi-query attention. Query head n attends with KV head n // G: the order of
 `jnp.repeat(key, G, axis=2)`, shared with `jax.nn.dot_product_attention`, Gemma
@@ -310,6 +319,21 @@ def attention_mask(
   return mask_TS
 
 
+def as_4d_mask(mask: Array, B: int, S: int) -> Array:
+  """A boolean mask as 4-D [b, n, t, s]: a [B, S] key-padding mask becomes
+  [B, 1, 1, S], anything else gets leading 1s."""
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise ValueError(f'mask must be boolean (True = attend), got {mask.dtype}')
+  if mask.ndim == 2:  # Key padding.
+    if mask.shape != (B, S):
+      raise ValueError(
+          f'a 2-D mask is a key-padding mask [B, S] = {(B, S)}, got '
+          f'{mask.shape}; pass [B, 1, T, S] for a per-query mask')
+    return mask[:, None, None, :]
+  return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+
 def _grouped_mask(mask, q_shape, k_shape, is_causal, local_window):
   """Combines all masks into one boolean array broadcastable to [B, K, G, T, S]."""
   B, T, N, _ = q_shape
@@ -317,22 +341,13 @@ def _grouped_mask(mask, q_shape, k_shape, is_causal, local_window):
   G = N // K
   combined = None
   if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
-      raise ValueError(f'mask must be boolean (True = attend), got {mask.dtype}')
-    if mask.ndim == 2:  # Key padding.
-      if mask.shape != (B, S):
-        raise ValueError(
-            f'a 2-D mask is a key-padding mask [B, S] = {(B, S)}, got '
-            f'{mask.shape}; pass [B, 1, T, S] for a per-query mask')
-      mask = mask[:, None, None, :]
+    combined = as_4d_mask(mask, B, S)  # [b, n, t, s]
     try:
-      jnp.broadcast_shapes(mask.shape, (B, N, T, S))
+      jnp.broadcast_shapes(combined.shape, (B, N, T, S))
     except ValueError:
       raise ValueError(
-          f'mask of shape {mask.shape} does not broadcast to [B, N, T, S] = '
-          f'{(B, N, T, S)}') from None
-    combined = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [b, n, t, s]
+          f'mask of shape {jnp.shape(mask)} does not broadcast to '
+          f'[B, N, T, S] = {(B, N, T, S)}') from None
   structural = attention_mask(
       jnp.arange(S - T, S), jnp.arange(S),
       is_causal=is_causal, local_window=local_window)

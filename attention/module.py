@@ -1,34 +1,37 @@
-"""`Attention`: the Flax (linen) module around `dot_product_attention`.
+"""`Attention`: the Flax (linen) module around `attention.layer.apply`.
 
 One knob, `num_kv_heads` (K), selects the variant; the parameter shapes show it:
 
   query kernel  [D, N, H]        key and value kernels  [D, K, H]
   output kernel [N, H, D]        KV cache               [B, max_len, K·H] x 2
 
-The cache is the [B, S, K, H] layout with each position's K heads side by side
-as one K·H row. Stored 4-D, XLA fuses the one-token write with the reshape that
-the decode matmul reads through, and so copies the whole cache, in every layer
-at every step (a 5-10x slower decode); flat, the write happens in place and
-attention reads the cache where it lies.
-
 With `fused_qkv=True` the three input projections are one kernel [D, N + 2K, H]
 (one matmul producing (N + 2K)·H features), split into Q, K and V by heads.
+`attention.nnx.Attention` is the same layer for Flax NNX (`attention/layer.py`
+has the computation both call, and why the cache is stored flat).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from attention.core import attention_mask, dot_product_attention
-from attention.rope import apply_rope
+from attention import layer
 
 Dtype = Any
 default_kernel_init = nn.initializers.lecun_normal()
+# Logical axis names of each parameter, for flax's partitioning rules.
+LOGICAL_AXES = {
+    'query': ('embed', 'q_heads', 'head_dim'),
+    'key': ('embed', 'kv_heads', 'head_dim'),
+    'value': ('embed', 'kv_heads', 'head_dim'),
+    'qkv': ('embed', None, 'head_dim'),
+    'out': ('q_heads', 'head_dim', 'embed'),
+}
 
 
 class Attention(nn.Module):
@@ -76,6 +79,21 @@ class Attention(nn.Module):
   def kv_heads(self) -> int:
     return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
+  @classmethod
+  def from_options(cls, options: layer.Options, **fields) -> 'Attention':
+    """The module computing `options`; fields: dtype, decode, name, ..."""
+    return cls(**{f.name: getattr(options, f.name)
+                  for f in dataclasses.fields(options)}, **fields)
+
+  @property
+  def options(self) -> layer.Options:
+    return layer.Options(
+        num_heads=self.num_heads, num_kv_heads=self.kv_heads,
+        head_dim=self.head_dim, is_causal=self.is_causal,
+        use_rope=self.use_rope, rope_base=self.rope_base,
+        local_window=self.local_window, logits_soft_cap=self.logits_soft_cap,
+        fused_qkv=self.fused_qkv)
+
   @nn.compact
   def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None
                ) -> jax.Array:
@@ -90,116 +108,38 @@ class Attention(nn.Module):
     Returns:
       [B, T, D] in `dtype`.
     """
-    N, K, H = self.num_heads, self.kv_heads, self.head_dim
-    if K < 1 or N % K:
-      raise ValueError(
-          f'num_heads={N} must be a multiple of num_kv_heads={K}; pick '
-          f'num_kv_heads from the divisors of {N}')
-    D = x_BTD.shape[-1]
-    x_BTD = x_BTD.astype(self.dtype)
-
-    def kernel(name, shape, axes):
+    options = self.options
+    B, T, D = x_BTD.shape
+    params = {}
+    for name, shape in options.param_shapes(D).items():
       init = self.kernel_init
       if self.partitioned:
-        init = nn.with_logical_partitioning(init, axes)
-      w = self.param(name, init, shape, self.param_dtype)
-      return w.astype(self.dtype)
-
-    if self.fused_qkv:
-      w_DCH = kernel('qkv', (D, N + 2 * K, H),  # C = N + 2K heads.
-                     ('embed', None, 'head_dim'))
-      qkv_BTCH = jnp.einsum('BTD,DCH->BTCH', x_BTD, w_DCH)
-      q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [N, N + K], axis=2)
-    else:
-      kv_axes = ('embed', 'kv_heads', 'head_dim')
-      q_BTNH = jnp.einsum('BTD,DNH->BTNH', x_BTD, kernel(
-          'query', (D, N, H), ('embed', 'q_heads', 'head_dim')))
-      k_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD,
-                          kernel('key', (D, K, H), kv_axes))
-      v_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD,
-                          kernel('value', (D, K, H), kv_axes))
-
-    B, T = x_BTD.shape[:2]
+        init = nn.with_logical_partitioning(init, LOGICAL_AXES[name])
+      params[name] = self.param(name, init, shape, self.param_dtype)
     # `init` with decode=True creates the cache from the [B, max_len, D]
     # template and runs a plain pass; later calls append to it.
-    appending = self.decode and self.has_variable('cache', 'cached_key')
-    if self.decode:  # [B, max_len, K·H]: see the module docstring.
-      cached_k = self.variable('cache', 'cached_key', jnp.zeros,
-                               (B, T, K * H), k_BTKH.dtype)
-      cached_v = self.variable('cache', 'cached_value', jnp.zeros,
-                               (B, T, K * H), v_BTKH.dtype)
-      cache_index = self.variable('cache', 'cache_index',
-                                  lambda: jnp.array(0, jnp.int32))
-    start = cache_index.value if appending else 0
-    pos_T = start + jnp.arange(T)
-    if self.use_rope:
-      q_BTNH = apply_rope(q_BTNH, pos_T, base=self.rope_base)
-      k_BTKH = apply_rope(k_BTKH, pos_T, base=self.rope_base)
-
-    if not appending:
-      out_BTNH = dot_product_attention(
-          q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=self.is_causal,
-          local_window=self.local_window, logits_soft_cap=self.logits_soft_cap)
-    else:
-      cache_B, max_len, cache_C = cached_k.value.shape
-      if (cache_B, cache_C) != (B, K * H):
-        raise ValueError(
-            f'decode step gives K/V {(B, T, K, H)} but the cache holds '
-            f'{cached_k.value.shape} = [B, max_len, K·H]; init the cache with '
-            'the same batch size and heads')
-      _check_capacity(start, T, max_len)
-      cached_k.value = jax.lax.dynamic_update_slice(
-          cached_k.value, k_BTKH.reshape(B, T, K * H), (0, start, 0))
-      cached_v.value = jax.lax.dynamic_update_slice(
-          cached_v.value, v_BTKH.reshape(B, T, K * H), (0, start, 0))
-      cache_index.value = start + T
-      key_BSKH = cached_k.value.reshape(B, max_len, K, H)
-      value_BSKH = cached_v.value.reshape(B, max_len, K, H)
-      # S = max_len cached positions; positions decide what each query
-      # sees, and slots not written yet are hidden.
-      k_pos_S = jnp.arange(max_len)
-      visible_TS = k_pos_S[None, :] < start + T
-      structural_TS = attention_mask(pos_T, k_pos_S, is_causal=self.is_causal,
-                                     local_window=self.local_window)
-      if structural_TS is not None:
-        visible_TS &= structural_TS
-      visible = visible_TS[None, None]
-      if mask is not None:
-        visible = _as_4d(mask) & visible
-      out_BTNH = dot_product_attention(
-          q_BTNH, key_BSKH, value_BSKH, mask=visible,
-          logits_soft_cap=self.logits_soft_cap)
-      # Under jit an overflowing write is clamped onto the last slots; make
-      # that visible as NaN rather than silently attending to the wrong tokens.
-      out_BTNH = jnp.where(start + T > max_len, jnp.nan, out_BTNH)
-
-    return jnp.einsum('BTNH,NHD->BTD', out_BTNH, kernel(
-        'out', (N, H, D), ('q_heads', 'head_dim', 'embed')))
+    appending = self.decode and self.has_variable('cache', 'cache_index')
+    cache = None
+    if self.decode:
+      shapes = options.cache_shapes(B, T)
+      variables = {
+          name: self.variable('cache', name, jnp.zeros, shapes[name],
+                              jnp.int32 if name == 'cache_index' else
+                              self.dtype) for name in layer.CACHE_NAMES}
+      if appending:
+        cache = {name: v.value for name, v in variables.items()}
+    out_BTD, cache = layer.apply(options, params, x_BTD, mask=mask,
+                                 cache=cache, dtype=self.dtype)
+    if appending:
+      for name, v in variables.items():
+        v.value = cache[name]
+    return out_BTD
 
   def kv_cache_bytes(self, batch: int, length: int, dtype: Dtype = None) -> int:
     """Bytes of this layer's KV cache: 2 (K and V) x B x length x K x H."""
-    itemsize = np.dtype(dtype or self.dtype).itemsize
-    return 2 * batch * length * self.kv_heads * self.head_dim * itemsize
+    return layer.kv_cache_bytes(self.options, batch, length,
+                                dtype or self.dtype)
 
   def num_params(self, d_model: int) -> int:
     """Parameters of this layer for model width D: D·N·H + 2·D·K·H + N·H·D."""
     return d_model * self.head_dim * 2 * (self.num_heads + self.kv_heads)
-
-
-def _as_4d(mask):
-  mask = jnp.asarray(mask)
-  if mask.ndim == 2:  # Key padding [B, S].
-    return mask[:, None, None, :]
-  return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-
-
-def _check_capacity(index, T, max_len):
-  """Raises when the cache index is concrete (eager use) and would overflow."""
-  try:
-    index = int(index)
-  except jax.errors.ConcretizationTypeError:
-    return  # Under jit: the NaN poisoning in `_update_cache` reports it.
-  if index + T > max_len:
-    raise ValueError(
-        f'KV cache overflow: writing {T} token(s) at position {index} exceeds '
-        f'max_len={max_len}; init the cache with a longer [B, max_len, D] input')

@@ -1,0 +1,156 @@
+"""The attention layer as one pure function: projections, RoPE, KV cache, attention.
+
+Both module APIs are thin shells over `apply`: `attention.Attention` (linen)
+and `attention.nnx.Attention` (NNX) own the parameters and the cache and call
+it, so they compute the same thing from the same arrays. Names and shapes,
+shared by both (D model width; the letters of `attention.core`):
+
+  params  query [D, N, H], key [D, K, H], value [D, K, H], out [N, H, D]
+          (fused_qkv: qkv [D, N + 2K, H] in place of the first three)
+  cache   cached_key, cached_value [B, max_len, K·H]; cache_index int32
+
+The cache is the [B, S, K, H] layout with each position's K heads side by side
+as one K·H row. Stored 4-D, XLA fuses the one-token write with the reshape that
+the decode matmul reads through, and so copies the whole cache, in every layer
+at every step; flat, the write happens in place and attention reads the cache
+where it lies (a test checks the compiled step for copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attention.core import as_4d_mask, attention_mask, dot_product_attention
+from attention.rope import apply_rope
+
+Array = jax.Array
+CACHE_NAMES = ('cached_key', 'cached_value', 'cache_index')
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What the layer computes, apart from its arrays (see `Attention`)."""
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  is_causal: bool = True
+  use_rope: bool = True
+  rope_base: float = 10_000.0
+  local_window: int | None = None
+  logits_soft_cap: float | None = None
+  fused_qkv: bool = False
+
+  def __post_init__(self):
+    N, K = self.num_heads, self.num_kv_heads
+    if K < 1 or N % K:
+      raise ValueError(
+          f'num_heads={N} must be a multiple of num_kv_heads={K}; pick '
+          f'num_kv_heads from the divisors of {N}')
+
+  def param_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
+    D, N, K, H = d_model, self.num_heads, self.num_kv_heads, self.head_dim
+    inputs = ({'qkv': (D, N + 2 * K, H)} if self.fused_qkv else
+              {'query': (D, N, H), 'key': (D, K, H), 'value': (D, K, H)})
+    return {**inputs, 'out': (N, H, D)}
+
+  def cache_shapes(self, batch: int, max_len: int) -> dict[str, tuple]:
+    kv = (batch, max_len, self.num_kv_heads * self.head_dim)
+    return {'cached_key': kv, 'cached_value': kv, 'cache_index': ()}
+
+
+def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
+          mask: Array | None = None, cache: dict[str, Array] | None = None,
+          dtype: Any = jnp.float32) -> tuple[Array, dict[str, Array] | None]:
+  """Self-attention of x_BTD [B, T, D]; (out [B, T, D], the updated cache).
+
+  With a cache (decoding), the T tokens are written at `cache_index` and
+  attend to everything cached so far; without one, to each other.
+  mask: True = attend, a key-padding [B, S] or anything broadcastable to
+  [B, N, T, S] (S = T, or max_len with a cache).
+  """
+  N, K = options.num_heads, options.num_kv_heads
+  x_BTD = x_BTD.astype(dtype)
+  w = {name: p.astype(dtype) for name, p in params.items()}
+  if options.fused_qkv:
+    qkv_BTEH = jnp.einsum('BTD,DEH->BTEH', x_BTD, w['qkv'])  # E = N + 2K.
+    q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTEH, [N, N + K], axis=2)
+  else:
+    q_BTNH = jnp.einsum('BTD,DNH->BTNH', x_BTD, w['query'])
+    k_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD, w['key'])
+    v_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD, w['value'])
+
+  B, T = x_BTD.shape[:2]
+  start = 0 if cache is None else cache['cache_index']
+  pos_T = start + jnp.arange(T)
+  if options.use_rope:
+    q_BTNH = apply_rope(q_BTNH, pos_T, base=options.rope_base)
+    k_BTKH = apply_rope(k_BTKH, pos_T, base=options.rope_base)
+
+  if cache is None:
+    out_BTNH = dot_product_attention(
+        q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=options.is_causal,
+        local_window=options.local_window,
+        logits_soft_cap=options.logits_soft_cap)
+  else:
+    cache, key_BSKH, value_BSKH = _write_cache(cache, k_BTKH, v_BTKH)
+    max_len = key_BSKH.shape[1]
+    # S = max_len cached positions; positions decide what each query sees,
+    # and slots not written yet are hidden.
+    k_pos_S = jnp.arange(max_len)
+    visible_TS = k_pos_S[None, :] < start + T
+    structural_TS = attention_mask(pos_T, k_pos_S, is_causal=options.is_causal,
+                                   local_window=options.local_window)
+    if structural_TS is not None:
+      visible_TS &= structural_TS
+    visible = visible_TS[None, None]
+    if mask is not None:
+      visible = as_4d_mask(mask, B, max_len) & visible
+    out_BTNH = dot_product_attention(
+        q_BTNH, key_BSKH, value_BSKH, mask=visible,
+        logits_soft_cap=options.logits_soft_cap)
+    # Under jit an overflowing write is clamped onto the last slots; make that
+    # visible as NaN rather than silently attending to the wrong tokens.
+    out_BTNH = jnp.where(start + T > max_len, jnp.nan, out_BTNH)
+  return jnp.einsum('BTNH,NHD->BTD', out_BTNH, w['out']), cache
+
+
+def _write_cache(cache, k_BTKH, v_BTKH):
+  """(cache with T positions written at its index, keys and values [B, S, K, H])."""
+  B, T, K, H = k_BTKH.shape
+  start = cache['cache_index']
+  cache_B, max_len, cache_C = cache['cached_key'].shape
+  if (cache_B, cache_C) != (B, K * H):
+    raise ValueError(
+        f'decode step gives K/V {(B, T, K, H)} but the cache holds '
+        f"{cache['cached_key'].shape} = [B, max_len, K·H]; init the cache "
+        'with the same batch size and heads')
+  _check_capacity(start, T, max_len)
+  write = lambda c, x_BTKH: jax.lax.dynamic_update_slice(
+      c, x_BTKH.reshape(B, T, K * H).astype(c.dtype), (0, start, 0))
+  cache = {'cached_key': write(cache['cached_key'], k_BTKH),
+           'cached_value': write(cache['cached_value'], v_BTKH),
+           'cache_index': start + T}
+  return (cache, cache['cached_key'].reshape(B, max_len, K, H),
+          cache['cached_value'].reshape(B, max_len, K, H))
+
+
+def _check_capacity(index, T, max_len):
+  """Raises when the cache index is concrete (eager use) and would overflow."""
+  try:
+    index = int(index)
+  except jax.errors.ConcretizationTypeError:
+    return  # Under jit: `apply` returns NaN for the overflowing step.
+  if index + T > max_len:
+    raise ValueError(
+        f'KV cache overflow: writing {T} token(s) at position {index} exceeds '
+        f'max_len={max_len}; init the cache with a longer [B, max_len, D] input')
+
+
+def kv_cache_bytes(options: Options, batch: int, length: int, dtype) -> int:
+  """Bytes of one layer's KV cache: 2 (K and V) x B x length x K x H."""
+  return (2 * batch * length * options.num_kv_heads * options.head_dim
+          * jnp.dtype(dtype).itemsize)

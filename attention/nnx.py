@@ -1,0 +1,103 @@
+"""`Attention` for Flax NNX: the same layer as the linen `attention.Attention`.
+
+Same options, same parameter names and shapes (query [D, N, H], key and value
+[D, K, H], out [N, H, D], or qkv [D, N + 2K, H]), same KV cache of K heads
+([B, max_len, K·H]), and the same computation (`attention.layer.apply`), so
+the two give identical outputs from the same parameters. Moving parameters:
+
+  nnx_layer = Attention.from_linen(linen_layer, linen_params)   # linen -> NNX
+  linen_params = nnx_layer.linen_params()                       # NNX -> linen
+
+Decoding, NNX's convention: `init_cache(batch, max_len)`, then each call
+appends its tokens to the cache and attends to everything cached so far.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+from flax.core import meta
+import jax
+import jax.numpy as jnp
+
+from attention import layer
+
+Dtype = Any
+
+
+class Attention(nnx.Module):
+  """Self-attention with N query heads sharing K key/value heads (NNX).
+
+  Args:
+    num_heads: N. num_kv_heads: K (None: N); N must be a multiple of K.
+    head_dim: H. in_features: D, the model width.
+    dtype: computation dtype; logits and softmax stay float32.
+    param_dtype, is_causal, use_rope, rope_base, local_window,
+    logits_soft_cap, fused_qkv, kernel_init: as for `attention.Attention`.
+    rngs: initialises the kernels.
+  """
+
+  def __init__(self, num_heads: int, num_kv_heads: int | None = None,
+               head_dim: int = 64, *, in_features: int,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
+               is_causal: bool = True, use_rope: bool = True,
+               rope_base: float = 10_000.0, local_window: int | None = None,
+               logits_soft_cap: float | None = None, fused_qkv: bool = False,
+               kernel_init=nnx.initializers.lecun_normal(),
+               rngs: nnx.Rngs):
+    self.options = layer.Options(
+        num_heads=num_heads,
+        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+        head_dim=head_dim, is_causal=is_causal, use_rope=use_rope,
+        rope_base=rope_base, local_window=local_window,
+        logits_soft_cap=logits_soft_cap, fused_qkv=fused_qkv)
+    self.dtype = dtype
+    for name, shape in self.options.param_shapes(in_features).items():
+      setattr(self, name, nnx.Param(kernel_init(rngs.params(), shape,
+                                                param_dtype)))
+    self.cached_key = nnx.data(None)
+    self.cached_value = nnx.data(None)
+    self.cache_index = nnx.data(None)
+
+  def init_cache(self, batch: int, max_len: int, dtype: Dtype | None = None):
+    """An empty KV cache of K heads, [B, max_len, K·H] for keys and values."""
+    shapes = self.options.cache_shapes(batch, max_len)
+    for name in layer.CACHE_NAMES:
+      kind = jnp.int32 if name == 'cache_index' else dtype or self.dtype
+      setattr(self, name, nnx.Cache(jnp.zeros(shapes[name], kind)))
+
+  def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None
+               ) -> jax.Array:
+    """x_BTD [B, T, D] -> [B, T, D]; appends to the cache once it exists."""
+    cache = None
+    if self.cache_index is not None:
+      cache = {name: getattr(self, name)[...] for name in layer.CACHE_NAMES}
+    out_BTD, cache = layer.apply(self.options, self.linen_params(), x_BTD,
+                                 mask=mask, cache=cache, dtype=self.dtype)
+    if cache is not None:
+      for name in layer.CACHE_NAMES:
+        getattr(self, name)[...] = cache[name]
+    return out_BTD
+
+  def linen_params(self) -> dict[str, jax.Array]:
+    """The parameters as `attention.Attention` (linen) names them."""
+    return {name: getattr(self, name)[...]
+            for name in self.options.param_shapes(1)}
+
+  @classmethod
+  def from_linen(cls, module, params, *, dtype: Dtype | None = None
+                 ) -> 'Attention':
+    """The NNX layer of a linen `attention.Attention` and its params."""
+    params = meta.unbox(params)  # Plain arrays, partitioned or not.
+    in_features = params['out'].shape[-1]
+    layer_ = cls(module.num_heads, module.kv_heads, module.head_dim,
+                 in_features=in_features, dtype=dtype or module.dtype,
+                 param_dtype=module.param_dtype, is_causal=module.is_causal,
+                 use_rope=module.use_rope, rope_base=module.rope_base,
+                 local_window=module.local_window,
+                 logits_soft_cap=module.logits_soft_cap,
+                 fused_qkv=module.fused_qkv, rngs=nnx.Rngs(0))
+    for name, value in params.items():
+      getattr(layer_, name)[...] = jnp.asarray(value)
+    return layer_

@@ -1,0 +1,86 @@
+"""Specification of `attention.nnx.Attention`: the linen layer's twin for Flax NNX."""
+
+from absl.testing import parameterized
+import chex
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from attention import Attention
+from attention import nnx as attention_nnx
+
+B, L, D, N, H = 2, 12, 32, 8, 8
+OPTIONS = (
+    ('mha', dict(num_kv_heads=8)),
+    ('gqa', dict(num_kv_heads=2)),
+    ('mqa', dict(num_kv_heads=1)),
+    ('gqa_fused', dict(num_kv_heads=2, fused_qkv=True)),
+    ('gqa_window_soft_cap', dict(num_kv_heads=2, local_window=4,
+                                 logits_soft_cap=3.0)),
+    ('mqa_bidirectional_no_rope', dict(num_kv_heads=1, is_causal=False,
+                                       use_rope=False)),
+)
+
+
+def _x(seed=0):
+  return jax.random.normal(jax.random.key(seed), (B, L, D))
+
+
+def _pair(opts):
+  linen = Attention(N, head_dim=H, **opts)
+  params = linen.init(jax.random.key(1), _x())['params']
+  return linen, params, attention_nnx.Attention.from_linen(linen, params)
+
+
+class NnxAttentionTest(chex.TestCase):
+
+  @parameterized.named_parameters(*OPTIONS)
+  def test_same_parameter_names_and_shapes_as_linen(self, opts):
+    linen, params, _ = _pair(opts)
+    fresh = attention_nnx.Attention(N, head_dim=H, in_features=D,
+                                    rngs=nnx.Rngs(0), **opts)
+    chex.assert_trees_all_equal_shapes_and_dtypes(fresh.linen_params(),
+                                                  params)
+
+  @parameterized.named_parameters(*OPTIONS)
+  def test_same_outputs_and_gradients_from_the_same_parameters(self, opts):
+    linen, params, layer = _pair(opts)
+    chex.assert_trees_all_equal(layer(_x()),
+                                linen.apply({'params': params}, _x()))
+    target = jax.random.normal(jax.random.key(2), (B, L, D))
+    linen_grads = jax.grad(lambda p: jnp.vdot(
+        target, linen.apply({'params': p}, _x())))(params)
+    nnx_grads = nnx.grad(lambda m: jnp.vdot(target, m(_x())))(layer)
+    chex.assert_trees_all_close(nnx.to_pure_dict(nnx_grads), linen_grads,
+                                atol=1e-6)
+
+  @parameterized.named_parameters(*OPTIONS[:3])
+  def test_decoding_with_a_cache_of_k_heads_equals_linen(self, opts):
+    linen, params, layer = _pair(opts)
+    decoder = linen.clone(decode=True)
+    cache = decoder.init(jax.random.key(0), _x())['cache']
+    layer.init_cache(B, L)
+    chex.assert_shape([layer.cached_key[...], layer.cached_value[...]],
+                      (B, L, opts['num_kv_heads'] * H))
+    x, start = _x(), 0
+    for n in (5, 1, 1, 2, 1):  # A prefill, then steps.
+      theirs, mutated = decoder.apply({'params': params, 'cache': cache},
+                                      x[:, start:start + n], mutable=['cache'])
+      cache, start = mutated['cache'], start + n
+      chex.assert_trees_all_close(layer(x[:, start - n:start]), theirs,
+                                  atol=1e-6)
+    self.assertEqual(int(layer.cache_index[...]), start)
+
+  def test_parameters_move_both_ways_with_one_call(self):
+    layer = attention_nnx.Attention(N, 2, H, in_features=D, rngs=nnx.Rngs(3))
+    linen = Attention(N, 2, H)
+    moved = layer.linen_params()  # NNX -> linen.
+    chex.assert_trees_all_equal(linen.apply({'params': moved}, _x()),
+                                layer(_x()))
+    back = attention_nnx.Attention.from_linen(linen, moved)  # linen -> NNX.
+    chex.assert_trees_all_equal(back.linen_params(), moved)
+
+  def test_num_heads_not_multiple_of_num_kv_heads_is_a_clear_error(self):
+    with self.assertRaisesRegex(ValueError, 'num_heads=8 must be a multiple '
+                                'of num_kv_heads=3'):
+      attention_nnx.Attention(8, 3, H, in_features=D, rngs=nnx.Rngs(0))
