@@ -35,7 +35,7 @@ from attention import core, dot_product_attention
 from scripts import bench_attention, bench_decode
 from train import config_lib, flops, loop
 from train.errors import ArgumentParser, exit_on_user_error, positive_int
-from train.report import read_metrics
+from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
 TESTS = ['tests/test_accelerators.py', 'tests/test_core.py',

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from scripts import bench_attention
-from train import config_lib, loop
+from train import config_lib, loop, sample
 from train.errors import (ArgumentParser, exit_on_user_error, int_list,
                           positive_int)
 from train import model as model_lib
@@ -33,32 +33,22 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
                         steps: int = 8) -> float:
   """Median time per decoded token (all sequences), cache filled to `context`.
 
-  Times `steps` tokens in one jitted `lax.scan`, as `train.generate` decodes,
-  so the cache is updated in place rather than copied per call.
+  Times `steps` greedy tokens of `train.sample.decode`, the loop that
+  train.sample runs, so the cache is updated in place rather than copied.
   """
   mc = dataclasses.replace(mc, max_len=context + steps)
-  model, params = unroll_layers(  # As train.generate decodes.
+  model, params = unroll_layers(
       Transformer(mc, decode=True),
       nn.unbox(loop.init_params(Transformer(mc), seed=0)))
-  cache = jax.tree.map(jnp.zeros_like, nn.unbox(jax.eval_shape(
-      model.init, jax.random.key(0),
-      jnp.zeros((batch, mc.max_len), jnp.int32))['cache']))
   cache = jax.tree_util.tree_map_with_path(  # Filled up to `context`.
       lambda path, x: jnp.full_like(x, context)
-      if jax.tree_util.keystr(path).endswith("['cache_index']") else x, cache)
-
-  @jax.jit
-  def decode(cache, token_B1):
-    def step(carry, _):
-      cache, token_B1 = carry
-      logits, mutated = model.apply({'params': params, 'cache': cache},
-                                    token_B1, mutable=['cache'])
-      return (mutated['cache'], logits.argmax(-1).astype(jnp.int32)), None
-    (_, token_B1), _ = jax.lax.scan(step, (cache, token_B1), length=steps)
-    return token_B1
-
-  token = jnp.zeros((batch, 1), jnp.int32)
-  return bench_attention.median_time(lambda: decode(cache, token),
+      if jax.tree_util.keystr(path).endswith("['cache_index']") else x,
+      sample.empty_cache(model, batch))
+  rngs = jax.random.split(jax.random.key(0), steps)
+  run = jax.jit(lambda cache, token_B: sample.decode(
+      model, params, cache, token_B, rngs, temperature=0.0, top_k=0)[0])
+  token = jnp.zeros((batch,), jnp.int32)
+  return bench_attention.median_time(lambda: run(cache, token),
                                      repeats) / steps
 
 

@@ -31,7 +31,7 @@ from train.errors import (ArgumentParser, UserError, exit_on_user_error,
                           int_list, positive_int)
 from train import model as model_lib
 from train.model import Transformer
-from train.report import read_metrics
+from train.metrics import read_metrics
 
 DECODE_BATCH, DECODE_CONTEXT = 16, 256
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from configs import mha_small
-from train import checkpoint, config_lib, data, kv_heads, loop
+from train import checkpoint, config_lib, convert, data, loop
 from train.errors import (ArgumentParser, UserError, exit_on_user_error,
                           float_list, positive_int)
 from train.model import Transformer
@@ -73,7 +73,7 @@ def main():
   for method in METHODS:
     for alpha in alphas:
       workdir = out / f'{method}_alpha{alpha:g}'
-      kv_heads.convert_workdir(str(source), str(workdir), args.num_kv_heads,
+      convert.convert_workdir(str(source), str(workdir), args.num_kv_heads,
                                method)
       steps = round(alpha * source_config.train.steps)
       if steps:

@@ -12,19 +12,20 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, config_lib, generate, kv_heads, loop
+from train import checkpoint, config_lib, convert, data, loop
 from train.model import Transformer
+from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
 
 
 def test_pooling_takes_contiguous_groups_in_query_head_order():
   kernel = jnp.arange(1.0, 5.0).reshape(1, 4, 1)  # [D=1, K=4, H=1].
-  np.testing.assert_array_equal(kv_heads.pool_heads(kernel, 2, 'mean'),
+  np.testing.assert_array_equal(convert.pool_heads(kernel, 2, 'mean'),
                                 [[[1.5], [3.5]]])
-  np.testing.assert_array_equal(kv_heads.pool_heads(kernel, 2, 'first'),
+  np.testing.assert_array_equal(convert.pool_heads(kernel, 2, 'first'),
                                 [[[1.0], [3.0]]])
-  np.testing.assert_array_equal(kv_heads.pool_heads(kernel, 1, 'mean'),
+  np.testing.assert_array_equal(convert.pool_heads(kernel, 1, 'mean'),
                                 [[[2.5]]])
 
 
@@ -44,7 +45,7 @@ def test_mean_pooling_is_lossless_when_grouped_heads_agree():
       return jnp.repeat(x[..., ::2, :], 2, axis=-2)
     return x
   params = jax.tree_util.tree_map_with_path(pair_up, params)
-  gqa_params, gqa_config = kv_heads.convert_params(params, mc, 2, 'mean')
+  gqa_params, gqa_config = convert.convert_params(params, mc, 2, 'mean')
   assert gqa_config.num_kv_heads == 2
   chex.assert_shape(gqa_params['layers']['attention']['key'],
                     (mc.num_layers, mc.d_model, 2, mc.head_dim))
@@ -57,7 +58,7 @@ def test_mean_pooling_is_lossless_when_grouped_heads_agree():
 @pytest.mark.parametrize('method', ['mean', 'first', 'random'])
 def test_methods_give_the_new_shapes_and_touch_only_key_and_value(method):
   mc, params = _mha()
-  new, _ = kv_heads.convert_params(params, mc, 1, method)
+  new, _ = convert.convert_params(params, mc, 1, method)
   for name in ('key', 'value'):
     chex.assert_shape(new['layers']['attention'][name],
                       (mc.num_layers, mc.d_model, 1, mc.head_dim))
@@ -73,29 +74,36 @@ def _convert(*args):
                         cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-def test_keeping_all_heads_is_an_exact_copy_with_identical_samples(
-    trained, tmp_path):
+def test_keeping_all_heads_is_an_exact_copy(trained, tmp_path):
   result = _convert(f'--source={trained}', f'--workdir={tmp_path}/copy',
                     '--num_kv_heads=-1')
   assert result.returncode == 0, result.stderr
-  mc, original, _ = checkpoint.load_workdir(str(trained))
-  _, copied, _ = checkpoint.load_workdir(str(tmp_path / 'copy'))
-  chex.assert_trees_all_equal(copied, original)
-  greedy = lambda p: generate.generate(
-      p, jnp.array([[100, 101, 102]]), jax.random.key(0),
-      model=Transformer(mc, decode=True), max_new_tokens=12, temperature=0.0,
-      top_k=0)
-  np.testing.assert_array_equal(greedy(copied), greedy(original))
+  _, original, _ = checkpoint.load_workdir(str(trained))
+  step, copied = checkpoint.restore_latest(str(tmp_path / 'copy'))
+  assert step == 0  # A fresh start for uptraining, from the same weights.
+  chex.assert_trees_all_equal(copied['params'], original)
 
 
-def test_converted_workdir_uptrains_with_train_main(trained, tmp_path):
+def test_converted_workdir_uptrains_from_the_converted_weights(
+    trained, tmp_path, capsys):
   result = _convert(f'--source={trained}', f'--workdir={tmp_path}/mqa',
                     '--num_kv_heads=1', '--method=mean')
   assert result.returncode == 0, result.stderr
   config = tiny.get_config()
   config.model.num_kv_heads = 1
-  config.train.steps = 5
+  config.train.update(steps=5, log_every=1)
+  mc, converted, _ = checkpoint.load_workdir(str(tmp_path / 'mqa'))
+  # The first logged loss is step 0's: the converted weights on batch 0.
+  batch = data.batch(data.load('', val_fraction=0.05, seq_len=32).train,
+                     seed=config.seed, step=0, batch_size=8, seq_len=32)
+  loss = lambda params: float(loop.loss_fn(params, Transformer(mc), batch))
+  fresh = nn.unbox(loop.init_params(Transformer(mc), config.seed))
   record = loop.train_and_evaluate(config, str(tmp_path / 'mqa'))
+  assert 'resuming from step 0' in capsys.readouterr().out
+  first = read_metrics(tmp_path / 'mqa')[0]
+  assert first['step'] == 1
+  assert first['loss'] == pytest.approx(loss(converted), rel=1e-5)
+  assert abs(loss(fresh) - loss(converted)) > 0.1  # Not a fresh start.
   assert np.isfinite(record['eval_loss'])
   assert checkpoint.restore_latest(str(tmp_path / 'mqa'))[0] == 5
 

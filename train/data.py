@@ -28,6 +28,7 @@ import os
 import pathlib
 import sysconfig
 import zlib
+from typing import Protocol
 
 import numpy as np
 
@@ -35,6 +36,24 @@ from train.errors import UserError
 
 _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
               'lib2to3', 'ensurepip'}
+
+
+class Source(Protocol):
+  """What the training loop reads: a text/token Dataset or the RecallTask."""
+  vocab_size: int
+  bytes_per_token: float | None  # For bits per byte; None if not text.
+  description: str
+  loss_weights: np.ndarray | None  # [seq_len] target weights; None: all.
+
+  def batch(self, split: str, *, seed: int, step: int, batch_size: int,
+            seq_len: int, shard: int = 0, num_shards: int = 1,
+            stream: int = 0) -> np.ndarray:
+    """Shard `shard` of num_shards of the global batch: rows [batch_size //
+    num_shards, seq_len + 1] int32, a pure function of (seed, step, stream).
+    Held-out batches use split 'val' and stream 1."""
+
+  def summary(self) -> str:
+    """One line for the log."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +64,14 @@ class Dataset:
   vocab_size: int  # Tokens are < vocab_size.
   bytes_per_token: float | None  # 1.0 for byte-level text, None if unknown.
   description: str
-  loss_weights: np.ndarray | None = None  # [seq_len] target weights; None: all.
+  loss_weights = None  # Every target counts.
 
-  def batch(self, split: str, **kwargs) -> np.ndarray:
-    return batch(self.train if split == 'train' else self.val, **kwargs)
+  def batch(self, split: str, *, seed: int, step: int, batch_size: int,
+            seq_len: int, shard: int = 0, num_shards: int = 1,
+            stream: int = 0) -> np.ndarray:
+    return batch(self.train if split == 'train' else self.val, seed=seed,
+                 step=step, batch_size=batch_size, seq_len=seq_len,
+                 shard=shard, num_shards=num_shards, stream=stream)
 
   def summary(self) -> str:
     return (f'{self.description}: {len(self.train):,} training and '
@@ -81,28 +104,28 @@ class RecallTask:
   def batch(self, split: str, *, seed: int, step: int, batch_size: int,
             seq_len: int, shard: int = 0, num_shards: int = 1,
             stream: int = 0) -> np.ndarray:
-    """Rows [batch_size // num_shards, seq_len + 1] int32, pure in (seed, step).
-
-    The split only names the caller's intent: held-out batches differ by
-    `stream` (1), as for text.
-    """
+    """Only this shard's rows are made: each row has its own generator,
+    seeded by (stream, seed, step, P, row), so the rows do not depend on how
+    the batch is split over hosts. The split only names the caller's intent:
+    held-out batches differ by `stream` (1), as for text."""
     del split
     P, half = self.num_pairs, self.vocab_size // 2
-    rng = np.random.default_rng([stream, seed, step, P])
-    keys_BP = np.argsort(rng.random((batch_size, half)), axis=1)[:, :P]
-    values_BP = rng.integers(half, self.vocab_size, (batch_size, P))
-    order_BP = np.argsort(rng.random((batch_size, P)), axis=1)
-    tokens = np.zeros((batch_size, seq_len + 1), np.int32)
-    tokens[:, 0:2 * P:2], tokens[:, 1:2 * P:2] = keys_BP, values_BP
-    tokens[:, 2 * P:4 * P:2] = np.take_along_axis(keys_BP, order_BP, 1)
-    tokens[:, 2 * P + 1:4 * P:2] = np.take_along_axis(values_BP, order_BP, 1)
     per_shard = batch_size // num_shards
-    return tokens[shard * per_shard:(shard + 1) * per_shard]
+    tokens = np.zeros((per_shard, seq_len + 1), np.int32)
+    for i, row in enumerate(range(shard * per_shard, (shard + 1) * per_shard)):
+      rng = np.random.default_rng([stream, seed, step, P, row])
+      keys_P = rng.permutation(half)[:P]  # Distinct.
+      values_P = rng.integers(half, self.vocab_size, P)
+      order_P = rng.permutation(P)
+      tokens[i, 0:2 * P:2], tokens[i, 1:2 * P:2] = keys_P, values_P
+      tokens[i, 2 * P:4 * P:2] = keys_P[order_P]
+      tokens[i, 2 * P + 1:4 * P:2] = values_P[order_P]
+    return tokens
 
 
 def load(path: str, *, val_fraction: float, seq_len: int,
          cache_dir: str | None = None, task: str = 'lm', recall_pairs: int = 0,
-         vocab_size: int = 256) -> Dataset | RecallTask:
+         vocab_size: int = 256) -> Source:
   """Loads the data named by `path`; raises UserError if it cannot be used.
 
   For task='recall', `path` is ignored and `recall_pairs` (0: as many as fit,

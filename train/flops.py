@@ -41,19 +41,19 @@ def mean_context(seq_len: int, local_window: int | None = None) -> float:
   return float(seen.mean())
 
 
-def forward_flops_per_token(*, num_layers, d_model, num_heads, num_kv_heads,
-                            head_dim, mlp_dim, vocab_size, seq_len,
-                            local_window=None, **_) -> float:
-  """Forward FLOPs per token of the causal LM (see the module docstring)."""
-  D, N, K, H, F = d_model, num_heads, num_kv_heads, head_dim, mlp_dim
-  C = mean_context(seq_len, local_window)
+def forward_flops_per_token(config, seq_len: int) -> float:
+  """Forward FLOPs per token of the causal LM `config` (a ModelConfig) over
+  sequences of seq_len (see the module docstring)."""
+  D, N, K = config.d_model, config.num_heads, config.num_kv_heads
+  H, F = config.head_dim, config.mlp_dim
+  C = mean_context(seq_len, config.local_window)
   per_layer = (2 * D * N * H + 2 * N * H * D + 2 * 2 * D * K * H
                + 2 * 2 * N * H * C + 3 * 2 * D * F)
-  return num_layers * per_layer + 2 * D * vocab_size
+  return config.num_layers * per_layer + 2 * D * config.vocab_size
 
 
-def training_flops_per_token(**model) -> float:
-  return 3 * forward_flops_per_token(**model)
+def training_flops_per_token(config, seq_len: int) -> float:
+  return 3 * forward_flops_per_token(config, seq_len)
 
 
 def peak_flops(device: jax.Device | None = None) -> tuple[float, str]:

@@ -22,7 +22,7 @@ from train.checkpoint import Checkpointer
 from train.errors import UserError
 from train import model as model_lib
 from train.model import Transformer
-from train.report import Reporter
+from train.metrics import MetricsWriter
 
 
 @flax.struct.dataclass
@@ -139,7 +139,7 @@ class _Run:
   get_batch: Callable  # step -> global training batch.
   schedule: optax.Schedule
   checkpointer: Checkpointer
-  reporter: Reporter
+  reporter: MetricsWriter
   tokens_per_step: int
   flops_per_token: float
   peak_flops: float  # Of all devices together.
@@ -185,11 +185,10 @@ def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
   num_devices = jax.device_count()
   n_params = model_lib.num_params(mc)
   kv_bytes = model_lib.kv_cache_bytes(mc, batch=1, length=1)
-  flops_per_token = flops.training_flops_per_token(
-      **config.model, seq_len=dc.seq_len)
+  flops_per_token = flops.training_flops_per_token(mc, dc.seq_len)
   peak, peak_source = flops.peak_flops()
 
-  reporter = Reporter(str(path), tc.steps, enabled=is_chief,
+  reporter = MetricsWriter(str(path), tc.steps, enabled=is_chief,
                       resume_step=resume_step or 0)
   say = reporter.message
   say(f'config:\n{config}')

@@ -18,27 +18,38 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from attention import Attention
+from attention import Attention, layer
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int = 256
-  num_layers: int = 4
-  d_model: int = 256
-  num_heads: int = 8
-  num_kv_heads: int = 2
-  head_dim: int = 32
-  mlp_dim: int = 1024
-  max_len: int = 256
-  tie_embeddings: bool = False
-  scan_layers: bool = True
-  remat: bool = False
-  rope_base: float = 10_000.0
-  local_window: int | None = None
-  logits_soft_cap: float | None = None
-  fused_qkv: bool = False
-  dtype: Any = jnp.float32
+  """The architecture; values come from the config files (configs/default.py),
+  so no field has a default here."""
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  max_len: int
+  tie_embeddings: bool
+  scan_layers: bool
+  remat: bool
+  rope_base: float
+  local_window: int | None
+  logits_soft_cap: float | None
+  fused_qkv: bool
+  dtype: Any
+
+  @property
+  def attention(self) -> layer.Options:
+    """The attention layer's options, passed whole to `Attention`."""
+    return layer.Options(
+        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        head_dim=self.head_dim, rope_base=self.rope_base,
+        local_window=self.local_window, logits_soft_cap=self.logits_soft_cap,
+        fused_qkv=self.fused_qkv)
 
 
 class RMSNorm(nn.Module):
@@ -78,11 +89,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BTD, _=None):
     c = self.config
-    attention = Attention(
-        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim, dtype=c.dtype, rope_base=c.rope_base,
-        local_window=c.local_window, logits_soft_cap=c.logits_soft_cap,
-        fused_qkv=c.fused_qkv, partitioned=True, decode=self.decode,
+    attention = Attention.from_options(
+        c.attention, dtype=c.dtype, partitioned=True, decode=self.decode,
         name='attention')
     x_BTD = x_BTD + attention(RMSNorm(c.dtype, name='attention_norm')(x_BTD))
     x_BTD = x_BTD + MLP(c.mlp_dim, c.dtype, name='mlp')(
@@ -134,10 +142,9 @@ class Transformer(nn.Module):
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, length: int) -> int:
-  """Bytes of the whole model's KV cache: layers x `Attention.kv_cache_bytes`."""
-  layer = Attention(config.num_heads, config.num_kv_heads, config.head_dim,
-                    dtype=config.dtype)
-  return config.num_layers * layer.kv_cache_bytes(batch, length)
+  """Bytes of the whole model's KV cache: layers x one layer's."""
+  return config.num_layers * layer.kv_cache_bytes(config.attention, batch,
+                                                  length, config.dtype)
 
 
 def parameter_shapes(config: ModelConfig):

@@ -12,27 +12,75 @@ import functools
 import sys
 import time
 
-from absl import flags, logging
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import checkpoint, generate
+from train import checkpoint
 from train.errors import UserError, run_app
-from train.model import Transformer
+from train.model import Transformer, unroll_layers
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'a train.main workdir')
-_PROMPT = flags.DEFINE_string('prompt', '', 'text to continue')
-_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate')
-_TEMPERATURE = flags.DEFINE_float('temperature', 0.8, '0 = greedy')
-_TOP_K = flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
-_SEED = flags.DEFINE_integer('seed', 0, 'sampling seed')
+
+def sample_logits(rng, logits_BV, temperature: float, top_k: int):
+  """Greedy when temperature is 0, else softmax sampling, optionally top-k."""
+  if temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1)
+  logits_BV = logits_BV / temperature
+  if top_k:
+    kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+  return jax.random.categorical(rng, logits_BV, axis=-1)
+
+
+def empty_cache(model: Transformer, batch: int):
+  """Zeroed KV caches of every layer for `batch` sequences of model.max_len."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0),
+                          jnp.zeros((batch, model.config.max_len), jnp.int32))
+  return jax.tree.map(jnp.zeros_like, nn.unbox(shapes['cache']))
+
+
+def decode(model: Transformer, params, cache, token_B, rngs, *,
+           temperature: float, top_k: int):
+  """Feeds token_B, then each sampled token, once per key in `rngs`.
+
+  One fixed-shape `lax.scan` step per token: the cache is updated in place
+  (use an unrolled model, `unroll_layers`). Returns (the len(rngs) tokens
+  sampled after token_B as [B, len(rngs)], the cache).
+  """
+  def step(carry, rng):
+    cache, token_B = carry
+    logits_B1V, mutated = model.apply({'params': params, 'cache': cache},
+                                      token_B[:, None], mutable=['cache'])
+    next_B = sample_logits(rng, logits_B1V[:, 0], temperature, top_k)
+    return (mutated['cache'], next_B), next_B
+
+  (cache, _), sampled = jax.lax.scan(step, (cache, token_B), rngs)
+  return sampled.T, cache  # The scan stacks steps first.
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'max_new_tokens',
+                                             'temperature', 'top_k'))
+def generate(params, prompt_BT, rng, *, model: Transformer,
+             max_new_tokens: int, temperature: float, top_k: int):
+  """[B, T] prompt tokens -> [B, max_new_tokens] generated tokens."""
+  model, params = unroll_layers(model, params)
+  cache = empty_cache(model, prompt_BT.shape[0])
+  logits_BTV, mutated = model.apply({'params': params, 'cache': cache},
+                                    prompt_BT, mutable=['cache'])
+  rngs = jax.random.split(rng, max_new_tokens)
+  first_B = sample_logits(rngs[0], logits_BTV[:, -1], temperature, top_k)
+  rest, _ = decode(model, params, mutated['cache'], first_B, rngs[1:],
+                   temperature=temperature, top_k=top_k)
+  return jnp.concatenate([first_B[:, None], rest], axis=1)
 
 
 def main(argv):
+  from absl import flags, logging  # pylint: disable=import-outside-toplevel
   del argv
   logging.set_verbosity(logging.WARNING)
-  mc, params, config = checkpoint.load_workdir(_WORKDIR.value)
+  f = flags.FLAGS
+  mc, params, config = checkpoint.load_workdir(f.workdir)
   if config.data.get('task', 'lm') != 'lm':
     raise UserError(f'this model was trained on data.task='
                     f'{config.data.task!r}, not text; sample from a language '
@@ -41,22 +89,22 @@ def main(argv):
     raise UserError('this model reads token ids (data.path='
                     f'{config.data.path!r}), not bytes; text prompts need a '
                     'byte-level model')
-  prompt = np.frombuffer(_PROMPT.value.encode(), np.uint8).astype(np.int32)
+  prompt = np.frombuffer(f.prompt.encode(), np.uint8).astype(np.int32)
   if not len(prompt):
     prompt = np.array([ord('\n')], np.int32)  # Start from a line break.
-  total = len(prompt) + _MAX_NEW.value
-  if _MAX_NEW.value < 1 or total > mc.max_len:
+  total = len(prompt) + f.max_new_tokens
+  if f.max_new_tokens < 1 or total > mc.max_len:
     raise UserError(f'prompt ({len(prompt)} bytes) + max_new_tokens '
-                    f'({_MAX_NEW.value}) must be within 1..model.max_len '
+                    f'({f.max_new_tokens}) must be within 1..model.max_len '
                     f'({mc.max_len}); shorten one')
-  if _TEMPERATURE.value < 0 or not 0 <= _TOP_K.value <= mc.vocab_size:
+  if f.temperature < 0 or not 0 <= f.top_k <= mc.vocab_size:
     raise UserError(f'--temperature must be >= 0 and --top_k in '
                     f'0..{mc.vocab_size} (the vocabulary; 0 = all)')
   run = functools.partial(
-      generate.generate, model=Transformer(mc, decode=True),
-      max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
-      top_k=_TOP_K.value)
-  args = (params, jnp.asarray(prompt)[None], jax.random.key(_SEED.value))
+      generate, model=Transformer(mc, decode=True),
+      max_new_tokens=f.max_new_tokens, temperature=f.temperature,
+      top_k=f.top_k)
+  args = (params, jnp.asarray(prompt)[None], jax.random.key(f.seed))
   start = time.perf_counter()
   compiled = jax.jit(run).lower(*args).compile()
   compile_s = time.perf_counter() - start
@@ -65,10 +113,22 @@ def main(argv):
   seconds = time.perf_counter() - start
   sys.stdout.write(bytes(tokens.astype(np.uint8)).decode('utf-8', 'replace'))
   sys.stdout.write('\n')
-  print(f'{_MAX_NEW.value} tokens in {seconds:.2f}s '
-        f'({_MAX_NEW.value / seconds:,.0f} tokens/s, prefill included; '
+  print(f'{f.max_new_tokens} tokens in {seconds:.2f}s '
+        f'({f.max_new_tokens / seconds:,.0f} tokens/s, prefill included; '
         f'compile {compile_s:.1f}s)', file=sys.stderr)
 
 
-if __name__ == '__main__':
+def run():
+  """The command line; flags are defined here, not on import."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.DEFINE_string('workdir', None, 'a train.main workdir')
+  flags.DEFINE_string('prompt', '', 'text to continue')
+  flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate')
+  flags.DEFINE_float('temperature', 0.8, '0 = greedy')
+  flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
+  flags.DEFINE_integer('seed', 0, 'sampling seed')
   run_app(main, required=['workdir'])
+
+
+if __name__ == '__main__':
+  run()

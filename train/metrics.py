@@ -9,7 +9,7 @@ import sys
 import time
 
 
-class Reporter:
+class MetricsWriter:
   """Writes WORKDIR/metrics.jsonl and TensorBoard events; shows progress.
 
   On a terminal, progress is one line redrawn in place on stderr; otherwise
