@@ -27,9 +27,6 @@ from train.model import Transformer
 
 B, N, H = 1, 8, 32
 KERNEL = 'tpu_custom_call'  # How a Pallas TPU (Mosaic) kernel is lowered.
-on_cpu_host = pytest.mark.skipif(
-    jax.default_backend() != 'cpu',
-    reason='asserts what a host without an accelerator or cuDNN chooses')
 
 
 def _inputs(K, T, S, dtype=jnp.float32):
@@ -95,7 +92,7 @@ class SplashTest(chex.TestCase):
                             implementation='splash')
 
 
-@on_cpu_host
+@pytest.mark.cpu_only  # What a host without cuDNN chooses.
 def test_each_platform_chooses_its_kernel():
   def chosen(T, S, dtype=jnp.bfloat16, **opts):
     q, k, v, _ = _inputs(2, T, S, dtype)
@@ -113,7 +110,7 @@ def test_each_platform_chooses_its_kernel():
       'cpu': 'decode', 'tpu': 'xla', 'cuda': 'xla'}
 
 
-@on_cpu_host
+@pytest.mark.cpu_only  # What a host without cuDNN chooses.
 def test_cudnn_refuses_what_it_cannot_take_in_one_message():
   q, k, v, _ = _inputs(2, 128, 128, jnp.bfloat16)
   for args, message in [
@@ -233,6 +230,7 @@ def test_base_configs_train_in_bfloat16_close_to_float32(base):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only
 def test_splash_runs_per_shard_under_a_mesh_that_splits_heads():
   """8 simulated devices: tensor divides K, and K < tensor (replicated KV)."""
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')

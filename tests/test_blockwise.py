@@ -1,15 +1,14 @@
 """Specification of the blockwise (flash-style) path of dot_product_attention."""
 
-import re
 
 from absl.testing import parameterized
 import chex
 import jax
+import pytest
 import jax.numpy as jnp
-import numpy as np
 
 from attention import blockwise, dot_product_attention
-from tests import reference
+from tests import hlo, reference
 
 B, N, H = 2, 8, 16
 
@@ -57,6 +56,7 @@ class BlockwiseTest(chex.TestCase):
                                 atol=3e-2)
 
   @parameterized.parameters(8, 2, 1)
+  @pytest.mark.cpu_only
   def test_long_causal_sequences_use_it_by_default_on_cpu(self, K):
     T = 256
     q, k, v, _ = _inputs(K, T, T)
@@ -74,9 +74,8 @@ class BlockwiseTest(chex.TestCase):
     grad = jax.jit(jax.grad(
         lambda q, k, v: dot_product_attention(q, k, v, is_causal=True).sum(),
         argnums=(0, 1, 2)))
-    text = grad.lower(q, k, v).compile().as_text()
-    sizes = [int(np.prod([int(d) for d in s.split(',')]))
-             for s in re.findall(r'\bf32\[([\d,]+)\]', text)]
+    sizes = hlo.element_counts(grad.lower(q, k, v).compile().as_text(),
+                               dtypes=('f32',))
     # The dense path holds B·N·T·S logits; blockwise holds one group's
     # G x block x S at a time, and never N·S·H copies of K or V.
     self.assertLess(max(sizes), B * N * T * S // 8)
@@ -102,6 +101,7 @@ class BlockwiseTest(chex.TestCase):
         ours, reference.reference_attention(q, k, v, is_causal=True),
         atol=2e-5)
 
+  @pytest.mark.cpu_only
   def test_grouped_heads_need_less_peak_memory_than_mha(self):
     # The benchmark's long training shape (compiled only, not run).
     B, T, N, H = 8, 2048, 8, 64

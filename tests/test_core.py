@@ -1,7 +1,6 @@
 """Specification of `attention.dot_product_attention`."""
 
 import functools
-import re
 
 from absl.testing import parameterized
 import chex
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 from attention import dot_product_attention
-from tests import reference
+from tests import hlo, reference
 
 B, T, S, N, H = 2, 5, 7, 8, 16
 KV_HEADS = (('mha', 8), ('gqa', 2), ('mqa', 1))
@@ -196,9 +195,7 @@ class DotProductAttentionTest(chex.TestCase):
 
 
 def _hlo_element_counts(fn, *args):
-  text = jax.jit(fn).lower(*args).compile().as_text()
-  shapes = re.findall(r'\b(?:f32|bf16|f16)\[([\d,]+)\]', text)
-  return {int(np.prod([int(d) for d in s.split(',')])) for s in shapes}
+  return hlo.element_counts(jax.jit(fn).lower(*args).compile().as_text())
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'decode'])

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, config_lib, data, loop, report, workdir
+from train import checkpoint, config_lib, data, loop, workdir
+from train import metrics as metrics_lib
 from train.errors import UserError
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -192,13 +193,13 @@ def test_a_partial_last_metrics_line_is_dropped_on_resume(tmp_path):
                           should_stop=lambda: calls.append(1) or len(calls) == 10)
   with (tmp_path / 'metrics.jsonl').open('a') as f:
     f.write('{"step": 11, "loss": 2.')  # A kill in the middle of a write.
-  assert [m['step'] for m in report.read_metrics(tmp_path)] == [5, 10]
+  assert [m['step'] for m in metrics_lib.read_metrics(tmp_path)] == [5, 10]
   loop.train_and_evaluate(config, str(tmp_path))
-  assert [m['step'] for m in report.read_metrics(tmp_path)] == [5, 10, 15, 20]
+  assert [m['step'] for m in metrics_lib.read_metrics(tmp_path)] == [5, 10, 15, 20]
 
 
 def test_eta_counts_step_times_not_compilation(tmp_path, capsys):
-  reporter = report.Reporter(str(tmp_path), 100)
+  reporter = metrics_lib.MetricsWriter(str(tmp_path), 100)
   reporter.interactive = False  # Plain lines, as in a log.
   time.sleep(0.5)  # As if compiling: must not count.
   reporter.log(10, {'loss': 1.0, 'tokens_per_sec': 1.0, 'mfu': 0.1,
@@ -356,7 +357,7 @@ def test_installed_package_runs_from_any_directory(tmp_path):
 # Kills at random moments.
 
 def _params_and_losses(workdir_path):
-  metrics = report.read_metrics(workdir_path)
+  metrics = metrics_lib.read_metrics(workdir_path)
   steps = [m['step'] for m in metrics]
   assert steps == sorted(set(steps)), 'a step was logged twice'
   losses = [(m['step'], m['loss'], m.get('eval_loss')) for m in metrics]
@@ -430,5 +431,5 @@ def test_a_second_train_main_on_a_running_workdir_is_refused_at_once(
   finally:
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 128 + signal.SIGTERM
-  steps = [m['step'] for m in report.read_metrics(tmp_path)]
+  steps = [m['step'] for m in metrics_lib.read_metrics(tmp_path)]
   assert steps == sorted(set(steps))

@@ -35,7 +35,7 @@ def config(mesh, **model):
 
 
 def summary(workdir):
-  from train.report import read_metrics  # pylint: disable=import-outside-toplevel
+  from train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   params = checkpoint.restore_latest(workdir)[1]['params']
   return {'losses': [m['loss'] for m in read_metrics(workdir)],
           'eval_loss': read_metrics(workdir)[-1]['eval_loss'],
@@ -56,17 +56,26 @@ def mesh_results(tmp_path_factory):
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _one_device(tmp_path, **model):
-  workdir = str(tmp_path / 'one')
-  loop.train_and_evaluate(config(dict(data=1), **model), workdir)
-  return summary(workdir)
+@pytest.fixture(scope='module')
+def one_device(tmp_path_factory):
+  """model overrides -> summary of the same run on one device, trained once."""
+  runs = {}
+
+  def run(**model):
+    key = tuple(sorted(model.items()))
+    if key not in runs:
+      workdir = str(tmp_path_factory.mktemp('one_device'))
+      loop.train_and_evaluate(config(dict(data=1), **model), workdir)
+      runs[key] = summary(workdir)
+    return runs[key]
+  return run
 
 
+@pytest.mark.cpu_only  # Simulated host devices.
 @pytest.mark.parametrize('name', list(MESHES) + ['moved'])
-def test_meshes_train_to_the_losses_of_one_device(mesh_results, tmp_path,
+def test_meshes_train_to_the_losses_of_one_device(mesh_results, one_device,
                                                   name):
-  overrides = MESHES.get(name, ({}, {}))[1]
-  one = _one_device(tmp_path, **overrides)
+  one = one_device(**MESHES.get(name, ({}, {}))[1])
   got = mesh_results[name]
   np.testing.assert_allclose(got['losses'], one['losses'], rtol=2e-4)
   np.testing.assert_allclose(got['eval_loss'], one['eval_loss'], rtol=2e-4)

@@ -90,7 +90,8 @@ def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
   assert 'eval_bpb' not in record  # Not text: no bits per byte.
   # scripts/compare.py splits the accuracy by query (the first is retrieval).
   by_query = compare.recall_accuracy_by_query(tmp_path)
-  assert len(by_query) == 4 and all(0 <= a <= 1 for a in by_query)
+  assert len(by_query) == 4
+  # Over other held-out rows, the same accuracy as the loop's evaluation.
   assert np.mean(by_query) == pytest.approx(record['eval_accuracy'], abs=0.1)
   # A recall model is not a text model: train.sample refuses it in one line.
   result = subprocess.run(
