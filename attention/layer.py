@@ -35,7 +35,7 @@ CACHE_NAMES = ('cached_key', 'cached_value', 'cache_index')
 class Options:
   """What the layer computes, apart from its arrays (see `Attention`)."""
   num_heads: int
-  num_kv_heads: int
+  num_kv_heads: int | None
   head_dim: int
   is_causal: bool = True
   use_rope: bool = True
@@ -45,11 +45,20 @@ class Options:
   fused_qkv: bool = False
 
   def __post_init__(self):
+    if self.num_kv_heads is None:  # As for the modules: None means N (MHA).
+      object.__setattr__(self, 'num_kv_heads', self.num_heads)
     N, K = self.num_heads, self.num_kv_heads
     if K < 1 or N % K:
       raise ValueError(
           f'num_heads={N} must be a multiple of num_kv_heads={K}; pick '
           f'num_kv_heads from the divisors of {N}')
+
+  @classmethod
+  def of(cls, source) -> 'Options':
+    """The options that `source` (a module or a model config) has fields for;
+    the others keep their defaults."""
+    return cls(**{f.name: getattr(source, f.name)
+                  for f in dataclasses.fields(cls) if hasattr(source, f.name)})
 
   def param_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
     D, N, K, H = d_model, self.num_heads, self.num_kv_heads, self.head_dim

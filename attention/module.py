@@ -87,12 +87,7 @@ class Attention(nn.Module):
 
   @property
   def options(self) -> layer.Options:
-    return layer.Options(
-        num_heads=self.num_heads, num_kv_heads=self.kv_heads,
-        head_dim=self.head_dim, is_causal=self.is_causal,
-        use_rope=self.use_rope, rope_base=self.rope_base,
-        local_window=self.local_window, logits_soft_cap=self.logits_soft_cap,
-        fused_qkv=self.fused_qkv)
+    return layer.Options.of(self)
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None

@@ -1,4 +1,4 @@
-"""MHA small: the laptop-scale comparison (2-core CPU: about 10 minutes)."""
+"""MHA small: the laptop-scale comparison (README, Training, has its run time)."""
 
 from configs import default
 

@@ -11,7 +11,7 @@ decode tokens/s, mean ± spread over seeds) and the plots beside it: loss
 against step and against training time, training throughput, decode
 throughput with its bandwidth roofline. --equal_params widens the MLP of
 variants with fewer K/V heads to MHA's parameter count (as Shazeer 2019 did).
---quick (120 steps per variant) finished on a 2-core CPU in 8 minutes.
+--quick: 120 steps per variant (README, Results, has its run times).
 --config=recall runs the recall probe instead (see configs/recall.py); the
 table then adds each variant's first-query accuracy (pure retrieval).
 --report_only rebuilds the report from the runs already in --out.

@@ -19,20 +19,12 @@ import jax
 import numpy as np
 import pytest
 
-from configs import tiny
 from train import checkpoint, config_lib, data, loop, workdir
 from train import metrics as metrics_lib
 from train.errors import UserError
+from tests.test_train import _config
 
 REPO = pathlib.Path(__file__).parent.parent
-
-
-def _config(**overrides):
-  config = tiny.get_config()
-  for dotted, value in overrides.items():
-    section, field = dotted.split('__')
-    config[section][field] = value
-  return config
 
 
 def _run(module, *args, cwd=REPO, timeout=180, python=sys.executable):

@@ -45,11 +45,7 @@ class ModelConfig:
   @property
   def attention(self) -> layer.Options:
     """The attention layer's options, passed whole to `Attention`."""
-    return layer.Options(
-        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-        head_dim=self.head_dim, rope_base=self.rope_base,
-        local_window=self.local_window, logits_soft_cap=self.logits_soft_cap,
-        fused_qkv=self.fused_qkv)
+    return layer.Options.of(self)
 
 
 class RMSNorm(nn.Module):
