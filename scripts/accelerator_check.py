@@ -44,9 +44,11 @@ TESTS = ['tests/test_accelerators.py', 'tests/test_core.py',
 
 def run_tests(quick: bool) -> dict:
   """pytest on the device; {'summary': its closing line, 'returncode'}."""
-  args = [sys.executable, '-m', 'pytest', '-q', '-m', 'not slow', *TESTS]
-  if quick:
-    args += ['-k', 'lengths_off_the_block']
+  # One process (-o addopts= drops the project's two-worker default).
+  args = [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-m',
+          'not slow', *TESTS]
+  if quick:  # One test, to check the plumbing.
+    args = args[:-len(TESTS)] + [TESTS[0], '-k', 'lengths_off_the_block']
   result = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
   lines = result.stdout.strip().splitlines()
   return {'summary': lines[-1] if lines else result.stderr[-500:],

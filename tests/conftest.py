@@ -1,10 +1,24 @@
-"""Fixtures shared by test files, and the cpu_only marker."""
+"""Fixtures shared by test files, the cpu_only marker, and a compilation cache."""
 
-import jax
-import pytest
+import os
+import tempfile
 
-from configs import tiny
-from train import loop
+# Many tests compile the same programs (the tiny model's train and eval steps,
+# in this process and in train.main subprocesses, which inherit the
+# environment): JAX's persistent cache loads the executable instead of
+# compiling it again. One directory per test run, shared by the xdist workers;
+# set before jax is imported, since jax reads these variables then.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(
+    tempfile.gettempdir(), 'gqa-lab-test-compilation-cache',
+    os.environ.get('PYTEST_XDIST_TESTRUNUID', f'run-{os.getpid()}')))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # pylint: disable=wrong-import-position
+
+from configs import tiny  # pylint: disable=wrong-import-position
+from train import loop  # pylint: disable=wrong-import-position
 
 
 def pytest_collection_modifyitems(config, items):

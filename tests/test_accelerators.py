@@ -206,7 +206,11 @@ def test_decode_step_lowered_for_tpu_copies_no_cache_sized_buffer():
 @pytest.mark.parametrize('base', [mha_base, gqa_base, mqa_base],
                          ids=lambda m: m.__name__.split('.')[-1])
 def test_base_configs_train_in_bfloat16_close_to_float32(base):
-  """Three steps of the real *_base models (72-85M parameters) on CPU."""
+  """Three steps of the real *_base models (72-85M parameters) on CPU.
+
+  bf16 must be finite and learn in all three; its closeness to f32 is checked
+  on gqa_base (mha_base and mqa_base differ from it only in K).
+  """
   config = base.get_config()
   config.train.update(warmup_steps=1, learning_rate=1e-3)
   batch = jax.random.randint(jax.random.key(0), (2, 65), 0, 256)
@@ -215,7 +219,7 @@ def test_base_configs_train_in_bfloat16_close_to_float32(base):
   tx, _ = loop.make_optimizer(config.train)
   start = jax.jit(lambda: loop.init_state(model, tx, seed=0))()
   losses = {}
-  for dtype in ('bfloat16', 'float32'):
+  for dtype in ('bfloat16', 'float32') if base is gqa_base else ('bfloat16',):
     config.model.dtype = dtype
     model = Transformer(config_lib.model_config(config))
     step = jax.jit(lambda s, b, model=model: loop.train_step(
@@ -225,7 +229,9 @@ def test_base_configs_train_in_bfloat16_close_to_float32(base):
       state, metrics = step(state, batch)
       losses[dtype].append(float(metrics['loss']))
   assert np.all(np.isfinite(losses['bfloat16'])), losses
-  np.testing.assert_allclose(losses['bfloat16'], losses['float32'], rtol=2e-2)
+  if 'float32' in losses:
+    np.testing.assert_allclose(losses['bfloat16'], losses['float32'],
+                               rtol=2e-2)
   assert losses['bfloat16'][2] < losses['bfloat16'][0]  # It learns.
 
 

@@ -5,6 +5,7 @@ The meshes run in a subprocess with 8 simulated CPU devices
 the single-device runs they are compared with run here.
 """
 
+import fcntl
 import json
 import os
 import pathlib
@@ -43,20 +44,27 @@ def summary(workdir):
                                  for x in jax.tree.leaves(params)))}
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def mesh_results(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('meshes')
-  env = dict(os.environ,
-             XLA_FLAGS='--xla_force_host_platform_device_count=8')
-  result = subprocess.run(
-      [sys.executable, '-m', 'tests.mesh_runs', str(workdir)],
-      cwd=pathlib.Path(__file__).parent.parent, env=env, capture_output=True,
-      text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  """Built once per test run: with several xdist workers, the first to take
+  the lock runs the meshes, the others read its results."""
+  shared = tmp_path_factory.getbasetemp().parent  # Common to the workers.
+  results = shared / 'mesh_results.json'
+  with open(shared / 'mesh_results.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not results.exists():
+      env = dict(os.environ,
+                 XLA_FLAGS='--xla_force_host_platform_device_count=8')
+      result = subprocess.run(
+          [sys.executable, '-m', 'tests.mesh_runs', str(shared / 'meshes')],
+          cwd=pathlib.Path(__file__).parent.parent, env=env,
+          capture_output=True, text=True, timeout=600)
+      assert result.returncode == 0, result.stderr[-3000:]
+      results.write_text(result.stdout.strip().splitlines()[-1])
+  return json.loads(results.read_text())
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')
 def one_device(tmp_path_factory):
   """model overrides -> summary of the same run on one device, trained once."""
   runs = {}

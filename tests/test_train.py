@@ -274,7 +274,8 @@ def test_remat_gives_the_same_gradients():
   tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
   params = nn.unbox(Transformer(config).init(jax.random.key(1), tokens)[
       'params'])
-  grads = [jax.grad(loop.loss_fn)(params, Transformer(c), tokens)
+  grads = [jax.jit(jax.grad(loop.loss_fn), static_argnums=1)(
+               params, Transformer(c), tokens)
            for c in (config, dataclasses.replace(config, remat=True))]
   chex.assert_trees_all_close(grads[0], grads[1], atol=1e-6)
 
@@ -285,7 +286,9 @@ def test_gradient_accumulation_matches_one_large_batch():
   tx, _ = loop.make_optimizer(config.train)
   state = loop.init_state(model, tx, seed=0)
   tokens = jax.random.randint(jax.random.key(0), (8, 33), 0, 256)
-  one, m1 = loop.train_step(state, tokens, model=model, tx=tx, accum_steps=1)
-  four, m4 = loop.train_step(state, tokens, model=model, tx=tx, accum_steps=4)
+  step = jax.jit(loop.train_step, static_argnames=('model', 'tx',
+                                                   'accum_steps'))
+  one, m1 = step(state, tokens, model=model, tx=tx, accum_steps=1)
+  four, m4 = step(state, tokens, model=model, tx=tx, accum_steps=4)
   chex.assert_trees_all_close(m1, m4, rtol=1e-5)
   chex.assert_trees_all_close(one.params, four.params, atol=1e-6)
