@@ -42,15 +42,6 @@ def check_writable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
   return path
 
 
-def check_readable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
-  """WORKDIR as a path; raises UserError unless it is an existing directory."""
-  path = pathlib.Path(workdir).expanduser()
-  if not path.is_dir():
-    raise UserError(f'{flag}={workdir} is not a directory; give the workdir '
-                    'of a train.main run')
-  return path
-
-
 @contextlib.contextmanager
 def lock(workdir: str | os.PathLike, *, enabled: bool = True,
          say: Callable[[str], None] = print) -> Iterator[None]:
