@@ -7,6 +7,8 @@ shared by both (D model width; the letters of `attention.core`):
 
   params  query [D, N, H], key [D, K, H], value [D, K, H], out [N, H, D]
           (fused_qkv: qkv [D, N + 2K, H] in place of the first three)
+          qkv_bias: query_bias [N, H], key_bias and value_bias [K, H]
+          (fused: qkv_bias [N + 2K, H]); qk_norm: query_norm, key_norm [H]
   cache   cached_key, cached_value [B, max_len, K·H]; cache_index int32
 
 The cache is the [B, S, K, H] layout with each position's K heads side by side
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from attention.core import as_4d_mask, attention_mask, dot_product_attention
-from attention.rope import apply_rope
+from attention.rope import RopeScaling, apply_rope
 
 Array = jax.Array
 CACHE_NAMES = ('cached_key', 'cached_value', 'cache_index')
@@ -43,6 +45,11 @@ class Options:
   local_window: int | None = None
   logits_soft_cap: float | None = None
   fused_qkv: bool = False
+  qkv_bias: bool = False  # Biases on the Q/K/V projections (Qwen2).
+  qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3).
+  norm_eps: float = 1e-6  # Of qk_norm.
+  norm_scale_offset: float = 1.0  # qk_norm multiplies by offset + weight.
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
     if self.num_kv_heads is None:  # As for the modules: None means N (MHA).
@@ -62,9 +69,23 @@ class Options:
 
   def param_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
     D, N, K, H = d_model, self.num_heads, self.num_kv_heads, self.head_dim
-    inputs = ({'qkv': (D, N + 2 * K, H)} if self.fused_qkv else
-              {'query': (D, N, H), 'key': (D, K, H), 'value': (D, K, H)})
-    return {**inputs, 'out': (N, H, D)}
+    heads = {'qkv': N + 2 * K} if self.fused_qkv else {
+        'query': N, 'key': K, 'value': K}
+    shapes = {name: (D, E, H) for name, E in heads.items()}
+    if self.qkv_bias:
+      shapes |= {f'{name}_bias': (E, H) for name, E in heads.items()}
+    if self.qk_norm:
+      shapes |= {'query_norm': (H,), 'key_norm': (H,)}
+    return {**shapes, 'out': (N, H, D)}
+
+  def param_init(self, name: str, kernel_init):
+    """The initialiser of parameter `name`: kernels `kernel_init`, biases
+    zero, norm weights the identity."""
+    if name.endswith('_bias'):
+      return jax.nn.initializers.zeros
+    if name.endswith('_norm'):
+      return jax.nn.initializers.constant(1.0 - self.norm_scale_offset)
+    return kernel_init
 
   def cache_shapes(self, batch: int, max_len: int) -> dict[str, tuple]:
     kv = (batch, max_len, self.num_kv_heads * self.head_dim)
@@ -84,20 +105,24 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   N, K = options.num_heads, options.num_kv_heads
   x_BTD = x_BTD.astype(dtype)
   w = {name: p.astype(dtype) for name, p in params.items()}
+  project = lambda name: jnp.einsum('BTD,DEH->BTEH', x_BTD, w[name]) + (
+      w[f'{name}_bias'] if options.qkv_bias else 0)
   if options.fused_qkv:
-    qkv_BTEH = jnp.einsum('BTD,DEH->BTEH', x_BTD, w['qkv'])  # E = N + 2K.
+    qkv_BTEH = project('qkv')  # E = N + 2K.
     q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTEH, [N, N + K], axis=2)
   else:
-    q_BTNH = jnp.einsum('BTD,DNH->BTNH', x_BTD, w['query'])
-    k_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD, w['key'])
-    v_BTKH = jnp.einsum('BTD,DKH->BTKH', x_BTD, w['value'])
+    q_BTNH, k_BTKH, v_BTKH = project('query'), project('key'), project('value')
+  if options.qk_norm:
+    q_BTNH = _rms_norm(q_BTNH, params['query_norm'], options)
+    k_BTKH = _rms_norm(k_BTKH, params['key_norm'], options)
 
   B, T = x_BTD.shape[:2]
   start = 0 if cache is None else cache['cache_index']
   pos_T = start + jnp.arange(T)
   if options.use_rope:
-    q_BTNH = apply_rope(q_BTNH, pos_T, base=options.rope_base)
-    k_BTKH = apply_rope(k_BTKH, pos_T, base=options.rope_base)
+    rope = lambda x: apply_rope(x, pos_T, base=options.rope_base,
+                                scaling=options.rope_scaling)
+    q_BTNH, k_BTKH = rope(q_BTNH), rope(k_BTKH)
 
   if cache is None:
     out_BTNH = dot_product_attention(
@@ -125,6 +150,15 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
     # visible as NaN rather than silently attending to the wrong tokens.
     out_BTNH = jnp.where(start + T > max_len, jnp.nan, out_BTNH)
   return jnp.einsum('BTNH,NHD->BTD', out_BTNH, w['out']), cache
+
+
+def _rms_norm(x_BTEH, weight_H, options: Options):
+  """RMSNorm over each head's H features, in float32."""
+  x = x_BTEH.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True)
+                        + options.norm_eps)
+  scale_H = options.norm_scale_offset + weight_H.astype(jnp.float32)
+  return (x * scale_H).astype(x_BTEH.dtype)
 
 
 def _write_cache(cache, k_BTKH, v_BTKH):

@@ -14,6 +14,7 @@ has the computation both call, and why the cache is stored flat).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import layer
+from attention.rope import RopeScaling
 
 Dtype = Any
 default_kernel_init = nn.initializers.lecun_normal()
@@ -31,6 +33,12 @@ LOGICAL_AXES = {
     'value': ('embed', 'kv_heads', 'head_dim'),
     'qkv': ('embed', None, 'head_dim'),
     'out': ('q_heads', 'head_dim', 'embed'),
+    'query_bias': ('q_heads', 'head_dim'),
+    'key_bias': ('kv_heads', 'head_dim'),
+    'value_bias': ('kv_heads', 'head_dim'),
+    'qkv_bias': (None, 'head_dim'),
+    'query_norm': ('norm',),
+    'key_norm': ('norm',),
 }
 
 
@@ -51,6 +59,11 @@ class Attention(nn.Module):
     local_window: sliding-window size w, or None for global attention.
     logits_soft_cap: Gemma-2 style soft cap on the logits, or None.
     fused_qkv: one [D, N + 2K, H] input projection instead of three.
+    qkv_bias: biases on the query, key and value projections (Qwen2).
+    qk_norm: RMSNorm of each query and key head before RoPE (Qwen3), with
+      `norm_eps`, multiplying by norm_scale_offset + weight.
+    rope_scaling: RoPE frequency scaling for long contexts
+      (`attention.rope.RopeScaling`: 'linear' or 'llama3'), or None.
     partitioned: annotate the kernels with logical axis names (embed,
       q_heads, kv_heads, head_dim) for sharding with flax's partitioning
       rules; `init` then returns `nn.LogicallyPartitioned` boxes.
@@ -71,6 +84,11 @@ class Attention(nn.Module):
   local_window: int | None = None
   logits_soft_cap: float | None = None
   fused_qkv: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  norm_eps: float = 1e-6
+  norm_scale_offset: float = 1.0
+  rope_scaling: RopeScaling | None = None
   partitioned: bool = False
   decode: bool = False
   kernel_init: nn.initializers.Initializer = default_kernel_init
@@ -107,7 +125,7 @@ class Attention(nn.Module):
     B, T, D = x_BTD.shape
     params = {}
     for name, shape in options.param_shapes(D).items():
-      init = self.kernel_init
+      init = options.param_init(name, self.kernel_init)
       if self.partitioned:
         init = nn.with_logical_partitioning(init, LOGICAL_AXES[name])
       params[name] = self.param(name, init, shape, self.param_dtype)
@@ -136,5 +154,7 @@ class Attention(nn.Module):
                                 dtype or self.dtype)
 
   def num_params(self, d_model: int) -> int:
-    """Parameters of this layer for model width D: D·N·H + 2·D·K·H + N·H·D."""
-    return d_model * self.head_dim * 2 * (self.num_heads + self.kv_heads)
+    """Parameters of this layer for model width D: D·N·H + 2·D·K·H + N·H·D
+    (and the biases and norms, if any)."""
+    return sum(math.prod(shape)
+               for shape in self.options.param_shapes(d_model).values())

@@ -14,6 +14,7 @@ appends its tokens to the cache and attends to everything cached so far.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flax import nnx
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import layer
+from attention.rope import RopeScaling
 
 Dtype = Any
 
@@ -34,7 +36,9 @@ class Attention(nnx.Module):
     head_dim: H. in_features: D, the model width.
     dtype: computation dtype; logits and softmax stay float32.
     param_dtype, is_causal, use_rope, rope_base, local_window,
-    logits_soft_cap, fused_qkv, kernel_init: as for `attention.Attention`.
+    logits_soft_cap, fused_qkv, qkv_bias, qk_norm, norm_eps,
+    norm_scale_offset, rope_scaling, kernel_init: as for
+    `attention.Attention`.
     rngs: initialises the kernels.
   """
 
@@ -44,6 +48,9 @@ class Attention(nnx.Module):
                is_causal: bool = True, use_rope: bool = True,
                rope_base: float = 10_000.0, local_window: int | None = None,
                logits_soft_cap: float | None = None, fused_qkv: bool = False,
+               qkv_bias: bool = False, qk_norm: bool = False,
+               norm_eps: float = 1e-6, norm_scale_offset: float = 1.0,
+               rope_scaling: RopeScaling | None = None,
                kernel_init=nnx.initializers.lecun_normal(),
                rngs: nnx.Rngs):
     self.options = layer.Options(
@@ -51,11 +58,13 @@ class Attention(nnx.Module):
         num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
         head_dim=head_dim, is_causal=is_causal, use_rope=use_rope,
         rope_base=rope_base, local_window=local_window,
-        logits_soft_cap=logits_soft_cap, fused_qkv=fused_qkv)
+        logits_soft_cap=logits_soft_cap, fused_qkv=fused_qkv,
+        qkv_bias=qkv_bias, qk_norm=qk_norm, norm_eps=norm_eps,
+        norm_scale_offset=norm_scale_offset, rope_scaling=rope_scaling)
     self.dtype = dtype
     for name, shape in self.options.param_shapes(in_features).items():
-      setattr(self, name, nnx.Param(kernel_init(rngs.params(), shape,
-                                                param_dtype)))
+      init = self.options.param_init(name, kernel_init)
+      setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype)))
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
@@ -91,13 +100,11 @@ class Attention(nnx.Module):
     """The NNX layer of a linen `attention.Attention` and its params."""
     params = meta.unbox(params)  # Plain arrays, partitioned or not.
     in_features = params['out'].shape[-1]
-    layer_ = cls(module.num_heads, module.kv_heads, module.head_dim,
-                 in_features=in_features, dtype=dtype or module.dtype,
-                 param_dtype=module.param_dtype, is_causal=module.is_causal,
-                 use_rope=module.use_rope, rope_base=module.rope_base,
-                 local_window=module.local_window,
-                 logits_soft_cap=module.logits_soft_cap,
-                 fused_qkv=module.fused_qkv, rngs=nnx.Rngs(0))
+    options = dataclasses.asdict(module.options)
+    options['rope_scaling'] = module.rope_scaling  # Kept a dataclass.
+    layer_ = cls(**options, in_features=in_features,
+                 dtype=dtype or module.dtype, param_dtype=module.param_dtype,
+                 rngs=nnx.Rngs(0))
     for name, value in params.items():
       getattr(layer_, name)[...] = jnp.asarray(value)
     return layer_

@@ -1,19 +1,77 @@
-"""Rotary position embeddings (Su et al. 2021), the half-split form used by Gemma."""
+"""Rotary position embeddings (Su et al. 2021), the half-split form of Gemma and Llama."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0
-               ) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Longer contexts from the same frequencies, as Hugging Face's `rope_type`s.
+
+  kind 'linear': every frequency divided by `factor` (positions interpolated).
+  kind 'llama3' (Llama 3.1+): wavelengths above original_max_len /
+  low_freq_factor divided by `factor`, those below original_max_len /
+  high_freq_factor kept, the ones between interpolated smoothly.
+  """
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+  KINDS = ('linear', 'llama3')
+
+  def __post_init__(self):
+    if self.kind not in self.KINDS:
+      raise ValueError(f'rope scaling {self.kind!r}; supported: {self.KINDS}')
+
+
+def inverse_frequencies(head_dim: int, base: float,
+                        scaling: RopeScaling | None = None) -> np.ndarray:
+  """[H/2] float32 radians per position of each feature pair.
+
+  Computed on the host in float32 as the reference implementations (Hugging
+  Face, Meta's Llama) do, 1 / base**(2i/H), the same on every backend. Equal
+  to torch's bit for bit, except in the few frequencies where torch's
+  vectorised float32 pow is 1 ulp from the correctly rounded power used here.
+  """
+  H = head_dim
+  exponent = np.arange(0, H, 2, dtype=np.int64).astype(np.float32) / np.float32(H)
+  inv_freq = np.float32(1.0) / (np.float32(base) ** exponent)
+  if scaling is None:
+    return inv_freq
+  # As torch computes it: a scalar over a tensor is the scalar times the
+  # tensor's float32 reciprocal; a tensor over a scalar, a float32 division.
+  one = np.float32(1)
+  div = lambda x, y: x / np.float32(y)
+  if scaling.kind == 'linear':
+    return div(inv_freq, scaling.factor)
+  factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+  old = scaling.original_max_len
+  wavelen = np.float32(2 * math.pi) * (one / inv_freq)
+  scaled = np.where(wavelen > old / low, div(inv_freq, factor), inv_freq)
+  smooth = div(np.float32(old) * (one / wavelen) - np.float32(low), high - low)
+  smoothed = div((one - smooth) * scaled, factor) + smooth * scaled
+  medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0,
+               scaling: RopeScaling | None = None) -> jax.Array:
   """Rotates feature pairs (i, i + H/2) of each head by position-dependent angles.
 
   Args:
     x: [B, T, N, H] queries or keys (any number of heads), H even.
     positions: [B, T] or [T] integer positions of the tokens.
-    base: wavelength base; pair i turns at base**(-2i / H) radians per position.
+    base: wavelength base; pair i turns at 1 / base**(2i / H) radians per
+      position.
+    scaling: optional frequency scaling for long contexts (`RopeScaling`).
 
   Returns:
     [B, T, N, H] in x's dtype, computed in float32. The dot product of a rotated
@@ -22,7 +80,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0
   H = x.shape[-1]
   if H % 2:
     raise ValueError(f'RoPE needs an even head dim, got H={H}')
-  freq_h = base ** (-jnp.arange(0, H, 2, dtype=jnp.float32) / H)  # [H/2]
+  freq_h = jnp.asarray(inverse_frequencies(H, base, scaling))  # [H/2]
   angle_BTh = jnp.asarray(positions, jnp.float32)[..., None] * freq_h
   angle_BT1h = angle_BTh[..., None, :]  # Broadcast over heads.
   sin, cos = jnp.sin(angle_BT1h), jnp.cos(angle_BT1h)

@@ -24,6 +24,20 @@ def get_config() -> config_dict.ConfigDict:
       logits_soft_cap=config_dict.placeholder(float),
       fused_qkv=False,
       dtype='float32',  # Compute dtype: 'bfloat16' on GPU/TPU.
+      param_dtype='float32',  # Of the parameters (imported bf16 may stay).
+      # Conventions, Gemma's by default; `train.convert --from_hf` sets
+      # Llama's, Mistral's or Qwen's.
+      mlp_activation='gelu_tanh',  # Or 'silu'.
+      norm_eps=1e-6,
+      norm_scale_offset=1.0,  # RMSNorm multiplies by offset + scale (Llama 0).
+      embed_scale=True,  # Embeddings times √D.
+      tied_logits_scale=True,  # Tied output divides the logits by √D.
+      qkv_bias=False,  # Biases on the Q/K/V projections (Qwen2).
+      qk_norm=False,  # RMSNorm of each query and key head (Qwen3).
+      # RoPE frequency scaling: kind '' (none), 'linear' or 'llama3'.
+      rope_scaling=config_dict.ConfigDict(dict(
+          kind='', factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
+          original_max_len=8192)),
   ))
 
   c.data = config_dict.ConfigDict(dict(
@@ -33,6 +47,9 @@ def get_config() -> config_dict.ConfigDict:
       seq_len=256,
       val_fraction=0.05,  # Held-out tail of a single text or .bin file.
       cache_dir='',  # '' = $XDG_CACHE_HOME/gqa-lab.
+      # '' = bytes (vocabulary 256), or a Hugging Face tokenizer.json; a
+      # workdir remembers its tokenizer (WORKDIR/tokenizer.json).
+      tokenizer='',
   ))
 
   c.train = config_dict.ConfigDict(dict(

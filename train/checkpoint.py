@@ -175,7 +175,6 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
 
   flag: the command-line flag that named WORKDIR, for the error messages.
   """
-  from ml_collections import config_dict  # pylint: disable=import-outside-toplevel
   from train import config_lib  # pylint: disable=import-outside-toplevel
   path = pathlib.Path(workdir) / 'config.json'
   if not pathlib.Path(workdir).is_dir():
@@ -184,10 +183,6 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
   if not path.exists():
     raise UserError(f'{path} not found; {flag} must be a train.main workdir '
                     'with a checkpoint')
-  try:
-    config = config_dict.ConfigDict(json.loads(path.read_text()))
-  except json.JSONDecodeError as e:
-    raise UserError(f'{path} is not valid JSON ({e}); restore it from the '
-                    'config the run was started with') from None
+  config = config_lib.from_json(path)
   _, state = restore_latest(workdir)
   return config_lib.model_config(config), state['params'], config

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import pathlib
 
 import jax.numpy as jnp
 from ml_collections import config_dict
 
+from attention.rope import RopeScaling
 from train.errors import UserError
-from train.model import ModelConfig
+from train.model import ACTIVATIONS, ModelConfig
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / 'configs'
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16,
@@ -23,13 +25,25 @@ def known_configs() -> list[str]:
 
 
 def resolve(argv: list[str]) -> list[str]:
-  """Rewrites `--config=NAME` to the path of configs/NAME.py; paths pass through."""
+  """Rewrites `--config=NAME` to the path of configs/NAME.py; paths pass through.
+
+  A .json file (a workdir's config.json) or a workdir holding one is read by
+  configs/_json.py: the defaults, updated with what the file sets.
+  """
   out = []
   for arg in argv:
     if arg.startswith('--config='):
       value = arg.split('=', 1)[1]
       name, _, rest = value.partition(':')
-      if not name.endswith('.py') and '/' not in name:
+      path = pathlib.Path(name)
+      if path.is_dir() or name.endswith('.json'):
+        if path.is_dir():
+          path = path / 'config.json'
+        if not path.is_file():
+          raise UserError(f'{path} does not exist; --config takes a config '
+                          'name, a .py or .json file, or a workdir')
+        value = f'{CONFIG_DIR / "_json.py"}:{path.absolute()}'
+      elif not name.endswith('.py') and '/' not in name:
         if name not in known_configs():
           raise UserError(f'unknown config {name!r}; known: '
                           f'{", ".join(known_configs())} (or a path to a .py)')
@@ -50,9 +64,40 @@ def load(name: str) -> config_dict.ConfigDict:
   return module.get_config()
 
 
+def defaults() -> config_dict.ConfigDict:
+  """configs/default.py: every field, with its type."""
+  from configs import default  # pylint: disable=import-outside-toplevel
+  return default.get_config()
+
+
+def from_json(path: pathlib.Path) -> config_dict.ConfigDict:
+  """The defaults, updated with what the JSON file (a workdir's config.json)
+  sets; so a config written before a field existed gets its default."""
+  try:
+    saved = json.loads(pathlib.Path(path).read_text())
+  except json.JSONDecodeError as e:
+    raise UserError(f'{path} is not valid JSON ({e}); restore it from the '
+                    'config the run was started with') from None
+  config = defaults()
+
+  def update(target, values):
+    for key, value in values.items():
+      if isinstance(value, dict) and isinstance(target.get(key),
+                                                config_dict.ConfigDict):
+        update(target[key], value)
+      else:
+        target[key] = value
+  with config.unlocked():
+    update(config, saved)
+  return config
+
+
 def model_config(config: config_dict.ConfigDict) -> ModelConfig:
   fields = config.model.to_dict()
   fields['dtype'] = DTYPES[fields['dtype']]
+  fields['param_dtype'] = DTYPES[fields['param_dtype']]
+  scaling = fields['rope_scaling']
+  fields['rope_scaling'] = RopeScaling(**scaling) if scaling['kind'] else None
   return ModelConfig(**fields)
 
 
@@ -83,6 +128,8 @@ RANGES = {
         'vocab_size', 'num_layers', 'd_model', 'num_heads', 'num_kv_heads',
         'head_dim', 'mlp_dim', 'max_len')},
     ('model', 'rope_base'): _is(1, low_open=True),
+    ('model', 'norm_eps'): _is(0, low_open=True),
+    ('model', 'norm_scale_offset'): _is(),
     ('model', 'local_window'): _is(1, integer=True, optional=True),
     ('model', 'logits_soft_cap'): _is(0, low_open=True, optional=True),
     ('data', 'seq_len'): _COUNT,
@@ -105,8 +152,22 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
              num_hosts: int = 1):
   """Raises UserError naming the setting to change."""
   m, d, t = config.model, config.data, config.train
-  if m.dtype not in DTYPES:
-    raise UserError(f'model.dtype={m.dtype!r}; use one of {sorted(DTYPES)}')
+  for field in ('dtype', 'param_dtype'):
+    if m[field] not in DTYPES:
+      raise UserError(f'model.{field}={m[field]!r}; use one of {sorted(DTYPES)}')
+  if m.mlp_activation not in ACTIVATIONS:
+    raise UserError(f'model.mlp_activation={m.mlp_activation!r}; use one of '
+                    f'{sorted(ACTIVATIONS)}')
+  scaling = m.rope_scaling
+  if scaling.kind not in ('', *RopeScaling.KINDS):
+    raise UserError(f'model.rope_scaling.kind={scaling.kind!r}; use one of '
+                    f"'' (none), {', '.join(map(repr, RopeScaling.KINDS))}")
+  if scaling.kind and not (
+      scaling.factor >= 1 and 0 < scaling.low_freq_factor
+      < scaling.high_freq_factor and scaling.original_max_len >= 1):
+    raise UserError(f'model.rope_scaling={scaling.to_dict()} needs factor >= '
+                    '1, 0 < low_freq_factor < high_freq_factor and '
+                    'original_max_len >= 1')
   if not isinstance(config.seed, int) or config.seed < 0:
     raise UserError(f'seed={config.seed!r} must be an integer >= 0')
   for (section, name), (check, what) in RANGES.items():

@@ -37,8 +37,8 @@ def make_optimizer(tc) -> tuple[optax.GradientTransformation, optax.Schedule]:
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
       end_value=tc.learning_rate * tc.min_learning_rate_ratio)
-  # Weight decay on matrices only, not on norm scales.
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: decays(path), params)
   tx = optax.chain(
       optax.clip_by_global_norm(tc.grad_clip),
       optax.adamw(schedule, tc.b1, tc.b2, weight_decay=tc.weight_decay,
@@ -46,9 +46,18 @@ def make_optimizer(tc) -> tuple[optax.GradientTransformation, optax.Schedule]:
   return tx, schedule
 
 
+def decays(path) -> bool:
+  """Weight decay applies to matrices, not to norm scales and biases.
+
+  Decided by name: under `nn.scan` a norm scale is [L, D], as many dims as a
+  matrix (a test checks every parameter's decision)."""
+  name = path[-1].key
+  return not (name == 'scale' or name.endswith(('_bias', '_norm')))
+
+
 def init_params(model: Transformer, seed: int):
   """Parameters with their logical-axis boxes (see `train.sharding`)."""
-  tokens = jnp.zeros((1, model.config.max_len), jnp.int32)
+  tokens = jnp.zeros((1, 1), jnp.int32)  # Shapes do not depend on length.
   return model.init(jax.random.key(seed), tokens)['params']
 
 

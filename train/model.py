@@ -3,8 +3,12 @@
 Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> gated MLP ->
 residual), token embedding, RoPE inside the attention, optionally tied output.
 Layers are stacked with `nn.scan` (compile time independent of depth) and can
-be rematerialised with `nn.remat`. Parameters are float32; activations use
-`dtype`; logits and the loss are float32.
+be rematerialised with `nn.remat`. Parameters are `param_dtype` (float32 by
+default); activations use `dtype`; logits and the loss are float32.
+
+The defaults are Gemma's conventions (GELU gate, RMSNorm by 1 + scale,
+embeddings times √D); the fields below select Llama's, Mistral's and Qwen's,
+so that `train.hf` maps those checkpoints onto this one network.
 
 Letters: B batch, T length, D model width, F MLP hidden, V vocabulary, L layers.
 """
@@ -12,6 +16,7 @@ Letters: B batch, T length, D model width, F MLP hidden, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -19,6 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from attention import Attention, layer
+from attention.rope import RopeScaling
+
+ACTIVATIONS = {'gelu_tanh': functools.partial(nn.gelu, approximate=True),
+               'silu': nn.silu}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +50,15 @@ class ModelConfig:
   logits_soft_cap: float | None
   fused_qkv: bool
   dtype: Any
+  param_dtype: Any
+  mlp_activation: str  # 'gelu_tanh' (Gemma) or 'silu' (Llama, Mistral, Qwen).
+  norm_eps: float
+  norm_scale_offset: float  # RMSNorm multiplies by offset + scale: Gemma 1, Llama 0.
+  embed_scale: bool  # Embeddings times √D (Gemma).
+  tied_logits_scale: bool  # Tied output divides the logits by √D (HF: no).
+  qkv_bias: bool  # Biases on the Q/K/V projections (Qwen2).
+  qk_norm: bool  # RMSNorm of each query and key head (Qwen3).
+  rope_scaling: RopeScaling | None  # 'linear' or 'llama3' (Llama 3.1+).
 
   @property
   def attention(self) -> layer.Options:
@@ -49,32 +67,38 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
-  dtype: Any = jnp.float32
+  """x / rms(x) * (offset + scale), in float32; scale starts at 1 - offset."""
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, x_BTD):
+    c = self.config
     scale_D = self.param(
-        'scale', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)),
-        (x_BTD.shape[-1],))
+        'scale', nn.with_logical_partitioning(
+            nn.initializers.constant(1.0 - c.norm_scale_offset), ('norm',)),
+        (x_BTD.shape[-1],), c.param_dtype)
     x = x_BTD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-    return (x * (1.0 + scale_D)).astype(self.dtype)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + c.norm_eps)
+    return (x * (c.norm_scale_offset + scale_D.astype(jnp.float32))
+            ).astype(c.dtype)
 
 
 class MLP(nn.Module):
-  """Gated (GELU) MLP: down(gelu(x @ gate) * (x @ up))."""
-  mlp_dim: int
-  dtype: Any = jnp.float32
+  """Gated MLP: down(activation(x @ gate) * (x @ up))."""
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, x_BTD):
-    D, F = x_BTD.shape[-1], self.mlp_dim
+    c = self.config
+    D, F = x_BTD.shape[-1], c.mlp_dim
     w = lambda name, shape, axes: self.param(name, nn.with_logical_partitioning(
-        nn.initializers.lecun_normal(), axes), shape).astype(self.dtype)
+        nn.initializers.lecun_normal(), axes), shape, c.param_dtype
+    ).astype(c.dtype)
     gate_BTF = jnp.einsum('BTD,DF->BTF', x_BTD,
                           w('gate', (D, F), ('embed', 'mlp')))
     up_BTF = jnp.einsum('BTD,DF->BTF', x_BTD, w('up', (D, F), ('embed', 'mlp')))
-    return jnp.einsum('BTF,FD->BTD', nn.gelu(gate_BTF) * up_BTF,
+    activation = ACTIVATIONS[c.mlp_activation]
+    return jnp.einsum('BTF,FD->BTD', activation(gate_BTF) * up_BTF,
                       w('down', (F, D), ('mlp', 'embed')))
 
 
@@ -86,11 +110,10 @@ class Block(nn.Module):
   def __call__(self, x_BTD, _=None):
     c = self.config
     attention = Attention.from_options(
-        c.attention, dtype=c.dtype, partitioned=True, decode=self.decode,
-        name='attention')
-    x_BTD = x_BTD + attention(RMSNorm(c.dtype, name='attention_norm')(x_BTD))
-    x_BTD = x_BTD + MLP(c.mlp_dim, c.dtype, name='mlp')(
-        RMSNorm(c.dtype, name='mlp_norm')(x_BTD))
+        c.attention, dtype=c.dtype, param_dtype=c.param_dtype,
+        partitioned=True, decode=self.decode, name='attention')
+    x_BTD = x_BTD + attention(RMSNorm(c, name='attention_norm')(x_BTD))
+    x_BTD = x_BTD + MLP(c, name='mlp')(RMSNorm(c, name='mlp_norm')(x_BTD))
     return x_BTD, None  # (carry, output) for nn.scan.
 
 
@@ -107,10 +130,15 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BT):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype,
+                     param_dtype=c.param_dtype,
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(1.0), ('vocab', 'embed')),
                      name='embed')
-    x_BTD = embed(tokens_BT) * jnp.sqrt(c.d_model).astype(c.dtype)
+    # √D as Hugging Face rounds it: a Python float cast to the dtype.
+    sqrt_d = jnp.asarray(c.d_model ** 0.5, c.dtype)
+    x_BTD = embed(tokens_BT)
+    if c.embed_scale:
+      x_BTD = x_BTD * sqrt_d
 
     block = Block
     if c.remat:
@@ -124,13 +152,16 @@ class Transformer(nn.Module):
       for i in range(c.num_layers):
         x_BTD, _ = block(c, self.decode, name=f'layers_{i}')(x_BTD)
 
-    x_BTD = RMSNorm(c.dtype, name='final_norm')(x_BTD)
+    x_BTD = RMSNorm(c, name='final_norm')(x_BTD)
     if c.tie_embeddings:
-      logits_BTV = embed.attend(x_BTD) / jnp.sqrt(c.d_model).astype(c.dtype)
+      logits_BTV = embed.attend(x_BTD)
+      if c.tied_logits_scale:
+        logits_BTV = logits_BTV / sqrt_d
     else:
       # Small init: the first prediction is near uniform, loss near log V.
       logits_BTV = nn.DenseGeneral(
           c.vocab_size, use_bias=False, dtype=c.dtype,
+          param_dtype=c.param_dtype,
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.normal(0.02), ('embed', 'vocab')),
           name='unembed')(x_BTD)
