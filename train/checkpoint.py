@@ -51,7 +51,9 @@ class Checkpointer:
   def restore(self, abstract_state, warn: Callable[[str], None] = print):
     """(step, state) of the newest intact checkpoint, or None if there is none.
 
-    Restores onto `abstract_state`'s shapes and shardings. Unreadable newer
+    Restores onto `abstract_state`'s shapes and shardings; a checkpoint of
+    the parameters alone (`train.convert` writes them) comes back with
+    opt_state None. Unreadable newer
     checkpoints are moved out of the way (to WORKDIR/unreadable_checkpoints)
     with a warning, so that training does not stop on them or overwrite them.
     """
@@ -59,8 +61,13 @@ class Checkpointer:
       try:
         with _quiet_orbax():
           self._check_shapes(step, abstract_state)
-          state = self._manager.restore(
-              step, args=ocp.args.StandardRestore(abstract_state))
+          if 'opt_state' in self._manager.item_metadata(step):
+            state = self._manager.restore(
+                step, args=ocp.args.StandardRestore(abstract_state))
+          else:  # Parameters only (train.convert): no optimizer state yet.
+            saved = self._manager.restore(step, args=ocp.args.StandardRestore(
+                {'step': abstract_state.step, 'params': abstract_state.params}))
+            state = abstract_state.replace(opt_state=None, **saved)
         return step, state
       except UserError:
         raise
@@ -110,6 +117,29 @@ class Checkpointer:
             f'{self.directory} (step {step}) holds another model: params{path} is '
             f'{theirs if path in saved_flat else "absent"} there and {ours} '
             'here; use a new --workdir, or the config that wrote it')
+
+
+@contextlib.contextmanager
+def no_host_copies():
+  """Saves host (numpy) arrays without the copy orbax takes of each by default.
+
+  For saves that wait until done, of arrays nothing changes meanwhile
+  (`train.convert`): the copy would double the peak memory of an import.
+  """
+  from absl import logging  # pylint: disable=import-outside-toplevel
+  from orbax.checkpoint import type_handlers  # pylint: disable=import-outside-toplevel
+
+  def register(handler):  # Quietly: orbax warns of every override.
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)
+    type_handlers.register_type_handler(np.ndarray, handler, override=True)
+    logging.set_verbosity(verbosity)
+  default = type_handlers.get_type_handler(np.ndarray)
+  register(type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+  try:
+    yield
+  finally:
+    register(default)
 
 
 def _flatten(tree):

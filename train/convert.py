@@ -1,30 +1,47 @@
-"""Converts a trained checkpoint to fewer K/V heads (Ainslie et al. 2023).
+"""Checkpoints in and out, and to fewer K/V heads (Ainslie et al. 2023).
 
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --num_kv_heads=K \
-      --method=mean|first|random
+      [--method=mean|first|random]          # our checkpoint -> fewer KV heads
+  python -m train.convert --from_hf=HF_DIR --workdir=NEWDIR \
+      [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
+  python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
 
 `mean` averages the key and value projection heads of each group (the
 paper's method), `first` keeps the first of them, `random` re-initialises the
 projections. KV head j of the result serves query heads [j·N/K, (j+1)·N/K),
 which in the source were served by its KV heads [j·r, (j+1)·r),
 r = K_source / K (the `jnp.repeat` head order of
-`attention.dot_product_attention`). K = -1 keeps every head: an exact copy.
-NEWDIR gets the config and a step-0 checkpoint with a fresh optimizer state;
-uptrain it with train.main and the same config, the new num_kv_heads and the
-steps to spend, e.g.
+`attention.dot_product_attention`). K = -1 (the default) keeps every head.
 
-  python -m train.main --config=gqa_small --config.model.num_kv_heads=1 \
-      --config.train.steps=36 --workdir=NEWDIR
+NEWDIR gets config.json and a step-0 checkpoint of the parameters (the
+optimizer starts fresh); an imported one also gets the tokenizer
+(tokenizer.json) and the source's other small files (hf/), which export
+copies back out. Uptrain with the workdir's own config, e.g.
+
+  python -m train.main --config=NEWDIR --workdir=NEWDIR \
+      --config.train.steps=36 --config.train.learning_rate=1e-4
+
+Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3 and Gemma
+(`train.hf`); it streams the safetensors tensor by tensor, so the peak memory
+is about one copy of the parameters.
 """
 
+from __future__ import annotations
+
+import contextlib
 import dataclasses
 import json
+import pathlib
+import shutil
+import zlib
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from train import checkpoint, loop
+from train import checkpoint, config_lib, hf, loop, safetensors_io
+from train import model as model_lib
 from train import workdir as workdir_lib
 from train.errors import UserError, run_app
 from train.model import Transformer
@@ -38,7 +55,7 @@ POOLERS = {
 METHODS = (*POOLERS, 'random')  # 'random': freshly initialised projections.
 
 
-def pool_heads(kernel_DKH: jax.Array, num_kv_heads: int, method: str):
+def pool_heads(kernel_DKH, num_kv_heads: int, method: str):
   """[..., K_source, H] -> [..., K, H]: contiguous groups of r heads become one."""
   if method not in POOLERS:
     raise ValueError(f'method={method!r}; pooling is one of {list(POOLERS)}')
@@ -48,10 +65,11 @@ def pool_heads(kernel_DKH: jax.Array, num_kv_heads: int, method: str):
 
 
 def is_kv_kernel(path) -> bool:
-  """Whether a parameter path ends in an attention's key or value kernel."""
+  """Whether a parameter path ends in an attention's key or value kernel (or
+  bias)."""
   names = [getattr(k, 'key', None) for k in path]
   return len(names) >= 2 and names[-2] == 'attention' and names[-1] in (
-      'key', 'value')
+      hf.KV_NAMES)
 
 
 def convert_params(params, model_config, num_kv_heads: int, method: str,
@@ -73,40 +91,181 @@ def convert_params(params, model_config, num_kv_heads: int, method: str,
   return jax.tree_util.tree_map_with_path(convert, params, fresh), new_config
 
 
+def _target_heads(k_source: int, num_kv_heads: int) -> int:
+  k = k_source if num_kv_heads == -1 else num_kv_heads
+  if k < 1 or k_source % k:
+    raise UserError(f'--num_kv_heads={num_kv_heads}: the source has '
+                    f'{k_source} KV heads; pick a divisor of {k_source} or -1')
+  return k
+
+
 def convert_workdir(source: str, workdir: str, num_kv_heads: int,
                     method: str, seed: int = 0) -> tuple[int, int]:
   """Writes WORKDIR: SOURCE's config and a step-0 checkpoint with K KV heads.
 
   Returns (K of the source, K written); num_kv_heads -1 keeps the source's.
   """
+  _check_method(method)
+  with _new_workdir(workdir) as path:
+    model_config, params, config = checkpoint.load_workdir(source, '--source')
+    k_source = model_config.num_kv_heads
+    k = _target_heads(k_source, num_kv_heads)
+    new_params, _ = convert_params(params, model_config, k, method, seed)
+    config.model.num_kv_heads = k
+    for name in ('tokenizer.json', 'hf'):  # The tokenizer travels along.
+      _copy(pathlib.Path(source) / name, path / name)
+    _write_step0(path, new_params, config, {
+        'source': str(source), 'num_kv_heads': k,
+        'source_num_kv_heads': k_source, 'method': method})
+  return k_source, k
+
+
+def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
+              method: str = 'mean', seed: int = 0,
+              param_dtype: str = '') -> tuple[str, int, int]:
+  """Writes WORKDIR from a Hugging Face checkpoint folder; returns
+  (model_type, K of the source, K written).
+
+  Everything is checked (config, tensor names and shapes) before anything
+  is written; a failure after that removes what was written.
+  """
+  _check_method(method)
+  directory = pathlib.Path(source)
+  hf_config = hf.read_config(directory)
+  fields = hf.model_fields(hf_config)
+  if param_dtype:
+    if param_dtype not in config_lib.DTYPES:
+      raise UserError(f'--param_dtype={param_dtype!r}; use one of '
+                      f'{sorted(config_lib.DTYPES)}')
+    fields['param_dtype'] = param_dtype
+  k_source = fields['num_kv_heads']
+  k = fields['num_kv_heads'] = _target_heads(k_source, num_kv_heads)
+  config = config_lib.defaults()
+  config.model.update({f: v for f, v in fields.items()
+                       if f != 'rope_scaling'})
+  config.model.rope_scaling.update(fields['rope_scaling'])
+  config.data.seq_len = min(config.data.seq_len, config.model.max_len)
+  config_lib.validate(config, batch_shards=1)
+  files = safetensors_io.open_checkpoint(directory)
+  mc = config_lib.model_config(config)
+  shapes = model_lib.parameter_shapes(mc)
+
+  convert_kv = None
+  if k != k_source or method == 'random':
+    init = nn.initializers.lecun_normal()
+    key = jax.random.key(seed)
+
+    def convert_kv(value, name):
+      if method == 'random':  # Kernels fresh, biases zero.
+        shape = (*value.shape[:-2], k, value.shape[-1])
+        if value.ndim == 2:
+          return np.zeros(shape, value.dtype)
+        rng = jax.random.fold_in(key, zlib.crc32(name.encode()))
+        return np.asarray(init(rng, shape, jnp.float32))
+      return pool_heads(value.astype(np.float32), k, method)
+
+  with _new_workdir(workdir) as path:
+    params = hf.read_weights(files, shapes, mc, convert_kv)
+    (path / 'hf').mkdir()
+    (path / 'hf' / 'config.json').write_text(json.dumps(hf_config, indent=2))
+    for name in hf.TOKENIZER_FILES:
+      _copy(directory / name, path / 'hf' / name)
+    _copy(directory / 'tokenizer.json', path / 'tokenizer.json')
+    _write_step0(path, params, config, {
+        'from_hf': str(directory.absolute()),
+        'model_type': hf_config['model_type'], 'num_kv_heads': k,
+        'source_num_kv_heads': k_source, 'method': method})
+  return hf_config['model_type'], k_source, k
+
+
+def export_hf(source: str, target: str) -> str:
+  """Writes SOURCE's latest parameters as a Hugging Face folder TARGET;
+  returns its model_type."""
+  out = pathlib.Path(target)
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise UserError(f'--to_hf={target} exists and is not an empty folder; '
+                    'give a new one')
+  mc, params, _ = checkpoint.load_workdir(source, '--source')
+  remembered = {}
+  if (pathlib.Path(source) / 'hf' / 'config.json').exists():
+    remembered = json.loads(
+        (pathlib.Path(source) / 'hf' / 'config.json').read_text())
+  family = hf.family_of(mc, remembered.get('model_type'))
+  if remembered.get('model_type') not in (None, family):
+    remembered = {}  # Another architecture now: keep only its token ids.
+  params = _unfused(params, mc)
+  shapes, tensors = hf.hf_tensors(params, mc)
+  out.mkdir(parents=True, exist_ok=True)
+  try:
+    safetensors_io.write(out, tensors, shapes)
+    config = hf.hf_config(mc, family, remembered)
+    (out / 'config.json').write_text(json.dumps(config, indent=2))
+    for name in hf.TOKENIZER_FILES:
+      _copy(pathlib.Path(source) / 'hf' / name, out / name)
+    _copy(pathlib.Path(source) / 'tokenizer.json', out / 'tokenizer.json')
+  except BaseException:
+    shutil.rmtree(out)
+    raise
+  return family
+
+
+def _unfused(params, mc):
+  """Separate query/key/value (and biases) from a fused_qkv model's qkv."""
+  if not mc.fused_qkv:
+    return params
+  N, K = mc.num_heads, mc.num_kv_heads
+  attention = dict(params['layers']['attention'])
+  for suffix in ('', '_bias'):
+    if f'qkv{suffix}' in attention:
+      q, k, v = np.split(np.asarray(attention.pop(f'qkv{suffix}')),
+                         [N, N + K], axis=-2)
+      attention.update({f'query{suffix}': q, f'key{suffix}': k,
+                        f'value{suffix}': v})
+  return {**params, 'layers': {**params['layers'], 'attention': attention}}
+
+
+def _check_method(method: str):
   if method not in METHODS:
     raise UserError(f'--method={method!r}; use one of {", ".join(METHODS)}')
-  # The target is checked before the (possibly long) work on the source.
+
+
+@contextlib.contextmanager
+def _new_workdir(workdir: str):
+  """A new workdir, locked; on any failure, what was written is removed."""
+  existed = pathlib.Path(workdir).expanduser().exists()
   path = workdir_lib.check_writable(workdir)
   if (path / 'checkpoints').exists():
     raise UserError(f'{workdir} already holds checkpoints; pick a new '
                     '--workdir')
-  with workdir_lib.lock(path):
-    model_config, params, config = checkpoint.load_workdir(source, '--source')
-    k_source = model_config.num_kv_heads
-    k = k_source if num_kv_heads == -1 else num_kv_heads
-    if k is None or k < 1 or k_source % k:
-      raise UserError(f'--num_kv_heads={num_kv_heads}: the source has '
-                      f'{k_source} KV heads; pick a divisor of {k_source} or '
-                      '-1')
-    new_params, _ = convert_params(params, model_config, k, method, seed)
-    config.model.num_kv_heads = k
-    tx, _ = loop.make_optimizer(config.train)
-    state = loop.TrainState(jnp.array(0, jnp.int32), new_params,
-                            tx.init(new_params))
-    checkpointer = checkpoint.Checkpointer(workdir, every=1, keep=1)
-    checkpointer.save(0, state, force=True)
+  before = set(path.iterdir())
+  try:
+    with workdir_lib.lock(path):
+      yield path
+  except BaseException:
+    if not existed:
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      for item in set(path.iterdir()) - before:
+        shutil.rmtree(item) if item.is_dir() else item.unlink()
+    raise
+
+
+def _write_step0(path: pathlib.Path, params, config, info: dict):
+  """The step-0 checkpoint (parameters only: `train.main` starts the
+  optimizer fresh), then config.json, which marks the workdir complete."""
+  checkpointer = checkpoint.Checkpointer(str(path), every=1, keep=1)
+  with checkpoint.no_host_copies():
+    checkpointer.save(0, {'step': np.int32(0), 'params': params}, force=True)
     checkpointer.close()
-    (path / 'config.json').write_text(config.to_json(indent=2))
-    (path / 'convert.json').write_text(json.dumps({
-        'source': str(source), 'num_kv_heads': k,
-        'source_num_kv_heads': k_source, 'method': method}))
-  return k_source, k
+  (path / 'convert.json').write_text(json.dumps(info))
+  (path / 'config.json').write_text(config.to_json(indent=2))
+
+
+def _copy(source: pathlib.Path, target: pathlib.Path):
+  if source.is_dir():
+    shutil.copytree(source, target)
+  elif source.exists():
+    shutil.copyfile(source, target)
 
 
 def main(argv):
@@ -114,6 +273,22 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
+  if bool(f.source) == bool(f.from_hf):
+    raise UserError('give one of --source (a workdir) or --from_hf (a '
+                    'Hugging Face folder)')
+  if bool(f.workdir) == bool(f.to_hf) or (f.from_hf and f.to_hf):
+    raise UserError('give --workdir (to write a workdir) or, with --source, '
+                    '--to_hf (to write a Hugging Face folder)')
+  if f.to_hf:
+    family = export_hf(f.source, f.to_hf)
+    print(f'wrote {f.to_hf}: a {family} checkpoint (Hugging Face format)')
+    return
+  if f.from_hf:
+    family, k_source, k = import_hf(f.from_hf, f.workdir, f.num_kv_heads,
+                                    f.method, f.seed, f.param_dtype)
+    print(f'wrote {f.workdir}: {family}, {k_source} -> {k} KV heads'
+          + (f' by {f.method}' if k != k_source else ''))
+    return
   k_source, k = convert_workdir(f.source, f.workdir, f.num_kv_heads, f.method,
                                 f.seed)
   print(f'wrote {f.workdir}: {k_source} -> {k} KV heads by {f.method}')
@@ -122,12 +297,16 @@ def main(argv):
 def run():
   """The command line; flags are defined here, not on import."""
   from absl import flags  # pylint: disable=import-outside-toplevel
-  flags.DEFINE_string('source', None, 'trained workdir')
+  flags.DEFINE_string('source', None, 'a train.main workdir to read')
+  flags.DEFINE_string('from_hf', None, 'a Hugging Face checkpoint folder')
   flags.DEFINE_string('workdir', None, 'new workdir to write')
-  flags.DEFINE_integer('num_kv_heads', None, 'K; -1 keeps all')
+  flags.DEFINE_string('to_hf', None, 'new Hugging Face folder to write')
+  flags.DEFINE_integer('num_kv_heads', -1, 'K; -1 keeps all')
   flags.DEFINE_enum('method', 'mean', METHODS, 'how grouped heads become one')
   flags.DEFINE_integer('seed', 0, 'seed of --method=random')
-  run_app(main, required=['source', 'workdir', 'num_kv_heads'])
+  flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '' "
+                      "keeps the checkpoint's")
+  run_app(main)
 
 
 if __name__ == '__main__':

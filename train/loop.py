@@ -186,6 +186,9 @@ def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
           abstract, state_sharding), warn=say)
   if restored is not None:
     resume_step, state = restored
+    if state.opt_state is None:  # A converted or imported checkpoint.
+      state = jax.jit(lambda s: s.replace(opt_state=tx.init(s.params)),
+                      out_shardings=state_sharding)(state)
   else:
     resume_step = None
     state = jax.jit(lambda: init_state(model, tx, config.seed),

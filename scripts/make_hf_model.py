@@ -1,0 +1,110 @@
+"""Writes a random-weight Hugging Face checkpoint, with a trained tokenizer.
+
+  python -m scripts.make_hf_model --out=DIR [--family=llama] [--d_model=384]
+      [--num_layers=4] [--num_heads=8] [--num_kv_heads=8] [--vocab_size=4096]
+
+A stand-in for a downloaded model (nothing is fetched): `transformers` builds
+the architecture from a config with random weights and saves it as
+safetensors; a byte-level BPE tokenizer is trained on the embedded corpus's
+documentation text. The defaults give a ~10M-parameter Llama-style MHA
+model, the README's workflow example. Needs the `[test]` extra (torch,
+transformers, tokenizers).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from train.errors import ArgumentParser, exit_on_user_error, positive_int
+
+FAMILIES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
+
+
+def train_tokenizer(vocab_size: int, path: pathlib.Path):
+  """A byte-level BPE of `vocab_size` tokens (<s> = 0, </s> = 1), trained on
+  Python's pydoc topics; <s> is prepended to each encoded text."""
+  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
+  from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,  # pylint: disable=import-outside-toplevel
+                          processors, trainers)
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=['<s>', '</s>'],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False)
+  tokenizer.train_from_iterator(
+      sorted(pydoc_data.topics.topics.values()), trainer)
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single='<s> $A', special_tokens=[('<s>', 0)])
+  tokenizer.save(str(path))
+
+
+def make(out: str, *, family: str = 'llama', d_model: int = 384,
+         num_layers: int = 4, num_heads: int = 8, num_kv_heads: int = 8,
+         head_dim: int | None = None, mlp_dim: int = 1024,
+         vocab_size: int = 4096, max_len: int = 2048, dtype: str = 'float32',
+         rope_scaling: dict | None = None, sliding_window: int | None = None,
+         tie_embeddings: bool | None = None, seed: int = 0,
+         tokenizer: bool = True):
+  """Saves the model (and tokenizer.json) to OUT; returns the torch model."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  config_class = {
+      'llama': transformers.LlamaConfig, 'mistral': transformers.MistralConfig,
+      'qwen2': transformers.Qwen2Config, 'qwen3': transformers.Qwen3Config,
+      'gemma': transformers.GemmaConfig}[family]
+  fields = dict(
+      vocab_size=vocab_size, hidden_size=d_model, intermediate_size=mlp_dim,
+      num_hidden_layers=num_layers, num_attention_heads=num_heads,
+      num_key_value_heads=num_kv_heads, head_dim=head_dim or d_model // num_heads,
+      max_position_embeddings=max_len, bos_token_id=0, eos_token_id=1,
+      pad_token_id=None, rms_norm_eps=1e-5 if family == 'llama' else 1e-6)
+  if tie_embeddings is not None:
+    fields['tie_word_embeddings'] = tie_embeddings
+  rope = {'rope_type': 'default', 'rope_theta': 500_000.0 if family in (
+      'llama', 'qwen2', 'qwen3') else 10_000.0}
+  rope.update(rope_scaling or {})
+  fields['rope_parameters'] = rope
+  if family == 'mistral':
+    fields['sliding_window'] = sliding_window
+  torch.manual_seed(seed)
+  config = config_class(**fields)
+  model = transformers.AutoModelForCausalLM.from_config(
+      config, dtype=getattr(torch, dtype))
+  with torch.no_grad():  # Norm weights random too, so that a mix-up shows.
+    for name, p in model.named_parameters():
+      if 'norm' in name:
+        p.copy_(p + 0.1 * torch.randn_like(p))
+  model.eval()
+  out_dir = pathlib.Path(out)
+  model.save_pretrained(out_dir)
+  if tokenizer:
+    train_tokenizer(vocab_size, out_dir / 'tokenizer.json')
+  return model
+
+
+def main(argv=None):
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--family', choices=FAMILIES, default='llama')
+  parser.add_argument('--d_model', type=positive_int, default=384)
+  parser.add_argument('--num_layers', type=positive_int, default=4)
+  parser.add_argument('--num_heads', type=positive_int, default=8)
+  parser.add_argument('--num_kv_heads', type=positive_int, default=8)
+  parser.add_argument('--mlp_dim', type=positive_int, default=1024)
+  parser.add_argument('--vocab_size', type=positive_int, default=4096)
+  parser.add_argument('--max_len', type=positive_int, default=2048)
+  parser.add_argument('--dtype', choices=('float32', 'bfloat16'),
+                      default='float32')
+  parser.add_argument('--seed', type=int, default=0)
+  args = parser.parse_args(argv)
+  model = make(**vars(args))
+  count = sum(p.numel() for p in model.parameters())
+  print(f'wrote {args.out}: random {args.family}, {count:,} parameters, '
+        f'tokenizer of {args.vocab_size} tokens')
+
+
+if __name__ == '__main__':
+  exit_on_user_error(lambda: main(sys.argv[1:]))

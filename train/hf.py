@@ -1,0 +1,418 @@
+"""Hugging Face checkpoints in and out: Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma.
+
+One network (`train.model.Transformer`) holds all five; what differs between
+them is a handful of conventions (`ModelConfig`: activation, norm eps and
+weight offset, embedding and tied-logit scale, q/k/v bias, QK-norm, RoPE
+scaling, sliding window), and the layout of the weights:
+
+  HF (torch Linear, [out, in])             here
+  q_proj [N·H, D], k/v_proj [K·H, D]   ->  query [D, N, H], key/value [D, K, H]
+  o_proj [D, N·H]                      ->  out [N, H, D]
+  q/k/v_proj.bias [E·H]                ->  query/key/value_bias [E, H]
+  q_norm, k_norm [H]                   ->  query_norm, key_norm [H]
+  gate/up_proj [F, D], down_proj [D, F] -> gate/up [D, F], down [F, D]
+  *_layernorm, norm [D]                ->  *_norm/scale [D] (same numbers:
+                                           Gemma stores w of 1 + w, as we do)
+  embed_tokens [V, D], lm_head [V, D]  ->  embedding [V, D], unembed [D, V]
+
+Layers are stacked ([L, ...], `nn.scan`). Import streams tensor by tensor
+from the safetensors shards into the stacked arrays, pooling K/V heads on the
+way when asked (`train.convert`), so the peak memory is about one copy of the
+parameters. Export writes tensor by tensor likewise.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from train import safetensors_io
+from train.errors import UserError
+
+FAMILIES = {  # model_type -> architecture class.
+    'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
+    'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+    'gemma': 'GemmaForCausalLM'}
+ACTIVATIONS = {'silu': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh',
+               'gelu': 'gelu_tanh'}  # Gemma's legacy name for the tanh form.
+DTYPE_NAMES = {'float32': 'float32', 'bfloat16': 'bfloat16',
+               'float16': 'float16'}
+# Files of the source that travel with the workdir (WORKDIR/hf/) and back out.
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json',
+                   'special_tokens_map.json', 'tokenizer.model',
+                   'generation_config.json', 'chat_template.jinja')
+
+
+# --- Configs ---------------------------------------------------------------
+
+def model_fields(hf: dict) -> dict[str, Any]:
+  """config.model fields for a Hugging Face config.json; UserError names
+  every setting this network cannot express."""
+  family = hf.get('model_type')
+  if family not in FAMILIES:
+    raise UserError(f'model_type {family!r} is not supported; supported: '
+                    f'{", ".join(FAMILIES)}')
+  get = lambda key, default=None: (hf[key] if hf.get(key) is not None
+                                   else default)
+  problems = []
+  if get('mlp_bias', False):
+    problems.append('mlp_bias=true')
+  if get('attention_bias', False) and family != 'qwen2':
+    problems.append('attention_bias=true (a bias on o_proj)')
+  activation = get('hidden_activation') or get('hidden_act', 'silu')
+  if activation not in ACTIVATIONS:
+    problems.append(f'hidden_act={activation!r} (supported: '
+                    f'{", ".join(ACTIVATIONS)})')
+  base, scaling = _rope(hf, problems)
+  window = _window(hf, family, problems)
+  if problems:
+    raise UserError(f'this {family} checkpoint uses {"; ".join(problems)}, '
+                    'which train.model cannot express; nothing was written')
+  D, N = hf['hidden_size'], hf['num_attention_heads']
+  gemma = family == 'gemma'
+  dtype = str(get('dtype') or get('torch_dtype', 'float32'))
+  return dict(
+      vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
+      d_model=D, num_heads=N, num_kv_heads=get('num_key_value_heads', N),
+      head_dim=get('head_dim', D // N), mlp_dim=hf['intermediate_size'],
+      max_len=get('max_position_embeddings', 2048),
+      tie_embeddings=bool(get('tie_word_embeddings', gemma)),
+      rope_base=float(base), local_window=window, logits_soft_cap=None,
+      fused_qkv=False, param_dtype=DTYPE_NAMES.get(dtype, 'float32'),
+      mlp_activation=ACTIVATIONS.get(activation, 'silu'),
+      norm_eps=float(get('rms_norm_eps', 1e-6)),
+      norm_scale_offset=1.0 if gemma else 0.0, embed_scale=gemma,
+      tied_logits_scale=False, qkv_bias=family == 'qwen2',
+      qk_norm=family == 'qwen3', rope_scaling=scaling)
+
+
+def _rope(hf: dict, problems: list[str]):
+  """(rope_theta, rope_scaling fields) from transformers 5's rope_parameters
+  or 4's rope_theta + rope_scaling."""
+  params = dict(hf.get('rope_parameters') or {})
+  if params and all(isinstance(v, dict) for v in params.values()):
+    problems.append('RoPE parameters per layer type')
+    return 10_000.0, {'kind': ''}
+  base = params.get('rope_theta', hf.get('rope_theta', 10_000.0))
+  scaling = params if params.get('rope_type', 'default') != 'default' else (
+      hf.get('rope_scaling') or {})
+  kind = scaling.get('rope_type') or scaling.get('type') or 'default'
+  if (params.get('partial_rotary_factor') or
+      hf.get('partial_rotary_factor') or 1.0) != 1.0:
+    problems.append('partial_rotary_factor < 1')
+  if kind == 'default':
+    return base, {'kind': ''}
+  if kind not in ('linear', 'llama3'):
+    problems.append(f'rope scaling {kind!r} (supported: linear, llama3)')
+    return base, {'kind': ''}
+  fields = {'kind': kind, 'factor': float(scaling['factor'])}
+  if kind == 'llama3':
+    fields.update(
+        low_freq_factor=float(scaling['low_freq_factor']),
+        high_freq_factor=float(scaling['high_freq_factor']),
+        original_max_len=int(scaling.get(
+            'original_max_position_embeddings',
+            hf.get('max_position_embeddings', 8192))))
+  return base, fields
+
+
+def _window(hf: dict, family: str, problems: list[str]) -> int | None:
+  """The sliding window of every layer, or None; mixed layers are refused."""
+  window = hf.get('sliding_window')
+  if family == 'mistral':
+    return window
+  if family not in ('qwen2', 'qwen3'):
+    return None
+  L = hf['num_hidden_layers']
+  kinds = hf.get('layer_types') or [
+      'sliding_attention' if hf.get('use_sliding_window') and
+      i >= hf.get('max_window_layers', L) else 'full_attention'
+      for i in range(L)]
+  if set(kinds) == {'full_attention'}:
+    return None
+  if set(kinds) == {'sliding_attention'} and window:
+    return window
+  problems.append(f'layer_types {sorted(set(kinds))} (sliding-window and '
+                  'full-attention layers mixed)')
+  return None
+
+
+def family_of(mc, remembered: str | None = None) -> str:
+  """The Hugging Face model_type that computes what `mc` computes."""
+  problems = []
+  if mc.logits_soft_cap is not None:
+    problems.append('model.logits_soft_cap')
+  if mc.tie_embeddings and mc.tied_logits_scale:
+    problems.append('model.tied_logits_scale=True (tied logits divided by '
+                    '√D)')
+  gemma = (mc.mlp_activation == 'gelu_tanh' and mc.norm_scale_offset == 1.0
+           and mc.embed_scale)
+  llama = (mc.mlp_activation == 'silu' and mc.norm_scale_offset == 0.0
+           and not mc.embed_scale)
+  if gemma:
+    family = 'gemma'
+    for field in ('qkv_bias', 'qk_norm', 'local_window'):
+      if getattr(mc, field):
+        problems.append(f'model.{field} with Gemma conventions')
+  elif llama:
+    family = ('qwen3' if mc.qk_norm else 'qwen2' if mc.qkv_bias else
+              'mistral' if mc.local_window or remembered == 'mistral' else
+              'llama')
+    if mc.qk_norm and mc.qkv_bias:
+      problems.append('model.qk_norm with model.qkv_bias')
+  else:
+    family = None
+    problems.append(
+        f'model.mlp_activation={mc.mlp_activation!r}, norm_scale_offset='
+        f'{mc.norm_scale_offset}, embed_scale={mc.embed_scale} (neither '
+        "Gemma's gelu_tanh/1/True nor Llama's silu/0/False)")
+  if problems:
+    raise UserError(f'no Hugging Face architecture computes {"; ".join(problems)}'
+                    '; export supports Llama, Mistral, Qwen2, Qwen3 and Gemma')
+  return family
+
+
+def hf_config(mc, family: str, base: dict | None = None) -> dict:
+  """config.json for `mc` as `family`; `base` (the imported source's config)
+  keeps what we do not set, such as the special token ids."""
+  config = {k: v for k, v in (base or {}).items()
+            if k not in ('rope_scaling', 'rope_parameters', 'torch_dtype',
+                         'layer_types', 'transformers_version')}
+  dtype = {np.dtype('float32'): 'float32', np.dtype('float16'): 'float16'
+           }.get(np.dtype(mc.param_dtype), 'bfloat16')
+  rope = {'rope_type': 'default', 'rope_theta': mc.rope_base}
+  if mc.rope_scaling is not None:
+    s = mc.rope_scaling
+    rope = {'rope_type': s.kind, 'rope_theta': mc.rope_base,
+            'factor': s.factor}
+    if s.kind == 'llama3':
+      rope.update(low_freq_factor=s.low_freq_factor,
+                  high_freq_factor=s.high_freq_factor,
+                  original_max_position_embeddings=s.original_max_len)
+  config.update(
+      model_type=family, architectures=[FAMILIES[family]],
+      vocab_size=mc.vocab_size, hidden_size=mc.d_model,
+      intermediate_size=mc.mlp_dim, num_hidden_layers=mc.num_layers,
+      num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+      head_dim=mc.head_dim, max_position_embeddings=mc.max_len,
+      rms_norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_embeddings,
+      hidden_act='gelu_pytorch_tanh' if family == 'gemma' else 'silu',
+      rope_parameters=rope, rope_theta=mc.rope_base, dtype=dtype)
+  if mc.rope_scaling is not None:  # For transformers 4 readers.
+    config['rope_scaling'] = {k: v for k, v in rope.items()
+                              if k != 'rope_theta'}
+  if family in ('llama', 'qwen3', 'gemma'):
+    config['attention_bias'] = False
+  if family == 'llama':
+    config['mlp_bias'] = False
+  if family == 'mistral':
+    config['sliding_window'] = mc.local_window
+  if family in ('qwen2', 'qwen3'):
+    sliding = mc.local_window is not None
+    config.update(use_sliding_window=sliding, sliding_window=mc.local_window,
+                  max_window_layers=0 if sliding else mc.num_layers,
+                  layer_types=[('sliding_attention' if sliding else
+                                'full_attention')] * mc.num_layers)
+  config.pop('hidden_activation', None)
+  return config
+
+
+# --- Weights ---------------------------------------------------------------
+
+def _to_heads(w, H):  # [E·H, D] -> [D, E, H]
+  return w.T.reshape(w.shape[1], -1, H)
+
+
+def _from_heads(w, H):  # [D, E, H] -> [E·H, D]
+  return w.reshape(w.shape[0], -1).T
+
+
+def _to_out(w, H):  # [D, N·H] -> [N, H, D]
+  return w.T.reshape(-1, H, w.shape[0])
+
+
+def _from_out(w, H):  # [N, H, D] -> [D, N·H]
+  return w.reshape(-1, w.shape[-1]).T
+
+
+def _to_bias(w, H):  # [E·H] -> [E, H]
+  return w.reshape(-1, H)
+
+
+def _from_bias(w, H):
+  return w.reshape(-1)
+
+
+def _same(w, H):
+  return w
+
+
+def _transpose(w, H):
+  return w.T
+
+
+# HF name within layer i -> (our path within the stacked layers, to ours,
+# to HF).
+LAYER_WEIGHTS = {
+    'self_attn.q_proj.weight': (('attention', 'query'), _to_heads, _from_heads),
+    'self_attn.k_proj.weight': (('attention', 'key'), _to_heads, _from_heads),
+    'self_attn.v_proj.weight': (('attention', 'value'), _to_heads, _from_heads),
+    'self_attn.o_proj.weight': (('attention', 'out'), _to_out, _from_out),
+    'self_attn.q_proj.bias': (('attention', 'query_bias'), _to_bias, _from_bias),
+    'self_attn.k_proj.bias': (('attention', 'key_bias'), _to_bias, _from_bias),
+    'self_attn.v_proj.bias': (('attention', 'value_bias'), _to_bias, _from_bias),
+    'self_attn.q_norm.weight': (('attention', 'query_norm'), _same, _same),
+    'self_attn.k_norm.weight': (('attention', 'key_norm'), _same, _same),
+    'mlp.gate_proj.weight': (('mlp', 'gate'), _transpose, _transpose),
+    'mlp.up_proj.weight': (('mlp', 'up'), _transpose, _transpose),
+    'mlp.down_proj.weight': (('mlp', 'down'), _transpose, _transpose),
+    'input_layernorm.weight': (('attention_norm', 'scale'), _same, _same),
+    'post_attention_layernorm.weight': (('mlp_norm', 'scale'), _same, _same),
+}
+GLOBAL_WEIGHTS = {
+    'model.embed_tokens.weight': (('embed', 'embedding'), _same, _same),
+    'model.norm.weight': (('final_norm', 'scale'), _same, _same),
+    'lm_head.weight': (('unembed', 'kernel'), _transpose, _transpose),
+}
+KV_NAMES = ('key', 'value', 'key_bias', 'value_bias')
+
+
+def weight_plan(params_shapes: dict, num_layers: int
+                ) -> dict[str, tuple[tuple, int | None, Callable, Callable]]:
+  """HF name -> (our path, layer index or None, to ours, to HF), for the
+  parameters the model has (biases and norms only where configured)."""
+  plan = {}
+  for name, (path, to_ours, to_hf) in GLOBAL_WEIGHTS.items():
+    if _has(params_shapes, path):
+      plan[name] = (path, None, to_ours, to_hf)
+  for i in range(num_layers):
+    for name, (path, to_ours, to_hf) in LAYER_WEIGHTS.items():
+      if _has(params_shapes, ('layers', *path)):
+        plan[f'model.layers.{i}.{name}'] = (('layers', *path), i, to_ours,
+                                            to_hf)
+  return plan
+
+
+def _has(tree, path) -> bool:
+  for key in path:
+    if not isinstance(tree, dict) or key not in tree:
+      return False
+    tree = tree[key]
+  return True
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
+                 convert_kv: Callable[[np.ndarray, str], np.ndarray] | None
+                 = None) -> dict:
+  """The parameters (stacked layers) filled from the safetensors `files`.
+
+  shapes: the target parameters' ShapeDtypeStructs; convert_kv(array, name)
+  turns a source key/value weight [D, K_source, H] or bias [K_source, H] into
+  the target's K heads. Checks every name and shape before reading any.
+  """
+  plan = weight_plan(shapes, mc.num_layers)
+  where = {}
+  ignored = ('rotary_emb.inv_freq',)
+  unexpected = []
+  for f in files:
+    for name, (_, shape) in f.entries.items():
+      if name.endswith(ignored) or (name == 'lm_head.weight' and
+                                    mc.tie_embeddings):
+        continue
+      if name not in plan:
+        unexpected.append(name)
+      where[name] = f
+  missing = [n for n in plan if n not in where]
+  if unexpected or missing:
+    raise UserError(
+        'the safetensors do not match config.json: '
+        + (f'missing {_some(missing)}' if missing else '')
+        + ('; ' if missing and unexpected else '')
+        + (f'unexpected {_some(unexpected)}' if unexpected else '')
+        + '; nothing was written')
+  H = mc.head_dim
+  params = _empty_like(shapes)
+  for name, (path, layer, to_ours, _) in plan.items():
+    target = _get(params, path)
+    slot_shape = target.shape[1:] if layer is not None else target.shape
+    dtype, shape = where[name].entries[name]
+    source_shape = _source_shape(to_ours, shape, H)
+    is_kv = path[-1] in KV_NAMES and convert_kv is not None
+    if source_shape is None or (not is_kv and source_shape != slot_shape):
+      raise UserError(f'{name} is {list(shape)} in the safetensors, which '
+                      f'does not fit {list(slot_shape)} from config.json; '
+                      'nothing was written')
+  for f in files:
+    for name in f.entries:
+      if name not in plan:
+        continue
+      path, layer, to_ours, _ = plan[name]
+      value = to_ours(f.read(name), H)
+      if path[-1] in KV_NAMES and convert_kv is not None:
+        value = convert_kv(value, name)
+      target = _get(params, path)
+      if layer is None:
+        target[...] = value
+      else:
+        target[layer] = value
+  return params
+
+
+def _source_shape(to_ours, shape, H):
+  try:
+    return to_ours(np.empty(shape, np.uint8), H).shape
+  except ValueError:
+    return None
+
+
+def _some(names: list[str]) -> str:
+  return ', '.join(names[:4]) + (f' and {len(names) - 4} more'
+                                 if len(names) > 4 else '')
+
+
+def _empty_like(shapes):
+  if isinstance(shapes, dict):
+    return {k: _empty_like(v) for k, v in shapes.items()}
+  return np.empty(shapes.shape, shapes.dtype)
+
+
+def hf_tensors(params, mc) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
+  """(name -> (dtype, shape), the tensors one by one) in Hugging Face layout."""
+  plan = weight_plan(params, mc.num_layers)
+  H = mc.head_dim
+
+  def convert(name):
+    path, layer, _, to_hf = plan[name]
+    value = np.asarray(_get(params, path))
+    return to_hf(value[layer] if layer is not None else value, H)
+
+  shapes = {}
+  for name, (path, layer, _, to_hf) in plan.items():
+    leaf = _get(params, path)
+    shape = leaf.shape[1:] if layer is not None else leaf.shape
+    shapes[name] = (np.dtype(leaf.dtype),
+                    to_hf(np.empty(shape, np.uint8), H).shape)
+  return shapes, ((name, convert(name)) for name in shapes)
+
+
+def read_config(directory: pathlib.Path) -> dict:
+  path = directory / 'config.json'
+  if not directory.is_dir():
+    raise UserError(f'--from_hf={directory} is not a directory; give the '
+                    'folder of a Hugging Face checkpoint')
+  if not path.exists():
+    raise UserError(f'{path} not found; --from_hf must be a Hugging Face '
+                    'checkpoint folder (config.json + *.safetensors)')
+  try:
+    return json.loads(path.read_text())
+  except ValueError as e:
+    raise UserError(f'{path} is not valid JSON ({e})') from None
