@@ -46,8 +46,8 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
          head_dim: int | None = None, mlp_dim: int = 1024,
          vocab_size: int = 4096, max_len: int = 2048, dtype: str = 'float32',
          rope_scaling: dict | None = None, sliding_window: int | None = None,
-         tie_embeddings: bool | None = None, seed: int = 0,
-         tokenizer: bool = True):
+         tie_embeddings: bool | None = None, init_std: float = 0.02,
+         seed: int = 0, tokenizer: bool = True):
   """Saves the model (and tokenizer.json) to OUT; returns the torch model."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
@@ -60,7 +60,8 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
       num_hidden_layers=num_layers, num_attention_heads=num_heads,
       num_key_value_heads=num_kv_heads, head_dim=head_dim or d_model // num_heads,
       max_position_embeddings=max_len, bos_token_id=0, eos_token_id=1,
-      pad_token_id=None, rms_norm_eps=1e-5 if family == 'llama' else 1e-6)
+      pad_token_id=None, rms_norm_eps=1e-5 if family == 'llama' else 1e-6,
+      initializer_range=init_std)
   if tie_embeddings is not None:
     fields['tie_word_embeddings'] = tie_embeddings
   rope = {'rope_type': 'default', 'rope_theta': 500_000.0 if family in (

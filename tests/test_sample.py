@@ -90,5 +90,5 @@ def test_cli_refuses_a_prompt_past_max_len_in_one_line(trained):
   result = _sample(trained, '--prompt=' + 'x' * 30, '--max_new_tokens=10')
   assert result.returncode == 1
   assert result.stderr.decode().strip().splitlines() == [
-      'error: prompt (30 bytes) + max_new_tokens (10) must be within '
+      'error: prompt (30 tokens) + max_new_tokens (10) must be within '
       '1..model.max_len (32); shorten one']

@@ -8,6 +8,11 @@ Sources, by `data.path` (with `data.task='lm'`, the default):
   FILE.bin           one uint16 token file, its tail held out;
   FILE or DIR        text, read as bytes (vocabulary 256), the tail held out.
 
+Text (the embedded corpus included) is read as bytes unless a tokenizer is
+given (`data.tokenizer`, or the workdir's tokenizer.json): then it is
+tokenized once and cached as a token file (uint16, or uint32 where the
+vocabulary exceeds 65,536), keyed by the tokenizer and the text.
+
 `data.task='recall'` is made by the code instead: multi-query associative
 recall (Arora et al. 2023, "Zoology"), a probe of what attention can look up.
 Each row lists P key-value pairs, then asks for every key again in a random
@@ -125,11 +130,12 @@ class RecallTask:
 
 def load(path: str, *, val_fraction: float, seq_len: int,
          cache_dir: str | None = None, task: str = 'lm', recall_pairs: int = 0,
-         vocab_size: int = 256) -> Source:
+         vocab_size: int = 256, tokenizer=None) -> Source:
   """Loads the data named by `path`; raises UserError if it cannot be used.
 
   For task='recall', `path` is ignored and `recall_pairs` (0: as many as fit,
-  (seq_len + 1) // 4) and `vocab_size` shape the task.
+  (seq_len + 1) // 4) and `vocab_size` shape the task. `tokenizer` (a
+  `train.tokenizer` one; None or bytes: bytes) tokenizes text.
   """
   if task == 'recall':
     pairs = recall_pairs or (seq_len + 1) // 4
@@ -166,6 +172,11 @@ def load(path: str, *, val_fraction: float, seq_len: int,
     else:
       train, val = _split(_text_bytes(p), val_fraction, p)
       data = Dataset(train, val, 256, 1.0, f'{p} (bytes)')
+  if tokenizer is not None and tokenizer.name != 'bytes':
+    if data.bytes_per_token != 1.0:
+      raise UserError(f'{data.description} holds token ids already; a '
+                      'tokenizer applies to text (unset data.tokenizer)')
+    data = _tokenized(data, tokenizer, cache_dir or _default_cache_dir())
   for split, tokens in (('training', data.train), ('validation', data.val)):
     if len(tokens) < seq_len + 1:
       raise UserError(
@@ -190,6 +201,41 @@ def batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
   per_shard = batch_size // num_shards
   starts = starts[shard * per_shard:(shard + 1) * per_shard]
   return np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def _tokenized(data: Dataset, tokenizer, cache_dir: str) -> Dataset:
+  """`data`'s text as the tokenizer's tokens, made once and cached."""
+  dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+  digest = hashlib.sha256(tokenizer.fingerprint.encode())
+  for split in (data.train, data.val):
+    digest.update(np.asarray(split).tobytes())
+  cache = pathlib.Path(cache_dir).expanduser() / f'tokens-{digest.hexdigest()[:16]}'
+  if not (cache / 'val.bin').exists():
+    cache.mkdir(parents=True, exist_ok=True)
+    for name, split in (('train.bin', data.train), ('val.bin', data.val)):
+      tokens = _encode(tokenizer, bytes(np.asarray(split)).decode(
+          'utf-8', 'replace')).astype(dtype)
+      tmp = cache / f'{name}.tmp{os.getpid()}'
+      tokens.tofile(tmp)
+      tmp.replace(cache / name)  # Atomic, as for the corpus.
+  train = np.memmap(cache / 'train.bin', dtype, 'r')
+  val = np.memmap(cache / 'val.bin', dtype, 'r')
+  return Dataset(train, val, tokenizer.vocab_size,
+                 (len(data.train) + len(data.val)) / (len(train) + len(val)),
+                 f'{data.description.removesuffix(" (bytes)")} '
+                 f'(tokenized by {tokenizer.name})')
+
+
+def _encode(tokenizer, text: str, chunk: int = 1 << 20) -> np.ndarray:
+  """Tokens of `text`, encoded in ~1 MB pieces cut at line ends, in parallel."""
+  pieces, start = [], 0
+  while start < len(text):
+    end = text.find('\n', start + chunk)
+    end = len(text) if end < 0 else end + 1
+    pieces.append(text[start:end])
+    start = end
+  ids = tokenizer.encode_many(pieces)
+  return np.fromiter((i for piece in ids for i in piece), np.int64)
 
 
 def _default_cache_dir() -> str:

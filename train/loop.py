@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import shutil
 import time
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ import numpy as np
 import optax
 
 from train import config_lib, data as data_lib, flops, sharding
+from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
 from train.checkpoint import Checkpointer
 from train.errors import UserError
@@ -162,7 +164,8 @@ def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
   dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
                           seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
                           task=dc.task, recall_pairs=dc.recall_pairs,
-                          vocab_size=config.model.vocab_size)
+                          vocab_size=config.model.vocab_size,
+                          tokenizer=_tokenizer(dc, path, is_chief))
   if dataset.vocab_size > mc.vocab_size:
     raise UserError(f'{dataset.description} has token ids up to '
                     f'{dataset.vocab_size - 1}; set model.vocab_size >= '
@@ -262,6 +265,24 @@ def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
   return _Run(path, state, start, step_fn, evaluate, get_batch, schedule,
               checkpointer, reporter, tc.batch_size * dc.seq_len,
               flops_per_token, peak * num_devices, write_config)
+
+
+def _tokenizer(dc, path: pathlib.Path, is_chief: bool):
+  """data.tokenizer, which the workdir then remembers, or the workdir's own."""
+  remembered = path / tokenizer_lib.FILE
+  if dc.task != 'lm':
+    return None
+  if not dc.get('tokenizer'):
+    return tokenizer_lib.of_workdir(path)
+  given = tokenizer_lib.load(dc.tokenizer)
+  if remembered.exists():
+    if tokenizer_lib.load(remembered).fingerprint != given.fingerprint:
+      raise UserError(f'{path} was trained with the tokenizer in {remembered}, '
+                      f'not data.tokenizer={dc.tokenizer!r}; unset '
+                      'data.tokenizer, or use a new --workdir')
+  elif is_chief:
+    shutil.copyfile(pathlib.Path(dc.tokenizer).expanduser(), remembered)
+  return given
 
 
 class _NonFinite(Exception):

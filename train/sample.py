@@ -3,11 +3,15 @@
   python -m train.sample --workdir=DIR --prompt=TEXT --max_new_tokens=200 \
       [--temperature=0.8] [--top_k=40] [--seed=0]
 
+Text goes through the workdir's tokenizer (tokenizer.json; bytes if none),
+and stops at the model's end-of-sequence token when it has one.
+
 Prefills the prompt in one pass, then decodes one token per step in a jitted,
 fixed-shape `lax.scan` over the cache. The generated text alone goes to
 stdout (so it pipes); timings go to stderr. --temperature=0 is greedy.
 """
 
+import dataclasses
 import functools
 import sys
 import time
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint
+from train import tokenizer as tokenizer_lib
 from train.errors import UserError, run_app
 from train.model import Transformer, unroll_layers
 
@@ -85,18 +90,23 @@ def main(argv):
     raise UserError(f'this model was trained on data.task='
                     f'{config.data.task!r}, not text; sample from a language '
                     'model')
-  if mc.vocab_size != 256 or config.data.path.endswith('.bin'):
+  tokenizer = tokenizer_lib.of_workdir(f.workdir)
+  if tokenizer.name == 'bytes' and (mc.vocab_size != 256 or
+                                    config.data.path.endswith('.bin')):
     raise UserError('this model reads token ids (data.path='
-                    f'{config.data.path!r}), not bytes; text prompts need a '
-                    'byte-level model')
-  prompt = np.frombuffer(f.prompt.encode(), np.uint8).astype(np.int32)
+                    f'{config.data.path!r}) and its workdir has no '
+                    f'{tokenizer_lib.FILE}; text prompts need a byte-level '
+                    'model or a tokenizer')
+  prompt = tokenizer.encode(f.prompt)
   if not len(prompt):
-    prompt = np.array([ord('\n')], np.int32)  # Start from a line break.
+    prompt = tokenizer.encode('\n')  # Start from a line break.
   total = len(prompt) + f.max_new_tokens
   if f.max_new_tokens < 1 or total > mc.max_len:
-    raise UserError(f'prompt ({len(prompt)} bytes) + max_new_tokens '
+    raise UserError(f'prompt ({len(prompt)} tokens) + max_new_tokens '
                     f'({f.max_new_tokens}) must be within 1..model.max_len '
                     f'({mc.max_len}); shorten one')
+  # The KV cache holds what this call needs, not the model's longest context.
+  mc = dataclasses.replace(mc, max_len=total)
   if f.temperature < 0 or not 0 <= f.top_k <= mc.vocab_size:
     raise UserError(f'--temperature must be >= 0 and --top_k in '
                     f'0..{mc.vocab_size} (the vocabulary; 0 = all)')
@@ -111,7 +121,10 @@ def main(argv):
   start = time.perf_counter()
   tokens = np.asarray(compiled(*args))[0]
   seconds = time.perf_counter() - start
-  sys.stdout.write(bytes(tokens.astype(np.uint8)).decode('utf-8', 'replace'))
+  ends = np.flatnonzero(np.isin(tokens, tokenizer.eos_ids))
+  if len(ends):  # Up to the first end-of-sequence token.
+    tokens = tokens[:ends[0]]
+  sys.stdout.write(tokenizer.decode(tokens))
   sys.stdout.write('\n')
   print(f'{f.max_new_tokens} tokens in {seconds:.2f}s '
         f'({f.max_new_tokens / seconds:,.0f} tokens/s, prefill included; '

@@ -1,0 +1,271 @@
+"""Specification of Hugging Face checkpoints in and out (`train.hf`, `train.convert`).
+
+Models are built by `transformers` from configs with random weights (nothing
+is downloaded): each family imports to logits equal to transformers' own, at
+positions into the thousands, greedy generation equal to `generate()`, and
+import -> export -> import is bit-exact.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+
+from scripts import make_hf_model  # pylint: disable=wrong-import-position
+from train import checkpoint, convert, hf, sample, tokenizer  # pylint: disable=wrong-import-position
+from train.errors import UserError  # pylint: disable=wrong-import-position
+from train.model import Transformer  # pylint: disable=wrong-import-position
+
+REPO = pathlib.Path(__file__).parent.parent
+SMALL = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             mlp_dim=128, vocab_size=300, max_len=4096, init_std=0.1,
+             tokenizer=False)
+FAMILIES = {
+    'llama': dict(family='llama'),
+    'llama3.1': dict(family='llama', rope_scaling=dict(
+        rope_type='llama3', factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=512)),
+    'mistral': dict(family='mistral', sliding_window=300),
+    'qwen2': dict(family='qwen2'),
+    'qwen3': dict(family='qwen3', head_dim=32),
+    'gemma': dict(family='gemma', head_dim=32),
+}
+
+
+@pytest.fixture(scope='module', params=list(FAMILIES))
+def imported(request, tmp_path_factory):
+  """(HF model, its folder, our workdir) per family."""
+  root = tmp_path_factory.mktemp(request.param)
+  model = make_hf_model.make(str(root / 'hf'), **SMALL,
+                             **FAMILIES[request.param])
+  convert.import_hf(str(root / 'hf'), str(root / 'ours'))
+  return model, root / 'hf', root / 'ours'
+
+
+def _hf_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def _our_logits(workdir, tokens, **changes):
+  mc, params, _ = checkpoint.load_workdir(str(workdir))
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  mc = dataclasses.replace(mc, **changes)
+  return np.asarray(jax.jit(Transformer(mc).apply)({'params': params},
+                                                   jnp.asarray(tokens)))
+
+
+def test_logits_equal_transformers_at_every_position(imported):
+  model, _, workdir = imported
+  tokens_BT = np.random.default_rng(0).integers(0, 300, (1, 3072))
+  expected = _hf_logits(model, tokens_BT)
+  ours = _our_logits(workdir, tokens_BT)
+  chex.assert_trees_all_close(ours, expected, atol=1e-4, rtol=0)
+  # The comparison can tell: a RoPE off by a factor shows far above 1e-4.
+  mc, _, _ = checkpoint.load_workdir(str(workdir))
+  wrong = _our_logits(workdir, tokens_BT[:, :512], rope_base=mc.rope_base * 2)
+  assert np.abs(wrong - expected[:, :512]).max() > 1e-2
+
+
+def test_greedy_generation_equals_generate(imported):
+  model, _, workdir = imported
+  mc, params, _ = checkpoint.load_workdir(str(workdir))
+  prompt_BT = np.random.default_rng(1).integers(2, 300, (2, 7))
+  with torch.no_grad():
+    expected = model.generate(
+        torch.tensor(prompt_BT), max_new_tokens=24, do_sample=False,
+        eos_token_id=None, pad_token_id=0).numpy()[:, 7:]
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  mc = dataclasses.replace(mc, max_len=7 + 24)
+  ours = sample.generate(params, jnp.asarray(prompt_BT), jax.random.key(0),
+                         model=Transformer(mc, decode=True), max_new_tokens=24,
+                         temperature=0.0, top_k=0)
+  np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
+def test_import_export_import_is_bit_exact(imported, tmp_path):
+  model, source, workdir = imported
+  out = tmp_path / 'exported'
+  convert.export_hf(str(workdir), str(out))
+  reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+      out, output_loading_info=True)
+  assert not any(info.values()), info  # No missing or unexpected keys.
+  tokens_BT = np.random.default_rng(2).integers(0, 300, (1, 64))
+  np.testing.assert_array_equal(_hf_logits(reloaded.eval(), tokens_BT),
+                                _hf_logits(model, tokens_BT))
+  convert.import_hf(str(out), str(tmp_path / 'again'))
+  mc_a, params_a, config_a = checkpoint.load_workdir(str(workdir))
+  mc_b, params_b, config_b = checkpoint.load_workdir(str(tmp_path / 'again'))
+  assert mc_a == mc_b and config_a == config_b
+  chex.assert_trees_all_equal(params_a, params_b)
+  chex.assert_trees_all_equal_dtypes(params_a, params_b)
+  original = json.loads((source / 'config.json').read_text())
+  exported = json.loads((out / 'config.json').read_text())
+  assert exported['model_type'] == original['model_type']
+
+
+def test_mha_import_with_fewer_kv_heads_mean_pools_them(tmp_path):
+  model = make_hf_model.make(str(tmp_path / 'hf'), **{
+      **SMALL, 'num_kv_heads': 4})
+  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'gqa'),
+                    num_kv_heads=2, method='mean')
+  mc, params, _ = checkpoint.load_workdir(str(tmp_path / 'gqa'))
+  assert mc.num_kv_heads == 2
+  D, H = mc.d_model, mc.head_dim
+  for i in range(mc.num_layers):
+    for name, ours in (('k_proj', 'key'), ('v_proj', 'value')):
+      w = getattr(model.model.layers[i].self_attn, name).weight.detach().numpy()
+      heads_KHD = w.reshape(4, H, D)
+      pooled_DKH = heads_KHD.reshape(2, 2, H, D).mean(1).transpose(2, 0, 1)
+      np.testing.assert_allclose(params['layers']['attention'][ours][i],
+                                 pooled_DKH, rtol=1e-6, atol=1e-7)
+  export = tmp_path / 'exported'
+  convert.export_hf(str(tmp_path / 'gqa'), str(export))
+  assert json.loads((export / 'config.json').read_text())[
+      'num_key_value_heads'] == 2
+  tokens_BT = np.random.default_rng(3).integers(0, 300, (1, 48))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+  np.testing.assert_allclose(_hf_logits(reloaded, tokens_BT),
+                             _our_logits(tmp_path / 'gqa', tokens_BT),
+                             atol=1e-4)
+
+
+def test_our_own_model_exports_as_gemma(trained, tmp_path):
+  convert.export_hf(str(trained), str(tmp_path / 'out'))
+  config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert config['model_type'] == 'gemma'
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / 'out', output_loading_info=True)
+  assert not any(info.values()), info
+  tokens_BT = np.random.default_rng(4).integers(0, 256, (2, 32))
+  np.testing.assert_allclose(_hf_logits(model.eval(), tokens_BT),
+                             _our_logits(trained, tokens_BT), atol=1e-4)
+
+
+def test_bf16_checkpoints_stay_bf16_unless_asked(tmp_path):
+  make_hf_model.make(str(tmp_path / 'hf'), **{**SMALL, 'max_len': 64},
+                     dtype='bfloat16')
+  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'bf16'))
+  mc, params, _ = checkpoint.load_workdir(str(tmp_path / 'bf16'))
+  assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(jnp.bfloat16)}
+  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'f32'),
+                    param_dtype='float32')
+  _, params32, _ = checkpoint.load_workdir(str(tmp_path / 'f32'))
+  assert {x.dtype for x in jax.tree.leaves(params32)} == {np.dtype(np.float32)}
+  chex.assert_trees_all_equal(jax.tree.map(
+      lambda x: np.asarray(x, np.float32), params), params32)
+
+
+def _edit_config(directory: pathlib.Path, **changes):
+  path = directory / 'config.json'
+  config = json.loads(path.read_text())
+  config.update(changes)
+  path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize('changes, message', [
+    (dict(model_type='falcon'), "model_type 'falcon' is not supported"),
+    (dict(rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4,
+                           'factor': 4.0}), "rope scaling 'yarn'"),
+    (dict(layer_types=['sliding_attention', 'full_attention'],
+          use_sliding_window=True, sliding_window=64),
+     'sliding-window and full-attention layers mixed'),
+    (dict(num_hidden_layers=3), 'missing model.layers.2.'),
+    (dict(hidden_size=32), 'does not fit'),
+])
+def test_unsupported_checkpoints_are_refused_before_writing(
+    tmp_path, changes, message):
+  make_hf_model.make(str(tmp_path / 'hf'), **{**SMALL, 'max_len': 64},
+                     family='qwen2')
+  _edit_config(tmp_path / 'hf', **changes)
+  result = subprocess.run(
+      [sys.executable, '-m', 'train.convert', f'--from_hf={tmp_path}/hf',
+       f'--workdir={tmp_path}/out'], cwd=REPO, capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode == 1
+  [line] = result.stderr.strip().splitlines()
+  assert line.startswith('error: ') and message in line, line
+  assert not (tmp_path / 'out').exists()  # Nothing half-written.
+
+
+def test_export_refuses_what_no_architecture_computes(trained, tmp_path):
+  config = json.loads((trained / 'config.json').read_text())
+  config['model']['logits_soft_cap'] = 30.0
+  copy = tmp_path / 'capped'
+  copy.mkdir()
+  (copy / 'config.json').write_text(json.dumps(config))
+  (copy / 'checkpoints').symlink_to(trained / 'checkpoints')
+  with pytest.raises(UserError, match='model.logits_soft_cap'):
+    convert.export_hf(str(copy), str(tmp_path / 'out'))
+  assert not (tmp_path / 'out').exists()
+
+
+def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  from train import data  # pylint: disable=import-outside-toplevel
+  text = tmp_path / 'text.txt'
+  text.write_text(' '.join(f'w{i % 97} w{70_000 - i % 89}'
+                           for i in range(2000)))
+  for size, dtype in ((1000, np.uint16), (70_001, np.uint32)):
+    vocab = {f'w{i}': i for i in range(size - 1)} | {'[UNK]': size - 1}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path / f'tokenizer{size}.json'
+    word_level.save(str(path))
+    loaded = data.load(str(text), val_fraction=0.1, seq_len=16,
+                       cache_dir=str(tmp_path / 'cache'),
+                       tokenizer=tokenizer.load(path))
+    assert loaded.train.dtype == dtype and loaded.vocab_size == size
+    assert loaded.bytes_per_token == pytest.approx(
+        text.stat().st_size / 4000, rel=0.01)
+    ids = tokenizer.load(path).encode(text.read_text())
+    np.testing.assert_array_equal(
+        np.concatenate([loaded.train, loaded.val])[:100], ids[:100])
+  assert len(list((tmp_path / 'cache').iterdir())) == 2  # One per tokenizer.
+
+
+@pytest.mark.slow
+def test_import_streams_in_about_one_copy_of_memory(tmp_path):
+  """A ~100M-parameter checkpoint, in 3 shards, imports with a peak of at
+  most 1.5x its size above the process's baseline (imports and JAX)."""
+  script = f'''
+import resource, sys
+import jax
+from scripts import make_hf_model
+from train import convert
+model = make_hf_model.make({str(tmp_path / "hf")!r}, d_model=768,
+    num_layers=12, num_heads=12, num_kv_heads=12, mlp_dim=2048,
+    vocab_size=16000, max_len=1024, tokenizer=False)
+model.save_pretrained({str(tmp_path / "hf")!r}, max_shard_size='150MB')
+print(sum(p.numel() for p in model.parameters()))
+'''
+  made = subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+  assert made.returncode == 0, made.stderr
+  count = int(made.stdout.split()[-1])
+  assert 90e6 < count < 130e6
+  size = sum(p.stat().st_size for p in (tmp_path / 'hf').glob('*.safetensors'))
+  assert len(list((tmp_path / 'hf').glob('*.safetensors'))) >= 3
+  measure = f'''
+import resource, jax
+from train import convert
+jax.numpy.zeros(1).block_until_ready()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+convert.import_hf({str(tmp_path / "hf")!r}, {str(tmp_path / "ours")!r},
+                  num_kv_heads=4)
+print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+'''
+  result = subprocess.run([sys.executable, '-c', measure], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  base, peak = map(int, result.stdout.split()[-2:])
+  assert peak - base <= 1.5 * size, (peak - base) / size

@@ -1,0 +1,95 @@
+"""Text <-> token ids: bytes by default, or a Hugging Face tokenizer.json.
+
+A workdir remembers its tokenizer as WORKDIR/tokenizer.json (written by
+`train.convert --from_hf`, or by `train.main` from `data.tokenizer`);
+without one, a model reads UTF-8 bytes (vocabulary 256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+import numpy as np
+
+from train.errors import UserError
+
+FILE = 'tokenizer.json'
+
+
+class Bytes:
+  """UTF-8 bytes as tokens."""
+  vocab_size = 256
+  name = 'bytes'
+  fingerprint = 'bytes'
+  eos_ids: tuple[int, ...] = ()
+
+  def encode(self, text: str, *, special: bool = True) -> np.ndarray:
+    del special
+    return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+
+  def decode(self, ids) -> str:
+    return bytes(np.asarray(ids, np.uint8)).decode('utf-8', 'replace')
+
+
+class HuggingFace:
+  """A `tokenizers` tokenizer.json (BPE, Unigram, WordPiece, ...)."""
+
+  def __init__(self, path: pathlib.Path, eos_ids: tuple[int, ...] = ()):
+    try:
+      from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      raise UserError(f'{path} needs the tokenizers package; pip install '
+                      'tokenizers') from None
+    content = path.read_bytes()
+    try:
+      self._tokenizer = Tokenizer.from_str(content.decode())
+    except Exception as e:  # pylint: disable=broad-except
+      raise UserError(f'{path} is not a Hugging Face tokenizer.json ({e}); '
+                      'give the tokenizer.json of a Hugging Face model') from None
+    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    self.name = str(path)
+    self.fingerprint = hashlib.sha256(content).hexdigest()[:12]
+    self.eos_ids = eos_ids
+
+  def encode(self, text: str, *, special: bool = True) -> np.ndarray:
+    """special: add the tokenizer's special tokens (a BOS, for most)."""
+    return np.asarray(self._tokenizer.encode(
+        text, add_special_tokens=special).ids, np.int32)
+
+  def encode_many(self, texts: list[str]) -> list[list[int]]:
+    """Without special tokens, in parallel."""
+    return [e.ids for e in self._tokenizer.encode_batch(
+        texts, add_special_tokens=False)]
+
+  def decode(self, ids) -> str:
+    return self._tokenizer.decode([int(i) for i in ids],
+                                  skip_special_tokens=False)
+
+
+def load(path: str | pathlib.Path | None, eos_ids: tuple[int, ...] = ()):
+  """The tokenizer at PATH, or bytes for '' / None."""
+  if not path:
+    return Bytes()
+  path = pathlib.Path(path).expanduser()
+  if not path.is_file():
+    raise UserError(f'tokenizer {str(path)!r} does not exist; give a '
+                    "tokenizer.json, or '' for bytes")
+  return HuggingFace(path, eos_ids)
+
+
+def of_workdir(workdir: str | pathlib.Path):
+  """WORKDIR's tokenizer (bytes if it has none), with the end-of-sequence
+  ids of the Hugging Face model it came from, if any."""
+  workdir = pathlib.Path(workdir)
+  if not (workdir / FILE).exists():
+    return Bytes()
+  eos = set()
+  for name in ('generation_config.json', 'config.json'):
+    path = workdir / 'hf' / name
+    if path.exists():
+      value = json.loads(path.read_text()).get('eos_token_id')
+      eos.update(value if isinstance(value, list) else
+                 [] if value is None else [value])
+  return load(workdir / FILE, tuple(sorted(eos)))
