@@ -260,7 +260,7 @@ def _scripts(*args):
     ('train.main', ['--config=tiny', '--config.model.local_window=0'],
      'model.local_window=0 must be'),
     ('train.convert', ['--num_kv_heads=1'],
-     'flag --source=None: Flag --source must have a value'),
+     'give one of --source (a workdir) or --from_hf'),
     ('scripts.compile_time', ['--layers=abc'],
      "argument --layers: 'abc' is not a comma-separated list"),
     ('scripts.compare', ['--out=OUT', '--kv_heads=3'],

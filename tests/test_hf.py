@@ -8,6 +8,7 @@ import -> export -> import is bit-exact.
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -70,10 +71,15 @@ def test_logits_equal_transformers_at_every_position(imported):
   expected = _hf_logits(model, tokens_BT)
   ours = _our_logits(workdir, tokens_BT)
   chex.assert_trees_all_close(ours, expected, atol=1e-4, rtol=0)
-  # The comparison can tell: a RoPE off by a factor shows far above 1e-4.
-  mc, _, _ = checkpoint.load_workdir(str(workdir))
-  wrong = _our_logits(workdir, tokens_BT[:, :512], rope_base=mc.rope_base * 2)
-  assert np.abs(wrong - expected[:, :512]).max() > 1e-2
+
+
+@pytest.mark.parametrize('imported', ['llama3.1'], indirect=True)
+def test_the_logit_comparison_can_tell_a_wrong_rope(imported):
+  """The control: without Llama 3.1's frequency scaling, far above 1e-4."""
+  model, _, workdir = imported
+  tokens_BT = np.random.default_rng(0).integers(0, 300, (1, 1024))
+  wrong = _our_logits(workdir, tokens_BT, rope_scaling=None)
+  assert np.abs(wrong - _hf_logits(model, tokens_BT)).max() > 1e-2
 
 
 def test_greedy_generation_equals_generate(imported):
@@ -165,13 +171,6 @@ def test_bf16_checkpoints_stay_bf16_unless_asked(tmp_path):
       lambda x: np.asarray(x, np.float32), params), params32)
 
 
-def _edit_config(directory: pathlib.Path, **changes):
-  path = directory / 'config.json'
-  config = json.loads(path.read_text())
-  config.update(changes)
-  path.write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize('changes, message', [
     (dict(model_type='falcon'), "model_type 'falcon' is not supported"),
     (dict(rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4,
@@ -183,18 +182,37 @@ def _edit_config(directory: pathlib.Path, **changes):
     (dict(hidden_size=32), 'does not fit'),
 ])
 def test_unsupported_checkpoints_are_refused_before_writing(
-    tmp_path, changes, message):
-  make_hf_model.make(str(tmp_path / 'hf'), **{**SMALL, 'max_len': 64},
-                     family='qwen2')
-  _edit_config(tmp_path / 'hf', **changes)
-  result = subprocess.run(
-      [sys.executable, '-m', 'train.convert', f'--from_hf={tmp_path}/hf',
-       f'--workdir={tmp_path}/out'], cwd=REPO, capture_output=True, text=True,
-      timeout=120)
-  assert result.returncode == 1
-  [line] = result.stderr.strip().splitlines()
-  assert line.startswith('error: ') and message in line, line
+    qwen2_folder, tmp_path, changes, message):
+  source = tmp_path / 'hf'
+  source.mkdir()
+  for f in qwen2_folder.iterdir():
+    (source / f.name).symlink_to(f)
+  (source / 'config.json').unlink()
+  config = json.loads((qwen2_folder / 'config.json').read_text())
+  (source / 'config.json').write_text(json.dumps({**config, **changes}))
+  with pytest.raises(UserError, match=re.escape(message)):
+    convert.import_hf(str(source), str(tmp_path / 'out'))
   assert not (tmp_path / 'out').exists()  # Nothing half-written.
+
+
+def test_a_refused_import_is_one_line_on_the_command_line(
+    qwen2_folder, tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'train.convert', f'--from_hf={qwen2_folder}',
+       f'--workdir={tmp_path}/out', '--num_kv_heads=3'], cwd=REPO,
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      'error: --num_kv_heads=3: the source has 2 KV heads; pick a divisor of '
+      '2 or -1']
+  assert not (tmp_path / 'out').exists()
+
+
+@pytest.fixture(scope='module')
+def qwen2_folder(tmp_path_factory):
+  folder = tmp_path_factory.mktemp('qwen2') / 'hf'
+  make_hf_model.make(str(folder), **{**SMALL, 'max_len': 64}, family='qwen2')
+  return folder
 
 
 def test_export_refuses_what_no_architecture_computes(trained, tmp_path):
@@ -269,3 +287,26 @@ print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
   assert result.returncode == 0, result.stderr
   base, peak = map(int, result.stdout.split()[-2:])
   assert peak - base <= 1.5 * size, (peak - base) / size
+
+
+@pytest.mark.slow
+def test_the_readme_workflow_runs_on_this_machine(tmp_path):
+  """README: make an MHA model, import it as GQA, uptrain, sample, export;
+  the exported model loads in transformers with the new K/V head count."""
+  readme = (REPO / 'README.md').read_text()
+  block = readme.split('The same commands on this machine')[1]
+  commands = block.split('```bash\n')[1].split('\n```')[0].splitlines()
+  assert len(commands) == 5
+  for command in commands:
+    result = subprocess.run(command, shell=True, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (command, result.stderr[-2000:])
+  from train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+  assert read_metrics(tmp_path / 'runs/hf_gqa')[-1]['step'] == 30
+  final = json.loads((tmp_path / 'runs/hf_gqa/final.json').read_text())
+  assert np.isfinite(final['eval_loss'])
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / 'runs/hf_gqa_exported', output_loading_info=True)
+  assert not any(info.values()), info
+  assert model.config.num_key_value_heads == 2
+  assert (tmp_path / 'runs/hf_gqa_exported/tokenizer.json').exists()
