@@ -22,7 +22,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from train import checkpoint, convert, hf, sample, tokenizer  # pylint: disable=wrong-import-position
+from train import checkpoint, convert, hf, safetensors_io, sample, tokenizer  # pylint: disable=wrong-import-position
 from train.errors import UserError  # pylint: disable=wrong-import-position
 from train.model import Transformer  # pylint: disable=wrong-import-position
 
@@ -253,33 +253,41 @@ def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path):
 
 @pytest.mark.slow
 def test_import_streams_in_about_one_copy_of_memory(tmp_path):
-  """A ~100M-parameter checkpoint, in 3 shards, imports with a peak of at
-  most 1.5x its size above the process's baseline (imports and JAX)."""
-  script = f'''
-import resource, sys
-import jax
-from scripts import make_hf_model
-from train import convert
-model = make_hf_model.make({str(tmp_path / "hf")!r}, d_model=768,
-    num_layers=12, num_heads=12, num_kv_heads=12, mlp_dim=2048,
-    vocab_size=16000, max_len=1024, tokenizer=False)
-model.save_pretrained({str(tmp_path / "hf")!r}, max_shard_size='150MB')
-print(sum(p.numel() for p in model.parameters()))
-'''
-  made = subprocess.run([sys.executable, '-c', script], cwd=REPO,
-                        capture_output=True, text=True, timeout=600)
-  assert made.returncode == 0, made.stderr
-  count = int(made.stdout.split()[-1])
+  """A ~100M-parameter Llama checkpoint in 3 shards imports with a peak of
+  at most 1.5x its size above the process's baseline (imports and JAX)."""
+  L, D, F, V, N, H = 12, 768, 2048, 16000, 12, 64
+  config = {'model_type': 'llama', 'hidden_size': D, 'intermediate_size': F,
+            'num_hidden_layers': L, 'num_attention_heads': N,
+            'num_key_value_heads': N, 'vocab_size': V, 'rms_norm_eps': 1e-5,
+            'max_position_embeddings': 1024, 'tie_word_embeddings': False}
+  shapes = {'model.embed_tokens.weight': (V, D), 'model.norm.weight': (D,),
+            'lm_head.weight': (V, D)}
+  for i in range(L):
+    for name, shape in (('self_attn.q_proj', (D, D)), ('self_attn.k_proj', (D, D)),
+                        ('self_attn.v_proj', (D, D)), ('self_attn.o_proj', (D, D)),
+                        ('mlp.gate_proj', (F, D)), ('mlp.up_proj', (F, D)),
+                        ('mlp.down_proj', (D, F)), ('input_layernorm', (D,)),
+                        ('post_attention_layernorm', (D,))):
+      shapes[f'model.layers.{i}.{name}.weight'] = shape
+  source = tmp_path / 'hf'
+  source.mkdir()
+  (source / 'config.json').write_text(json.dumps(config))
+  rng = np.random.default_rng(0)
+  safetensors_io.write(
+      source, ((n, rng.standard_normal(s, np.float32)) for n, s in shapes.items()),
+      {n: (np.dtype(np.float32), s) for n, s in shapes.items()},
+      max_shard_bytes=150 << 20)
+  count = sum(int(np.prod(s)) for s in shapes.values())
   assert 90e6 < count < 130e6
-  size = sum(p.stat().st_size for p in (tmp_path / 'hf').glob('*.safetensors'))
-  assert len(list((tmp_path / 'hf').glob('*.safetensors'))) >= 3
+  files = list(source.glob('*.safetensors'))
+  size = sum(p.stat().st_size for p in files)
+  assert len(files) >= 3 and (source / 'model.safetensors.index.json').exists()
   measure = f'''
 import resource, jax
 from train import convert
 jax.numpy.zeros(1).block_until_ready()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-convert.import_hf({str(tmp_path / "hf")!r}, {str(tmp_path / "ours")!r},
-                  num_kv_heads=4)
+convert.import_hf({str(source)!r}, {str(tmp_path / "ours")!r})
 print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 '''
   result = subprocess.run([sys.executable, '-c', measure], cwd=REPO,
@@ -287,6 +295,11 @@ print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
   assert result.returncode == 0, result.stderr
   base, peak = map(int, result.stdout.split()[-2:])
   assert peak - base <= 1.5 * size, (peak - base) / size
+  _, params, _ = checkpoint.load_workdir(str(tmp_path / 'ours'))
+  name = f'model.layers.{L - 1}.mlp.down_proj.weight'
+  [holder] = [f for f in map(safetensors_io.File, files) if name in f.entries]
+  np.testing.assert_array_equal(params['layers']['mlp']['down'][L - 1],
+                                holder.read(name).T)  # The weights arrived.
 
 
 @pytest.mark.slow

@@ -79,7 +79,9 @@ def convert_params(params, model_config, num_kv_heads: int, method: str,
   if model_config.fused_qkv:
     raise UserError('convert works on separate query/key/value kernels; '
                     'train with model.fused_qkv=False')
-  fresh = nn.unbox(loop.init_params(Transformer(new_config), seed))
+  # Only 'random' needs a fresh model; the shapes stand in otherwise.
+  fresh = (nn.unbox(loop.init_params(Transformer(new_config), seed))
+           if method == 'random' else model_lib.parameter_shapes(new_config))
 
   def convert(path, leaf, fresh_leaf):
     if is_kv_kernel(path):
