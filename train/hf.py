@@ -358,7 +358,12 @@ def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
       path, layer, to_ours, _ = plan[name]
       value = to_ours(f.read(name), H)
       if path[-1] in KV_NAMES and convert_kv is not None:
-        value = convert_kv(value, name)
+        try:
+          value = convert_kv(value, name)
+        except ValueError:
+          raise UserError(f'{name} is {list(f.entries[name][1])} in the '
+                          'safetensors, which does not fit the KV heads of '
+                          'config.json; nothing was written') from None
       target = _get(params, path)
       if layer is None:
         target[...] = value
