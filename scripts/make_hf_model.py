@@ -16,7 +16,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from train.errors import ArgumentParser, exit_on_user_error, positive_int
+from train.errors import (ArgumentParser, UserError, exit_on_user_error,
+                          positive_int)
 
 FAMILIES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
 
@@ -49,8 +50,12 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
          tie_embeddings: bool | None = None, init_std: float = 0.02,
          seed: int = 0, tokenizer: bool = True):
   """Saves the model (and tokenizer.json) to OUT; returns the torch model."""
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise UserError(f'{e.name} is not installed; make_hf_model needs the '
+                    "test extra: pip install -e '.[test]'") from None
   config_class = {
       'llama': transformers.LlamaConfig, 'mistral': transformers.MistralConfig,
       'qwen2': transformers.Qwen2Config, 'qwen3': transformers.Qwen3Config,

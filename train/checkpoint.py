@@ -119,12 +119,15 @@ class Checkpointer:
             'here; use a new --workdir, or the config that wrote it')
 
 
-@contextlib.contextmanager
-def no_host_copies():
-  """Saves host (numpy) arrays without the copy orbax takes of each by default.
+def save_params(workdir: str, params) -> None:
+  """Writes WORKDIR/checkpoints/0 holding `params` alone (`train.convert`);
+  `Checkpointer.restore` then returns them with opt_state None.
 
-  For saves that wait until done, of arrays nothing changes meanwhile
-  (`train.convert`): the copy would double the peak memory of an import.
+  Written in about no memory beyond the arrays themselves: host (numpy)
+  arrays are not copied first (orbax's default, for arrays that may change
+  during an asynchronous save), and chunks are not compressed (zstd holds
+  every compressed chunk until the write ends: another copy, and weights
+  hardly compress).
   """
   from absl import logging  # pylint: disable=import-outside-toplevel
   from orbax.checkpoint import type_handlers  # pylint: disable=import-outside-toplevel
@@ -136,9 +139,16 @@ def no_host_copies():
     logging.set_verbosity(verbosity)
   default = type_handlers.get_type_handler(np.ndarray)
   register(type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+  manager = ocp.CheckpointManager(
+      pathlib.Path(workdir).absolute() / 'checkpoints',
+      options=ocp.CheckpointManagerOptions(create=True),
+      item_handlers=ocp.PyTreeCheckpointHandler(use_compression=False))
   try:
-    yield
+    manager.save(0, args=ocp.args.PyTreeSave(
+        {'step': np.int32(0), 'params': params}), force=True)
+    manager.wait_until_finished()
   finally:
+    manager.close()
     register(default)
 
 

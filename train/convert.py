@@ -255,10 +255,7 @@ def _new_workdir(workdir: str):
 def _write_step0(path: pathlib.Path, params, config, info: dict):
   """The step-0 checkpoint (parameters only: `train.main` starts the
   optimizer fresh), then config.json, which marks the workdir complete."""
-  checkpointer = checkpoint.Checkpointer(str(path), every=1, keep=1)
-  with checkpoint.no_host_copies():
-    checkpointer.save(0, {'step': np.int32(0), 'params': params}, force=True)
-    checkpointer.close()
+  checkpoint.save_params(str(path), params)
   (path / 'convert.json').write_text(json.dumps(info))
   (path / 'config.json').write_text(config.to_json(indent=2))
 
