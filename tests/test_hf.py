@@ -42,7 +42,9 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope='module', params=list(FAMILIES))
+# Each family's tests on one xdist worker, which builds its model once.
+@pytest.fixture(scope='module', params=[
+    pytest.param(f, marks=pytest.mark.xdist_group(f'hf-{f}')) for f in FAMILIES])
 def imported(request, tmp_path_factory):
   """(HF model, its folder, our workdir) per family."""
   root = tmp_path_factory.mktemp(request.param)
@@ -88,12 +90,12 @@ def test_greedy_generation_equals_generate(imported):
   prompt_BT = np.random.default_rng(1).integers(2, 300, (2, 7))
   with torch.no_grad():
     expected = model.generate(
-        torch.tensor(prompt_BT), max_new_tokens=24, do_sample=False,
+        torch.tensor(prompt_BT), max_new_tokens=16, do_sample=False,
         eos_token_id=None, pad_token_id=0).numpy()[:, 7:]
   import dataclasses  # pylint: disable=import-outside-toplevel
-  mc = dataclasses.replace(mc, max_len=7 + 24)
+  mc = dataclasses.replace(mc, max_len=7 + 16)
   ours = sample.generate(params, jnp.asarray(prompt_BT), jax.random.key(0),
-                         model=Transformer(mc, decode=True), max_new_tokens=24,
+                         model=Transformer(mc, decode=True), max_new_tokens=16,
                          temperature=0.0, top_k=0)
   np.testing.assert_array_equal(np.asarray(ours), expected)
 
