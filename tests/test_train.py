@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, data, flops, loop
+from train import checkpoint, config_lib, data, flops, loop
 from train.errors import UserError
 from train.model import Transformer
 from train.metrics import read_metrics
@@ -292,3 +292,20 @@ def test_gradient_accumulation_matches_one_large_batch():
   four, m4 = step(state, tokens, model=model, tx=tx, accum_steps=4)
   chex.assert_trees_all_close(m1, m4, rtol=1e-5)
   chex.assert_trees_all_close(one.params, four.params, atol=1e-6)
+
+
+def test_weight_decay_spares_norm_scales_and_biases_even_when_scanned():
+  """Under nn.scan a norm scale is [L, D], as many dims as a matrix: the
+  decision is by name, for every parameter of a model with biases and QK-norm."""
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  config = tiny.get_config()
+  config.model.update(qkv_bias=True, qk_norm=True)
+  shapes = model_lib.parameter_shapes(config_lib.model_config(config))
+  decided = {jax.tree_util.keystr(path): loop.decays(path) for path, _ in
+             jax.tree_util.tree_flatten_with_path(shapes)[0]}
+  spared = {name for name, decays in decided.items() if not decays}
+  assert spared == {name for name in decided if name.endswith((
+      "['scale']", "_bias']", "_norm']"))}
+  assert len(spared) == 2 + 3 + 2 + 1  # 2 norms, 3 biases, 2 QK (stacked), final.
+  assert decided["['layers']['attention']['query']"]
+  assert decided["['embed']['embedding']"]
