@@ -324,7 +324,7 @@ def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
   ignored = ('rotary_emb.inv_freq',)
   unexpected = []
   for f in files:
-    for name, (_, shape) in f.entries.items():
+    for name in f.entries:
       if name.endswith(ignored) or (name == 'lm_head.weight' and
                                     mc.tie_embeddings):
         continue
@@ -340,17 +340,17 @@ def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
         + (f'unexpected {_some(unexpected)}' if unexpected else '')
         + '; nothing was written')
   H = mc.head_dim
-  params = _empty_like(shapes)
   for name, (path, layer, to_ours, _) in plan.items():
-    target = _get(params, path)
+    target = _get(shapes, path)
     slot_shape = target.shape[1:] if layer is not None else target.shape
-    dtype, shape = where[name].entries[name]
+    _, shape = where[name].entries[name]
     source_shape = _source_shape(to_ours, shape, H)
     is_kv = path[-1] in KV_NAMES and convert_kv is not None
     if source_shape is None or (not is_kv and source_shape != slot_shape):
       raise UserError(f'{name} is {list(shape)} in the safetensors, which '
                       f'does not fit {list(slot_shape)} from config.json; '
                       'nothing was written')
+  params = _empty_like(shapes)  # Allocated once everything is checked.
   for f in files:
     for name in f.entries:
       if name not in plan:
