@@ -14,6 +14,7 @@ and, where they occur (one meaning each across the codebase):
   E  N + 2K fused QKV heads      C  K·H cache columns (decode)
   J  a second KV head index      R  T·K·G query rows (decode)
   M  a length, T or S            P  key-value pairs (the recall task)
+  X  B·T tokens as one axis      Z  B·K rows of a heads-major KV cache
   g  query heads of one step     b  query rows of one block (blockwise)
 
 K == N is multi-head attention, 1 < K < N grouped-query attention, K == 1

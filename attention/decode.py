@@ -1,14 +1,27 @@
-"""Attention for a few query tokens against a long [B, S, K, H] cache (decoding).
+"""Attention for a few query tokens against a long KV cache (decoding).
 
-The dense path contracts 'BTKGH,BSKH->BKGTS'; for that batched matmul XLA
-first copies the whole cache into a heads-major [B, K, S, H] layout, on every
-decoded token, which on a CPU costs several times the attention itself. Here
-the cache is read in place, as a [B, S, K·H] matrix: the queries become a
-block-diagonal [K·H, T·K·G] matrix (query head (k, g) is nonzero only in KV
-head k's rows), so one plain matmul per batch row yields all logits, and a
-second one all outputs, of which the diagonal K blocks are kept. That spends
-K times the (tiny) arithmetic of T = 1 to stream the cache once, which is what
-decoding is bound by.
+Two cache layouts, each read once where it lies, which is what decoding is
+bound by:
+
+`heads_major_attention`: the layout of `attention.Attention`'s cache, one row
+per (batch row, KV head), Z = B·K: keys [Z, H, S], values [Z, S, H]. Per row
+the G·T queries of the group are a [G·T, H] x [H, S] product, then
+[G·T, S] x [S, H]: two batched matmuls over Z, no wasted arithmetic, each
+operand in the layout the CPU's matmul kernel reads without repacking. Kept
+3-D so that nothing is reshaped between the in-place write of a token and
+these matmuls (with a 4-D cache and K = 1, XLA's CPU fusion duplicates the
+write for the reshape and copies the whole cache to do it).
+
+`cache_layout_attention`: a token-major [B, S, K, H] cache, as
+`dot_product_attention` takes keys (implementation 'decode'). The dense path
+contracts 'BTKGH,BSKH->BKGTS'; for that batched matmul XLA first copies the
+whole cache into a heads-major [B, K, S, H] layout, on every decoded token,
+which on a CPU costs several times the attention itself. Here the cache is
+read in place, as a [B, S, K·H] matrix: the queries become a block-diagonal
+[K·H, T·K·G] matrix (query head (k, g) is nonzero only in KV head k's rows),
+so one plain matmul per batch row yields all logits, and a second one all
+outputs, of which the diagonal K blocks are kept. That spends K times the
+(tiny) arithmetic of T = 1 to stream the cache once.
 """
 
 from __future__ import annotations
@@ -51,3 +64,37 @@ def cache_layout_attention(query, key, value, mask_BKGTS, *, scale,
   out_BTKGH = jnp.einsum('BTKGJH,KJ->BTKGH',
                          out_BRC.reshape(B, T, K, G, K, H), eye_KJ)
   return out_BTKGH.reshape(B, T, N, H).astype(query.dtype)
+
+
+def heads_major_attention(query, key_ZHS, value_ZSH, mask_BNTS, *, scale,
+                          logits_soft_cap):
+  """query [B, T, N, H], key [Z, H, S], value [Z, S, H], Z = B·K -> [B, T, N, H].
+
+  mask_BNTS: boolean broadcastable to [B, N, T, S] (True = attend), or None.
+  R = G·T: the query rows of one KV head.
+  """
+  B, T, N, H = query.shape
+  Z, S = value_ZSH.shape[:2]
+  K = Z // B
+  G = N // K
+  q_ZRH = query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(
+      Z, G * T, H)
+  logits_ZRS = jnp.einsum('ZRH,ZHS->ZRS', q_ZRH, key_ZHS,
+                          preferred_element_type=jnp.float32) * scale
+  if logits_soft_cap is not None:
+    logits_ZRS = logits_soft_cap * jnp.tanh(logits_ZRS / logits_soft_cap)
+  logits_BKGTS = logits_ZRS.reshape(B, K, G, T, S)
+  if mask_BNTS is not None:
+    b, n = mask_BNTS.shape[:2]
+    mask_BKGTS = (mask_BNTS[:, :, None] if n == 1 else
+                  mask_BNTS.reshape(b, K, G, *mask_BNTS.shape[2:]))
+    logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS,
+                             jnp.finfo(jnp.float32).min)
+  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+  if mask_BNTS is not None:  # A row with nothing to attend to gives zeros.
+    probs_BKGTS = jnp.where(mask_BKGTS, probs_BKGTS, 0.0)
+  out_ZRH = jnp.einsum('ZRS,ZSH->ZRH',
+                       probs_BKGTS.reshape(Z, G * T, S).astype(value_ZSH.dtype),
+                       value_ZSH, preferred_element_type=jnp.float32)
+  out_BTNH = out_ZRH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
+  return out_BTNH.reshape(B, T, N, H).astype(query.dtype)

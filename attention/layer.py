@@ -9,13 +9,19 @@ shared by both (D model width; the letters of `attention.core`):
           (fused_qkv: qkv [D, N + 2K, H] in place of the first three)
           qkv_bias: query_bias [N, H], key_bias and value_bias [K, H]
           (fused: qkv_bias [N + 2K, H]); qk_norm: query_norm, key_norm [H]
-  cache   cached_key, cached_value [B, max_len, K·H]; cache_index int32
+  cache   cached_key [B·K, H, max_len], cached_value [B·K, max_len, H];
+          cache_index int32
 
-The cache is the [B, S, K, H] layout with each position's K heads side by side
-as one K·H row. Stored 4-D, XLA fuses the one-token write with the reshape that
-the decode matmul reads through, and so copies the whole cache, in every layer
-at every step; flat, the write happens in place and attention reads the cache
-where it lies (a test checks the compiled step for copies).
+The cache is heads-major (Z = B·K rows, one per batch row and KV head, as
+MaxText's and the TPU kernels' [B, K, S, H] with its first two axes as one):
+each KV head's positions are one contiguous matrix, and a decoded token's
+attention is, per row, the group's [G, H] queries times the [H, S] keys, then
+the [G, S] probabilities times the [S, H] values: two batched matmuls that
+read the cache where it lies, with their operands in the layout the CPU's
+matmul kernels take without repacking (keys stored [H, S]: 1.5-1.8x faster
+decoding for K < N than [S, H]; BENCHMARKS.md). Writing a token updates both
+in place (a test checks the compiled step for copies). The token-major
+[B, S, K, H] layout made XLA copy the cache at every step.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attention import decode
 from attention.core import as_4d_mask, attention_mask, dot_product_attention
 from attention.rope import RopeScaling, apply_rope
 
@@ -88,8 +95,9 @@ class Options:
     return kernel_init
 
   def cache_shapes(self, batch: int, max_len: int) -> dict[str, tuple]:
-    kv = (batch, max_len, self.num_kv_heads * self.head_dim)
-    return {'cached_key': kv, 'cached_value': kv, 'cache_index': ()}
+    Z, H = batch * self.num_kv_heads, self.head_dim
+    return {'cached_key': (Z, H, max_len), 'cached_value': (Z, max_len, H),
+            'cache_index': ()}
 
 
 def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
@@ -103,10 +111,15 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   [B, N, T, S] (S = T, or max_len with a cache).
   """
   N, K = options.num_heads, options.num_kv_heads
-  x_BTD = x_BTD.astype(dtype)
+  B, T, D = x_BTD.shape
   w = {name: p.astype(dtype) for name, p in params.items()}
-  project = lambda name: jnp.einsum('BTD,DEH->BTEH', x_BTD, w[name]) + (
-      w[f'{name}_bias'] if options.qkv_bias else 0)
+  # Tokens as one axis X = B·T for the projections: XLA's CPU backward then
+  # forms each weight gradient as one GEMM (two contracted axes, B and T,
+  # ran at half the speed).
+  x_XD = x_BTD.astype(dtype).reshape(B * T, D)
+  project = lambda name: (jnp.einsum('XD,DEH->XEH', x_XD, w[name]) + (
+      w[f'{name}_bias'] if options.qkv_bias else 0)).reshape(B, T, -1,
+                                                            options.head_dim)
   if options.fused_qkv:
     qkv_BTEH = project('qkv')  # E = N + 2K.
     q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTEH, [N, N + K], axis=2)
@@ -116,7 +129,6 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
     q_BTNH = _rms_norm(q_BTNH, params['query_norm'], options)
     k_BTKH = _rms_norm(k_BTKH, params['key_norm'], options)
 
-  B, T = x_BTD.shape[:2]
   start = 0 if cache is None else cache['cache_index']
   pos_T = start + jnp.arange(T)
   if options.use_rope:
@@ -130,8 +142,8 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
         local_window=options.local_window,
         logits_soft_cap=options.logits_soft_cap)
   else:
-    cache, key_BSKH, value_BSKH = _write_cache(cache, k_BTKH, v_BTKH)
-    max_len = key_BSKH.shape[1]
+    cache = _write_cache(cache, k_BTKH, v_BTKH)
+    max_len = cache['cached_value'].shape[1]
     # S = max_len cached positions; positions decide what each query sees,
     # and slots not written yet are hidden.
     k_pos_S = jnp.arange(max_len)
@@ -143,13 +155,14 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
     visible = visible_TS[None, None]
     if mask is not None:
       visible = as_4d_mask(mask, B, max_len) & visible
-    out_BTNH = dot_product_attention(
-        q_BTNH, key_BSKH, value_BSKH, mask=visible,
-        logits_soft_cap=options.logits_soft_cap)
+    out_BTNH = decode.heads_major_attention(
+        q_BTNH, cache['cached_key'], cache['cached_value'], visible,
+        scale=options.head_dim**-0.5, logits_soft_cap=options.logits_soft_cap)
     # Under jit an overflowing write is clamped onto the last slots; make that
     # visible as NaN rather than silently attending to the wrong tokens.
     out_BTNH = jnp.where(start + T > max_len, jnp.nan, out_BTNH)
-  return jnp.einsum('BTNH,NHD->BTD', out_BTNH, w['out']), cache
+  out_XD = jnp.einsum('XNH,NHD->XD', out_BTNH.reshape(B * T, N, -1), w['out'])
+  return out_XD.reshape(B, T, D), cache
 
 
 def _rms_norm(x_BTEH, weight_H, options: Options):
@@ -162,23 +175,27 @@ def _rms_norm(x_BTEH, weight_H, options: Options):
 
 
 def _write_cache(cache, k_BTKH, v_BTKH):
-  """(cache with T positions written at its index, keys and values [B, S, K, H])."""
+  """The cache with T positions written at its index, in place."""
   B, T, K, H = k_BTKH.shape
   start = cache['cache_index']
-  cache_B, max_len, cache_C = cache['cached_key'].shape
-  if (cache_B, cache_C) != (B, K * H):
+  shapes = {name: cache[name].shape for name in ('cached_key', 'cached_value')}
+  max_len = shapes['cached_value'][1]
+  if shapes != {'cached_key': (B * K, H, max_len),
+                'cached_value': (B * K, max_len, H)}:
     raise ValueError(
-        f'decode step gives K/V {(B, T, K, H)} but the cache holds '
-        f"{cache['cached_key'].shape} = [B, max_len, K·H]; init the cache "
-        'with the same batch size and heads')
+        f'decode step gives K/V {(B, T, K, H)} but the cache holds keys '
+        f"{shapes['cached_key']} = [B·K, H, max_len] and values "
+        f"{shapes['cached_value']} = [B·K, max_len, H]; init the cache with "
+        'the same batch size and heads')
   _check_capacity(start, T, max_len)
-  write = lambda c, x_BTKH: jax.lax.dynamic_update_slice(
-      c, x_BTKH.reshape(B, T, K * H).astype(c.dtype), (0, start, 0))
-  cache = {'cached_key': write(cache['cached_key'], k_BTKH),
-           'cached_value': write(cache['cached_value'], v_BTKH),
-           'cache_index': start + T}
-  return (cache, cache['cached_key'].reshape(B, max_len, K, H),
-          cache['cached_value'].reshape(B, max_len, K, H))
+  keys_ZHT = k_BTKH.transpose(0, 2, 3, 1).reshape(B * K, H, T)
+  values_ZTH = v_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H)
+  write = lambda c, x, at: jax.lax.dynamic_update_slice(c, x.astype(c.dtype),
+                                                         at)
+  return {'cached_key': write(cache['cached_key'], keys_ZHT, (0, 0, start)),
+          'cached_value': write(cache['cached_value'], values_ZTH,
+                                (0, start, 0)),
+          'cache_index': start + T}
 
 
 def _check_capacity(index, T, max_len):

@@ -3,7 +3,7 @@
 One knob, `num_kv_heads` (K), selects the variant; the parameter shapes show it:
 
   query kernel  [D, N, H]        key and value kernels  [D, K, H]
-  output kernel [N, H, D]        KV cache               [B, max_len, K·H] x 2
+  output kernel [N, H, D]        KV cache               [B, K, max_len, H] x 2
 
 With `fused_qkv=True` the three input projections are one kernel [D, N + 2K, H]
 (one matmul producing (N + 2K)·H features), split into Q, K and V by heads.

@@ -2,7 +2,7 @@
 
 Same options, same parameter names and shapes (query [D, N, H], key and value
 [D, K, H], out [N, H, D], or qkv [D, N + 2K, H]), same KV cache of K heads
-([B, max_len, K·H]), and the same computation (`attention.layer.apply`), so
+([B, K, max_len, H]), and the same computation (`attention.layer.apply`), so
 the two give identical outputs from the same parameters. Moving parameters:
 
   nnx_layer = Attention.from_linen(linen_layer, linen_params)   # linen -> NNX
@@ -70,7 +70,7 @@ class Attention(nnx.Module):
     self.cache_index = nnx.data(None)
 
   def init_cache(self, batch: int, max_len: int, dtype: Dtype | None = None):
-    """An empty KV cache of K heads, [B, max_len, K·H] for keys and values."""
+    """An empty KV cache of K heads, [B, K, max_len, H] for keys and values."""
     shapes = self.options.cache_shapes(batch, max_len)
     for name in layer.CACHE_NAMES:
       kind = jnp.int32 if name == 'cache_index' else dtype or self.dtype

@@ -83,8 +83,8 @@ class AttentionTest(chex.TestCase):
     stepped, cache = _decode_in_chunks(m, params, x, [5] + [1] * (L - 5))
     chex.assert_trees_all_close(stepped, full, atol=1e-5)
     # The cache holds K heads, not N: it is N/K times smaller than MHA's.
-    chex.assert_shape([cache['cached_key'], cache['cached_value']],
-                      (B, L, K * H))
+    chex.assert_shape(cache['cached_key'], (B * K, H, L))
+    chex.assert_shape(cache['cached_value'], (B * K, L, H))
     self.assertEqual(int(cache['cache_index']), L)
 
   def test_decode_under_jit_with_window_soft_cap_and_padding(self):

@@ -60,8 +60,9 @@ class NnxAttentionTest(chex.TestCase):
     decoder = linen.clone(decode=True)
     cache = decoder.init(jax.random.key(0), _x())['cache']
     layer.init_cache(B, L)
-    chex.assert_shape([layer.cached_key[...], layer.cached_value[...]],
-                      (B, L, opts['num_kv_heads'] * H))
+    Z = B * opts['num_kv_heads']
+    chex.assert_shape(layer.cached_key[...], (Z, H, L))
+    chex.assert_shape(layer.cached_value[...], (Z, L, H))
     x, start = _x(), 0
     for n in (5, 1, 1, 2, 1):  # A prefill, then steps.
       theirs, mutated = decoder.apply({'params': params, 'cache': cache},
