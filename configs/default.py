@@ -17,7 +17,11 @@ def get_config() -> config_dict.ConfigDict:
       mlp_dim=768,
       max_len=256,  # Longest sequence the model accepts (and its KV cache).
       tie_embeddings=False,
-      scan_layers=True,
+      scan_layers=True,  # One compiled layer, looped (compile time flat in depth).
+      # Layers per scan iteration: 4 unrolls these 4-layer models, which on
+      # CPU trains 10% faster (XLA schedules across layers); parameters and
+      # initialisation are the scan's either way. Compile time grows with it.
+      scan_unroll=4,
       remat=False,
       rope_base=10_000.0,
       local_window=config_dict.placeholder(int),

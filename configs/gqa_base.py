@@ -8,7 +8,7 @@ from configs import default
 
 def get_config():
   config = default.get_config()
-  config.model.update(num_layers=12, d_model=768, num_heads=12,
+  config.model.update(num_layers=12, scan_unroll=1, d_model=768, num_heads=12,
                       num_kv_heads=4, head_dim=64, mlp_dim=2048,
                       max_len=1024, dtype='bfloat16')
   config.data.seq_len = 1024

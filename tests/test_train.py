@@ -252,6 +252,38 @@ def test_flops_formula_agrees_with_xla_cost_analysis():
   assert ours + masked < xla_per_token
 
 
+ZEN2_VM = """processor	: 0
+vendor_id	: AuthenticAMD
+cpu MHz		: 1996.250
+siblings	: 2
+cpu cores	: 2
+flags		: fpu sse sse2 avx fma avx2
+"""
+
+
+def test_cpu_peak_is_the_theoretical_one_from_cpuinfo():
+  """cores x lanes x FMA units x 2 x clock: a number that does not move with
+  the machine's load, stated in the log line."""
+  peak, source = flops.cpu_peak_flops(ZEN2_VM, cores=2)
+  assert peak == pytest.approx(2 * 8 * 2 * 2 * 1996.25e6)
+  assert '2 cores x 8 lanes (avx) x 2 FMA units x 2 x 2.00 GHz' in source
+  skylake = ZEN2_VM.replace('avx2', 'avx2 avx512f')
+  assert flops.cpu_peak_flops(skylake, cores=2)[0] == pytest.approx(2 * peak)
+  assert flops.cpu_peak_flops('processor\t: 0\n') is None  # Then: measured.
+
+
+def test_scan_unroll_changes_neither_parameters_nor_outputs():
+  mc = config_lib.model_config(tiny.get_config())  # 2 layers.
+  rolled, unrolled = (Transformer(dataclasses.replace(mc, scan_unroll=n))
+                      for n in (1, 2))
+  params = loop.init_params(rolled, 0)
+  chex.assert_trees_all_equal(loop.init_params(unrolled, 0), params)
+  tokens = jnp.arange(16).reshape(2, 8)
+  params = {'params': nn.unbox(params)}
+  chex.assert_trees_all_close(unrolled.apply(params, tokens),
+                              rolled.apply(params, tokens), atol=1e-5)
+
+
 def test_scanned_and_unrolled_layers_give_the_same_outputs():
   config = _model_config(num_layers=3, d_model=32, num_heads=4,
                          num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16)

@@ -126,7 +126,7 @@ _COUNT = _is(1, integer=True)
 RANGES = {
     **{('model', f): _COUNT for f in (
         'vocab_size', 'num_layers', 'd_model', 'num_heads', 'num_kv_heads',
-        'head_dim', 'mlp_dim', 'max_len')},
+        'head_dim', 'mlp_dim', 'max_len', 'scan_unroll')},
     ('model', 'rope_base'): _is(1, low_open=True),
     ('model', 'norm_eps'): _is(0, low_open=True),
     ('model', 'norm_scale_offset'): _is(),

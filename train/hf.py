@@ -86,7 +86,8 @@ def model_fields(hf: dict) -> dict[str, Any]:
       norm_eps=float(get('rms_norm_eps', 1e-6)),
       norm_scale_offset=1.0 if gemma else 0.0, embed_scale=gemma,
       tied_logits_scale=False, qkv_bias=family == 'qwen2',
-      qk_norm=family == 'qwen3', rope_scaling=scaling)
+      qk_norm=family == 'qwen3', rope_scaling=scaling,
+      scan_unroll=1)  # Deep models: one layer compiled, not four.
 
 
 def _rope(hf: dict, problems: list[str]):

@@ -44,6 +44,7 @@ class ModelConfig:
   max_len: int
   tie_embeddings: bool
   scan_layers: bool
+  scan_unroll: int  # Layers per iteration of the scan.
   remat: bool
   rope_base: float
   local_window: int | None
@@ -94,12 +95,15 @@ class MLP(nn.Module):
     w = lambda name, shape, axes: self.param(name, nn.with_logical_partitioning(
         nn.initializers.lecun_normal(), axes), shape, c.param_dtype
     ).astype(c.dtype)
-    gate_BTF = jnp.einsum('BTD,DF->BTF', x_BTD,
-                          w('gate', (D, F), ('embed', 'mlp')))
-    up_BTF = jnp.einsum('BTD,DF->BTF', x_BTD, w('up', (D, F), ('embed', 'mlp')))
+    # Tokens as one axis X = B·T: XLA's CPU backward then forms each weight
+    # gradient as one GEMM; contracting B and T as two axes ran this MLP's
+    # forward and backward at half the speed (scripts/bench_train.py).
+    x_XD = x_BTD.reshape(-1, D)
+    gate_XF = x_XD @ w('gate', (D, F), ('embed', 'mlp'))
+    up_XF = x_XD @ w('up', (D, F), ('embed', 'mlp'))
     activation = ACTIVATIONS[c.mlp_activation]
-    return jnp.einsum('BTF,FD->BTD', activation(gate_BTF) * up_BTF,
-                      w('down', (F, D), ('mlp', 'embed')))
+    out_XD = (activation(gate_XF) * up_XF) @ w('down', (F, D), ('mlp', 'embed'))
+    return out_XD.reshape(x_BTD.shape)
 
 
 class Block(nn.Module):
@@ -146,6 +150,7 @@ class Transformer(nn.Module):
     if c.scan_layers:
       layers = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
                        split_rngs={'params': True}, length=c.num_layers,
+                       unroll=min(c.scan_unroll, c.num_layers),
                        metadata_params={nn.PARTITION_NAME: 'layers'})
       x_BTD, _ = layers(c, self.decode, name='layers')(x_BTD)
     else:
@@ -153,18 +158,21 @@ class Transformer(nn.Module):
         x_BTD, _ = block(c, self.decode, name=f'layers_{i}')(x_BTD)
 
     x_BTD = RMSNorm(c, name='final_norm')(x_BTD)
+    B, T, D = x_BTD.shape
+    x_XD = x_BTD.reshape(B * T, D)  # One token axis (see MLP).
     if c.tie_embeddings:
-      logits_BTV = embed.attend(x_BTD)
+      logits_XV = embed.attend(x_XD)
       if c.tied_logits_scale:
-        logits_BTV = logits_BTV / sqrt_d
+        logits_XV = logits_XV / sqrt_d
     else:
       # Small init: the first prediction is near uniform, loss near log V.
-      logits_BTV = nn.DenseGeneral(
+      logits_XV = nn.DenseGeneral(
           c.vocab_size, use_bias=False, dtype=c.dtype,
           param_dtype=c.param_dtype,
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.normal(0.02), ('embed', 'vocab')),
-          name='unembed')(x_BTD)
+          name='unembed')(x_XD)
+    logits_BTV = logits_XV.reshape(B, T, -1)
     return logits_BTV.astype(jnp.float32)
 
 
