@@ -17,6 +17,8 @@ not counted, as in the PaLM paper's MFU.
 
 from __future__ import annotations
 
+import os
+import pathlib
 import time
 
 import jax
@@ -44,9 +46,20 @@ def mean_context(seq_len: int, local_window: int | None = None) -> float:
 def forward_flops_per_token(config, seq_len: int) -> float:
   """Forward FLOPs per token of the causal LM `config` (a ModelConfig) over
   sequences of seq_len (see the module docstring)."""
+  return _forward_flops(config, mean_context(seq_len, config.local_window))
+
+
+def decode_flops_per_token(config, context: int) -> float:
+  """FLOPs to decode one token after `context` cached ones (C = context + 1
+  keys, capped by the local window)."""
+  C = context + 1 if config.local_window is None else min(
+      context + 1, config.local_window)
+  return _forward_flops(config, C)
+
+
+def _forward_flops(config, C: float) -> float:
   D, N, K = config.d_model, config.num_heads, config.num_kv_heads
   H, F = config.head_dim, config.mlp_dim
-  C = mean_context(seq_len, config.local_window)
   per_layer = (2 * D * N * H + 2 * N * H * D + 2 * 2 * D * K * H
                + 2 * 2 * N * H * C + 3 * 2 * D * F)
   return config.num_layers * per_layer + 2 * D * config.vocab_size
@@ -57,18 +70,66 @@ def training_flops_per_token(config, seq_len: int) -> float:
 
 
 def peak_flops(device: jax.Device | None = None) -> tuple[float, str]:
-  """(peak FLOP/s of one device, where the number comes from)."""
+  """(peak FLOP/s of one device, where the number comes from).
+
+  Accelerators: the datasheet's dense bf16 peak. CPUs: the theoretical
+  float32 peak from /proc/cpuinfo (`cpu_peak_flops`), which does not move
+  with the machine's load; where that cannot be read, the best of several
+  large matmuls, and the source says so.
+  """
   device = device or jax.devices()[0]
   kind = device.device_kind
   if device.platform != 'cpu':
     for name in sorted(PEAK_FLOPS, key=len, reverse=True):
       if name.lower() in kind.lower():
         return PEAK_FLOPS[name], f'{kind} datasheet'
-  return measured_matmul_flops(), f'{kind}: measured float32 matmul'
+  theoretical = cpu_peak_flops()
+  if theoretical is not None:
+    return theoretical
+  return (measured_matmul_flops(),
+          f'{kind}: best of 10 2048x2048 float32 matmuls (no /proc/cpuinfo)')
 
 
-def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-  """FLOP/s of a jitted n x n float32 matmul on the default device (median)."""
+def cpu_peak_flops(cpuinfo: str | None = None,
+                   cores: int | None = None) -> tuple[float, str] | None:
+  """(theoretical float32 FLOP/s, the formula) of the cores this process may
+  use: cores x SIMD lanes x FMA units x 2 x clock, read from /proc/cpuinfo.
+
+  Lanes from the widest vector ISA flag (avx512f 16, avx 8, else 4); 2 FMA
+  units with the fma flag (every x86 core since Haswell and Zen 2; Zen 1
+  splits 256-bit FMAs, so its true peak is half), else 1; the clock is the
+  nominal 'cpu MHz' (turbo is not visible there, so a boosting chip can
+  exceed it). None where cpuinfo lacks these fields (not Linux x86).
+  """
+  if cpuinfo is None:
+    try:
+      cpuinfo = pathlib.Path('/proc/cpuinfo').read_text()
+    except OSError:
+      return None
+  fields = {}
+  for line in cpuinfo.splitlines():
+    key, _, value = line.partition(':')
+    fields.setdefault(key.strip(), value.strip())
+  try:
+    mhz = float(fields['cpu MHz'])
+    flags = set(fields['flags'].split())
+  except (KeyError, ValueError):
+    return None
+  isa, lanes = next(((f, n) for f, n in (('avx512f', 16), ('avx', 8))
+                     if f in flags), ('sse', 4))
+  fma_units = 2 if 'fma' in flags else 1
+  threads_per_core = max(1, int(fields.get('siblings', 1))
+                         // max(1, int(fields.get('cpu cores', 1))))
+  if cores is None:
+    cores = max(1, len(os.sched_getaffinity(0)) // threads_per_core)
+  peak = cores * lanes * fma_units * 2 * mhz * 1e6
+  return peak, (f'theoretical float32: {cores} cores x {lanes} lanes ({isa}) '
+                f'x {fma_units} FMA units x 2 x {mhz / 1e3:.2f} GHz, '
+                'from /proc/cpuinfo')
+
+
+def measured_matmul_flops(n: int = 2048, repeats: int = 10) -> float:
+  """FLOP/s of the fastest of `repeats` jitted n x n float32 matmuls."""
   a = jnp.ones((n, n), jnp.float32)
   matmul = jax.jit(lambda a: a @ a)
   matmul(a).block_until_ready()
@@ -77,4 +138,4 @@ def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     start = time.perf_counter()
     matmul(a).block_until_ready()
     times.append(time.perf_counter() - start)
-  return 2 * n**3 / float(np.median(times))
+  return 2 * n**3 / min(times)

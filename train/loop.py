@@ -131,7 +131,7 @@ def train_and_evaluate(config, workdir: str, *,
   path = workdir_lib.check_writable(workdir)
   is_chief = jax.process_index() == 0  # Writes the files beside checkpoints.
   with workdir_lib.lock(path, enabled=is_chief):
-    run = _setup(config, path, mesh, is_chief)
+    run = setup(config, path, mesh, is_chief)
     try:
       return _train(run, config, should_stop)
     finally:
@@ -140,8 +140,8 @@ def train_and_evaluate(config, workdir: str, *,
 
 
 @dataclasses.dataclass
-class _Run:
-  """What the loop works with, built once by `_setup`."""
+class Run:
+  """What the loop works with, built once by `setup`."""
   workdir: pathlib.Path
   state: TrainState
   start: int  # First step to run (the restored step, or 0).
@@ -157,7 +157,9 @@ class _Run:
   write_config: Callable[[], None]  # config.json, once it describes a save.
 
 
-def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
+def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
+  """The data, model, restored or fresh state and compiled steps of a run in
+  WORKDIR `path` (also what scripts/bench_train.py times)."""
   mc = config_lib.model_config(config)
   rules = sharding.rules(mc, mesh)
   tc, dc = config.train, config.data
@@ -262,7 +264,7 @@ def _setup(config, path: pathlib.Path, mesh, is_chief: bool) -> _Run:
     if is_chief:
       _write_atomically(path / 'config.json', config.to_json(indent=2))
 
-  return _Run(path, state, start, step_fn, evaluate, get_batch, schedule,
+  return Run(path, state, start, step_fn, evaluate, get_batch, schedule,
               checkpointer, reporter, tc.batch_size * dc.seq_len,
               flops_per_token, peak * num_devices, write_config)
 
@@ -325,7 +327,7 @@ class _Window:
     return rows
 
 
-def _train(run: _Run, config, should_stop) -> dict:
+def _train(run: Run, config, should_stop) -> dict:
   tc = config.train
   state, workdir = run.state, run.workdir
   if run.start >= tc.steps:
