@@ -43,3 +43,25 @@ def test_ablation_verdict_reports_the_ordering_honestly(tmp_path, capsys):
   uptrain_ablation.write(tmp_path, bad, [0, 0.1], 1, 100)
   text = (tmp_path / 'ablation.md').read_text()
   assert 'does not hold' in text and '(closing)' in text
+
+
+@pytest.mark.parametrize('K', [4, 2, 1])
+def test_the_pytorch_training_peer_is_the_same_network(K):
+  """bench_train's PyTorch model: our parameter count, and our logits when
+  given our parameters (so the benchmark times the same computation)."""
+  torch = pytest.importorskip('torch')
+  from scripts import bench_train  # pylint: disable=import-outside-toplevel
+  config = config_lib.load('tiny')
+  config.model.update(num_heads=4, num_kv_heads=K)
+  mc = config_lib.model_config(config)
+  model = Transformer(mc)
+  params = jax.tree.map(np.asarray, loop.init_state(
+      model, loop.make_optimizer(config.train)[0], 0).params)
+  peer = bench_train.TorchTransformer(mc)
+  assert sum(p.numel() for p in peer.parameters()) == _params(config)
+  peer.load_params(params)
+  tokens = np.random.default_rng(0).integers(0, mc.vocab_size, (2, mc.max_len))
+  with torch.no_grad():
+    theirs = peer(torch.from_numpy(tokens)).numpy()
+  np.testing.assert_allclose(theirs, model.apply({'params': params}, tokens),
+                             atol=1e-4, rtol=1e-4)

@@ -1,0 +1,347 @@
+"""Training-step benchmark: `train.main`'s step against the same model in PyTorch.
+
+  python -m scripts.bench_train [--configs=gqa_small,mha_small,mqa_small]
+      [--rounds=5] [--steps=10] [--no_compile] [--json=out.json]
+      [--markdown=BENCHMARKS.md]   (pip install -e '.[bench]' for torch)
+
+Contestants, per config, taking turns round after round in this process so
+that all see the same machine load (a shared 2-core VM drifts up to 1.5x):
+  ours           the step `train.main` runs: `loop.setup`'s compiled
+                 (state, batch) -> state, batches from the config's data
+  torch eager    `TorchTransformer`, the same network built from the same
+                 config (parameter count asserted equal, logits checked equal
+                 on our parameters by tests/test_scripts.py): SDPA with
+                 enable_gqa, AdamW(fused=True) with the same hyperparameters
+                 and decay mask, global-norm clipping
+  torch compile  the same, forward and backward under torch.compile
+
+Each round times --steps steps of each contestant (after a warm-up that
+compiles); a round's time is its mean step. Prints a table of median
+tokens/s and ours/peer ratios, with the spread over rounds; --json and
+--markdown write them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from train import config_lib, flops, loop, sharding
+from train.errors import ArgumentParser, UserError, exit_on_user_error
+from train.errors import positive_int
+
+try:
+  import torch
+  from torch import nn as tnn
+  from torch.nn import functional as F
+except ImportError:  # Only the torch contestants need it.
+  torch = None
+
+
+def _require_torch():
+  if torch is None:
+    raise UserError("torch is not installed; pip install -e '.[bench]'")
+
+
+class TorchTransformer(tnn.Module if torch else object):
+  """`train.model.Transformer` in PyTorch, for the default conventions.
+
+  Gemma's: embeddings times √D, RMSNorm by 1 + scale, tanh-GELU gated MLP,
+  half-split RoPE, untied or tied output. Weights are kept in our layouts
+  ([D, N·H] projections, x @ W) so that `load_params` copies them directly.
+  """
+
+  def __init__(self, mc):
+    super().__init__()
+    unsupported = [name for name, on in (
+        ('local_window', mc.local_window), ('logits_soft_cap', mc.logits_soft_cap),
+        ('fused_qkv', mc.fused_qkv), ('qkv_bias', mc.qkv_bias),
+        ('qk_norm', mc.qk_norm), ('rope_scaling', mc.rope_scaling),
+        ('mlp_activation=silu', mc.mlp_activation != 'gelu_tanh'),
+        ('norm_scale_offset!=1', mc.norm_scale_offset != 1.0),
+        ('embed_scale=False', not mc.embed_scale),
+        ('tied_logits_scale', mc.tie_embeddings and mc.tied_logits_scale),
+        ('dtype', np.dtype(mc.dtype) != np.float32)) if on]
+    if unsupported:
+      raise UserError(f'the PyTorch peer does not build {", ".join(unsupported)}'
+                      '; benchmark a config with the default conventions')
+    self.mc = mc
+    D, N, K, H, Fd = (mc.d_model, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                      mc.mlp_dim)
+    zeros = lambda *shape: tnn.Parameter(torch.zeros(*shape))
+    self.embed = zeros(mc.vocab_size, D)
+    self.layers = tnn.ModuleList()
+    for _ in range(mc.num_layers):
+      layer = tnn.Module()
+      layer.attention_norm, layer.mlp_norm = zeros(D), zeros(D)
+      layer.query, layer.key, layer.value = (
+          zeros(D, N * H), zeros(D, K * H), zeros(D, K * H))
+      layer.out = zeros(N * H, D)
+      layer.gate, layer.up, layer.down = zeros(D, Fd), zeros(D, Fd), zeros(Fd, D)
+      self.layers.append(layer)
+    self.final_norm = zeros(D)
+    self.unembed = None if mc.tie_embeddings else zeros(D, mc.vocab_size)
+    inv_freq = 1.0 / mc.rope_base ** (torch.arange(0, H, 2).float() / H)
+    angle = torch.arange(mc.max_len).float()[:, None] * inv_freq  # [T, H/2]
+    self.register_buffer('cos', angle.cos(), persistent=False)
+    self.register_buffer('sin', angle.sin(), persistent=False)
+    with torch.no_grad():  # Our initialisers, for a realistic first loss.
+      tnn.init.normal_(self.embed, std=1.0)
+      for layer in self.layers:
+        for name in ('query', 'key', 'value', 'out', 'gate', 'up', 'down'):
+          w = getattr(layer, name)
+          tnn.init.trunc_normal_(w, std=w.shape[0] ** -0.5)
+      if self.unembed is not None:
+        tnn.init.normal_(self.unembed, std=0.02)
+
+  def _norm(self, x, scale):
+    eps = self.mc.norm_eps
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + scale)
+
+  def _rope(self, x):  # [B, heads, T, H]
+    T = x.shape[2]
+    cos, sin = self.cos[:T], self.sin[:T]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+  def forward(self, tokens_BT):
+    mc = self.mc
+    B, T = tokens_BT.shape
+    N, K, H = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    x = self.embed[tokens_BT] * torch.tensor(mc.d_model ** 0.5)
+    for layer in self.layers:
+      h = self._norm(x, layer.attention_norm)
+      heads = lambda w, n: (h @ w).view(B, T, n, H).transpose(1, 2)
+      q = self._rope(heads(layer.query, N))
+      k = self._rope(heads(layer.key, K))
+      v = heads(layer.value, K)
+      o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=K != N)
+      x = x + o.transpose(1, 2).reshape(B, T, N * H) @ layer.out
+      h = self._norm(x, layer.mlp_norm)
+      x = x + (F.gelu(h @ layer.gate, approximate='tanh') * (h @ layer.up)
+               ) @ layer.down
+    x = self._norm(x, self.final_norm)
+    return x @ (self.embed.T if self.unembed is None else self.unembed)
+
+  def load_params(self, params):
+    """Copies our (unboxed, scanned) parameters in."""
+    mc = self.mc
+    as_t = lambda a: torch.from_numpy(np.array(a, np.float32))
+    with torch.no_grad():
+      self.embed.copy_(as_t(params['embed']['embedding']))
+      self.final_norm.copy_(as_t(params['final_norm']['scale']))
+      if self.unembed is not None:
+        self.unembed.copy_(as_t(params['unembed']['kernel']))
+      for i, layer in enumerate(self.layers):
+        p = (jax.tree.map(lambda x, i=i: x[i], params['layers'])
+             if mc.scan_layers else params[f'layers_{i}'])
+        a = p['attention']
+        layer.attention_norm.copy_(as_t(p['attention_norm']['scale']))
+        layer.mlp_norm.copy_(as_t(p['mlp_norm']['scale']))
+        for name in ('query', 'key', 'value'):
+          getattr(layer, name).copy_(as_t(a[name]).reshape(mc.d_model, -1))
+        layer.out.copy_(as_t(a['out']).reshape(-1, mc.d_model))
+        for name in ('gate', 'up', 'down'):
+          getattr(layer, name).copy_(as_t(p['mlp'][name]))
+
+
+def torch_step(model, tc, compile_: bool):
+  """(tokens [B, T+1] numpy) -> loss: one AdamW step as `train.loop` takes it."""
+  decay = [p for n, p in model.named_parameters() if not n.endswith('norm')]
+  no_decay = [p for n, p in model.named_parameters() if n.endswith('norm')]
+  opt = torch.optim.AdamW(
+      [{'params': decay, 'weight_decay': tc.weight_decay},
+       {'params': no_decay, 'weight_decay': 0.0}],
+      lr=tc.learning_rate, betas=(tc.b1, tc.b2), fused=True)
+
+  def loss_and_grad(inputs, targets):
+    logits = model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    return loss
+
+  if compile_:
+    loss_and_grad = torch.compile(loss_and_grad)
+
+  def step(tokens):
+    tokens = torch.from_numpy(np.array(tokens, np.int64))
+    opt.zero_grad(set_to_none=True)
+    loss = loss_and_grad(tokens[:, :-1], tokens[:, 1:])
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip,
+                                   foreach=True)
+    opt.step()
+    return loss
+  return step
+
+
+class Ours:
+  """`train.main`'s compiled step and batches for `config`, in a temp workdir."""
+
+  def __init__(self, config):
+    self._tmp = tempfile.TemporaryDirectory()
+    mesh = sharding.make_mesh(config.mesh)
+    self.run = loop.setup(config, pathlib.Path(self._tmp.name), mesh,
+                           is_chief=False)
+    self.state, self.step = self.run.state, 0
+
+  def __call__(self):
+    self.state, metrics = self.run.step_fn(self.state,
+                                           self.run.get_batch(self.step))
+    self.step += 1
+    return metrics
+
+  def sync(self, metrics):
+    jax.block_until_ready(metrics)
+
+  def close(self):
+    self.run.checkpointer.close()
+    self._tmp.cleanup()
+
+
+def bench_config(name, args) -> dict:
+  config = config_lib.load(name)  # The named config, as train.main reads it.
+  mc, tc = config_lib.model_config(config), config.train
+  tokens_per_step = tc.batch_size * config.data.seq_len
+  ours = Ours(config)
+  contestants = {'ours': (ours, ours.sync)}
+  if torch is not None:
+    torch.manual_seed(config.seed)
+    for peer, compile_ in (('torch eager', False), ('torch compile', True)):
+      if compile_ and args.no_compile:
+        continue
+      model = TorchTransformer(mc)
+      n_torch = sum(p.numel() for p in model.parameters())
+      n_ours = sum(x.size for x in jax.tree.leaves(ours.state.params))
+      if n_torch != n_ours:
+        raise AssertionError(f'{peer}: {n_torch:,} parameters, ours {n_ours:,}')
+      step = torch_step(model, tc, compile_)
+      batches = ours.run.get_batch  # The same data, as numpy.
+      counter = iter(range(10**9))
+      contestants[peer] = (
+          lambda step=step, batches=batches, counter=counter: step(
+              np.asarray(batches(next(counter)))),
+          lambda loss: loss.item())
+  times = {peer: [] for peer in contestants}
+  for peer, (fn, sync) in contestants.items():  # Warm-up: compile, caches.
+    for _ in range(3):
+      sync(fn())
+  for _ in range(args.rounds):
+    for peer, (fn, sync) in contestants.items():
+      start = time.perf_counter()
+      for _ in range(args.steps):
+        out = fn()
+      sync(out)
+      times[peer].append((time.perf_counter() - start) / args.steps)
+  ours.close()
+  row = {'config': name, 'tokens_per_step': tokens_per_step,
+         'params': sum(x.size for x in jax.tree.leaves(ours.state.params)),
+         'model_flops_per_token': flops.training_flops_per_token(
+             mc, config.data.seq_len)}
+  for peer, t in times.items():
+    row[peer] = {'step_s_median': statistics.median(t),
+                 'tokens_per_s': tokens_per_step / statistics.median(t),
+                 'rounds_s': t}
+  for peer in contestants:
+    if peer != 'ours':
+      ratios = [b / a for a, b in zip(times['ours'], times[peer])]
+      row[f'ours/{peer}'] = {
+          'median': row['ours']['tokens_per_s'] / row[peer]['tokens_per_s'],
+          'min': min(ratios), 'max': max(ratios)}
+  return row
+
+
+def format_rows(rows, env) -> str:
+  peers = [p for p in ('torch eager', 'torch compile') if p in rows[0]]
+  head = ('| config | params | ours tokens/s | ' +
+          ' | '.join(f'{p} tokens/s' for p in peers) + ' | ' +
+          ' | '.join(f'ours / {p} (min-max over rounds)' for p in peers) +
+          ' | ours model TFLOP/s | ours MFU |')
+  lines = [head, '|' + '---|' * (head.count('|') - 1)]
+  for r in rows:
+    model_flops = r['ours']['tokens_per_s'] * r['model_flops_per_token']
+    cells = [r['config'], f'{r["params"]:,}',
+             f'{r["ours"]["tokens_per_s"]:,.0f}']
+    cells += [f'{r[p]["tokens_per_s"]:,.0f}' for p in peers]
+    cells += [f'{r[f"ours/{p}"]["median"]:.2f} ({r[f"ours/{p}"]["min"]:.2f}-'
+              f'{r[f"ours/{p}"]["max"]:.2f})' for p in peers]
+    cells += [f'{model_flops / 1e12:.3f}',
+              f'{100 * model_flops / env["peak_flops"]:.0f}%']
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def main():
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--configs', default='gqa_small,mha_small,mqa_small')
+  parser.add_argument('--rounds', type=positive_int, default=5)
+  parser.add_argument('--steps', type=positive_int, default=10,
+                      help='steps per contestant per round')
+  parser.add_argument('--no_compile', action='store_true',
+                      help='skip the torch.compile contestant')
+  parser.add_argument('--json', help='also write the results here')
+  parser.add_argument('--markdown', help=f'write the table as the section '
+                      f'"{SECTION}" of this file (BENCHMARKS.md)')
+  args = parser.parse_args()
+  if torch is not None:
+    torch.set_num_threads(len(jax.devices('cpu')) and torch.get_num_threads())
+  peak, peak_source = flops.peak_flops()
+  env = {'machine': f'{platform.processor() or platform.machine()}, '
+                    f'{jax.devices()[0].device_kind}',
+         'jax': jax.__version__,
+         'torch': torch.__version__ if torch else None,
+         'torch_threads': torch.get_num_threads() if torch else None,
+         'peak_flops': peak, 'peak_source': peak_source,
+         'date': time.strftime('%Y-%m-%d'), 'rounds': args.rounds,
+         'steps': args.steps}
+  print(json.dumps(env), flush=True)
+  rows = []
+  for name in args.configs.split(','):
+    rows.append(bench_config(name, args))
+    print(format_rows(rows[-1:], env), flush=True)
+  table = format_rows(rows, env)
+  print(table)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump({'env': env, 'rows': rows}, f, indent=1)
+  if args.markdown:
+    section = (
+        f'Written by `python -m scripts.bench_train {" ".join(sys.argv[1:])}` '
+        f'on {env["date"]}: {env["machine"]}, jax {env["jax"]}, torch '
+        f'{env["torch"]} ({env["torch_threads"]} threads), float32. Each '
+        f'round times {args.steps} steps of each contestant in turn; medians '
+        f'over {args.rounds} rounds, the ratio\'s range over the rounds in '
+        f'brackets. MFU against {env["peak_source"]} = '
+        f'{env["peak_flops"] / 1e9:,.0f} GFLOP/s.\n\n{table}\n')
+    replace_section(args.markdown, SECTION, section)
+
+
+SECTION = 'Training step: train.main against PyTorch'
+
+
+def replace_section(path: str, title: str, body: str):
+  """Writes `## title` + body into the markdown file at path, replacing that
+  section (up to the next `## `) if present, else appending it."""
+  p = pathlib.Path(path)
+  text = p.read_text() if p.exists() else ''
+  head = f'## {title}\n'
+  block = f'{head}\n{body}\n'
+  if head in text:
+    start = text.index(head)
+    end = text.find('\n## ', start + len(head))
+    text = text[:start] + block + (text[end + 1:] if end >= 0 else '')
+  else:
+    text = text.rstrip('\n') + ('\n\n' if text else '') + block
+  p.write_text(text)
+
+
+if __name__ == '__main__':
+  exit_on_user_error(main)
