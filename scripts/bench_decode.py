@@ -8,7 +8,11 @@ For each num_kv_heads, batch and context, times decoding with the whole model
 as `train.sample` does, and reports tokens/s, KV-cache bytes, and the
 roofline: the tokens/s that reading the cache once per token at the machine's
 measured read bandwidth would allow (weights are read once per step as well,
-and are included). Writes decode.json and decode.png under --out.
+and are included), and the fraction of it reached; also the FLOP roofline,
+the tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
+a CPU comes close for the grouped variants: G query heads share each cached
+key, G/2 FLOPs per float32 byte of cache, against the CPU's ~6 FLOPs per byte
+of bandwidth. Writes decode.json and decode.png under --out.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from scripts import bench_attention
-from train import config_lib, loop, sample
+from train import config_lib, flops, loop, sample
 from train.errors import (ArgumentParser, exit_on_user_error, int_list,
                           positive_int)
 from train import model as model_lib
@@ -60,6 +64,11 @@ def roofline_tokens_per_sec(mc, batch: int, context: int,
   return batch * bandwidth / step_bytes
 
 
+def compute_roofline_tokens_per_sec(mc, context: int, peak: float) -> float:
+  """Tokens/s if each step ran its FLOPs at the device's `peak`."""
+  return peak / flops.decode_flops_per_token(mc, context)
+
+
 def main():
   parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', default='gqa_small')
@@ -84,10 +93,13 @@ def run(config_name, kv_heads, batches, contexts, repeats):
     config.model.num_kv_heads = K
     config_lib.validate(config, batch_shards=1)
   bandwidth = bench_attention.read_bandwidth(repeats)
+  peak, peak_source = flops.peak_flops()
   rows = []
-  print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s')
+  print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:,.0f} '
+        f'GFLOP/s ({peak_source})')
   print(f'{"K":>3} {"batch":>6} {"context":>8} {"tokens/s":>10} '
-        f'{"KV MiB":>8} {"roofline tok/s":>15}')
+        f'{"KV MiB":>8} {"roofline tok/s":>15} {"of it":>6} '
+        f'{"FLOP roofline":>14}')
   for K in kv_heads:
     config.model.num_kv_heads = K
     mc = config_lib.model_config(config)
@@ -98,11 +110,17 @@ def run(config_name, kv_heads, batches, contexts, repeats):
         roofline = roofline_tokens_per_sec(mc, batch, context, bandwidth)
         row = dict(num_kv_heads=K, batch=batch, context=context,
                    tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
-                   roofline_tokens_per_sec=roofline)
+                   roofline_tokens_per_sec=roofline,
+                   fraction_of_roofline=batch / seconds / roofline,
+                   compute_roofline_tokens_per_sec=(
+                       compute_roofline_tokens_per_sec(mc, context, peak)))
         rows.append(row)
         print(f'{K:>3} {batch:>6} {context:>8} {row["tokens_per_sec"]:>10,.0f}'
-              f' {kv_bytes / 2**20:>8.1f} {roofline:>15,.0f}', flush=True)
-  return {'bandwidth': bandwidth, 'rows': rows}
+              f' {kv_bytes / 2**20:>8.1f} {roofline:>15,.0f} '
+              f'{100 * row["fraction_of_roofline"]:>5.0f}% '
+              f'{row["compute_roofline_tokens_per_sec"]:>14,.0f}', flush=True)
+  return {'bandwidth': bandwidth, 'peak_flops': peak,
+          'peak_source': peak_source, 'rows': rows}
 
 
 def plot(results, path):
