@@ -61,18 +61,9 @@ class TorchTransformer(tnn.Module if torch else object):
 
   def __init__(self, mc):
     super().__init__()
-    unsupported = [name for name, on in (
-        ('local_window', mc.local_window), ('logits_soft_cap', mc.logits_soft_cap),
-        ('fused_qkv', mc.fused_qkv), ('qkv_bias', mc.qkv_bias),
-        ('qk_norm', mc.qk_norm), ('rope_scaling', mc.rope_scaling),
-        ('mlp_activation=silu', mc.mlp_activation != 'gelu_tanh'),
-        ('norm_scale_offset!=1', mc.norm_scale_offset != 1.0),
-        ('embed_scale=False', not mc.embed_scale),
-        ('tied_logits_scale', mc.tie_embeddings and mc.tied_logits_scale),
-        ('dtype', np.dtype(mc.dtype) != np.float32)) if on]
-    if unsupported:
-      raise UserError(f'the PyTorch peer does not build {", ".join(unsupported)}'
-                      '; benchmark a config with the default conventions')
+    refusal = self.refusal(mc)
+    if refusal:
+      raise UserError(refusal)
     self.mc = mc
     D, N, K, H, Fd = (mc.d_model, mc.num_heads, mc.num_kv_heads, mc.head_dim,
                       mc.mlp_dim)
@@ -101,6 +92,23 @@ class TorchTransformer(tnn.Module if torch else object):
           tnn.init.trunc_normal_(w, std=w.shape[0] ** -0.5)
       if self.unembed is not None:
         tnn.init.normal_(self.unembed, std=0.02)
+
+  @staticmethod
+  def refusal(mc) -> str | None:
+    """Why this peer cannot build `mc` (a ModelConfig), or None."""
+    unsupported = [name for name, on in (
+        ('local_window', mc.local_window), ('logits_soft_cap', mc.logits_soft_cap),
+        ('fused_qkv', mc.fused_qkv), ('qkv_bias', mc.qkv_bias),
+        ('qk_norm', mc.qk_norm), ('rope_scaling', mc.rope_scaling),
+        ('mlp_activation=silu', mc.mlp_activation != 'gelu_tanh'),
+        ('norm_scale_offset!=1', mc.norm_scale_offset != 1.0),
+        ('embed_scale=False', not mc.embed_scale),
+        ('tied_logits_scale', mc.tie_embeddings and mc.tied_logits_scale),
+        ('dtype', np.dtype(mc.dtype) != np.float32)) if on]
+    if unsupported:
+      return (f'the PyTorch peer does not build {", ".join(unsupported)}; '
+              'benchmark a config with the default conventions')
+    return None
 
   def _norm(self, x, scale):
     eps = self.mc.norm_eps
@@ -207,8 +215,7 @@ class Ours:
     self._tmp.cleanup()
 
 
-def bench_config(name, args) -> dict:
-  config = config_lib.load(name)  # The named config, as train.main reads it.
+def bench_config(name, config, args) -> dict:
   mc, tc = config_lib.model_config(config), config.train
   tokens_per_step = tc.batch_size * config.data.seq_len
   ours = Ours(config)
@@ -303,9 +310,17 @@ def main():
          'date': time.strftime('%Y-%m-%d'), 'rounds': args.rounds,
          'steps': args.steps}
   print(json.dumps(env), flush=True)
-  rows = []
+  configs = {}  # Every config checked before anything is measured.
   for name in args.configs.split(','):
-    rows.append(bench_config(name, args))
+    configs[name] = config_lib.load(name)  # As train.main reads it.
+    config_lib.validate(configs[name], batch_shards=1)
+    refusal = torch and TorchTransformer.refusal(
+        config_lib.model_config(configs[name]))
+    if refusal:
+      raise UserError(f'{name}: {refusal}')
+  rows = []
+  for name, config in configs.items():
+    rows.append(bench_config(name, config, args))
     print(format_rows(rows[-1:], env), flush=True)
   table = format_rows(rows, env)
   print(table)
