@@ -276,19 +276,20 @@ def test_scan_unroll_changes_neither_parameters_nor_outputs():
   mc = config_lib.model_config(tiny.get_config())  # 2 layers.
   rolled, unrolled = (Transformer(dataclasses.replace(mc, scan_unroll=n))
                       for n in (1, 2))
-  params = loop.init_params(rolled, 0)
-  chex.assert_trees_all_equal(loop.init_params(unrolled, 0), params)
+  init = lambda model: jax.jit(lambda: loop.init_params(model, 0))()
+  params = init(rolled)
+  chex.assert_trees_all_equal(init(unrolled), params)
   tokens = jnp.arange(16).reshape(2, 8)
   params = {'params': nn.unbox(params)}
-  chex.assert_trees_all_close(unrolled.apply(params, tokens),
-                              rolled.apply(params, tokens), atol=1e-5)
+  chex.assert_trees_all_close(jax.jit(unrolled.apply)(params, tokens),
+                              jax.jit(rolled.apply)(params, tokens), atol=1e-5)
 
 
 def test_scanned_and_unrolled_layers_give_the_same_outputs():
   config = _model_config(num_layers=3, d_model=32, num_heads=4,
                          num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
-  scanned = Transformer(config)
+  scanned = Transformer(dataclasses.replace(config, scan_unroll=1))  # A loop.
   params = nn.unbox(scanned.init(jax.random.key(1), tokens)['params'])
   unrolled = Transformer(dataclasses.replace(config, scan_layers=False))
   unrolled_params = {k: v for k, v in params.items() if k != 'layers'}
@@ -296,8 +297,8 @@ def test_scanned_and_unrolled_layers_give_the_same_outputs():
     unrolled_params[f'layers_{i}'] = jax.tree.map(lambda x: x[i],
                                                   params['layers'])
   chex.assert_trees_all_close(
-      unrolled.apply({'params': unrolled_params}, tokens),
-      scanned.apply({'params': params}, tokens), atol=1e-5)
+      jax.jit(unrolled.apply)({'params': unrolled_params}, tokens),
+      jax.jit(scanned.apply)({'params': params}, tokens), atol=1e-5)
 
 
 def test_remat_gives_the_same_gradients():
