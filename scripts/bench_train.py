@@ -23,6 +23,7 @@ tokens/s and ours/peer ratios, with the spread over rounds; --json and
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import platform
@@ -232,7 +233,7 @@ def bench_config(name, config, args) -> dict:
         raise AssertionError(f'{peer}: {n_torch:,} parameters, ours {n_ours:,}')
       step = torch_step(model, tc, compile_)
       batches = ours.run.get_batch  # The same data, as numpy.
-      counter = iter(range(10**9))
+      counter = itertools.count()  # This peer's step number.
       contestants[peer] = (
           lambda step=step, batches=batches, counter=counter: step(
               np.asarray(batches(next(counter)))),
