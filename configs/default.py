@@ -24,6 +24,10 @@ def get_config() -> config_dict.ConfigDict:
       scan_unroll=4,
       remat=False,
       rope_base=10_000.0,
+      use_rope=True,  # Rotary positions in every attention layer.
+      # A learned [max_len, D] position embedding added to the tokens' (GPT-2,
+      # Zoology's recall models); with or without RoPE.
+      learned_positions=False,
       local_window=config_dict.placeholder(int),
       logits_soft_cap=config_dict.placeholder(float),
       fused_qkv=False,

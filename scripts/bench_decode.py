@@ -46,7 +46,8 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
       nn.unbox(loop.init_params(Transformer(mc), seed=0)))
   cache = jax.tree_util.tree_map_with_path(  # Filled up to `context`.
       lambda path, x: jnp.full_like(x, context)
-      if jax.tree_util.keystr(path).endswith("['cache_index']") else x,
+      if jax.tree_util.keystr(path).endswith(("['cache_index']",
+                                              "['position_index']")) else x,
       sample.empty_cache(model, batch))
   rngs = jax.random.split(jax.random.key(0), steps)
   run = jax.jit(lambda cache, token_B: sample.decode(

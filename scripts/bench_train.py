@@ -104,6 +104,8 @@ class TorchTransformer(tnn.Module if torch else object):
         ('mlp_activation=silu', mc.mlp_activation != 'gelu_tanh'),
         ('norm_scale_offset!=1', mc.norm_scale_offset != 1.0),
         ('embed_scale=False', not mc.embed_scale),
+        ('use_rope=False', not mc.use_rope),
+        ('learned_positions', mc.learned_positions),
         ('tied_logits_scale', mc.tie_embeddings and mc.tied_logits_scale),
         ('dtype', np.dtype(mc.dtype) != np.float32)) if on]
     if unsupported:

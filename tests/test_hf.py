@@ -217,14 +217,18 @@ def qwen2_folder(tmp_path_factory):
   return folder
 
 
-def test_export_refuses_what_no_architecture_computes(trained, tmp_path):
+@pytest.mark.parametrize('field, value', [
+    ('logits_soft_cap', 30.0), ('use_rope', False),
+    ('learned_positions', True)])
+def test_export_refuses_what_no_architecture_computes(trained, tmp_path, field,
+                                                      value):
   config = json.loads((trained / 'config.json').read_text())
-  config['model']['logits_soft_cap'] = 30.0
-  copy = tmp_path / 'capped'
+  config['model'][field] = value
+  copy = tmp_path / 'changed'
   copy.mkdir()
   (copy / 'config.json').write_text(json.dumps(config))
   (copy / 'checkpoints').symlink_to(trained / 'checkpoints')
-  with pytest.raises(UserError, match='model.logits_soft_cap'):
+  with pytest.raises(UserError, match=f'model.{field}'):
     convert.export_hf(str(copy), str(tmp_path / 'out'))
   assert not (tmp_path / 'out').exists()
 

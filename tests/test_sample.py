@@ -32,10 +32,14 @@ def _greedy_by_full_passes(model, params, prompt_BP, new):
   return tokens[:, P:]
 
 
-@pytest.mark.parametrize('num_kv_heads', [4, 2, 1])
-def test_greedy_decoding_with_the_cache_equals_full_passes(num_kv_heads):
+@pytest.mark.parametrize('num_kv_heads, use_rope, learned_positions', [
+    (4, True, False), (2, True, False), (1, True, False),
+    (2, False, True), (2, True, True)])  # Learned positions: the index too.
+def test_greedy_decoding_with_the_cache_equals_full_passes(
+    num_kv_heads, use_rope, learned_positions):
   config = tiny.get_config()
-  config.model.num_kv_heads = num_kv_heads
+  config.model.update(num_kv_heads=num_kv_heads, use_rope=use_rope,
+                      learned_positions=learned_positions)
   mc = config_lib.model_config(config)
   model = Transformer(mc)
   params = nn.unbox(loop.init_params(model, seed=1))

@@ -86,7 +86,8 @@ def model_fields(hf: dict) -> dict[str, Any]:
       norm_eps=float(get('rms_norm_eps', 1e-6)),
       norm_scale_offset=1.0 if gemma else 0.0, embed_scale=gemma,
       tied_logits_scale=False, qkv_bias=family == 'qwen2',
-      qk_norm=family == 'qwen3', rope_scaling=scaling,
+      qk_norm=family == 'qwen3', rope_scaling=scaling, use_rope=True,
+      learned_positions=False,
       scan_unroll=1)  # Deep models: one layer compiled, not four.
 
 
@@ -146,6 +147,10 @@ def family_of(mc, remembered: str | None = None) -> str:
   problems = []
   if mc.logits_soft_cap is not None:
     problems.append('model.logits_soft_cap')
+  if not mc.use_rope:
+    problems.append('model.use_rope=False')
+  if mc.learned_positions:
+    problems.append('model.learned_positions (a learned position embedding)')
   if mc.tie_embeddings and mc.tied_logits_scale:
     problems.append('model.tied_logits_scale=True (tied logits divided by '
                     '√D)')

@@ -1,7 +1,9 @@
 """A decoder-only Transformer language model on `attention.Attention`.
 
 Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> gated MLP ->
-residual), token embedding, RoPE inside the attention, optionally tied output.
+residual), token embedding, RoPE inside the attention (`use_rope`) and/or a
+learned position table added to the embeddings (`learned_positions`, GPT-2's
+and Zoology's), optionally tied output.
 Layers are stacked with `nn.scan` (compile time independent of depth) and can
 be rematerialised with `nn.remat`. Parameters are `param_dtype` (float32 by
 default); activations use `dtype`; logits and the loss are float32.
@@ -47,6 +49,8 @@ class ModelConfig:
   scan_unroll: int  # Layers per iteration of the scan.
   remat: bool
   rope_base: float
+  use_rope: bool  # Rotary positions in every attention layer.
+  learned_positions: bool  # A learned [max_len, D] embedding added (GPT-2).
   local_window: int | None
   logits_soft_cap: float | None
   fused_qkv: bool
@@ -141,6 +145,8 @@ class Transformer(nn.Module):
     # √D as Hugging Face rounds it: a Python float cast to the dtype.
     sqrt_d = jnp.asarray(c.d_model ** 0.5, c.dtype)
     x_BTD = embed(tokens_BT)
+    if c.learned_positions:  # Initialised and scaled as the tokens'.
+      x_BTD = x_BTD + self._position_embedding(tokens_BT.shape[1])
     if c.embed_scale:
       x_BTD = x_BTD * sqrt_d
 
@@ -174,6 +180,24 @@ class Transformer(nn.Module):
           name='unembed')(x_XD)
     logits_BTV = logits_XV.reshape(B, T, -1)
     return logits_BTV.astype(jnp.float32)
+
+  def _position_embedding(self, T: int):
+    """[T, D]: the learned embeddings of this call's positions (0..T-1, or
+    where decoding has got to: the index lives in the 'cache' collection)."""
+    c = self.config
+    table_SD = self.param('position_embed', nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), ('position', 'embed')),
+        (c.max_len, c.d_model), c.param_dtype).astype(c.dtype)
+    if not self.decode:
+      return table_SD[:T]
+    is_initialized = self.has_variable('cache', 'position_index')
+    index = self.variable('cache', 'position_index',
+                          lambda: jnp.array(0, jnp.int32))
+    if not is_initialized:  # init: the cache is being created, [B, max_len].
+      return table_SD[:T]
+    start = index.value
+    index.value = start + T
+    return jax.lax.dynamic_slice_in_dim(table_SD, start, T)
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, length: int) -> int:

@@ -33,6 +33,7 @@ RULES = (
     ('mlp', 'tensor'),
     ('head_dim', None),
     ('layers', None),
+    ('position', None),
     ('norm', None),
 )
 
