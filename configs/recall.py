@@ -8,6 +8,13 @@ among the row's 8 values gives 1/8, and crossing out answered values (the
 last query then has one left) about 0.34 on average. Only retrieving by
 content reaches 1: `scripts/compare.py` reports the first query's accuracy,
 where crossing out cannot help.
+
+Positions are a learned table (`model.learned_positions`, as in Zoology's
+models) and there is no RoPE: retrieval needs an induction circuit, whose
+first half is a previous-token head, and with RoPE alone that head did not
+form within thousands of steps (docs/results/recall/experiments.md). With
+these settings MHA answers every query after about 800 steps (2 minutes
+here); `scripts/recall_sweep.py` compares the K/V head counts.
 """
 
 from configs import default
@@ -15,10 +22,12 @@ from configs import default
 
 def get_config():
   config = default.get_config()
-  config.model.update(num_layers=2, d_model=128, num_heads=8, num_kv_heads=2,
-                      head_dim=16, mlp_dim=256, max_len=64, vocab_size=64)
-  config.data.update(task='recall', seq_len=64, recall_pairs=8)
-  config.train.update(steps=1500, batch_size=32, learning_rate=3e-3,
-                      warmup_steps=50, log_every=50, eval_every=250,
-                      eval_batches=4, checkpoint_every=1500)
+  config.model.update(num_layers=2, d_model=128, num_heads=8, num_kv_heads=8,
+                      head_dim=16, mlp_dim=256, max_len=32, vocab_size=64,
+                      use_rope=False, learned_positions=True,
+                      embed_scale=False)
+  config.data.update(task='recall', seq_len=32, recall_pairs=8)
+  config.train.update(steps=1500, batch_size=64, learning_rate=1e-3,
+                      weight_decay=0.0, warmup_steps=50, log_every=50,
+                      eval_every=250, eval_batches=4, checkpoint_every=1500)
   return config

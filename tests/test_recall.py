@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import tiny
+from configs import recall, tiny
 from scripts import compare
 from train import data, loop
 from train.model import Transformer
@@ -101,3 +101,22 @@ def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
   assert result.returncode == 1
   assert "trained on data.task='recall', not text" in result.stderr
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.slow
+def test_a_small_model_learns_to_retrieve_every_answer(tmp_path):
+  """The probe is learnable: train.main's loop on the recall config, narrowed
+  to a test-sized model (4 pairs), answers every query, the first included
+  (retrieval by content, which crossing out cannot fake). Fails if the task,
+  the positions or the loss break the induction circuit."""
+  config = recall.get_config()
+  config.model.update(d_model=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=128, max_len=16)
+  config.data.update(recall_pairs=4, seq_len=16)
+  config.train.update(steps=800, eval_every=800, checkpoint_every=800,
+                      log_every=100, min_learning_rate_ratio=1.0)
+  record = loop.train_and_evaluate(config, str(tmp_path))
+  by_query = compare.recall_accuracy_by_query(tmp_path)
+  assert len(by_query) == 4
+  assert min(by_query) >= 0.95, by_query
+  assert record['eval_accuracy'] >= 0.95, record
