@@ -273,6 +273,11 @@ def _scripts(*args):
     ('scripts.uptrain_ablation', ['--out=OUT', '--alphas=x'],
      'argument --alphas'),
     ('scripts.bench_attention', ['--lengths=0'], 'argument --lengths'),
+    ('scripts.recall_sweep', ['--out=OUT', '--config=tiny'],
+     'the sweep needs a recall config'),
+    ('scripts.recall_sweep', ['--out=OUT', '--kv_heads=8,3'],
+     'model.num_heads=8 is not divisible by model.num_kv_heads=3'),
+    ('scripts.recall_sweep', ['--out=OUT', '--d_model=-1'], '--d_model=-1'),
 ])
 def test_bad_command_lines_are_one_line(tmp_path, module, args, message):
   args = [a.replace('OUT', str(tmp_path / 'out')) for a in args]

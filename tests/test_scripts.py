@@ -1,11 +1,14 @@
 """The scripts' own logic: fair comparisons, peers, verdicts."""
 
+import json
+import sys
+
 import jax
 import numpy as np
 import pytest
 
 from attention import dot_product_attention
-from scripts import bench_attention, compare, uptrain_ablation
+from scripts import bench_attention, compare, recall_sweep, uptrain_ablation
 from train import config_lib, loop
 from train.model import Transformer
 
@@ -65,3 +68,22 @@ def test_the_pytorch_training_peer_is_the_same_network(K):
     theirs = peer(torch.from_numpy(tokens)).numpy()
   np.testing.assert_allclose(theirs, model.apply({'params': params}, tokens),
                              atol=1e-4, rtol=1e-4)
+
+
+def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
+  monkeypatch.setattr(sys, 'argv', [
+      'recall_sweep', f'--out={tmp_path}', '--kv_heads=1', '--head_dims=8,4',
+      '--seeds=2', '--steps=20', '--eval_every=10', '--d_model=32'])
+  recall_sweep.main()
+  sweep = json.loads((tmp_path / 'sweep.json').read_text())
+  assert [(c['K'], c['H']) for c in sweep['cells']] == [(1, 8), (1, 4)]
+  for cell in sweep['cells']:
+    assert [r['seed'] for r in cell['runs']] == [0, 1]
+    assert [h['step'] for h in cell['runs'][0]['history']] == [10, 20]
+    assert all(0 <= r['first'] <= 1 for r in cell['runs'])
+  # K/V bytes per token: 2 layers x (keys + values) x K x H x 4 bytes.
+  assert [c['kv_bytes'] for c in sweep['cells']] == [2 * 2 * 1 * 8 * 4,
+                                                     2 * 2 * 1 * 4 * 4]
+  report = (tmp_path / 'report.md').read_text()
+  assert '| 8 | ' in report and '| 4 | ' in report and '| K=1 |' in report
+  assert (tmp_path / 'recall.png').stat().st_size > 0

@@ -1,0 +1,284 @@
+"""Where do fewer K/V heads start to cost retrieval? A sweep on the recall probe.
+
+  python -m scripts.recall_sweep --out=out/recall [--quick] [--seeds=3]
+      [--kv_heads=8,4,2,1] [--head_dims=16,8] [--steps=1200] [--d_model=64]
+
+Trains the recall probe (configs/recall.py: multi-query associative recall,
+two layers of 8 query heads; narrowed to d_model 64 and MLP 128 so that the
+sweep fits 45 minutes here) for every num_kv_heads K against a difficulty
+axis, the head dimension H at fixed width (each K/V head stores a position's
+key in H numbers), with several seeds per cell. Every run is train.main's
+step (`train.loop.train_step`, the config's optimizer, data and loss),
+at a constant learning rate after warmup, evaluated every --eval_every steps
+on 512 held-out rows, and stopped once every query is answered at >= 0.99.
+
+OUT/report.md gets, per cell, the first-query accuracy (pure retrieval:
+crossing out answered values cannot help it) as mean ± spread over seeds, the
+steps to reach 0.95 on it, and the KV cache bytes per token; a heat map and
+accuracy curves beside it (recall.png); everything as JSON (sweep.json).
+--quick: H = 16 only, 500 steps at most (under 10 minutes here).
+--report_only rewrites the report from OUT/sweep.json.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train import config_lib, data, loop
+from train import model as model_lib
+from train.errors import (ArgumentParser, UserError, exit_on_user_error,
+                          int_list, positive_int)
+from train.model import Transformer
+
+SOLVED = 0.99  # Every query at least this: the run stops.
+REACHED = 0.95  # First-query accuracy counted as "learned" for the step count.
+EVAL_ROWS = 512
+
+
+def cell_config(base: str, K: int, H: int, seed: int, steps: int,
+                d_model: int | None):
+  config = config_lib.load(base)
+  config.model.update(num_kv_heads=K, head_dim=H)
+  if d_model:
+    config.model.update(d_model=d_model, mlp_dim=2 * d_model)
+  config.seed = seed
+  # A constant learning rate after warmup: the step budget does not change
+  # the schedule, so a longer sweep only adds steps to the same runs.
+  config.train.update(steps=steps, checkpoint_every=steps,
+                      min_learning_rate_ratio=1.0,
+                      eval_every=min(config.train.eval_every, steps),
+                      warmup_steps=min(config.train.warmup_steps, steps // 4))
+  return config
+
+
+def train_cell(configs, eval_every: int, say=print) -> list[dict]:
+  """Trains each config (one cell: the seeds of one K and H) with one compiled
+  step, each until it answers every query or runs out of steps; returns per
+  seed its history of held-out accuracy by query."""
+  mc = config_lib.model_config(configs[0])
+  model = Transformer(mc)
+  tc, dc = configs[0].train, configs[0].data
+  task = data.load('', val_fraction=0.0, seq_len=dc.seq_len, task='recall',
+                   recall_pairs=dc.recall_pairs, vocab_size=mc.vocab_size)
+  weights_T = jnp.asarray(task.loss_weights)
+  tx, _ = loop.make_optimizer(tc)
+  step_fn = jax.jit(lambda state, tokens: loop.train_step(
+      state, tokens, model=model, tx=tx, accum_steps=1,
+      weights_T=weights_T), donate_argnums=0)
+  predict = jax.jit(lambda params, tokens: model.apply(
+      {'params': params}, tokens).argmax(-1))
+  held_out = task.batch('val', seed=0, step=0, batch_size=EVAL_ROWS,
+                        seq_len=dc.seq_len, stream=1)
+  answers_T = task.loss_weights == 1  # The scored targets, in query order.
+
+  def accuracy_by_query(params):
+    predicted = np.asarray(predict(params, held_out[:, :-1]))[:, answers_T]
+    return (predicted == held_out[:, 1:][:, answers_T]).mean(0)
+
+  results = []
+  for config in configs:
+    state = loop.init_state(model, tx, config.seed)
+    history, start = [], time.perf_counter()
+    for step in range(1, tc.steps + 1):
+      tokens = task.batch('train', seed=config.seed, step=step - 1,
+                          batch_size=tc.batch_size, seq_len=dc.seq_len)
+      state, metrics = step_fn(state, tokens)
+      if step % eval_every and step != tc.steps:
+        continue
+      loss = float(metrics['loss'])
+      if not np.isfinite(loss):
+        raise UserError(f'recall run K={mc.num_kv_heads} H={mc.head_dim} '
+                        f'seed={config.seed}: loss {loss} at step {step}; '
+                        'lower train.learning_rate')
+      by_query = accuracy_by_query(state.params)
+      history.append(dict(step=step, loss=loss, first=float(by_query[0]),
+                          mean=float(by_query.mean()),
+                          by_query=by_query.round(4).tolist()))
+      if by_query.min() >= SOLVED:
+        break
+    last = history[-1]
+    reached = next((h['step'] for h in history if h['first'] >= REACHED), None)
+    results.append(dict(seed=config.seed, steps=last['step'],
+                        seconds=time.perf_counter() - start,
+                        first=last['first'], mean=last['mean'],
+                        by_query=last['by_query'], reached=reached,
+                        history=history))
+    say(f'K={mc.num_kv_heads} H={mc.head_dim} seed={config.seed}: '
+        f'first-query accuracy {last["first"]:.3f} (all queries '
+        f'{last["mean"]:.3f}) after {last["step"]} steps, '
+        f'{results[-1]["seconds"]:.0f} s', flush=True)
+  return results
+
+
+def _mean_spread(values) -> str:
+  values = np.asarray(values, float)
+  if len(values) == 1:
+    return f'{values[0]:.2f}'
+  return f'{values.mean():.2f} ± {values.std(ddof=1):.2f}'
+
+
+def learning_curve(runs) -> tuple[list[int], list[float]]:
+  """Steps and the seeds' mean first-query accuracy at each evaluation; a run
+  stopped early (solved) keeps its last accuracy."""
+  longest = max(runs, key=lambda r: len(r['history']))['history']
+  steps = [h['step'] for h in longest]
+  at = lambda run, i: run['history'][min(i, len(run['history']) - 1)]['first']
+  return steps, [float(np.mean([at(r, i) for r in runs]))
+                 for i in range(len(steps))]
+
+
+def write_report(out: pathlib.Path, cells: list[dict], meta: dict):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  kvs = sorted({c['K'] for c in cells}, reverse=True)
+  dims = sorted({c['H'] for c in cells}, reverse=True)
+  cell = {(c['K'], c['H']): c for c in cells}
+  first = lambda c: [r['first'] for r in c['runs']]
+
+  lines = [
+      '# Recall against num_kv_heads', '',
+      f'`python -m scripts.recall_sweep {" ".join(meta["argv"])}`: '
+      f'{meta["description"]}; {meta["model"]}. At most {meta["steps"]} '
+      f'steps of {meta["batch_size"]} rows per run (stopped once every query '
+      f'is at ≥ {SOLVED}), {meta["seeds"]} seeds per cell, '
+      f'{meta["minutes"]:.1f} minutes in all.', '',
+      'First-query accuracy (retrieval alone; chance 1/P = '
+      f'{1 / meta["pairs"]:.3f}), mean ± spread over seeds; in brackets how '
+      f'many seeds reached {REACHED} on it, and their median step. KV cache '
+      'bytes per token (float32, all layers) in the last row.', '',
+      '| head_dim H | ' + ' | '.join(f'K={K}' for K in kvs) + ' |',
+      '|---' * (len(kvs) + 1) + '|']
+  for H in dims:
+    row = []
+    for K in kvs:
+      runs = cell[K, H]['runs']
+      reached = [r['reached'] for r in runs if r['reached'] is not None]
+      median = f', step {int(np.median(reached))}' if reached else ''
+      row.append(f'{_mean_spread(first(cell[K, H]))} '
+                 f'({len(reached)}/{len(runs)}{median})')
+    lines.append(f'| {H} | ' + ' | '.join(row) + ' |')
+  lines.append('| KV bytes/token at H=' + ', '.join(map(str, dims)) + ' | '
+               + ' | '.join(', '.join(f'{cell[K, H]["kv_bytes"]:,}'
+                                      for H in dims) for K in kvs) + ' |')
+  lines += ['', '![recall](recall.png)', '']
+  (out / 'report.md').write_text('\n'.join(lines))
+
+  fig, (heat, curves, learning) = plt.subplots(1, 3, figsize=(16, 4))
+  means = np.array([[np.mean(first(cell[K, H])) for K in kvs] for H in dims])
+  image = heat.imshow(means, vmin=0, vmax=1, cmap='viridis')
+  for i in range(len(dims)):
+    for j in range(len(kvs)):
+      heat.text(j, i, f'{means[i, j]:.2f}', ha='center', va='center',
+                color='w' if means[i, j] < 0.6 else 'k')
+  heat.set(xticks=range(len(kvs)), xticklabels=[f'K={K}' for K in kvs],
+           yticks=range(len(dims)), yticklabels=[f'H={H}' for H in dims],
+           title='first-query accuracy (mean over seeds)')
+  fig.colorbar(image, ax=heat)
+  for i, H in enumerate(dims):
+    kv_bytes = [cell[K, H]['kv_bytes'] for K in kvs]
+    values = [first(cell[K, H]) for K in kvs]
+    curves.errorbar(kv_bytes, [np.mean(v) for v in values],
+                    yerr=[np.std(v) for v in values], fmt='o-', color=f'C{i}',
+                    capsize=3, label=f'H={H}')
+  all_bytes = sorted({c['kv_bytes'] for c in cells})
+  curves.set(xscale='log', xlabel='KV cache bytes per token (K x H)',
+             ylabel='first-query accuracy', ylim=(0, 1.05),
+             title='accuracy against KV memory')
+  curves.set_xticks(all_bytes, [f'{b:,}' for b in all_bytes])
+  curves.minorticks_off()
+  curves.legend()
+  for i, K in enumerate(kvs):
+    for H, style in zip(dims, ('-', '--', ':', '-.') * len(dims)):
+      steps, mean = learning_curve(cell[K, H]['runs'])
+      learning.plot(steps, mean, style, color=f'C{i}', label=f'K={K} H={H}')
+  learning.set(xlabel='step', ylabel='first-query accuracy (mean of seeds)',
+               ylim=(0, 1.05), title='learning curves')
+  learning.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(out / 'recall.png', dpi=100)
+  plt.close(fig)
+
+
+def main():
+  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--config', default='recall')
+  parser.add_argument('--kv_heads', type=int_list, default=None,
+                      help="default: N, N/2, N/4 and 1 of the config's N")
+  parser.add_argument('--head_dims', type=int_list, default=None,
+                      help='default: 16,8 (--quick: 16)')
+  parser.add_argument('--seeds', type=positive_int, default=3)
+  parser.add_argument('--steps', type=positive_int, default=None,
+                      help='most steps per run; default 1200 (--quick: 500)')
+  parser.add_argument('--d_model', type=int, default=64,
+                      help="model width (MLP twice it); 0: the config's")
+  parser.add_argument('--eval_every', type=positive_int, default=100)
+  parser.add_argument('--quick', action='store_true')
+  parser.add_argument('--report_only', action='store_true',
+                      help='rewrite the report from OUT/sweep.json')
+  args = parser.parse_args()
+  out = pathlib.Path(args.out)
+  if args.report_only:
+    saved = out / 'sweep.json'
+    if not saved.exists():
+      raise UserError(f'{saved} not found: --report_only rewrites the report '
+                      'of a finished sweep; run without it first')
+    sweep = json.loads(saved.read_text())
+    write_report(out, sweep['cells'], sweep['meta'])
+    print(f'wrote {out}/report.md')
+    return
+  base = config_lib.load(args.config)
+  if base.data.task != 'recall':
+    raise UserError(f"--config={args.config} trains data.task="
+                    f"'{base.data.task}'; the sweep needs a recall config "
+                    '(--config=recall)')
+  N = base.model.num_heads
+  kvs = args.kv_heads or sorted({N, max(N // 2, 1), max(N // 4, 1), 1},
+                                reverse=True)
+  dims = args.head_dims or ([16] if args.quick else [16, 8])
+  seeds = args.seeds
+  steps = args.steps or (500 if args.quick else 1200)
+  if args.d_model < 0:
+    raise UserError(f'--d_model={args.d_model}; use a width >= 1, or 0 for '
+                    "the config's")
+  configs = {(K, H): [cell_config(args.config, K, H, s, steps, args.d_model)
+                      for s in range(seeds)] for K in kvs for H in dims}
+  for cell in configs.values():  # Every cell refused before any trains.
+    for config in cell:
+      config_lib.validate(config, batch_shards=1)
+
+  out.mkdir(parents=True, exist_ok=True)
+  start, cells = time.perf_counter(), []
+  for (K, H), cell in configs.items():
+    mc = config_lib.model_config(cell[0])
+    cells.append(dict(K=K, H=H, runs=train_cell(cell, args.eval_every),
+                      kv_bytes=model_lib.kv_cache_bytes(mc, 1, 1)))
+  c = configs[kvs[0], dims[0]][0]
+  m = c.model
+  meta = dict(argv=sys.argv[1:], minutes=(time.perf_counter() - start) / 60,
+              description=task_description(c), pairs=c.data.recall_pairs,
+              model=(f'{m.num_layers} layers, d_model {m.d_model}, MLP '
+                     f'{m.mlp_dim}, {m.num_heads} query heads'),
+              steps=c.train.steps, batch_size=c.train.batch_size, seeds=seeds)
+  (out / 'sweep.json').write_text(json.dumps(dict(meta=meta, cells=cells),
+                                             indent=1))
+  write_report(out, cells, meta)
+  print(f'wrote {out}/report.md ({meta["minutes"]:.1f} minutes)')
+
+
+def task_description(config) -> str:
+  return data.load('', val_fraction=0.0, seq_len=config.data.seq_len,
+                   task='recall', recall_pairs=config.data.recall_pairs,
+                   vocab_size=config.model.vocab_size).description
+
+
+if __name__ == '__main__':
+  exit_on_user_error(main)
