@@ -72,18 +72,17 @@ def test_the_pytorch_training_peer_is_the_same_network(K):
 
 def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, 'argv', [
-      'recall_sweep', f'--out={tmp_path}', '--kv_heads=1', '--head_dims=8,4',
+      'recall_sweep', f'--out={tmp_path}', '--kv_heads=1', '--head_dims=4',
       '--seeds=2', '--steps=20', '--eval_every=10', '--d_model=32'])
   recall_sweep.main()
   sweep = json.loads((tmp_path / 'sweep.json').read_text())
-  assert [(c['K'], c['H']) for c in sweep['cells']] == [(1, 8), (1, 4)]
+  assert [(c['K'], c['H']) for c in sweep['cells']] == [(1, 4)]
   for cell in sweep['cells']:
     assert [r['seed'] for r in cell['runs']] == [0, 1]
     assert [h['step'] for h in cell['runs'][0]['history']] == [10, 20]
     assert all(0 <= r['first'] <= 1 for r in cell['runs'])
   # K/V bytes per token: 2 layers x (keys + values) x K x H x 4 bytes.
-  assert [c['kv_bytes'] for c in sweep['cells']] == [2 * 2 * 1 * 8 * 4,
-                                                     2 * 2 * 1 * 4 * 4]
+  assert [c['kv_bytes'] for c in sweep['cells']] == [2 * 2 * 1 * 4 * 4]
   report = (tmp_path / 'report.md').read_text()
-  assert '| 8 | ' in report and '| 4 | ' in report and '| K=1 |' in report
+  assert '| 4 | ' in report and '| K=1 |' in report and '(0/2)' in report
   assert (tmp_path / 'recall.png').stat().st_size > 0
