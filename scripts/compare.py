@@ -111,9 +111,7 @@ def recall_accuracy_by_query(workdir, rows: int = 512) -> list[float]:
   tokens = task.batch('val', seed=0, step=0, batch_size=rows,
                       seq_len=config.data.seq_len, stream=1)
   logits = Transformer(mc).apply({'params': params}, tokens[:, :-1])
-  answers = task.loss_weights == 1  # The scored targets, in query order.
-  predicted = np.asarray(logits.argmax(-1))[:, answers]
-  return (predicted == tokens[:, 1:][:, answers]).mean(0).tolist()
+  return task.accuracy_by_query(logits.argmax(-1), tokens).tolist()
 
 
 def _spread(values):

@@ -76,11 +76,8 @@ def train_cell(configs, eval_every: int, say=print) -> list[dict]:
       {'params': params}, tokens).argmax(-1))
   held_out = task.batch('val', seed=0, step=0, batch_size=EVAL_ROWS,
                         seq_len=dc.seq_len, stream=1)
-  answers_T = task.loss_weights == 1  # The scored targets, in query order.
-
-  def accuracy_by_query(params):
-    predicted = np.asarray(predict(params, held_out[:, :-1]))[:, answers_T]
-    return (predicted == held_out[:, 1:][:, answers_T]).mean(0)
+  accuracy_by_query = lambda params: task.accuracy_by_query(
+      predict(params, held_out[:, :-1]), held_out)
 
   results = []
   for config in configs:

@@ -106,6 +106,13 @@ class RecallTask:
   def summary(self) -> str:
     return f'{self.description}, made for each batch'
 
+  def accuracy_by_query(self, predicted_BT, tokens_BT1) -> np.ndarray:
+    """[P]: how often the j-th query's answer is predicted, over the rows of
+    tokens_BT1 (predicted_BT: the argmax at every input position)."""
+    answers_T = self.loss_weights == 1  # The scored targets, in query order.
+    return (np.asarray(predicted_BT)[:, answers_T]
+            == np.asarray(tokens_BT1)[:, 1:][:, answers_T]).mean(0)
+
   def batch(self, split: str, *, seed: int, step: int, batch_size: int,
             seq_len: int, shard: int = 0, num_shards: int = 1,
             stream: int = 0) -> np.ndarray:
