@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from scripts import bench_attention
 from train import config_lib, flops, loop, sample
-from train.errors import (ArgumentParser, exit_on_user_error, int_list,
-                          positive_int)
+from train.errors import (ArgumentParser, check_output_dir, exit_on_user_error,
+                          int_list, positive_int)
 from train import model as model_lib
 from train.model import Transformer, unroll_layers
 
@@ -79,6 +79,7 @@ def main():
   parser.add_argument('--repeats', type=positive_int, default=5)
   parser.add_argument('--out', default='out/decode')
   args = parser.parse_args()
+  check_output_dir(args.out)
   results = run(args.config, args.kv_heads, args.batches, args.contexts,
                 args.repeats)
   out = pathlib.Path(args.out)

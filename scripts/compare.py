@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from scripts import bench_decode
-from train import checkpoint, config_lib, data, loop
+from train import checkpoint, config_lib, data, loop, progress
 from train.errors import (ArgumentParser, UserError, exit_on_user_error,
                           int_list, positive_int)
 from train import model as model_lib
@@ -72,7 +72,9 @@ def main():
   for config in configs.values():  # Refused before anything trains.
     config_lib.validate(config, batch_shards=1)
   runs = []
-  for (K, seed), config in configs.items():
+  todo = list(configs.items()) if args.report_only else progress.runs(
+      list(configs.items()), lambda c: f'num_kv_heads={c[0][0]} seed={c[0][1]}')
+  for (K, seed), config in todo:
     workdir = out / f'K{K}_s{seed}'
     if args.report_only:
       final = workdir / 'final.json'
@@ -81,7 +83,6 @@ def main():
                         'runs in --out; run without it first')
       record = json.loads(final.read_text())
     else:
-      print(f'=== num_kv_heads={K} seed={seed}', flush=True)
       record = loop.train_and_evaluate(config, str(workdir))
     if config.data.task == 'recall':
       record['accuracy_by_query'] = recall_accuracy_by_query(workdir)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from train.errors import (ArgumentParser, UserError, exit_on_user_error,
-                          positive_int)
+from train.errors import (ArgumentParser, UserError, check_output_dir,
+                          exit_on_user_error, positive_int)
 
 FAMILIES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
 
@@ -91,6 +91,21 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
   return model
 
 
+def _check(args):
+  """A model transformers would build but not run (or that is not GQA)."""
+  if args.num_heads % args.num_kv_heads:
+    raise UserError(f'--num_heads={args.num_heads} is not divisible by '
+                    f'--num_kv_heads={args.num_kv_heads}; use a divisor of '
+                    f'{args.num_heads}')
+  head_dim = args.d_model // args.num_heads
+  if args.d_model % args.num_heads or head_dim % 2:
+    raise UserError(f'--d_model={args.d_model} / --num_heads={args.num_heads}'
+                    ' must be a whole, even head size (RoPE rotates pairs)')
+  if args.vocab_size < 258:  # Byte-level BPE: 256 bytes and <s>, </s>.
+    raise UserError(f'--vocab_size={args.vocab_size} must be >= 258 (the '
+                    'tokenizer\'s 256 bytes and <s>, </s>)')
+
+
 def main(argv=None):
   parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', required=True)
@@ -106,6 +121,8 @@ def main(argv=None):
                       default='float32')
   parser.add_argument('--seed', type=int, default=0)
   args = parser.parse_args(argv)
+  check_output_dir(args.out, new=True)
+  _check(args)
   model = make(**vars(args))
   count = sum(p.numel() for p in model.parameters())
   print(f'wrote {args.out}: random {args.family}, {count:,} parameters, '

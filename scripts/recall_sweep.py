@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import config_lib, data, loop
+from train import config_lib, data, loop, progress
 from train import model as model_lib
 from train.errors import (ArgumentParser, UserError, exit_on_user_error,
                           int_list, positive_int)
@@ -254,7 +254,9 @@ def main():
 
   out.mkdir(parents=True, exist_ok=True)
   start, cells = time.perf_counter(), []
-  for (K, H), cell in configs.items():
+  for (K, H), cell in progress.runs(
+      list(configs.items()), lambda c: f'cell K={c[0][0]} H={c[0][1]}, '
+      f'{len(c[1])} seed(s)'):
     mc = config_lib.model_config(cell[0])
     cells.append(dict(K=K, H=H, runs=train_cell(cell, args.eval_every),
                       kv_bytes=model_lib.kv_cache_bytes(mc, 1, 1)))

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from configs import mha_small
-from train import checkpoint, config_lib, convert, data, loop
+from train import checkpoint, config_lib, convert, data, loop, progress
 from train.errors import (ArgumentParser, UserError, exit_on_user_error,
                           float_list, positive_int)
 from train.model import Transformer
@@ -70,22 +70,22 @@ def main():
   _, _, source_config = checkpoint.load_workdir(str(source))
   results = {'source': held_out_loss(source)}
   alphas = args.alphas
-  for method in METHODS:
-    for alpha in alphas:
-      workdir = out / f'{method}_alpha{alpha:g}'
-      convert.convert_workdir(str(source), str(workdir), args.num_kv_heads,
-                               method)
-      steps = round(alpha * source_config.train.steps)
-      if steps:
-        print(f'=== {method}, alpha={alpha:g}: uptraining {steps} steps',
-              flush=True)
-        config = mha_small.get_config()
-        config.update_from_flattened_dict({
-            'model.num_kv_heads': args.num_kv_heads, 'train.steps': steps,
-            'train.warmup_steps': max(1, steps // 10),
-            'train.eval_every': steps, 'train.checkpoint_every': steps})
-        loop.train_and_evaluate(config, str(workdir))
-      results[(method, alpha)] = held_out_loss(workdir)
+  grid = [(method, alpha) for method in METHODS for alpha in alphas]
+  for method, alpha in progress.runs(grid,
+                                    lambda c: f'{c[0]}, alpha={c[1]:g}'):
+    workdir = out / f'{method}_alpha{alpha:g}'
+    convert.convert_workdir(str(source), str(workdir), args.num_kv_heads,
+                            method)
+    steps = round(alpha * source_config.train.steps)
+    if steps:
+      print(f'uptraining {steps} steps', flush=True)
+      config = mha_small.get_config()
+      config.update_from_flattened_dict({
+          'model.num_kv_heads': args.num_kv_heads, 'train.steps': steps,
+          'train.warmup_steps': max(1, steps // 10),
+          'train.eval_every': steps, 'train.checkpoint_every': steps})
+      loop.train_and_evaluate(config, str(workdir))
+    results[(method, alpha)] = held_out_loss(workdir)
   write(out, results, alphas, args.num_kv_heads, source_config.train.steps)
 
 

@@ -9,6 +9,7 @@ random moments (SIGKILL, mid-save included) that must resume bit-identically.
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -90,11 +91,50 @@ def test_non_finite_loss_waits_for_saves_and_names_the_last_good_step(
     loop.train_and_evaluate(config, str(tmp_path))
   message = str(error.value)
   assert 'non-finite loss or gradient at step' in message
-  last_good = int(message.split('last good checkpoint is step ')[1].split(';')[0])
-  assert not _tmp_dirs(tmp_path / 'checkpoints')  # Every save completed.
+  last_good = int(message.split('last good checkpoint is step ')[1].split()[0])
+  diverged = tmp_path / loop.DIVERGED_DIR
+  assert not _tmp_dirs(tmp_path)  # Every save completed before the move.
+  assert min(int(p.name) for p in diverged.iterdir()) == last_good + 1
   step, state = checkpoint.restore_latest(str(tmp_path))
   assert step == last_good
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state['params']))
+
+
+def test_a_divergence_names_the_checkpoint_from_before_the_loss_left_its_range(
+    two_checkpoints, tmp_path):
+  """The checkpoint saved just before the non-finite step is already a dead
+  model (loss ln V): the good one is the last whose loss was in range."""
+  copy = tmp_path / 'w'
+  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  config = _config(train__learning_rate=1e6, train__checkpoint_every=1,
+                   train__keep_checkpoints=100, train__steps=40)
+  with pytest.raises(UserError) as error:
+    loop.train_and_evaluate(config, str(copy))
+  message = str(error.value)
+  assert 'the last good checkpoint is step 20 (the ' in message, message
+  assert 'rerun to resume from it with a lower train.learning_rate' in message
+  moved = sorted(int(p.name) for p in (copy / loop.DIVERGED_DIR).iterdir())
+  assert moved and moved[0] == 21  # Kept aside, not deleted.
+  step, state = checkpoint.restore_latest(str(copy))
+  assert step == 20
+  chex.assert_trees_all_equal(
+      state, checkpoint.restore_latest(str(two_checkpoints))[1])
+  # The rerun resumes there, and its history goes on from step 20.
+  loop.train_and_evaluate(_config(train__steps=25), str(copy))
+  steps = [m['step'] for m in metrics_lib.read_metrics(copy)]
+  assert steps == [5, 10, 15, 20, 25]
+
+
+@pytest.mark.parametrize('losses, step, left', [
+    ([5.5, 4.0, 3.0, 3.2, 2.9], 6, 6),  # Noise stays in range: the NaN step.
+    ([5.5, 3.0, 2.9, 40.0, 5.5], 6, 4),  # Left at the jump, before the NaN.
+    ([5.5, 3.0, float('nan')], 9, 3),  # A NaN logged is out of range.
+    ([0.02, 0.01, 0.08, 0.3], 5, 4),  # Near zero: a 0.1-nat floor.
+])
+def test_the_loss_leaves_its_running_range_at_the_first_jump(losses, step,
+                                                             left):
+  records = [{'step': i + 1, 'loss': x} for i, x in enumerate(losses)]
+  assert metrics_lib.left_range_at(records, step) == left
 
 
 def test_a_run_failing_before_its_first_save_leaves_config_json_alone(
@@ -111,7 +151,7 @@ def test_a_run_failing_before_its_first_save_leaves_config_json_alone(
 def test_no_checkpoint_yet_is_said_so(tmp_path):
   config = _config(train__learning_rate=1e12, train__grad_clip=1e30,
                    train__steps=20, train__checkpoint_every=20)
-  with pytest.raises(UserError, match='no checkpoint yet; lower'):
+  with pytest.raises(UserError, match='no checkpoint yet with a lower'):
     loop.train_and_evaluate(config, str(tmp_path))
 
 
@@ -156,14 +196,47 @@ def test_train_main_falls_back_to_the_newest_intact_checkpoint(
   subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
   _corrupt(copy / 'checkpoints' / '20', 'truncated')
   loop.train_and_evaluate(_config(), str(copy))
-  out = capsys.readouterr().out
-  assert 'warning: checkpoint step 20 cannot be read (' in out
+  out, err = capsys.readouterr()
+  assert 'warning: checkpoint step 20 cannot be read (' in err
   assert 'resuming from step 10' in out
   # The unreadable one is kept aside, not deleted; step 20 is trained again
   # and equals the original, since a resumed run is bit-identical.
   assert (copy / checkpoint.UNREADABLE_DIR / '20' / 'default').is_dir()
   chex.assert_trees_all_equal(checkpoint.restore_latest(str(copy)),
                               checkpoint.restore_latest(str(two_checkpoints)))
+
+
+def test_a_corrupt_checkpoint_is_one_warning_line_on_stderr_and_no_traceback(
+    two_checkpoints, tmp_path):
+  copy = tmp_path / 'w'
+  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  _corrupt(copy / 'checkpoints' / '20', 'truncated')
+  result = _run('train.main', '--config=tiny', f'--workdir={copy}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr[-3000:]
+  assert lines[0].startswith('warning: checkpoint step 20 cannot be read (')
+  assert 'warning' not in result.stdout
+
+
+def test_a_config_that_changes_the_model_is_refused_and_touches_nothing(
+    two_checkpoints, tmp_path):
+  """Not "unreadable": the checkpoints are fine, the config is not theirs."""
+  copy = tmp_path / 'w'
+  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  before = {p: p.read_bytes() for p in copy.rglob('*') if p.is_file()}
+  for change, named in ((dict(model__tie_embeddings=True),
+                         "params['unembed']['kernel'] is [32, 256] there and "
+                         'absent here'),
+                        (dict(model__num_layers=3), "['layers']"),
+                        (dict(model__mlp_dim=48), "['mlp']")):
+    with pytest.raises(UserError, match=re.escape(
+        f'{copy / "checkpoints"} (step 20) holds another model: ') + '.*'
+                       + re.escape(named)):
+      loop.train_and_evaluate(_config(train__steps=30, **change), str(copy))
+  after = {p: p.read_bytes() for p in copy.rglob('*') if p.is_file()}
+  assert after == before  # metrics.jsonl, config.json, final.json included.
+  assert not (copy / checkpoint.UNREADABLE_DIR).exists()
 
 
 def test_sample_and_convert_refuse_a_corrupt_checkpoint_in_one_line(
@@ -302,7 +375,7 @@ def test_bad_workdirs_are_one_line_before_any_work(trained, tmp_path):
                   f'--source={tmp_path / "nope"} is not a directory')
   _one_line_error(_run('train.sample', f'--workdir={trained}', '--top_k=257',
                        '--max_new_tokens=5'),
-                  '--top_k in 0..256')
+                  '--top_k=257 must be in 0..256')
 
 
 def test_sample_leaves_the_workdir_it_reads_untouched(trained, tmp_path):

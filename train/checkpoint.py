@@ -9,8 +9,11 @@ conversion) stops with one line naming the step directory to remove.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
+import os
 import pathlib
 import shutil
 import sys
@@ -34,6 +37,8 @@ class Checkpointer:
     self.directory = self.workdir / 'checkpoints'
     self.every = every
     self._keep = keep
+    self._saving = None  # The step of the save in flight, if any.
+    _quiet_background_failures()
     self._manager = self._open()
 
   def _open(self):
@@ -47,6 +52,17 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def move_after(self, step: int | None, folder: str) -> list[int]:
+    """Moves the checkpoints newer than `step` (all, if None) to
+    WORKDIR/folder; returns their steps."""
+    moved = [s for s in self.all_steps() if step is None or s > step]
+    for s in moved:
+      self._move(s, self.workdir / folder / str(s))
+    return moved
 
   def restore(self, abstract_state, warn: Callable[[str], None] = print):
     """(step, state) of the newest intact checkpoint, or None if there is none.
@@ -82,22 +98,57 @@ class Checkpointer:
       return False
     if step in self._manager.all_steps():
       return False
-    return self._manager.save(step, args=ocp.args.StandardSave(state),
-                              force=True)
+    with self._failed_write():  # The previous save's failure shows here.
+      self._manager.wait_until_finished()
+      self._saving = step
+      return self._manager.save(step, args=ocp.args.StandardSave(state),
+                                force=True)
 
   def wait(self):
     """Blocks until every pending (asynchronous) save is on disk."""
-    self._manager.wait_until_finished()
+    with self._failed_write():
+      self._manager.wait_until_finished()
+    self._saving = None
 
   def close(self):
-    self.wait()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+
+  @contextlib.contextmanager
+  def _failed_write(self):
+    """A failed save (a full disk, say) as one line naming the disk and the
+    checkpoint kept; the partial save stays a temporary folder, which the
+    next run removes."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      failed, self._saving = self._saving, None
+      kept = [s for s in self.all_steps() if s != failed]
+      disk = _mount_point(self.directory)
+      free = shutil.disk_usage(disk).free
+      cause = _cause(e)
+      if 'RESOURCE_EXHAUSTED' in cause or 'No space left' in cause:
+        cause = 'the disk is full'
+      raise UserError(
+          f'could not write checkpoint step {failed} to {self.directory} '
+          f'({cause[:200]}); the disk at {disk} has {free / 1e6:,.1f} MB '
+          'free; '
+          + (f'the last complete checkpoint is step {max(kept)}' if kept else
+             'no checkpoint was completed')
+          + '; free space (or give another --workdir) and rerun the same '
+          'command to resume') from None
 
   def _move_aside(self, step: int) -> pathlib.Path:
-    target = self.workdir / UNREADABLE_DIR / str(step)
+    return self._move(step, self.workdir / UNREADABLE_DIR / str(step))
+
+  def _move(self, step: int, target: pathlib.Path) -> pathlib.Path:
+    base, n = target, 1
+    while target.exists():  # Kept from an earlier run: keep both.
+      n += 1
+      target = base.with_name(f'{base.name}-{n}')
     if jax.process_index() == 0:
-      if target.exists():
-        shutil.rmtree(target)
       target.parent.mkdir(exist_ok=True)
       shutil.move(str(self.directory / str(step)), str(target))
     self._manager.close()
@@ -105,18 +156,24 @@ class Checkpointer:
     return target
 
   def _check_shapes(self, step, abstract_state):
-    """Names the first parameter whose shape differs from this run's model."""
-    saved = self._manager.item_metadata(step)['params']
-    saved_flat = dict(_flatten(saved))
-    ours = serialization.to_state_dict(abstract_state)['params']
-    for path, leaf in _flatten(ours):
-      ours = tuple(np.shape(leaf))
-      theirs = tuple(getattr(saved_flat.get(path), 'shape', ()) or ())
-      if path not in saved_flat or ours != theirs:
-        raise UserError(
-            f'{self.directory} (step {step}) holds another model: params{path} is '
-            f'{theirs if path in saved_flat else "absent"} there and {ours} '
-            'here; use a new --workdir, or the config that wrote it')
+    """Raises UserError naming the first array whose presence or shape
+    differs between checkpoint `step` and this run's state (a config change,
+    not damage: nothing is moved or written)."""
+    saved = self._manager.item_metadata(step)
+    ours = serialization.to_state_dict(abstract_state)
+    sections = ['params'] + (['opt_state'] if 'opt_state' in saved else [])
+    for section in sections:
+      theirs_flat = dict(_flatten(saved[section]))
+      ours_flat = dict(_flatten(ours[section]))
+      for path in [*ours_flat, *(p for p in theirs_flat if p not in ours_flat)]:
+        mine = _shape(ours_flat.get(path))
+        theirs = _shape(theirs_flat.get(path))
+        if mine != theirs:
+          raise UserError(
+              f'{self.directory} (step {step}) holds another model: '
+              f'{section}{path} is {theirs} there and {mine} here; use the '
+              f'config that wrote it ({self.workdir / "config.json"}) or a '
+              'new --workdir; nothing was changed')
 
 
 def save_params(workdir: str, params) -> None:
@@ -152,10 +209,20 @@ def save_params(workdir: str, params) -> None:
     register(default)
 
 
+def _shape(leaf) -> str:
+  if leaf is None:
+    return 'absent'
+  return str(list(getattr(leaf, 'shape', ()) or ()))
+
+
 def _flatten(tree):
   flat, _ = jax.tree_util.tree_flatten_with_path(
       tree, is_leaf=lambda x: hasattr(x, 'shape') and not isinstance(x, dict))
-  return [(jax.tree_util.keystr(p), leaf) for p, leaf in flat]
+  # Tuples are lists in orbax's metadata and dicts in a state dict: the
+  # same path either way, ['1']['0'].
+  name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(
+      k, 'name', k))))
+  return [(''.join(f'[{name(k)!r}]' for k in p), leaf) for p, leaf in flat]
 
 
 def _cause(error: BaseException) -> str:
@@ -168,17 +235,63 @@ def _cause(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_orbax():
-  """Silences the 'Exception ignored in coroutine' reports of a failed read.
+  """Silences the tracebacks that follow a failed read.
 
-  Orbax reads arrays concurrently; when one read fails, the others' failures
-  are reported through sys.unraisablehook as tracebacks after ours.
+  Orbax reads arrays concurrently; when one read fails, it closes its event
+  loop while TensorStore still completes the others, whose callbacks then
+  fail on the closed loop ("Event loop is closed", printed from TensorStore's
+  threads for every pending array), and the coroutines' own failures go to
+  sys.unraisablehook. Both are noise after ours: closed loops ignore
+  callbacks (they could only fail), and the hook is muted here.
   """
+  _ignore_callbacks_on_closed_loops()
   hook = sys.unraisablehook
   sys.unraisablehook = lambda _: None
   try:
     yield
   finally:
     sys.unraisablehook = hook
+
+
+def _mount_point(path: pathlib.Path) -> pathlib.Path:
+  path = path.absolute()
+  while not os.path.ismount(path):
+    path = path.parent
+  return path
+
+
+class _DropOrbaxErrors(logging.Filter):
+  """Orbax logs a failed background save from each of its threads, and
+  asyncio each of its tasks' exceptions (a page of tracebacks);
+  `Checkpointer` raises the failure itself, as one line. Nothing else in
+  these processes runs asyncio."""
+
+  def filter(self, record):
+    return not (record.levelno >= logging.ERROR and (
+        record.name == 'asyncio'
+        or f'{os.sep}orbax{os.sep}' in record.pathname))
+
+
+def _quiet_background_failures():
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+  handler = absl_logging.get_absl_handler()
+  if not any(isinstance(f, _DropOrbaxErrors) for f in handler.filters):
+    handler.addFilter(_DropOrbaxErrors())
+  _ignore_callbacks_on_closed_loops()
+
+
+def _ignore_callbacks_on_closed_loops():
+  loop_class = asyncio.BaseEventLoop
+  if getattr(loop_class.call_soon_threadsafe, 'ignores_closed', False):
+    return
+  call = loop_class.call_soon_threadsafe
+
+  def call_soon_threadsafe(self, *args, **kwargs):
+    if self.is_closed():
+      return None
+    return call(self, *args, **kwargs)
+  call_soon_threadsafe.ignores_closed = True
+  loop_class.call_soon_threadsafe = call_soon_threadsafe
 
 
 def restore_latest(workdir: str) -> tuple[int, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
@@ -50,9 +51,35 @@ def resolve(argv: list[str]) -> list[str]:
         value = str(CONFIG_DIR / f'{name}.py') + (f':{rest}' if rest else '')
       elif not pathlib.Path(name).is_file():
         raise UserError(f'config file {name!r} does not exist')
+      else:
+        _check_config_file(pathlib.Path(name))
       arg = f'--config={value}'
     out.append(arg)
   return out
+
+
+def _check_config_file(path: pathlib.Path):
+  """A config .py must parse and define get_config; say where if not."""
+  try:
+    tree = ast.parse(path.read_bytes(), str(path))
+  except SyntaxError as e:
+    raise UserError(f'{path}, line {e.lineno}: {e.msg}; fix the config file'
+                    ) from None
+  except (OSError, ValueError) as e:
+    raise UserError(f'config file {str(path)!r} cannot be read ({e})'
+                    ) from None
+  defined = set()
+  for node in tree.body:  # def get_config, an import of one, or a name.
+    if isinstance(node, ast.FunctionDef):
+      defined.add(node.name)
+    elif isinstance(node, ast.ImportFrom):
+      defined |= {alias.asname or alias.name for alias in node.names}
+    elif isinstance(node, ast.Assign):
+      defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+  if 'get_config' not in defined:
+    raise UserError(f'{path} defines no get_config(); a config file returns '
+                    'its ml_collections.ConfigDict from get_config() (see '
+                    'configs/tiny.py)')
 
 
 def load(name: str) -> config_dict.ConfigDict:

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import sys
 import zlib
 
 import flax.linen as nn
@@ -42,6 +43,7 @@ import numpy as np
 
 from train import checkpoint, config_lib, hf, loop, safetensors_io
 from train import model as model_lib
+from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
 from train.errors import UserError, run_app
 from train.model import Transformer
@@ -148,6 +150,7 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
   config.model.rope_scaling.update(fields['rope_scaling'])
   config.data.seq_len = min(config.data.seq_len, config.model.max_len)
   config_lib.validate(config, batch_shards=1)
+  _check_tokenizer(directory / tokenizer_lib.FILE, fields['vocab_size'])
   files = safetensors_io.open_checkpoint(directory)
   mc = config_lib.model_config(config)
   shapes = model_lib.parameter_shapes(mc)
@@ -178,6 +181,18 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
         'model_type': hf_config['model_type'], 'num_kv_heads': k,
         'source_num_kv_heads': k_source, 'method': method})
   return hf_config['model_type'], k_source, k
+
+
+def _check_tokenizer(path: pathlib.Path, vocab_size: int):
+  """A tokenizer.json that travels with an import must load, and its ids fit
+  the embedding."""
+  if not path.exists():
+    return
+  loaded = tokenizer_lib.load(path)  # UserError if it is not one.
+  if loaded.vocab_size > vocab_size:
+    raise UserError(f'{path} has {loaded.vocab_size} tokens, more than the '
+                    f'model\'s vocab_size={vocab_size}; give the tokenizer '
+                    'of this model; nothing was written')
 
 
 def export_hf(source: str, target: str) -> str:
@@ -285,12 +300,22 @@ def main(argv):
   if f.from_hf:
     family, k_source, k = import_hf(f.from_hf, f.workdir, f.num_kv_heads,
                                     f.method, f.seed, f.param_dtype)
-    print(f'wrote {f.workdir}: {family}, {k_source} -> {k} KV heads'
-          + (f' by {f.method}' if k != k_source else ''))
+    print(f'wrote {f.workdir}: {family}, {_heads(k_source, k, f.method)}')
+    if not (pathlib.Path(f.from_hf) / tokenizer_lib.FILE).exists():
+      print(f'warning: {f.from_hf} has no {tokenizer_lib.FILE}, so '
+            f'{f.workdir} can train only on token ids (.bin files); to train '
+            f'on text, copy the model\'s {tokenizer_lib.FILE} into both',
+            file=sys.stderr)
     return
   k_source, k = convert_workdir(f.source, f.workdir, f.num_kv_heads, f.method,
                                 f.seed)
-  print(f'wrote {f.workdir}: {k_source} -> {k} KV heads by {f.method}')
+  print(f'wrote {f.workdir}: {_heads(k_source, k, f.method)}')
+
+
+def _heads(k_source: int, k: int, method: str) -> str:
+  if k == k_source and method != 'random':
+    return f'{k} KV heads, copied unchanged'
+  return f'{k_source} -> {k} KV heads by {method}'
 
 
 def run():

@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import sys
 import sysconfig
 import zlib
 from typing import Protocol
@@ -38,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from train.errors import UserError
+from train.progress import Progress
 
 _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
               'lib2to3', 'ensurepip'}
@@ -221,7 +223,7 @@ def _tokenized(data: Dataset, tokenizer, cache_dir: str) -> Dataset:
     cache.mkdir(parents=True, exist_ok=True)
     for name, split in (('train.bin', data.train), ('val.bin', data.val)):
       tokens = _encode(tokenizer, bytes(np.asarray(split)).decode(
-          'utf-8', 'replace')).astype(dtype)
+          'utf-8', 'replace'), name).astype(dtype)
       tmp = cache / f'{name}.tmp{os.getpid()}'
       tokens.tofile(tmp)
       tmp.replace(cache / name)  # Atomic, as for the corpus.
@@ -233,15 +235,22 @@ def _tokenized(data: Dataset, tokenizer, cache_dir: str) -> Dataset:
                  f'(tokenized by {tokenizer.name})')
 
 
-def _encode(tokenizer, text: str, chunk: int = 1 << 20) -> np.ndarray:
-  """Tokens of `text`, encoded in ~1 MB pieces cut at line ends, in parallel."""
+def _encode(tokenizer, text: str, name: str, chunk: int = 1 << 20,
+            batch: int = 16) -> np.ndarray:
+  """Tokens of `text`, encoded in ~1 MB pieces cut at line ends, `batch`
+  pieces at a time in parallel, with a progress line."""
   pieces, start = [], 0
   while start < len(text):
     end = text.find('\n', start + chunk)
     end = len(text) if end < 0 else end + 1
     pieces.append(text[start:end])
     start = end
-  ids = tokenizer.encode_many(pieces)
+  ids = []
+  with Progress(f'tokenizing {name}', len(text), unit='M chars',
+                scale=1e6) as bar:
+    for i in range(0, len(pieces), batch):
+      ids += tokenizer.encode_many(pieces[i:i + batch])
+      bar.advance(sum(map(len, pieces[i:i + batch])))
   return np.fromiter((i for piece in ids for i in piece), np.int64)
 
 
@@ -263,6 +272,8 @@ def _stdlib_corpus(cache_dir: str):
   ]).encode()).hexdigest()[:12]
   cache = pathlib.Path(cache_dir).expanduser() / f'stdlib-{fingerprint}'
   if not (cache / 'val.bin').exists():
+    print(f'building the embedded corpus from {len(files):,} files of '
+          f'{root} (once; cached in {cache})', file=sys.stderr, flush=True)
     train, val = [], []
     for f in files:
       # A stable hash of the path decides the split, whatever else changes.
@@ -286,6 +297,11 @@ def _text_bytes(p: pathlib.Path) -> np.ndarray:
                part.startswith('.') for part in f.relative_to(p).parts)))
   parts = []
   for f in files:
+    if f.suffix == '.bin' and f != p:
+      raise UserError(
+          f'{f} is a token file inside a folder of text; data.path takes '
+          'one .bin file, a folder with train.bin and val.bin (nanoGPT), or '
+          'a folder of text files; move it or point data.path at it')
     content = f.read_bytes()
     _check_text(f, content)
     parts.append(content)
@@ -320,9 +336,11 @@ def _tokens(p: pathlib.Path) -> np.ndarray:
   return np.memmap(p, np.uint16, 'r')
 
 
-def _vocab(*splits) -> int:
-  # Sampled rather than scanned in full: .bin files can hold billions.
-  return max(int(s[:10_000_000].max()) for s in splits) + 1
+def _vocab(*splits, chunk: int = 1 << 26) -> int:
+  """1 + the largest id: every token read, a chunk at a time (memory-mapped
+  files of billions of tokens stay on disk; ~1 s per GB)."""
+  return max(int(s[i:i + chunk].max()) for s in splits
+             for i in range(0, len(s), chunk)) + 1
 
 
 def _split(tokens: np.ndarray, val_fraction: float, p: pathlib.Path):

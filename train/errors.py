@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import sys
 from typing import Callable, Sequence
 
@@ -79,3 +81,22 @@ def float_list(text: str) -> list[float]:
     raise argparse.ArgumentTypeError(
         f'{text!r} is not a comma-separated list of numbers >= 0')
   return values
+
+
+def check_output_dir(path: str, flag: str = '--out', *, new: bool = False):
+  """Refuses, before any work, an output folder that a script could not
+  write its results into at the end.
+
+  new: refuse one that already holds files (results that a rerun would
+  otherwise mix with, or report as, its own)."""
+  out = pathlib.Path(path).expanduser()
+  if out.exists() and not out.is_dir():
+    raise UserError(f'{flag}={path} is a file; give a folder for the results')
+  if new and out.is_dir() and any(out.iterdir()):
+    raise UserError(f'{flag}={path} already holds results; give a new folder '
+                    '(or remove that one) so that every number is measured '
+                    'by this run')
+  parent = next(p for p in (out, *out.absolute().parents) if p.exists())
+  if not parent.is_dir() or not os.access(parent, os.W_OK):
+    raise UserError(f'{flag}={path} cannot be created in {parent}; give a '
+                    'folder you can write to')

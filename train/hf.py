@@ -31,6 +31,7 @@ import numpy as np
 
 from train import safetensors_io
 from train.errors import UserError
+from train.progress import Progress
 
 FAMILIES = {  # model_type -> architecture class.
     'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
@@ -55,6 +56,7 @@ def model_fields(hf: dict) -> dict[str, Any]:
   if family not in FAMILIES:
     raise UserError(f'model_type {family!r} is not supported; supported: '
                     f'{", ".join(FAMILIES)}')
+  _check_types(hf)
   get = lambda key, default=None: (hf[key] if hf.get(key) is not None
                                    else default)
   problems = []
@@ -89,6 +91,36 @@ def model_fields(hf: dict) -> dict[str, Any]:
       qk_norm=family == 'qwen3', rope_scaling=scaling, use_rope=True,
       learned_positions=False,
       scan_unroll=1)  # Deep models: one layer compiled, not four.
+
+
+# config.json fields read as counts: required, or optional (None allowed).
+REQUIRED_COUNTS = ('vocab_size', 'hidden_size', 'intermediate_size',
+                   'num_hidden_layers', 'num_attention_heads')
+OPTIONAL_COUNTS = ('num_key_value_heads', 'head_dim', 'max_position_embeddings',
+                   'sliding_window')
+OPTIONAL_NUMBERS = ('rms_norm_eps', 'rope_theta')
+
+
+def _check_types(hf: dict):
+  """UserError for a missing or mistyped field, before any is used."""
+  def bad(key, what):
+    return UserError(f'config.json: {key}={hf.get(key)!r} must be {what}; '
+                     'fix config.json (it is not a valid checkpoint config)')
+  is_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
+  for key in REQUIRED_COUNTS:
+    if key not in hf:
+      raise UserError(f'config.json has no {key}; a {hf["model_type"]} config '
+                      f'needs {", ".join(REQUIRED_COUNTS)}')
+    if not is_count(hf[key]):
+      raise bad(key, 'an integer >= 1')
+  for key in OPTIONAL_COUNTS:
+    if hf.get(key) is not None and not is_count(hf[key]):
+      raise bad(key, 'an integer >= 1 (or absent)')
+  for key in OPTIONAL_NUMBERS:
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(
+        value, (int, float)) or not value > 0):
+      raise bad(key, 'a number > 0 (or absent)')
 
 
 def _rope(hf: dict, problems: list[str]):
@@ -353,29 +385,39 @@ def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
     source_shape = _source_shape(to_ours, shape, H)
     is_kv = path[-1] in KV_NAMES and convert_kv is not None
     if source_shape is None or (not is_kv and source_shape != slot_shape):
-      raise UserError(f'{name} is {list(shape)} in the safetensors, which '
-                      f'does not fit {list(slot_shape)} from config.json; '
-                      'nothing was written')
+      expected = _source_shape(plan[name][3], slot_shape, H)  # HF layout.
+      raise UserError(f'{name} is {list(shape)} in the safetensors, but '
+                      f'config.json implies {list(expected)}; nothing was '
+                      'written')
   params = _empty_like(shapes)  # Allocated once everything is checked.
-  for f in files:
-    for name in f.entries:
-      if name not in plan:
-        continue
-      path, layer, to_ours, _ = plan[name]
-      value = to_ours(f.read(name), H)
-      if path[-1] in KV_NAMES and convert_kv is not None:
-        try:
-          value = convert_kv(value, name)
-        except ValueError:
-          raise UserError(f'{name} is {list(f.entries[name][1])} in the '
-                          'safetensors, which does not fit the KV heads of '
-                          'config.json; nothing was written') from None
-      target = _get(params, path)
-      if layer is None:
-        target[...] = value
-      else:
-        target[layer] = value
+  total = sum(f.nbytes(name) for f in files for name in f.entries
+              if name in plan)
+  with Progress('reading weights', total, unit='MB', scale=1e6) as bar:
+    for f in files:
+      for name in f.entries:
+        if name in plan:
+          _read_into(params, f, name, plan[name], H, convert_kv)
+          bar.advance(f.nbytes(name))
   return params
+
+
+def _read_into(params, f: safetensors_io.File, name: str, planned, H: int,
+               convert_kv):
+  """Reads one tensor into its slot of `params`."""
+  path, layer, to_ours, _ = planned
+  value = to_ours(f.read(name), H)
+  if path[-1] in KV_NAMES and convert_kv is not None:
+    try:
+      value = convert_kv(value, name)
+    except ValueError:
+      raise UserError(f'{name} is {list(f.entries[name][1])} in the '
+                      'safetensors, which does not fit the KV heads of '
+                      'config.json; nothing was written') from None
+  target = _get(params, path)
+  if layer is None:
+    target[...] = value
+  else:
+    target[layer] = value
 
 
 def _source_shape(to_ours, shape, H):
@@ -424,6 +466,10 @@ def read_config(directory: pathlib.Path) -> dict:
     raise UserError(f'{path} not found; --from_hf must be a Hugging Face '
                     'checkpoint folder (config.json + *.safetensors)')
   try:
-    return json.loads(path.read_text())
+    config = json.loads(path.read_text())
   except ValueError as e:
     raise UserError(f'{path} is not valid JSON ({e})') from None
+  if not isinstance(config, dict):
+    raise UserError(f'{path} holds a JSON {type(config).__name__}, not an '
+                    'object; give the config.json of a Hugging Face model')
+  return config

@@ -7,6 +7,7 @@ import json
 import math
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ from train.checkpoint import Checkpointer
 from train.errors import UserError
 from train import model as model_lib
 from train.model import Transformer
-from train.metrics import MetricsWriter
+from train.metrics import MetricsWriter, left_range_at, read_metrics
 
 
 @flax.struct.dataclass
@@ -128,15 +129,18 @@ def train_and_evaluate(config, workdir: str, *,
   mesh = sharding.make_mesh(config.mesh)
   config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
                       jax.process_count())
-  path = workdir_lib.check_writable(workdir)
   is_chief = jax.process_index() == 0  # Writes the files beside checkpoints.
-  with workdir_lib.lock(path, enabled=is_chief):
-    run = setup(config, path, mesh, is_chief)
-    try:
-      return _train(run, config, should_stop)
-    finally:
-      run.checkpointer.close()
-      run.reporter.close()
+  with workdir_lib.new_or_existing(workdir) as path:
+    with workdir_lib.lock(path, enabled=is_chief):
+      run = setup(config, path, mesh, is_chief)
+      try:
+        return _train(run, config, should_stop)
+      finally:
+        run.checkpointer.close()
+        run.reporter.close()
+
+
+DIVERGED_DIR = 'diverged_checkpoints'
 
 
 @dataclasses.dataclass
@@ -168,6 +172,12 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
                           task=dc.task, recall_pairs=dc.recall_pairs,
                           vocab_size=config.model.vocab_size,
                           tokenizer=_tokenizer(dc, path, is_chief))
+  if dataset.bytes_per_token == 1.0 and mc.vocab_size != 256:
+    raise UserError(
+        f'{dataset.description} is read as UTF-8 bytes (256 ids), but '
+        f'model.vocab_size={mc.vocab_size}: give the model\'s tokenizer '
+        f'(data.tokenizer, or {tokenizer_lib.FILE} in the workdir) or '
+        'token ids (.bin), or set model.vocab_size=256')
   if dataset.vocab_size > mc.vocab_size:
     raise UserError(f'{dataset.description} has token ids up to '
                     f'{dataset.vocab_size - 1}; set model.vocab_size >= '
@@ -182,13 +192,14 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
       jax.eval_shape(lambda: init_params(model, config.seed)), tx, abstract,
       mesh, rules)
 
-  say = print if is_chief else lambda _: None
+  warn = (lambda text: print(text, file=sys.stderr, flush=True)) if (
+      is_chief) else (lambda _: None)
   checkpointer = Checkpointer(str(path), every=tc.checkpoint_every,
                               keep=tc.keep_checkpoints)
   restored = checkpointer.restore(  # Onto this run's mesh, whatever wrote it.
       jax.tree.map(
           lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          abstract, state_sharding), warn=say)
+          abstract, state_sharding), warn=warn)
   if restored is not None:
     resume_step, state = restored
     if state.opt_state is None:  # A converted or imported checkpoint.
@@ -290,6 +301,42 @@ def _tokenizer(dc, path: pathlib.Path, is_chief: bool):
 class _NonFinite(Exception):
   """A step's loss or gradient norm is NaN or infinite."""
 
+  def __init__(self, step: int, message: str):
+    super().__init__(message)
+    self.step = step
+
+
+def _diverged(run: Run, step: int, what: str) -> str:
+  """Sets the run up to resume from before a divergence; returns the line
+  that says so.
+
+  The last checkpoint is usually already a dead model (loss at ln V): the
+  good one is the newest whose parameters' loss, logged one step after it,
+  was still in its running range (`metrics.left_range_at`). Newer ones are
+  moved to WORKDIR/diverged_checkpoints, so that a rerun resumes from it.
+  """
+  run.checkpointer.wait()  # Every save must be complete first.
+  records = read_metrics(run.workdir) if (
+      run.workdir / 'metrics.jsonl').exists() else []
+  left = left_range_at(records, step)
+  # The loss logged at step n is that of checkpoint n - 1's parameters.
+  good = [s for s in run.checkpointer.all_steps() if s <= left - 2]
+  last_good = max(good) if good else None
+  moved = run.checkpointer.move_after(last_good, DIVERGED_DIR)
+  line = f'non-finite loss or gradient {what}; stopped'
+  if left < step:
+    line += f'; the loss left its running range at step {left}'
+  if last_good is None:
+    line += '; no checkpoint yet' if not moved else (
+        f'; no checkpoint from before that (moved {len(moved)} to '
+        f'{run.workdir / DIVERGED_DIR}), so a rerun starts afresh')
+  else:
+    line += f'; the last good checkpoint is step {last_good}'
+    if moved:
+      line += (f' (the {len(moved)} after it moved to '
+               f'{run.workdir / DIVERGED_DIR}); rerun to resume from it')
+  return line + ' with a lower train.learning_rate, or check the data'
+
 
 class _Window:
   """Host metrics of the steps since the last log line.
@@ -314,7 +361,7 @@ class _Window:
     step, host = self._pending[0], jax.device_get(self._pending[1])
     self._pending = None
     if not all(np.isfinite(float(v)) for v in host.values()):
-      raise _NonFinite(f'at step {step} ({_rounded(host)})')
+      raise _NonFinite(step, f'at step {step} ({_rounded(host)})')
     now = time.perf_counter()
     self.rows.append({**host, 'step_time': now - self._t_last})
     self._t_last = now
@@ -351,13 +398,7 @@ def _train(run: Run, config, should_stop) -> dict:
         continue
       window.fetch()  # Logging, evaluation and saving steps sync here.
     except _NonFinite as e:
-      run.checkpointer.wait()  # The last good save must be complete.
-      last_good = run.checkpointer.latest_step()
-      raise UserError(
-          f'non-finite loss or gradient {e}; stopped; '
-          + ('no checkpoint yet' if last_good is None else
-             f'the last good checkpoint is step {last_good}')
-          + '; lower train.learning_rate or check the data') from None
+      raise UserError(_diverged(run, e.step, str(e))) from None
     rows = window.take()
     step_time = float(np.mean([r['step_time'] for r in rows]))
     train_seconds += sum(r['step_time'] for r in rows)

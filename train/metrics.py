@@ -8,6 +8,9 @@ import pathlib
 import sys
 import time
 
+from train.errors import UserError
+from train.progress import duration
+
 
 class MetricsWriter:
   """Writes WORKDIR/metrics.jsonl and TensorBoard events; shows progress.
@@ -70,7 +73,7 @@ class MetricsWriter:
       if 'eval_bpb' in record:
         parts.append(f'({record["eval_bpb"]:.3f} bits/byte)')
     parts += [f'{record["tokens_per_sec"]:,.0f} tok/s',
-              f'mfu {100 * record["mfu"]:.1f}%', f'ETA {_duration(eta)}']
+              f'mfu {100 * record["mfu"]:.1f}%', f'ETA {duration(eta)}']
     line = '  '.join(parts)
     if self.interactive:
       bar_width = 20
@@ -89,15 +92,41 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def _records(path: pathlib.Path) -> list[dict]:
-  """The records of a metrics.jsonl, without the partial line a kill
-  mid-write leaves."""
+  """The records of a metrics.jsonl; a partial last line (a kill mid-write)
+  is dropped, an unreadable line elsewhere is an error."""
+  lines = path.read_text().splitlines()
   records = []
-  for line in path.read_text().splitlines():
+  for number, line in enumerate(lines, 1):
     try:
       records.append(json.loads(line))
     except json.JSONDecodeError:
-      continue
+      if number < len(lines):
+        raise UserError(f'{path} line {number} is not JSON ({line[:40]!r}); '
+                        'remove or repair that line and rerun') from None
   return records
+
+
+def left_range_at(records: list[dict], step: int | None = None,
+                  tolerance: float = 0.25, floor: float = 0.1) -> int | None:
+  """The first logged step whose training loss left its running range, or
+  `step` (a non-finite one) if none did before it.
+
+  Out of range: not finite, or above the lowest loss logged before it by
+  more than max(tolerance x that loss, floor) nats; the noise of a healthy
+  run stays well inside that, a diverging one leaves it at once.
+  """
+  lowest = math.inf
+  for record in records:
+    loss = record.get('loss')
+    if step is not None and record['step'] >= step:
+      break
+    if loss is None:
+      continue
+    if not math.isfinite(loss) or loss > lowest + max(tolerance * lowest,
+                                                      floor):
+      return record['step']
+    lowest = min(lowest, loss)
+  return step
 
 
 def _truncate_after(path: pathlib.Path, step: int):
@@ -112,10 +141,3 @@ def _truncate_after(path: pathlib.Path, step: int):
 def _plain(value):
   value = float(value) if hasattr(value, 'dtype') else value
   return value
-
-
-def _duration(seconds: float) -> str:
-  if not math.isfinite(seconds):
-    return '?'
-  minutes, seconds = divmod(int(seconds), 60)
-  return f'{minutes}:{seconds:02d}'

@@ -13,6 +13,7 @@ stdout (so it pipes); timings go to stderr. --temperature=0 is greedy.
 
 import dataclasses
 import functools
+import math
 import sys
 import time
 
@@ -80,6 +81,20 @@ def generate(params, prompt_BT, rng, *, model: Transformer,
   return jnp.concatenate([first_B[:, None], rest], axis=1)
 
 
+def _check_flags(f, vocab_size: int):
+  """Every sampling flag in its range, before the model is compiled."""
+  if not (math.isfinite(f.temperature) and f.temperature >= 0):
+    raise UserError(f'--temperature={f.temperature} must be a number >= 0 '
+                    '(0 = greedy)')
+  if not 0 <= f.top_k <= vocab_size:
+    raise UserError(f'--top_k={f.top_k} must be in 0..{vocab_size} (the '
+                    'vocabulary; 0 = all)')
+  if f.max_new_tokens < 1:
+    raise UserError(f'--max_new_tokens={f.max_new_tokens} must be >= 1')
+  if not 0 <= f.seed < 1 << 32:
+    raise UserError(f'--seed={f.seed} must be in 0..2**32 - 1')
+
+
 def main(argv):
   from absl import flags, logging  # pylint: disable=import-outside-toplevel
   del argv
@@ -90,6 +105,7 @@ def main(argv):
     raise UserError(f'this model was trained on data.task='
                     f'{config.data.task!r}, not text; sample from a language '
                     'model')
+  _check_flags(f, mc.vocab_size)
   tokenizer = tokenizer_lib.of_workdir(f.workdir)
   if tokenizer.name == 'bytes' and (mc.vocab_size != 256 or
                                     config.data.path.endswith('.bin')):
@@ -97,7 +113,12 @@ def main(argv):
                     f'{config.data.path!r}) and its workdir has no '
                     f'{tokenizer_lib.FILE}; text prompts need a byte-level '
                     'model or a tokenizer')
-  prompt = tokenizer.encode(f.prompt)
+  try:
+    prompt = tokenizer.encode(f.prompt)
+  except UnicodeEncodeError:  # Undecodable argv bytes arrive as surrogates.
+    raise UserError('--prompt is not valid UTF-8 text; give the prompt in '
+                    'UTF-8 (check the terminal\'s or file\'s encoding)'
+                    ) from None
   if not len(prompt):
     prompt = tokenizer.encode('\n')  # Start from a line break.
   total = len(prompt) + f.max_new_tokens
@@ -107,9 +128,6 @@ def main(argv):
                     f'({mc.max_len}); shorten one')
   # The KV cache holds what this call needs, not the model's longest context.
   mc = dataclasses.replace(mc, max_len=total)
-  if f.temperature < 0 or not 0 <= f.top_k <= mc.vocab_size:
-    raise UserError(f'--temperature must be >= 0 and --top_k in '
-                    f'0..{mc.vocab_size} (the vocabulary; 0 = all)')
   run = functools.partial(
       generate, model=Transformer(mc, decode=True),
       max_new_tokens=f.max_new_tokens, temperature=f.temperature,

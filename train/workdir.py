@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import os
 import pathlib
+import shutil
 import socket
 from typing import Callable, Iterator
 
@@ -40,6 +41,21 @@ def check_writable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
     raise UserError(f'{flag}={workdir} cannot be written ({e.strerror}); '
                     'give a directory you can write to') from None
   return path
+
+
+@contextlib.contextmanager
+def new_or_existing(workdir: str, flag: str = '--workdir'
+                    ) -> Iterator[pathlib.Path]:
+  """`check_writable`'s WORKDIR; one it created is removed again if the run
+  fails having written nothing but its lock (a refused config, say)."""
+  existed = pathlib.Path(workdir).expanduser().exists()
+  path = check_writable(workdir, flag)
+  try:
+    yield path
+  except BaseException:
+    if not existed and {p.name for p in path.iterdir()} <= {LOCK_NAME}:
+      shutil.rmtree(path, ignore_errors=True)
+    raise
 
 
 @contextlib.contextmanager
