@@ -10,6 +10,7 @@ import os
 import pathlib
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,6 +311,50 @@ def test_binary_files_are_not_trained_on_as_text(tmp_path):
   assert data.load(str(folder), val_fraction=0.1, seq_len=32).vocab_size == 256
 
 
+def test_a_token_file_in_a_text_folder_is_named_as_such(tmp_path):
+  (tmp_path / 'a.txt').write_text('plain text ' * 100)
+  np.arange(100, dtype=np.uint16).tofile(tmp_path / 'b.bin')
+  with pytest.raises(UserError, match=re.escape(
+      f'{tmp_path / "b.bin"} is a token file inside a folder of text; '
+      'data.path takes one .bin file, a folder with train.bin and val.bin')):
+    data.load(str(tmp_path), val_fraction=0.1, seq_len=32)
+
+
+def test_every_token_id_is_checked_not_only_the_first_ten_million(tmp_path):
+  tokens = np.zeros(10_000_050, np.uint16)
+  tokens[-3] = 4000  # In the held-out tail, past the first 10M.
+  tokens.tofile(tmp_path / 'tokens.bin')
+  loaded = data.load(str(tmp_path / 'tokens.bin'), val_fraction=0.01,
+                     seq_len=32)
+  assert loaded.vocab_size == 4001
+  with pytest.raises(UserError, match='has token ids up to 4000; set '
+                     'model.vocab_size >= 4001'):
+    loop.train_and_evaluate(_config(data__path=str(tmp_path / 'tokens.bin')),
+                            str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+
+
+def test_bytes_are_refused_for_a_model_whose_vocabulary_is_not_256(tmp_path):
+  with pytest.raises(UserError, match=r'read as UTF-8 bytes \(256 ids\), but '
+                     r'model.vocab_size=4096: give the model\'s tokenizer'):
+    loop.train_and_evaluate(_config(model__vocab_size=4096),
+                            str(tmp_path / 'w'))
+
+
+def test_building_the_corpus_cache_says_so(tmp_path, capsys):
+  data.load('', val_fraction=0.1, seq_len=32, cache_dir=str(tmp_path))
+  assert 'building the embedded corpus from ' in capsys.readouterr().err
+  data.load('', val_fraction=0.1, seq_len=32, cache_dir=str(tmp_path))
+  assert capsys.readouterr().err == ''  # Once.
+
+
+def test_an_unreadable_metrics_line_before_the_last_is_an_error(tmp_path):
+  (tmp_path / 'metrics.jsonl').write_text(
+      '{"step": 5, "loss": 2.0}\n{"step": 10, "lo\n{"step": 15, "loss": 1.0}\n')
+  with pytest.raises(UserError, match='metrics.jsonl line 2 is not JSON'):
+    metrics_lib.read_metrics(tmp_path)
+
+
 def test_a_folder_reached_through_a_dotted_path_is_read(tmp_path, monkeypatch):
   corpus = tmp_path / '.local' / 'corpus'
   corpus.mkdir(parents=True)
@@ -351,13 +396,57 @@ def _scripts(*args):
     ('scripts.recall_sweep', ['--out=OUT', '--kv_heads=8,3'],
      'model.num_heads=8 is not divisible by model.num_kv_heads=3'),
     ('scripts.recall_sweep', ['--out=OUT', '--d_model=-1'], '--d_model=-1'),
+    ('scripts.make_hf_model', ['--out=OUT', '--num_heads=8',
+                               '--num_kv_heads=3'],
+     '--num_heads=8 is not divisible by --num_kv_heads=3'),
+    ('train.main', ['--config=CONFIGS/syntax.py'],
+     "syntax.py, line 2: '(' was never closed; fix the config file"),
+    ('train.main', ['--config=CONFIGS/no_get_config.py'],
+     'no_get_config.py defines no get_config()'),
 ])
 def test_bad_command_lines_are_one_line(tmp_path, module, args, message):
-  args = [a.replace('OUT', str(tmp_path / 'out')) for a in args]
+  configs = tmp_path / 'configs'
+  configs.mkdir()
+  (configs / 'syntax.py').write_text('def get_config():\n  return (\n')
+  (configs / 'no_get_config.py').write_text('x = 1\n')
+  args = [a.replace('OUT', str(tmp_path / 'out')).replace('CONFIGS',
+                                                          str(configs))
+          for a in args]
   if module in ('train.main', 'train.convert'):
     args.append(f'--workdir={tmp_path / "w"}')
   _one_line_error(_run(module, *args), message)
   assert not (tmp_path / 'out').exists()
+  assert not (tmp_path / 'w').exists()  # A refused run leaves no workdir.
+
+
+@pytest.mark.parametrize('module, args', [
+    ('scripts.bench_decode', ['--kv_heads=1', '--batches=1',
+                              '--contexts=8']),
+    ('scripts.accelerator_check', ['--quick']),
+    ('scripts.make_hf_model', []),
+])
+def test_an_output_that_cannot_take_results_is_refused_before_the_work(
+    tmp_path, module, args):
+  a_file = tmp_path / 'results'
+  a_file.write_text('')
+  _one_line_error(_run(module, f'--out={a_file}', *args),
+                  f'--out={a_file} is a file')
+  if module != 'scripts.bench_decode':  # Reruns would report old numbers.
+    used = tmp_path / 'used'
+    used.mkdir()
+    (used / 'accelerator.json').write_text('{}')
+    _one_line_error(_run(module, f'--out={used}', *args),
+                    f'--out={used} already holds results')
+    assert [p.name for p in used.iterdir()] == ['accelerator.json']
+
+
+def test_accelerator_check_without_the_tests_says_so_and_goes_on(
+    tmp_path, monkeypatch):
+  from scripts import accelerator_check  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(accelerator_check, 'REPO', tmp_path)  # As installed.
+  tests = accelerator_check.run_tests(quick=True)
+  assert tests['returncode'] == 0
+  assert tests['summary'].startswith(f'skipped: no tests in {tmp_path}')
 
 
 def test_bad_workdirs_are_one_line_before_any_work(trained, tmp_path):
@@ -378,6 +467,33 @@ def test_bad_workdirs_are_one_line_before_any_work(trained, tmp_path):
                   '--top_k=257 must be in 0..256')
 
 
+@pytest.mark.parametrize('flag, message', [
+    ('--temperature=nan', '--temperature=nan must be a number >= 0'),
+    ('--temperature=inf', '--temperature=inf must be a number >= 0'),
+    ('--max_new_tokens=0', '--max_new_tokens=0 must be >= 1'),
+    ('--seed=-1', '--seed=-1 must be in 0..2**32 - 1'),
+    (b'--prompt=caf\xe9', '--prompt is not valid UTF-8 text'),  # Latin-1.
+])
+def test_every_sampling_flag_is_range_checked(trained, flag, message):
+  result = subprocess.run(
+      [sys.executable.encode(), b'-m', b'train.sample',
+       f'--workdir={trained}'.encode(),
+       flag if isinstance(flag, bytes) else flag.encode()],
+      cwd=REPO, capture_output=True, timeout=180)
+  result.stdout, result.stderr = (result.stdout.decode(errors='replace'),
+                                  result.stderr.decode(errors='replace'))
+  _one_line_error(result, message)
+  assert '\0' not in result.stdout
+
+
+def test_an_exact_copy_is_called_one(trained, tmp_path):
+  result = _run('train.convert', f'--source={trained}',
+                f'--workdir={tmp_path / "copy"}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip() == (f'wrote {tmp_path / "copy"}: 2 KV heads, '
+                                   'copied unchanged')
+
+
 def test_sample_leaves_the_workdir_it_reads_untouched(trained, tmp_path):
   only_config = tmp_path / 'w'
   only_config.mkdir()
@@ -386,6 +502,33 @@ def test_sample_leaves_the_workdir_it_reads_untouched(trained, tmp_path):
   _one_line_error(_run('train.sample', f'--workdir={only_config}'),
                   'no checkpoint in')
   assert [p.name for p in only_config.iterdir()] == ['config.json']
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_is_one_line_and_a_rerun_resumes(tmp_path):
+  """A 600 KB tmpfs holds the checkpoint of step 10 but not step 20's."""
+  if os.geteuid() != 0 or not shutil.which('unshare'):
+    pytest.skip('mounting a small tmpfs needs root and unshare')
+  disk, logs = tmp_path / 'disk', tmp_path / 'logs'
+  disk.mkdir()
+  logs.mkdir()
+  train = f'{sys.executable} -m train.main --config=tiny --workdir={disk}/run'
+  script = (f'mount -t tmpfs -o size=600k tmpfs {disk} || exit 99; '
+            f'{train} >{logs}/out1 2>{logs}/err1; echo $? >{logs}/rc1; '
+            f'mount -o remount,size=20m {disk}; '
+            f'{train} >{logs}/out2 2>{logs}/err2; echo $? >{logs}/rc2')
+  run = subprocess.run(['unshare', '--mount', 'sh', '-c', script], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+  if run.returncode == 99 or not (logs / 'rc1').exists():
+    pytest.skip(f'no tmpfs can be mounted here: {run.stderr.strip()}')
+  full = subprocess.CompletedProcess(
+      [], int((logs / 'rc1').read_text()), (logs / 'out1').read_text(),
+      (logs / 'err1').read_text())
+  _one_line_error(full, 'could not write checkpoint step 20 to ')
+  assert f'(the disk is full); the disk at {disk} has' in full.stderr
+  assert 'the last complete checkpoint is step 10; free space' in full.stderr
+  assert (logs / 'rc2').read_text().strip() == '0', (logs / 'err2').read_text()
+  assert 'resuming from step 10' in (logs / 'out2').read_text()
 
 
 # Installed, not run from the repository.
