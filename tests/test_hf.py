@@ -9,6 +9,7 @@ import -> export -> import is bit-exact.
 import json
 import pathlib
 import re
+import struct
 import subprocess
 import sys
 
@@ -22,7 +23,8 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from train import checkpoint, convert, hf, safetensors_io, sample, tokenizer  # pylint: disable=wrong-import-position
+from train import (checkpoint, config_lib, convert, hf, loop, safetensors_io,  # pylint: disable=wrong-import-position
+                   sample, tokenizer)
 from train.errors import UserError  # pylint: disable=wrong-import-position
 from train.model import Transformer  # pylint: disable=wrong-import-position
 
@@ -181,20 +183,99 @@ def test_bf16_checkpoints_stay_bf16_unless_asked(tmp_path):
           use_sliding_window=True, sliding_window=64),
      'sliding-window and full-attention layers mixed'),
     (dict(num_hidden_layers=3), 'missing model.layers.2.'),
-    (dict(hidden_size=32), 'does not fit'),
+    (dict(hidden_size=32), 'model.embed_tokens.weight is [300, 64] in the '
+     'safetensors, but config.json implies [300, 32]'),
+    (dict(hidden_size=...), 'config.json has no hidden_size'),
+    (dict(num_hidden_layers='2'),
+     "config.json: num_hidden_layers='2' must be an integer >= 1"),
+    (dict(rms_norm_eps=[1e-6]), 'config.json: rms_norm_eps=[1e-06] must be a '
+     'number > 0'),
 ])
 def test_unsupported_checkpoints_are_refused_before_writing(
     qwen2_folder, tmp_path, changes, message):
-  source = tmp_path / 'hf'
-  source.mkdir()
-  for f in qwen2_folder.iterdir():
-    (source / f.name).symlink_to(f)
-  (source / 'config.json').unlink()
+  source = _linked_copy(qwen2_folder, tmp_path / 'hf', 'config.json')
   config = json.loads((qwen2_folder / 'config.json').read_text())
-  (source / 'config.json').write_text(json.dumps({**config, **changes}))
+  config = {k: v for k, v in {**config, **changes}.items() if v is not ...}
+  (source / 'config.json').write_text(json.dumps(config))
   with pytest.raises(UserError, match=re.escape(message)):
     convert.import_hf(str(source), str(tmp_path / 'out'))
   assert not (tmp_path / 'out').exists()  # Nothing half-written.
+
+
+def _linked_copy(folder, target, *except_names):
+  """`folder`'s files linked into `target`, except those to be rewritten."""
+  target.mkdir()
+  for f in folder.iterdir():
+    if f.name not in except_names:
+      (target / f.name).symlink_to(f)
+  return target
+
+
+def _damaged(data: bytes, damage: str, tmp_path) -> bytes:
+  size = struct.unpack('<Q', data[:8])[0]
+  header = data[8:8 + size]
+  if damage == 'absurd_header_length':
+    return struct.pack('<Q', 1 << 60) + data[8:]
+  if damage == 'header_is_a_list':
+    listed = b'[]'.ljust(size)
+    return data[:8] + listed + data[8 + size:]
+  if damage == 'f16_for_f32_bytes':
+    return data[:8] + header.replace(b'"F32"', b'"F16"', 1) + data[8 + size:]
+  # A transposed gate_proj: the same bytes, shape [D, F] for [F, D].
+  original = tmp_path / 'original.safetensors'
+  original.write_bytes(data)
+  source = safetensors_io.File(original)
+  name = 'model.layers.0.mlp.gate_proj.weight'
+  tensors = [(n, source.read(n).T if n == name else source.read(n))
+             for n in source.entries]
+  shapes = {n: (a.dtype, a.shape) for n, a in tensors}
+  safetensors_io.write(tmp_path, iter(tensors), shapes)
+  return (tmp_path / 'model.safetensors').read_bytes()
+
+
+@pytest.mark.parametrize('damage, message', [
+    ('absurd_header_length', 'header length 1,152,921,504,606,846,976 exceeds'),
+    ('header_is_a_list', 'has an inconsistent safetensors header (its header '
+     'is a JSON list, not an object)'),
+    ('f16_for_f32_bytes', 'bytes, but its data_offsets span'),
+    ('transposed_gate_proj', 'model.layers.0.mlp.gate_proj.weight is [64, '
+     '128] in the safetensors, but config.json implies [128, 64]'),
+])
+def test_damaged_safetensors_are_refused_before_writing(
+    qwen2_folder, tmp_path, damage, message):
+  source = _linked_copy(qwen2_folder, tmp_path / 'hf', 'model.safetensors')
+  work = tmp_path / 'work'
+  work.mkdir()
+  (source / 'model.safetensors').write_bytes(_damaged(
+      (qwen2_folder / 'model.safetensors').read_bytes(), damage, work))
+  with pytest.raises(UserError, match=re.escape(message)):
+    convert.import_hf(str(source), str(tmp_path / 'out'))
+  assert not (tmp_path / 'out').exists()
+
+
+def test_a_garbage_tokenizer_is_refused_before_writing(qwen2_folder,
+                                                        tmp_path):
+  source = _linked_copy(qwen2_folder, tmp_path / 'hf')
+  (source / 'tokenizer.json').write_text('{"not": "a tokenizer"}')
+  with pytest.raises(UserError, match='tokenizer.json is not a Hugging Face '
+                     'tokenizer.json'):
+    convert.import_hf(str(source), str(tmp_path / 'out'))
+  assert not (tmp_path / 'out').exists()
+
+
+def test_an_import_without_a_tokenizer_is_loud_and_refuses_bytes(
+    qwen2_folder, tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'train.convert', f'--from_hf={qwen2_folder}',
+       f'--workdir={tmp_path}/out'], cwd=REPO, capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'warning: {qwen2_folder} has no tokenizer.json, so ' in result.stderr
+  assert 'reading weights ' in result.stderr  # The progress line.
+  config = config_lib.from_json(tmp_path / 'out' / 'config.json')
+  with pytest.raises(UserError, match=r'read as UTF-8 bytes \(256 ids\), but '
+                     'model.vocab_size=300'):
+    loop.train_and_evaluate(config, str(tmp_path / 'out'))
 
 
 def test_a_refused_import_is_one_line_on_the_command_line(
