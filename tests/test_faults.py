@@ -6,6 +6,7 @@ checkpoints and metrics, out-of-range settings, non-text data, and kills at
 random moments (SIGKILL, mid-save included) that must resume bit-identically.
 """
 
+import io
 import os
 import pathlib
 import random
@@ -23,6 +24,7 @@ import pytest
 
 from train import checkpoint, config_lib, data, loop, workdir
 from train import metrics as metrics_lib
+from train import progress
 from train.errors import UserError
 from tests.test_train import _config
 
@@ -272,6 +274,53 @@ def test_eta_counts_step_times_not_compilation(tmp_path, capsys):
                     'step_time': 0.1})
   reporter.close()
   assert 'ETA 0:09' in capsys.readouterr().out
+
+
+# Progress on long operations.
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_progress_in_a_log_is_a_line_at_the_end_or_every_so_often():
+  quiet, chatty = io.StringIO(), io.StringIO()
+  for stream, every in ((quiet, 30.0), (chatty, 0.0)):
+    with progress.Progress('reading', 4e6, unit='MB', scale=1e6,
+                           every=every, stream=stream) as bar:
+      for _ in range(4):
+        bar.advance(1e6)
+  lines = quiet.getvalue().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('reading  4.0/4.0 MB  ')
+  assert 'MB/s  elapsed 0:00  ETA 0:00' in lines[0]
+  assert len(chatty.getvalue().splitlines()) == 5  # Each step, and the end.
+
+
+def test_progress_on_a_terminal_is_one_line_redrawn_with_a_bar():
+  terminal = _Terminal()
+  with progress.Progress('runs', 4, stream=terminal) as bar:
+    bar.advance(2)
+  assert '\r\033[K[##########..........] runs  2/4  elapsed' in (
+      terminal.getvalue())
+  assert terminal.getvalue().endswith('\n')
+
+
+def test_a_failed_operation_leaves_its_error_the_only_line():
+  log = io.StringIO()
+  with pytest.raises(UserError):
+    with progress.Progress('reading', 10, stream=log) as bar:
+      bar.advance(3)
+      raise UserError('bad input')
+  assert log.getvalue() == ''
+
+
+def test_study_runs_announce_their_number_elapsed_and_eta():
+  out = io.StringIO()
+  seen = list(progress.runs(['a', 'b', 'c'], str.upper, stream=out))
+  assert seen == ['a', 'b', 'c']
+  lines = out.getvalue().splitlines()
+  assert lines[0] == '=== run 1 of 3: A (elapsed 0:00, ETA ?)'
+  assert lines[2].startswith('=== run 3 of 3: C (elapsed 0:00, ETA 0:00')
 
 
 # Settings that train wrongly must be refused, one line each.

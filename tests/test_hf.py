@@ -314,7 +314,7 @@ def test_export_refuses_what_no_architecture_computes(trained, tmp_path, field,
   assert not (tmp_path / 'out').exists()
 
 
-def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path):
+def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path, capsys):
   from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
   from train import data  # pylint: disable=import-outside-toplevel
   text = tmp_path / 'text.txt'
@@ -336,6 +336,9 @@ def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path):
     np.testing.assert_array_equal(
         np.concatenate([loaded.train, loaded.val])[:100], ids[:100])
   assert len(list((tmp_path / 'cache').iterdir())) == 2  # One per tokenizer.
+  progress = capsys.readouterr().err
+  assert progress.count('tokenizing train.bin ') == 2, progress
+  assert 'M chars/s' in progress and 'ETA 0:00' in progress
 
 
 @pytest.mark.slow
