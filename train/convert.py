@@ -95,6 +95,31 @@ def convert_params(params, model_config, num_kv_heads: int, method: str,
   return jax.tree_util.tree_map_with_path(convert, params, fresh), new_config
 
 
+# Continued training of a pretrained model, written into every imported or
+# converted workdir's config (README, "The uptraining recipe"): a short
+# warmup to a peak far below a from-scratch one, then cosine decay to 10% of
+# it, float32 master weights. A pretrained Hugging Face model gets 3e-5
+# (a tenth of the ~3e-4 peak at which 1-8B models are pre-trained, the range
+# continued pre-training uses: Llama 2's fine-tuning 2e-5, Ibrahim et al.
+# 2024's lower re-warmed rates for less forgetting); our own source resumes
+# at the rate its schedule ended with.
+HF_UPTRAINING_LEARNING_RATE = 3e-5
+
+
+def uptraining_recipe(config, learning_rate: float) -> dict:
+  """The recipe's fields (dotted names) for a config of `config.train.steps`."""
+  return {'train.learning_rate': learning_rate,
+          'train.warmup_steps': max(1, config.train.steps // 50),
+          'train.min_learning_rate_ratio': 0.1,
+          'model.param_dtype': 'float32'}
+
+
+def _apply_recipe(config, learning_rate: float) -> dict:
+  recipe = uptraining_recipe(config, learning_rate)
+  config.update_from_flattened_dict(recipe)
+  return recipe
+
+
 def _target_heads(k_source: int, num_kv_heads: int) -> int:
   k = k_source if num_kv_heads == -1 else num_kv_heads
   if k < 1 or k_source % k:
@@ -116,11 +141,14 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
     k = _target_heads(k_source, num_kv_heads)
     new_params, _ = convert_params(params, model_config, k, method, seed)
     config.model.num_kv_heads = k
+    ended_at = config.train.learning_rate * config.train.min_learning_rate_ratio
+    recipe = _apply_recipe(config, ended_at)
     for name in ('tokenizer.json', 'hf'):  # The tokenizer travels along.
       _copy(pathlib.Path(source) / name, path / name)
     _write_step0(path, new_params, config, {
         'source': str(source), 'num_kv_heads': k,
-        'source_num_kv_heads': k_source, 'method': method})
+        'source_num_kv_heads': k_source, 'method': method,
+        'recipe': recipe})
   return k_source, k
 
 
@@ -149,6 +177,9 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
                        if f != 'rope_scaling'})
   config.model.rope_scaling.update(fields['rope_scaling'])
   config.data.seq_len = min(config.data.seq_len, config.model.max_len)
+  recipe = _apply_recipe(config, HF_UPTRAINING_LEARNING_RATE)
+  if param_dtype:  # Asked for: it overrides the recipe's float32.
+    config.model.param_dtype = param_dtype
   config_lib.validate(config, batch_shards=1)
   _check_tokenizer(directory / tokenizer_lib.FILE, fields['vocab_size'])
   files = safetensors_io.open_checkpoint(directory)
@@ -179,7 +210,8 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
     _write_step0(path, params, config, {
         'from_hf': str(directory.absolute()),
         'model_type': hf_config['model_type'], 'num_kv_heads': k,
-        'source_num_kv_heads': k_source, 'method': method})
+        'source_num_kv_heads': k_source, 'method': method,
+        'recipe': recipe})
   return hf_config['model_type'], k_source, k
 
 
@@ -328,8 +360,8 @@ def run():
   flags.DEFINE_integer('num_kv_heads', -1, 'K; -1 keeps all')
   flags.DEFINE_enum('method', 'mean', METHODS, 'how grouped heads become one')
   flags.DEFINE_integer('seed', 0, 'seed of --method=random')
-  flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '' "
-                      "keeps the checkpoint's")
+  flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '': "
+                      "float32 master weights (the uptraining recipe)")
   run_app(main)
 
 

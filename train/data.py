@@ -4,6 +4,9 @@ Sources, by `data.path` (with `data.task='lm'`, the default):
   ''                 the embedded default: the bytes of this Python's standard
                      library source and its documentation topics (pydoc_data),
                      vocabulary 256, built once and cached;
+  DIR with meta.json a corpus tokenized by `train.prepare_data`: uint16 or
+                     uint32 shards, documents ending in EOS, whole documents
+                     held out; bits per byte from its recorded byte counts;
   DIR with train.bin nanoGPT's pre-tokenised uint16 files (train.bin, val.bin);
   FILE.bin           one uint16 token file, its tail held out;
   FILE or DIR        text, read as bytes (vocabulary 256), the tail held out.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import pathlib
 import sys
@@ -71,6 +75,8 @@ class Dataset:
   vocab_size: int  # Tokens are < vocab_size.
   bytes_per_token: float | None  # 1.0 for byte-level text, None if unknown.
   description: str
+  # A prepared folder's tokenizer (train.prepare_data); None otherwise.
+  tokenizer_fingerprint: str | None = None
   loss_weights = None  # Every target counts.
 
   def batch(self, split: str, *, seed: int, step: int, batch_size: int,
@@ -169,7 +175,14 @@ def load(path: str, *, val_fraction: float, seq_len: int,
       raise UserError(f'data.path {path!r} does not exist; give a text file, '
                       "a folder of text files, a .bin token file, or '' for "
                       'the embedded corpus')
-    if p.is_dir() and (p / 'train.bin').exists():
+    if p.is_dir() and (p / 'progress.jsonl').exists() and not (
+        p / PREPARED_META).exists():
+      raise UserError(f'{p} is a train.prepare_data run that did not finish '
+                      f'(no {PREPARED_META}); rerun it with the same flags to '
+                      'finish it')
+    if p.is_dir() and (p / PREPARED_META).exists():
+      data = prepared(p)
+    elif p.is_dir() and (p / 'train.bin').exists():
       if not (p / 'val.bin').exists():
         raise UserError(f'{p} has train.bin but no val.bin; add one, or point '
                         'data.path at train.bin to hold out its tail')
@@ -181,7 +194,15 @@ def load(path: str, *, val_fraction: float, seq_len: int,
     else:
       train, val = _split(_text_bytes(p), val_fraction, p)
       data = Dataset(train, val, 256, 1.0, f'{p} (bytes)')
-  if tokenizer is not None and tokenizer.name != 'bytes':
+  if data.tokenizer_fingerprint is not None:  # Prepared: tokenized already.
+    if tokenizer is not None and (tokenizer.fingerprint
+                                  != data.tokenizer_fingerprint):
+      raise UserError(
+          f'{p} was prepared with the tokenizer {data.tokenizer_fingerprint} '
+          f'(its {PREPARED_META}), but this run\'s is {tokenizer.name} '
+          f'({tokenizer.fingerprint}); prepare it with this run\'s tokenizer '
+          '(train.prepare_data --tokenizer=WORKDIR) or use another --workdir')
+  elif tokenizer is not None and tokenizer.name != 'bytes':
     if data.bytes_per_token != 1.0:
       raise UserError(f'{data.description} holds token ids already; a '
                       'tokenizer applies to text (unset data.tokenizer)')
@@ -193,6 +214,69 @@ def load(path: str, *, val_fraction: float, seq_len: int,
           f'fewer than data.seq_len + 1 = {seq_len + 1}; use more data or a '
           'shorter --config.data.seq_len')
   return data
+
+
+PREPARED_META = 'meta.json'
+
+
+class Shards:
+  """A prepared split's shards as one token sequence: len() and slices,
+  which may span two shards; nothing is read until sliced."""
+
+  def __init__(self, arrays: list[np.ndarray]):
+    self.arrays = arrays
+    self.ends = np.cumsum([len(a) for a in arrays])
+    self.dtype = arrays[0].dtype
+
+  def __len__(self) -> int:
+    return int(self.ends[-1])
+
+  def __getitem__(self, index: slice) -> np.ndarray:
+    start, stop, _ = index.indices(len(self))
+    pieces = []
+    while start < stop:
+      i = int(np.searchsorted(self.ends, start, side='right'))
+      begin = start - (self.ends[i - 1] if i else 0)
+      piece = self.arrays[i][begin:begin + stop - start]
+      pieces.append(piece)
+      start += len(piece)
+    return np.concatenate(pieces) if pieces else self.arrays[0][:0]
+
+
+def prepared(p: pathlib.Path) -> Dataset:
+  """A `train.prepare_data` folder: a memory map per shard, nothing loaded."""
+  try:
+    meta = json.loads((p / PREPARED_META).read_text())
+    dtype = np.dtype(meta['dtype'])
+    splits = {name: meta['splits'][name] for name in ('train', 'val')}
+  except (ValueError, KeyError, TypeError) as e:
+    raise UserError(f'{p / PREPARED_META} is not a prepared corpus\'s '
+                    f'({e}); prepare it again with train.prepare_data'
+                    ) from None
+  arrays = {}
+  for name, split in splits.items():
+    arrays[name] = []
+    for shard in split['shards']:
+      path = p / shard['file']
+      if not path.exists() or path.stat().st_size != (
+          shard['tokens'] * dtype.itemsize):
+        raise UserError(f'{path} is missing or not the size {PREPARED_META} '
+                        'records; prepare the corpus again')
+      arrays[name].append(np.memmap(path, dtype, 'r'))
+  train, val = (Shards(arrays[n]) if len(arrays[n]) > 1 else arrays[n][0]
+                for n in ('train', 'val'))
+  return Dataset(train, val, meta['vocab_size'],
+                 splits['val']['bytes'] / splits['val']['tokens'],
+                 f'{p} (prepared, {dtype.name})',
+                 meta['tokenizer']['fingerprint'])
+
+
+def prepared_tokenizer(path: str) -> pathlib.Path | None:
+  """The tokenizer.json a prepared folder at `path` was made with, if any."""
+  p = pathlib.Path(path).expanduser() if path else None
+  if p and (p / PREPARED_META).exists() and (p / 'tokenizer.json').exists():
+    return p / 'tokenizer.json'
+  return None
 
 
 def batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
@@ -258,15 +342,22 @@ def _default_cache_dir() -> str:
   return os.path.join(os.environ.get('XDG_CACHE_HOME', '~/.cache'), 'gqa-lab')
 
 
-def _stdlib_corpus(cache_dir: str):
-  """The standard library's .py files and pydoc topics; ~2% of files held out."""
-  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
-  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
+def stdlib_files(root: pathlib.Path) -> list[pathlib.Path]:
+  """The standard library's .py files in a fixed order, tests and vendored
+  packages left out: the embedded corpus (and `prepare_data`'s 'embedded')."""
   files = []
   for dirpath, dirnames, filenames in os.walk(root):
     dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
     files += [pathlib.Path(dirpath, f) for f in sorted(filenames)
               if f.endswith('.py')]
+  return files
+
+
+def _stdlib_corpus(cache_dir: str):
+  """The standard library's .py files and pydoc topics; ~2% of files held out."""
+  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(sysconfig.get_paths()['stdlib'])
+  files = stdlib_files(root)
   fingerprint = hashlib.sha256(repr([
       (str(f.relative_to(root)), f.stat().st_size) for f in files
   ]).encode()).hexdigest()[:12]

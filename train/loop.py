@@ -167,12 +167,19 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
   mc = config_lib.model_config(config)
   rules = sharding.rules(mc, mesh)
   tc, dc = config.train, config.data
+  tokenizer = _tokenizer(dc, path)
   dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
                           seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
                           task=dc.task, recall_pairs=dc.recall_pairs,
                           vocab_size=config.model.vocab_size,
-                          tokenizer=_tokenizer(dc, path, is_chief))
-  if dataset.bytes_per_token == 1.0 and mc.vocab_size != 256:
+                          tokenizer=tokenizer)
+  remembered = path / tokenizer_lib.FILE
+  if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
+      not remembered.exists()):  # The workdir remembers its tokenizer.
+    shutil.copyfile(tokenizer.name, remembered)
+  as_bytes = tokenizer is not None and tokenizer.name == 'bytes' and (
+      dataset.bytes_per_token == 1.0)
+  if as_bytes and mc.vocab_size != 256:
     raise UserError(
         f'{dataset.description} is read as UTF-8 bytes (256 ids), but '
         f'model.vocab_size={mc.vocab_size}: give the model\'s tokenizer '
@@ -203,6 +210,7 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
   if restored is not None:
     resume_step, state = restored
     if state.opt_state is None:  # A converted or imported checkpoint.
+      _check_recipe(path, tc.learning_rate, warn)
       state = jax.jit(lambda s: s.replace(opt_state=tx.init(s.params)),
                       out_shardings=state_sharding)(state)
   else:
@@ -280,21 +288,36 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
               flops_per_token, peak * num_devices, write_config)
 
 
-def _tokenizer(dc, path: pathlib.Path, is_chief: bool):
-  """data.tokenizer, which the workdir then remembers, or the workdir's own."""
+def _check_recipe(path: pathlib.Path, learning_rate: float, warn):
+  """One line when uptraining a converted or imported checkpoint faster
+  than the recipe `train.convert` wrote (a from-scratch rate can undo what
+  the model learnt)."""
+  info = path / 'convert.json'
+  recipe = json.loads(info.read_text()).get('recipe', {}) if (
+      info.exists()) else {}
+  limit = recipe.get('train.learning_rate')
+  if limit is not None and learning_rate > limit:
+    warn(f'warning: train.learning_rate={learning_rate:g} is above the '
+         f'uptraining recipe\'s {limit:g} for this converted checkpoint '
+         f'({info}); a from-scratch rate can undo what it learnt')
+
+
+def _tokenizer(dc, path: pathlib.Path):
+  """data.tokenizer, which the workdir then remembers, or the workdir's own;
+  a fresh workdir training on a prepared corpus remembers the corpus's."""
   remembered = path / tokenizer_lib.FILE
   if dc.task != 'lm':
     return None
-  if not dc.get('tokenizer'):
+  source = dc.get('tokenizer') or (
+      None if remembered.exists() else data_lib.prepared_tokenizer(dc.path))
+  if not source:
     return tokenizer_lib.of_workdir(path)
-  given = tokenizer_lib.load(dc.tokenizer)
+  given = tokenizer_lib.load(source)
   if remembered.exists():
     if tokenizer_lib.load(remembered).fingerprint != given.fingerprint:
       raise UserError(f'{path} was trained with the tokenizer in {remembered}, '
                       f'not data.tokenizer={dc.tokenizer!r}; unset '
                       'data.tokenizer, or use a new --workdir')
-  elif is_chief:
-    shutil.copyfile(pathlib.Path(dc.tokenizer).expanduser(), remembered)
   return given
 
 

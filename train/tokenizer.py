@@ -63,6 +63,15 @@ class HuggingFace:
     return [e.ids for e in self._tokenizer.encode_batch(
         texts, add_special_tokens=False)]
 
+  def encode_documents(self, texts: list[str]) -> list[list[int]]:
+    """With the special tokens the post-processor adds (a BOS, for most),
+    in parallel."""
+    return [e.ids for e in self._tokenizer.encode_batch(
+        texts, add_special_tokens=True)]
+
+  def id_of(self, token: str) -> int | None:
+    return self._tokenizer.token_to_id(token)
+
   def decode(self, ids) -> str:
     return self._tokenizer.decode([int(i) for i in ids],
                                   skip_special_tokens=False)
