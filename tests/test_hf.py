@@ -23,8 +23,8 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from train import (checkpoint, config_lib, convert, hf, loop, safetensors_io,  # pylint: disable=wrong-import-position
-                   sample, tokenizer)
+from train import (checkpoint, config_lib, convert, hf, loop, prepare_data,  # pylint: disable=wrong-import-position
+                   safetensors_io, sample, tokenizer)
 from train.errors import UserError  # pylint: disable=wrong-import-position
 from train.model import Transformer  # pylint: disable=wrong-import-position
 
@@ -161,18 +161,45 @@ def test_our_own_model_exports_as_gemma(trained, tmp_path):
                              _our_logits(trained, tokens_BT), atol=1e-4)
 
 
-def test_bf16_checkpoints_stay_bf16_unless_asked(tmp_path):
+def test_bf16_checkpoints_get_float32_master_weights_unless_asked(tmp_path):
   make_hf_model.make(str(tmp_path / 'hf'), **{**SMALL, 'max_len': 64},
                      dtype='bfloat16')
-  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'bf16'))
+  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'bf16'),
+                    param_dtype='bfloat16')
   mc, params, _ = checkpoint.load_workdir(str(tmp_path / 'bf16'))
   assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(jnp.bfloat16)}
-  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'f32'),
-                    param_dtype='float32')
+  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'f32'))
   _, params32, _ = checkpoint.load_workdir(str(tmp_path / 'f32'))
   assert {x.dtype for x in jax.tree.leaves(params32)} == {np.dtype(np.float32)}
   chex.assert_trees_all_equal(jax.tree.map(
       lambda x: np.asarray(x, np.float32), params), params32)
+
+
+def test_an_imported_workdir_uptrains_on_a_prepared_corpus_by_the_recipe(
+    tmp_path, capsys):
+  make_hf_model.make(str(tmp_path / 'hf'), **{**SMALL, 'max_len': 64,
+                                              'tokenizer': True})
+  convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'w'))
+  config = config_lib.from_json(tmp_path / 'w' / 'config.json')
+  recipe = json.loads((tmp_path / 'w' / 'convert.json').read_text())['recipe']
+  assert config.train.learning_rate == recipe['train.learning_rate'] == (
+      convert.HF_UPTRAINING_LEARNING_RATE)
+  assert config.train.warmup_steps == recipe['train.warmup_steps'] < 30
+  assert config.model.param_dtype == 'float32'  # Master weights.
+  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'docs').mkdir()
+  for name, text in sorted(pydoc_data.topics.topics.items())[:40]:
+    (tmp_path / 'docs' / f'{name}.txt').write_text(text)
+  meta = prepare_data.prepare([str(tmp_path / 'docs')], str(tmp_path / 'w'),
+                              str(tmp_path / 'corpus'), val_fraction=0.1)
+  assert meta['eos_id'] == 1 and meta['bos_id'] == 0  # config.json's, <s>.
+  config.data.update(path=str(tmp_path / 'corpus'), seq_len=32)
+  config.train.update(steps=4, warmup_steps=1, eval_every=4, eval_batches=1,
+                      batch_size=4, learning_rate=1e-3)
+  record = loop.train_and_evaluate(config, str(tmp_path / 'w'))
+  assert np.isfinite(record['eval_loss']) and 'eval_bpb' in record
+  assert "warning: train.learning_rate=0.001 is above the uptraining " \
+      "recipe's 3e-05" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('changes, message', [
