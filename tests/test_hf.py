@@ -421,18 +421,21 @@ print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 @pytest.mark.slow
 def test_the_readme_workflow_runs_on_this_machine(tmp_path):
-  """README: make an MHA model, import it as GQA, uptrain, sample, export;
+  """README: make an MHA model, import it as GQA, prepare the corpus with its
+  tokenizer, uptrain, sample, export;
   the exported model loads in transformers with the new K/V head count."""
   readme = (REPO / 'README.md').read_text()
   block = readme.split('The same commands on this machine')[1]
   commands = block.split('```bash\n')[1].split('\n```')[0].splitlines()
-  assert len(commands) == 5
+  assert len(commands) == 6
   for command in commands:
     result = subprocess.run(command, shell=True, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (command, result.stderr[-2000:])
   from train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   assert read_metrics(tmp_path / 'runs/hf_gqa')[-1]['step'] == 20
+  meta = json.loads((tmp_path / 'runs/corpus/meta.json').read_text())
+  assert meta['dtype'] == 'uint16' and meta['eos_id'] == 1
   final = json.loads((tmp_path / 'runs/hf_gqa/final.json').read_text())
   assert np.isfinite(final['eval_loss'])
   model, info = transformers.AutoModelForCausalLM.from_pretrained(

@@ -86,3 +86,18 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
   report = (tmp_path / 'report.md').read_text()
   assert '| 4 | ' in report and '| K=1 |' in report and '(0/2)' in report
   assert (tmp_path / 'recall.png').stat().st_size > 0
+
+
+def test_bench_prepare_measures_both_contestants_in_their_own_processes(
+    tmp_path, monkeypatch):
+  from scripts import bench_prepare  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(sys, 'argv', [
+      'bench_prepare', '--sizes_mb=1', '--rounds=1', f'--out={tmp_path}'])
+  bench_prepare.main()
+  (row,) = json.loads((tmp_path / 'bench_prepare.json').read_text())
+  assert row['megabytes'] >= 1.0
+  for kind in ('prepare', 'encoder'):
+    assert row[f'{kind}_mb_per_s'] > 0
+    assert 50 < row[f'{kind}_peak_rss_mb'] < 1024  # A process's own peak.
+  assert row['ratio'] == pytest.approx(
+      row['prepare_mb_per_s'] / row['encoder_mb_per_s'])
