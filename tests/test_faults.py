@@ -543,6 +543,17 @@ def test_an_exact_copy_is_called_one(trained, tmp_path):
                                    'copied unchanged')
 
 
+def test_object_store_paths_are_refused_not_made_into_folders(tmp_path,
+                                                             monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(UserError, match='--workdir=gs://bucket/run: gs:// paths '
+                     'are not supported yet; mount the bucket'):
+    loop.train_and_evaluate(_config(), 'gs://bucket/run')
+  with pytest.raises(UserError, match='data.path=s3://b/corpus: s3://'):
+    data.load('s3://b/corpus', val_fraction=0.1, seq_len=8)
+  assert not list(tmp_path.iterdir())  # No folder named 'gs:'.
+
+
 def test_sample_leaves_the_workdir_it_reads_untouched(trained, tmp_path):
   only_config = tmp_path / 'w'
   only_config.mkdir()

@@ -163,6 +163,7 @@ def test_a_kill_mid_prepare_then_a_rerun_gives_the_same_shards(tmp_path):
           '--shard_tokens=100000', '--batch_mb=0.2']
   straight = _prepare(*args, f'--out={tmp_path / "straight"}')
   assert straight.returncode == 0, straight.stderr[-2000:]
+  assert f'preparing {tmp_path / "straight"} from the start' in straight.stderr
 
   killed = tmp_path / 'killed'
   proc = subprocess.Popen(

@@ -44,6 +44,7 @@ import numpy as np
 
 from train.errors import UserError
 from train.progress import Progress
+from train.workdir import refuse_url
 
 _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
               'lib2to3', 'ensurepip'}
@@ -170,6 +171,7 @@ def load(path: str, *, val_fraction: float, seq_len: int,
                    f'Python {sysconfig.get_python_version()} stdlib source + '
                    'pydoc topics (bytes)')
   else:
+    refuse_url(path, 'data.path')
     p = pathlib.Path(path).expanduser()
     if not p.exists():
       raise UserError(f'data.path {path!r} does not exist; give a text file, '

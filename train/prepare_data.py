@@ -267,6 +267,8 @@ def start(out: pathlib.Path, settings: dict, say
   if listed:
     say(f'continuing an interrupted preparation: {len(listed)} shard(s), '
         f'{sum(s["documents"] for s in listed):,} documents done')
+  else:
+    say(f'preparing {out} from the start')
   return {split: [s for s in listed if s['split'] == split]
           for split in SPLITS}
 

@@ -28,6 +28,7 @@ def check_writable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
   """Creates WORKDIR if needed; raises UserError if it cannot hold a run."""
   if not workdir:
     raise UserError(f'{flag} is empty; give a directory for the run')
+  refuse_url(workdir, flag)
   path = pathlib.Path(workdir).expanduser()
   if path.exists() and not path.is_dir():
     raise UserError(f'{flag}={workdir} is a file, not a directory; give a '
@@ -41,6 +42,16 @@ def check_writable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
     raise UserError(f'{flag}={workdir} cannot be written ({e.strerror}); '
                     'give a directory you can write to') from None
   return path
+
+
+def refuse_url(path: str, flag: str):
+  """An object-store path (gs://, s3://) is not a local folder: refused
+  rather than created as one named 'gs:'."""
+  scheme, sep, _ = str(path).partition('://')
+  if sep and scheme.isidentifier():
+    raise UserError(f'{flag}={path}: {scheme}:// paths are not supported yet; '
+                    'mount the bucket (e.g. gcsfuse) and give the mounted '
+                    'folder')
 
 
 @contextlib.contextmanager
