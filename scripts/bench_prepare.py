@@ -31,7 +31,7 @@ import numpy as np
 from train.errors import (ArgumentParser, UserError, check_output_dir,
                           exit_on_user_error, positive_int)
 
-BATCH_MB = 16.0  # prepare_data's default batch.
+BATCH_MB = 1.0  # prepare_data's default batch.
 
 
 def make_input(path: pathlib.Path, megabytes: float):

@@ -198,40 +198,44 @@ def _eos_of(tokenizer, file: pathlib.Path) -> int:
 # --- Shards ------------------------------------------------------------------
 
 class ShardWriter:
-  """One split's shards, each written whole, renamed into place, then listed."""
+  """One split's shards: each written as it fills (a hidden .tmp file, so
+  memory does not grow with the shard), renamed into place when complete,
+  then listed in progress.jsonl."""
 
   def __init__(self, out: pathlib.Path, split: str, dtype, shard_tokens: int,
                done: list[dict]):
     self.out, self.split, self.dtype = out, split, dtype
     self.shard_tokens = shard_tokens
     self.shards = list(done)
-    self._pending, self._tokens, self._docs, self._bytes = [], 0, 0, 0
+    self._file = None
 
   def add(self, ids: list[int], nbytes: int):
-    self._pending.append(np.asarray(ids, self.dtype))
-    self._tokens += len(ids)
+    if self._file is None:
+      self._name = f'{self.split}-{len(self.shards):05d}.bin'
+      self._file = open(self.out / f'.{self._name}.tmp', 'wb')
+      self._tokens = self._docs = self._bytes = self._max = 0
+    array = np.asarray(ids, self.dtype)
+    self._file.write(array.tobytes())
+    self._tokens += array.size
     self._docs += 1
     self._bytes += nbytes
+    self._max = max(self._max, int(array.max()))
     if self._tokens >= self.shard_tokens:
       self.flush()
 
   def flush(self):
-    if not self._docs:
+    if self._file is None:
       return
-    name = f'{self.split}-{len(self.shards):05d}.bin'
-    tokens = np.concatenate(self._pending)
-    tmp = self.out / f'.{name}.tmp'
-    tokens.tofile(tmp)
-    tmp.replace(self.out / name)
-    shard = dict(split=self.split, file=name, tokens=int(tokens.size),
-                 documents=self._docs, bytes=self._bytes,
-                 max_id=int(tokens.max()))
+    self._file.close()
+    self._file = None
+    (self.out / f'.{self._name}.tmp').replace(self.out / self._name)
+    shard = dict(split=self.split, file=self._name, tokens=self._tokens,
+                 documents=self._docs, bytes=self._bytes, max_id=self._max)
     with open(self.out / PROGRESS, 'a') as f:  # Listed: complete.
       f.write(json.dumps(shard) + '\n')
       f.flush()
       os.fsync(f.fileno())
     self.shards.append(shard)
-    self._pending, self._tokens, self._docs, self._bytes = [], 0, 0, 0
 
 
 def start(out: pathlib.Path, settings: dict, say
@@ -278,7 +282,7 @@ def start(out: pathlib.Path, settings: dict, say
 def prepare(inputs: list[str], tokenizer_path: str, out: str, *,
             text_field: str = 'text', val_fraction: float = 0.005,
             seed: int = 0, eos_id: int | None = None,
-            shard_tokens: int = 1 << 27, batch_mb: float = 16.0,
+            shard_tokens: int = 1 << 27, batch_mb: float = 1.0,
             say=print) -> dict:
   """Writes the corpus to OUT (module docstring); returns its meta.json."""
   if not 0 < val_fraction < 1:
@@ -402,7 +406,7 @@ def run():
                        "tokenizer's")
   flags.DEFINE_integer('shard_tokens', 1 << 27, 'tokens per shard (at least)',
                        lower_bound=1)
-  flags.DEFINE_float('batch_mb', 16.0, 'text encoded at once', lower_bound=0)
+  flags.DEFINE_float('batch_mb', 1.0, 'text encoded at once (MB)', lower_bound=0)
   run_app(main, required=['input', 'tokenizer', 'out'])
 
 
