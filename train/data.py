@@ -171,44 +171,8 @@ def load(path: str, *, val_fraction: float, seq_len: int,
                    f'Python {sysconfig.get_python_version()} stdlib source + '
                    'pydoc topics (bytes)')
   else:
-    refuse_url(path, 'data.path')
-    p = pathlib.Path(path).expanduser()
-    if not p.exists():
-      raise UserError(f'data.path {path!r} does not exist; give a text file, '
-                      "a folder of text files, a .bin token file, or '' for "
-                      'the embedded corpus')
-    if p.is_dir() and (p / 'progress.jsonl').exists() and not (
-        p / PREPARED_META).exists():
-      raise UserError(f'{p} is a train.prepare_data run that did not finish '
-                      f'(no {PREPARED_META}); rerun it with the same flags to '
-                      'finish it')
-    if p.is_dir() and (p / PREPARED_META).exists():
-      data = prepared(p)
-    elif p.is_dir() and (p / 'train.bin').exists():
-      if not (p / 'val.bin').exists():
-        raise UserError(f'{p} has train.bin but no val.bin; add one, or point '
-                        'data.path at train.bin to hold out its tail')
-      train, val = _tokens(p / 'train.bin'), _tokens(p / 'val.bin')
-      data = Dataset(train, val, _vocab(train, val), None, f'{p} (uint16)')
-    elif p.suffix == '.bin':
-      train, val = _split(_tokens(p), val_fraction, p)
-      data = Dataset(train, val, _vocab(train, val), None, f'{p} (uint16)')
-    else:
-      train, val = _split(_text_bytes(p), val_fraction, p)
-      data = Dataset(train, val, 256, 1.0, f'{p} (bytes)')
-  if data.tokenizer_fingerprint is not None:  # Prepared: tokenized already.
-    if tokenizer is not None and (tokenizer.fingerprint
-                                  != data.tokenizer_fingerprint):
-      raise UserError(
-          f'{p} was prepared with the tokenizer {data.tokenizer_fingerprint} '
-          f'(its {PREPARED_META}), but this run\'s is {tokenizer.name} '
-          f'({tokenizer.fingerprint}); prepare it with this run\'s tokenizer '
-          '(train.prepare_data --tokenizer=WORKDIR) or use another --workdir')
-  elif tokenizer is not None and tokenizer.name != 'bytes':
-    if data.bytes_per_token != 1.0:
-      raise UserError(f'{data.description} holds token ids already; a '
-                      'tokenizer applies to text (unset data.tokenizer)')
-    data = _tokenized(data, tokenizer, cache_dir or _default_cache_dir())
+    data = _from_path(path, val_fraction)
+  data = _with_tokenizer(data, tokenizer, cache_dir or _default_cache_dir())
   for split, tokens in (('training', data.train), ('validation', data.val)):
     if len(tokens) < seq_len + 1:
       raise UserError(
@@ -279,6 +243,56 @@ def prepared_tokenizer(path: str) -> pathlib.Path | None:
   if p and (p / PREPARED_META).exists() and (p / 'tokenizer.json').exists():
     return p / 'tokenizer.json'
   return None
+
+
+def _from_path(path: str, val_fraction: float) -> Dataset:
+  """The data at data.path (module docstring), by what is there."""
+  refuse_url(path, 'data.path')
+  p = pathlib.Path(path).expanduser()
+  if not p.exists():
+    raise UserError(f'data.path {path!r} does not exist; give a text file, '
+                    "a folder of text files, a .bin token file, or '' for "
+                    'the embedded corpus')
+  if p.is_dir() and (p / 'progress.jsonl').exists() and not (
+      p / PREPARED_META).exists():
+    raise UserError(f'{p} is a train.prepare_data run that did not finish '
+                    f'(no {PREPARED_META}); rerun it with the same flags to '
+                    'finish it')
+  if p.is_dir() and (p / PREPARED_META).exists():
+    return prepared(p)
+  if p.is_dir() and (p / 'train.bin').exists():
+    if not (p / 'val.bin').exists():
+      raise UserError(f'{p} has train.bin but no val.bin; add one, or point '
+                      'data.path at train.bin to hold out its tail')
+    train, val = _tokens(p / 'train.bin'), _tokens(p / 'val.bin')
+    return Dataset(train, val, _vocab(train, val), None, f'{p} (uint16)')
+  if p.suffix == '.bin':
+    train, val = _split(_tokens(p), val_fraction, p)
+    return Dataset(train, val, _vocab(train, val), None, f'{p} (uint16)')
+  train, val = _split(_text_bytes(p), val_fraction, p)
+  return Dataset(train, val, 256, 1.0, f'{p} (bytes)')
+
+
+def _with_tokenizer(data: Dataset, tokenizer, cache_dir: str) -> Dataset:
+  """Text tokenized by `tokenizer` (cached); a prepared corpus checked to
+  be its tokenizer's; bytes as they are."""
+  if data.tokenizer_fingerprint is not None:  # Prepared: tokenized already.
+    if tokenizer is not None and (tokenizer.fingerprint
+                                  != data.tokenizer_fingerprint):
+      raise UserError(
+          f'{data.description} was prepared with the tokenizer '
+          f'{data.tokenizer_fingerprint} (its {PREPARED_META}), but this '
+          f'run\'s is {tokenizer.name} ({tokenizer.fingerprint}); prepare it '
+          'with this run\'s tokenizer (train.prepare_data --tokenizer='
+          'WORKDIR) or use another --workdir')
+    return data
+  if tokenizer is None or tokenizer.name == 'bytes':
+    return data
+  if data.bytes_per_token != 1.0:
+    raise UserError(f'{data.description} holds token ids already; a '
+                    'tokenizer applies to text (prepare text with '
+                    'train.prepare_data, or unset data.tokenizer)')
+  return _tokenized(data, tokenizer, cache_dir)
 
 
 def batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,

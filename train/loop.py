@@ -167,28 +167,7 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
   mc = config_lib.model_config(config)
   rules = sharding.rules(mc, mesh)
   tc, dc = config.train, config.data
-  tokenizer = _tokenizer(dc, path)
-  dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
-                          seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
-                          task=dc.task, recall_pairs=dc.recall_pairs,
-                          vocab_size=config.model.vocab_size,
-                          tokenizer=tokenizer)
-  remembered = path / tokenizer_lib.FILE
-  if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
-      not remembered.exists()):  # The workdir remembers its tokenizer.
-    shutil.copyfile(tokenizer.name, remembered)
-  as_bytes = tokenizer is not None and tokenizer.name == 'bytes' and (
-      dataset.bytes_per_token == 1.0)
-  if as_bytes and mc.vocab_size != 256:
-    raise UserError(
-        f'{dataset.description} is read as UTF-8 bytes (256 ids), but '
-        f'model.vocab_size={mc.vocab_size}: give the model\'s tokenizer '
-        f'(data.tokenizer, or {tokenizer_lib.FILE} in the workdir) or '
-        'token ids (.bin), or set model.vocab_size=256')
-  if dataset.vocab_size > mc.vocab_size:
-    raise UserError(f'{dataset.description} has token ids up to '
-                    f'{dataset.vocab_size - 1}; set model.vocab_size >= '
-                    f'{dataset.vocab_size}')
+  dataset = _dataset(dc, mc, path, is_chief)
 
   model = Transformer(mc)
   tx, schedule = make_optimizer(tc)
@@ -286,6 +265,33 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
   return Run(path, state, start, step_fn, evaluate, get_batch, schedule,
               checkpointer, reporter, tc.batch_size * dc.seq_len,
               flops_per_token, peak * num_devices, write_config)
+
+
+def _dataset(dc, mc, path: pathlib.Path, is_chief: bool) -> data_lib.Source:
+  """The run's data, checked against the model; the workdir remembers the
+  tokenizer it was read with."""
+  tokenizer = _tokenizer(dc, path)
+  dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
+                          seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
+                          task=dc.task, recall_pairs=dc.recall_pairs,
+                          vocab_size=mc.vocab_size, tokenizer=tokenizer)
+  remembered = path / tokenizer_lib.FILE
+  if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
+      not remembered.exists()):
+    shutil.copyfile(tokenizer.name, remembered)
+  as_bytes = tokenizer is not None and tokenizer.name == 'bytes' and (
+      dataset.bytes_per_token == 1.0)
+  if as_bytes and mc.vocab_size != 256:
+    raise UserError(
+        f'{dataset.description} is read as UTF-8 bytes (256 ids), but '
+        f'model.vocab_size={mc.vocab_size}: give the model\'s tokenizer '
+        f'(data.tokenizer, or {tokenizer_lib.FILE} in the workdir) or '
+        'token ids (.bin), or set model.vocab_size=256')
+  if dataset.vocab_size > mc.vocab_size:
+    raise UserError(f'{dataset.description} has token ids up to '
+                    f'{dataset.vocab_size - 1}; set model.vocab_size >= '
+                    f'{dataset.vocab_size}')
+  return dataset
 
 
 def _check_recipe(path: pathlib.Path, learning_rate: float, warn):

@@ -255,7 +255,10 @@ def start(out: pathlib.Path, settings: dict, say
   listed = []
   if (out / PROGRESS).exists():
     lines = (out / PROGRESS).read_text().splitlines()
-    header = json.loads(lines[0]) if lines else None
+    try:
+      header = json.loads(lines[0]) if lines else None
+    except ValueError:
+      header = None
     if header != settings:
       raise UserError(f'--out={out} holds a partial preparation of another '
                       'corpus; give a new --out, or remove it')
@@ -266,8 +269,9 @@ def start(out: pathlib.Path, settings: dict, say
   for stray in out.iterdir():  # Shards a kill left unlisted, or half-written.
     if stray.name not in {s['file'] for s in listed} | {PROGRESS}:
       stray.unlink()
-  with open(out / PROGRESS, 'w') as f:
-    f.write(''.join(json.dumps(x) + '\n' for x in [settings, *listed]))
+  tmp = out / f'.{PROGRESS}.tmp'
+  tmp.write_text(''.join(json.dumps(x) + '\n' for x in [settings, *listed]))
+  tmp.replace(out / PROGRESS)
   if listed:
     say(f'continuing an interrupted preparation: {len(listed)} shard(s), '
         f'{sum(s["documents"] for s in listed):,} documents done')
@@ -321,12 +325,6 @@ def _encode_all(docs, tokenizer, writers, skip, is_val, eos_id: int,
   batch, size = [], 0
   with Progress('tokenizing', max(total_bytes, 1), unit='MB',
                 scale=1e6) as bar:
-    def encode():
-      for (split, text), ids in zip(batch, tokenizer.encode_documents(
-          [text for _, text in batch])):
-        if not ids or ids[-1] != eos_id:
-          ids.append(eos_id)
-        writers[split].add(ids, len(text.encode()))
     for doc in docs:
       split = 'val' if is_val(doc) else 'train'
       seen[split] += 1
@@ -336,9 +334,19 @@ def _encode_all(docs, tokenizer, writers, skip, is_val, eos_id: int,
       batch.append((split, doc.text))
       size += len(doc.text)
       if size >= batch_bytes:
-        encode()
+        _encode_batch(batch, tokenizer, writers, eos_id)
         batch, size = [], 0
-    encode()
+    _encode_batch(batch, tokenizer, writers, eos_id)
+
+
+def _encode_batch(batch: list[tuple[str, str]], tokenizer, writers,
+                  eos_id: int):
+  """(split, text) pairs, encoded in parallel, each ending in EOS."""
+  for (split, text), ids in zip(batch, tokenizer.encode_documents(
+      [text for _, text in batch])):
+    if not ids or ids[-1] != eos_id:  # Unless the post-processor adds it.
+      ids.append(eos_id)
+    writers[split].add(ids, len(text.encode()))
 
 
 def _finish(out, writers, tokenizer, file, eos_id, bos_id, dtype, settings):
