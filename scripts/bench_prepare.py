@@ -9,8 +9,7 @@ to the size), takes turns, `--rounds` times, between:
   - encoder: the `tokenizers` batch encoder alone on the same documents,
     already in memory, in batches of the same size (the limit prepare can
     reach);
-each in its own process, so that its peak resident memory (the child's
-`ru_maxrss`) is its own. Prints MB/s (input bytes per second of the work,
+each in its own process, which reports its own peak resident memory (VmHWM). Prints MB/s (input bytes per second of the work,
 imports excluded), the ratio prepare / encoder, and peak RSS, which should not
 grow with the input; writes OUT/bench_prepare.json.
 """
@@ -18,7 +17,6 @@ grow with the input; writes OUT/bench_prepare.json.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -69,23 +67,29 @@ def child(kind: str, source: str, tokenizer: str, out: str):
       if text is not None:
         batch.append(text)
         size += len(text)
-  print(time.perf_counter() - start)
+  print(time.perf_counter() - start, peak_rss_mb())
+
+
+def peak_rss_mb() -> float:
+  """This process's own peak resident memory: VmHWM of its address space
+  (ru_maxrss would include the parent's, inherited across fork and exec)."""
+  for line in pathlib.Path('/proc/self/status').read_text().splitlines():
+    if line.startswith('VmHWM:'):
+      return int(line.split()[1]) / 1024
+  raise UserError('no VmHWM in /proc/self/status; run on Linux')
 
 
 def measure(kind, source, tokenizer, scratch) -> tuple[float, float]:
   """(seconds of the work, peak RSS in MB) of one run in a fresh process."""
   out = scratch / f'out-{time.monotonic_ns()}'
-  log = scratch / 'stderr.txt'
-  with open(log, 'w') as stderr:
-    proc = subprocess.Popen(
-        [sys.executable, '-m', 'scripts.bench_prepare', '--child', kind,
-         str(source), str(tokenizer), str(out)], stdout=subprocess.PIPE,
-        stderr=stderr, text=True)
-    stdout = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # Reaped here, for its rusage.
-  if status != 0:
-    raise UserError(f'{kind} failed: {log.read_text().strip()[-300:]}')
-  return float(stdout.strip().splitlines()[-1]), usage.ru_maxrss / 1024
+  result = subprocess.run(
+      [sys.executable, '-m', 'scripts.bench_prepare', '--child', kind,
+       str(source), str(tokenizer), str(out)], capture_output=True, text=True,
+      check=False)
+  if result.returncode != 0:
+    raise UserError(f'{kind} failed: {result.stderr.strip()[-300:]}')
+  seconds, rss = result.stdout.split()[-2:]
+  return float(seconds), float(rss)
 
 
 def main():

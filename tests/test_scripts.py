@@ -98,6 +98,6 @@ def test_bench_prepare_measures_both_contestants_in_their_own_processes(
   assert row['megabytes'] >= 1.0
   for kind in ('prepare', 'encoder'):
     assert row[f'{kind}_mb_per_s'] > 0
-    assert 50 < row[f'{kind}_peak_rss_mb'] < 1024  # A process's own peak.
+    assert 50 < row[f'{kind}_peak_rss_mb'] < 1024  # Its own, not pytest's.
   assert row['ratio'] == pytest.approx(
       row['prepare_mb_per_s'] / row['encoder_mb_per_s'])
