@@ -157,10 +157,14 @@ def _prepare(*args, timeout=300):
 
 @pytest.mark.slow
 def test_a_kill_mid_prepare_then_a_rerun_gives_the_same_shards(tmp_path):
-  from scripts import make_hf_model  # pylint: disable=import-outside-toplevel
-  make_hf_model.train_tokenizer(1000, tmp_path / 'tokenizer.json')
-  args = ['--input=embedded', f'--tokenizer={tmp_path / "tokenizer.json"}',
-          '--shard_tokens=100000', '--batch_mb=0.2']
+  path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
+  rng = np.random.default_rng(1)
+  with open(tmp_path / 'records.jsonl', 'w') as f:  # 2,000 documents, 6 MB.
+    for _ in range(2000):
+      text = ' '.join(f'w{i}' for i in rng.integers(0, 97, 800))
+      f.write(json.dumps({'text': text}) + '\n')
+  args = [f'--input={tmp_path / "records.jsonl"}', f'--tokenizer={path}',
+          '--shard_tokens=20000', '--batch_mb=0.05', '--val_fraction=0.05']
   straight = _prepare(*args, f'--out={tmp_path / "straight"}')
   assert straight.returncode == 0, straight.stderr[-2000:]
   assert f'preparing {tmp_path / "straight"} from the start' in straight.stderr
