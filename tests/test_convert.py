@@ -115,3 +115,17 @@ def test_impossible_head_counts_are_one_line_errors(trained, tmp_path):
   assert result.stderr.strip().splitlines() == [
       'error: --num_kv_heads=3: the source has 2 KV heads; pick a divisor of '
       '2 or -1']
+
+
+def test_a_converted_workdir_uptrains_at_the_rate_its_source_ended_at(
+    trained, tmp_path):
+  """The uptraining recipe, not the from-scratch 1e-2 of configs/tiny.py:
+  tiny's cosine ends at 1e-2 x 0.1; a conversion of a conversion keeps it."""
+  convert.convert_workdir(str(trained), str(tmp_path / 'gqa'), 1, 'mean')
+  convert.convert_workdir(str(tmp_path / 'gqa'), str(tmp_path / 'again'), 1,
+                          'mean')
+  for name in ('gqa', 'again'):
+    config = config_lib.from_json(tmp_path / name / 'config.json')
+    assert config.train.learning_rate == pytest.approx(1e-3)
+    assert (config.train.warmup_steps, config.train.min_learning_rate_ratio,
+            config.model.param_dtype) == (1, 0.1, 'float32')

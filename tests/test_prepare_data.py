@@ -147,6 +147,7 @@ def test_a_corpus_made_with_another_tokenizer_is_refused(tmp_path):
   config.data.tokenizer = str(path)
   with pytest.raises(UserError, match='set model.vocab_size >= 100'):
     loop.train_and_evaluate(config, str(tmp_path / 'w2'))
+  assert not (tmp_path / 'w').exists() and not (tmp_path / 'w2').exists()
 
 
 def _prepare(*args, timeout=300):

@@ -102,22 +102,30 @@ def convert_params(params, model_config, num_kv_heads: int, method: str,
 # (a tenth of the ~3e-4 peak at which 1-8B models are pre-trained, the range
 # continued pre-training uses: Llama 2's fine-tuning 2e-5, Ibrahim et al.
 # 2024's lower re-warmed rates for less forgetting); our own source resumes
-# at the rate its schedule ended with.
+# at the rate its schedule ended with (`_source_rate`).
 HF_UPTRAINING_LEARNING_RATE = 3e-5
 
 
-def uptraining_recipe(config, learning_rate: float) -> dict:
-  """The recipe's fields (dotted names) for a config of `config.train.steps`."""
-  return {'train.learning_rate': learning_rate,
-          'train.warmup_steps': max(1, config.train.steps // 50),
-          'train.min_learning_rate_ratio': 0.1,
-          'model.param_dtype': 'float32'}
-
-
 def _apply_recipe(config, learning_rate: float) -> dict:
-  recipe = uptraining_recipe(config, learning_rate)
+  """Sets the recipe in `config`; returns its fields (dotted names)."""
+  recipe = {'train.learning_rate': learning_rate,
+            'train.warmup_steps': max(1, config.train.steps // 50),
+            'train.min_learning_rate_ratio': 0.1,
+            'model.param_dtype': 'float32'}
   config.update_from_flattened_dict(recipe)
   return recipe
+
+
+def _source_rate(source: pathlib.Path, config) -> float:
+  """The recipe's peak for a checkpoint of ours: the rate its schedule ended
+  at, or, for one that was itself converted or imported, its own recipe's."""
+  info = source / 'convert.json'
+  if info.exists():
+    rate = json.loads(info.read_text()).get('recipe', {}).get(
+        'train.learning_rate')
+    if rate is not None:
+      return rate
+  return config.train.learning_rate * config.train.min_learning_rate_ratio
 
 
 def _target_heads(k_source: int, num_kv_heads: int) -> int:
@@ -141,8 +149,7 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
     k = _target_heads(k_source, num_kv_heads)
     new_params, _ = convert_params(params, model_config, k, method, seed)
     config.model.num_kv_heads = k
-    ended_at = config.train.learning_rate * config.train.min_learning_rate_ratio
-    recipe = _apply_recipe(config, ended_at)
+    recipe = _apply_recipe(config, _source_rate(pathlib.Path(source), config))
     for name in ('tokenizer.json', 'hf'):  # The tokenizer travels along.
       _copy(pathlib.Path(source) / name, path / name)
     _write_step0(path, new_params, config, {

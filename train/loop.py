@@ -275,10 +275,6 @@ def _dataset(dc, mc, path: pathlib.Path, is_chief: bool) -> data_lib.Source:
                           seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
                           task=dc.task, recall_pairs=dc.recall_pairs,
                           vocab_size=mc.vocab_size, tokenizer=tokenizer)
-  remembered = path / tokenizer_lib.FILE
-  if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
-      not remembered.exists()):
-    shutil.copyfile(tokenizer.name, remembered)
   as_bytes = tokenizer is not None and tokenizer.name == 'bytes' and (
       dataset.bytes_per_token == 1.0)
   if as_bytes and mc.vocab_size != 256:
@@ -291,6 +287,10 @@ def _dataset(dc, mc, path: pathlib.Path, is_chief: bool) -> data_lib.Source:
     raise UserError(f'{dataset.description} has token ids up to '
                     f'{dataset.vocab_size - 1}; set model.vocab_size >= '
                     f'{dataset.vocab_size}')
+  remembered = path / tokenizer_lib.FILE  # Once the data is known to fit.
+  if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
+      not remembered.exists()):
+    shutil.copyfile(tokenizer.name, remembered)
   return dataset
 
 
