@@ -124,8 +124,10 @@ def test_a_vocabulary_above_65536_gives_uint32_shards_that_train(tmp_path):
   config.train.update(steps=3, warmup_steps=1, eval_every=3, eval_batches=1)
   record = loop.train_and_evaluate(config, str(tmp_path / 'w'))
   assert np.isfinite(record['eval_loss']) and 'eval_bpb' in record
-  # The workdir remembers the corpus's tokenizer, for sampling.
+  # The workdir remembers the corpus's tokenizer, for sampling, which stops
+  # at the EOS that separated its documents.
   assert (tmp_path / 'w' / 'tokenizer.json').read_bytes() == path.read_bytes()
+  assert tokenizer_lib.of_workdir(tmp_path / 'w').eos_ids == (vocab['</s>'],)
 
 
 def test_a_corpus_made_with_another_tokenizer_is_refused(tmp_path):

@@ -51,7 +51,6 @@ META = 'meta.json'
 PROGRESS = 'progress.jsonl'
 FORMAT = 'gqa-lab prepared tokens, version 1'
 SPLITS = ('train', 'val')
-EOS_NAMES = ('</s>', '<|endoftext|>', '<eos>', '<|end_of_text|>')
 HELD_OUT_RULE = ('whole documents: a document is held out when '
                  'blake2b(f"{seed}/{source}/{index}") / 2**64 < fraction')
 
@@ -180,19 +179,13 @@ def load_tokenizer(given: str, eos_id: int | None):
 
 def _eos_of(tokenizer, file: pathlib.Path) -> int:
   """The model's EOS: its config, tokenizer_config.json, or a known name."""
-  if tokenizer.eos_ids:
-    return tokenizer.eos_ids[0]
-  config = file.with_name('tokenizer_config.json')
-  names = list(EOS_NAMES)
-  if config.exists():
-    eos = json.loads(config.read_text()).get('eos_token')
-    names.insert(0, eos.get('content') if isinstance(eos, dict) else eos)
-  for name in names:
-    if name and tokenizer.id_of(name) is not None:
-      return tokenizer.id_of(name)
-  raise UserError(f'{file} names no end-of-sequence token (none of '
-                  f'{", ".join(EOS_NAMES)}); give --eos_id=N, the id that '
-                  'ends each document')
+  eos = tokenizer.eos_ids or tokenizer_lib.named_eos(
+      tokenizer, file.with_name('tokenizer_config.json'))
+  if not eos:
+    raise UserError(f'{file} names no end-of-sequence token (none of '
+                    f'{", ".join(tokenizer_lib.EOS_NAMES)}); give --eos_id=N, '
+                    'the id that ends each document')
+  return eos[0]
 
 
 # --- Shards ------------------------------------------------------------------

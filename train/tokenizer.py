@@ -88,9 +88,14 @@ def load(path: str | pathlib.Path | None, eos_ids: tuple[int, ...] = ()):
   return HuggingFace(path, eos_ids)
 
 
+# End-of-sequence tokens by name, for a tokenizer.json that comes without its
+# model's config (Llama 2/Mistral, GPT-2/Qwen, Gemma, Llama 3).
+EOS_NAMES = ('</s>', '<|endoftext|>', '<eos>', '<|end_of_text|>')
+
+
 def of_workdir(workdir: str | pathlib.Path):
   """WORKDIR's tokenizer (bytes if it has none), with the end-of-sequence
-  ids of the Hugging Face model it came from, if any."""
+  ids of the Hugging Face model it came from, or else its named one."""
   workdir = pathlib.Path(workdir)
   if not (workdir / FILE).exists():
     return Bytes()
@@ -101,4 +106,22 @@ def of_workdir(workdir: str | pathlib.Path):
       value = json.loads(path.read_text()).get('eos_token_id')
       eos.update(value if isinstance(value, list) else
                  [] if value is None else [value])
-  return load(workdir / FILE, tuple(sorted(eos)))
+  tokenizer = load(workdir / FILE, tuple(sorted(eos)))
+  if not eos:
+    tokenizer.eos_ids = named_eos(tokenizer,
+                                  workdir / 'hf' / 'tokenizer_config.json')
+  return tokenizer
+
+
+def named_eos(tokenizer: HuggingFace, config: pathlib.Path
+              ) -> tuple[int, ...]:
+  """(id,) of the EOS token that `config` (a tokenizer_config.json) names,
+  or else of the first of EOS_NAMES in the vocabulary; () if none."""
+  names = list(EOS_NAMES)
+  if config.exists():
+    eos = json.loads(config.read_text()).get('eos_token')
+    names.insert(0, eos.get('content') if isinstance(eos, dict) else eos)
+  for name in names:
+    if name and tokenizer.id_of(name) is not None:
+      return (tokenizer.id_of(name),)
+  return ()
