@@ -9,9 +9,10 @@ to the size), takes turns, `--rounds` times, between:
   - encoder: the `tokenizers` batch encoder alone on the same documents,
     already in memory, in batches of the same size (the limit prepare can
     reach);
-each in its own process, which reports its own peak resident memory (VmHWM). Prints MB/s (input bytes per second of the work,
-imports excluded), the ratio prepare / encoder, and peak RSS, which should not
-grow with the input; writes OUT/bench_prepare.json.
+each in its own process, which reports its own peak resident memory (VmHWM).
+Prints MB/s (input bytes per second of the work, imports excluded), the ratio
+prepare / encoder, and peak RSS, which should not grow with the input; writes
+OUT/bench_prepare.json.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import time
 
 import numpy as np
 
+from train import prepare_data
 from train.errors import (ArgumentParser, UserError, check_output_dir,
-                          exit_on_user_error, positive_int)
+                          exit_on_user_error, float_list, positive_int)
 
-BATCH_MB = 1.0  # prepare_data's default batch.
+BATCH_MB = prepare_data.BATCH_MB  # Both contestants' batch.
 
 
 def make_input(path: pathlib.Path, megabytes: float):
@@ -50,7 +52,6 @@ def make_input(path: pathlib.Path, megabytes: float):
 def child(kind: str, source: str, tokenizer: str, out: str):
   """Runs in the measured process: prints the seconds of the work."""
   if kind == 'prepare':
-    from train import prepare_data  # pylint: disable=import-outside-toplevel
     start = time.perf_counter()
     prepare_data.prepare([source], tokenizer, out, batch_mb=BATCH_MB,
                          val_fraction=0.1, say=lambda _: None)
@@ -97,19 +98,18 @@ def main():
     child(*sys.argv[2:6])
     return
   parser = ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--sizes_mb', default='2,20')
+  parser.add_argument('--sizes_mb', type=float_list, default=[2.0, 20.0])
   parser.add_argument('--rounds', type=positive_int, default=3)
   parser.add_argument('--out', default='out/bench_prepare')
   args = parser.parse_args()
   check_output_dir(args.out)
-  sizes = [float(x) for x in args.sizes_mb.split(',')]
   from scripts import make_hf_model  # pylint: disable=import-outside-toplevel
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     scratch = pathlib.Path(tmp)
     tokenizer = scratch / 'tokenizer.json'
     make_hf_model.train_tokenizer(4096, tokenizer)  # The README's BPE.
-    for megabytes in sizes:
+    for megabytes in args.sizes_mb:
       source = scratch / f'input-{megabytes:g}.jsonl'
       make_input(source, megabytes)
       nbytes = sum(len(json.loads(line)['text'].encode())

@@ -119,12 +119,9 @@ def _apply_recipe(config, learning_rate: float) -> dict:
 def _source_rate(source: pathlib.Path, config) -> float:
   """The recipe's peak for a checkpoint of ours: the rate its schedule ended
   at, or, for one that was itself converted or imported, its own recipe's."""
-  info = source / 'convert.json'
-  if info.exists():
-    rate = json.loads(info.read_text()).get('recipe', {}).get(
-        'train.learning_rate')
-    if rate is not None:
-      return rate
+  rate = workdir_lib.recipe_learning_rate(source)
+  if rate is not None:
+    return rate
   return config.train.learning_rate * config.train.min_learning_rate_ratio
 
 
@@ -310,7 +307,7 @@ def _write_step0(path: pathlib.Path, params, config, info: dict):
   """The step-0 checkpoint (parameters only: `train.main` starts the
   optimizer fresh), then config.json, which marks the workdir complete."""
   checkpoint.save_params(str(path), params)
-  (path / 'convert.json').write_text(json.dumps(info))
+  (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
   (path / 'config.json').write_text(config.to_json(indent=2))
 
 

@@ -42,6 +42,7 @@ from typing import Protocol
 
 import numpy as np
 
+from train import tokenizer as tokenizer_lib
 from train.errors import UserError
 from train.progress import Progress
 from train.workdir import refuse_url
@@ -182,7 +183,10 @@ def load(path: str, *, val_fraction: float, seq_len: int,
   return data
 
 
+# A train.prepare_data folder: meta.json once finished, progress.jsonl
+# while under way, and the tokenizer it was made with.
 PREPARED_META = 'meta.json'
+PREPARED_PROGRESS = 'progress.jsonl'
 
 
 class Shards:
@@ -240,8 +244,8 @@ def prepared(p: pathlib.Path) -> Dataset:
 def prepared_tokenizer(path: str) -> pathlib.Path | None:
   """The tokenizer.json a prepared folder at `path` was made with, if any."""
   p = pathlib.Path(path).expanduser() if path else None
-  if p and (p / PREPARED_META).exists() and (p / 'tokenizer.json').exists():
-    return p / 'tokenizer.json'
+  if p and (p / PREPARED_META).exists() and (p / tokenizer_lib.FILE).exists():
+    return p / tokenizer_lib.FILE
   return None
 
 
@@ -253,7 +257,7 @@ def _from_path(path: str, val_fraction: float) -> Dataset:
     raise UserError(f'data.path {path!r} does not exist; give a text file, '
                     "a folder of text files, a .bin token file, or '' for "
                     'the embedded corpus')
-  if p.is_dir() and (p / 'progress.jsonl').exists() and not (
+  if p.is_dir() and (p / PREPARED_PROGRESS).exists() and not (
       p / PREPARED_META).exists():
     raise UserError(f'{p} is a train.prepare_data run that did not finish '
                     f'(no {PREPARED_META}); rerun it with the same flags to '

@@ -298,14 +298,12 @@ def _check_recipe(path: pathlib.Path, learning_rate: float, warn):
   """One line when uptraining a converted or imported checkpoint faster
   than the recipe `train.convert` wrote (a from-scratch rate can undo what
   the model learnt)."""
-  info = path / 'convert.json'
-  recipe = json.loads(info.read_text()).get('recipe', {}) if (
-      info.exists()) else {}
-  limit = recipe.get('train.learning_rate')
+  limit = workdir_lib.recipe_learning_rate(path)
   if limit is not None and learning_rate > limit:
     warn(f'warning: train.learning_rate={learning_rate:g} is above the '
          f'uptraining recipe\'s {limit:g} for this converted checkpoint '
-         f'({info}); a from-scratch rate can undo what it learnt')
+         f'({path / workdir_lib.CONVERT_INFO}); a from-scratch rate can undo '
+         'what it learnt')
 
 
 def _tokenizer(dc, path: pathlib.Path):

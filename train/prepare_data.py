@@ -47,8 +47,9 @@ from train import tokenizer as tokenizer_lib
 from train.errors import UserError, run_app
 from train.progress import Progress
 
-META = 'meta.json'
-PROGRESS = 'progress.jsonl'
+META = data.PREPARED_META
+PROGRESS = data.PREPARED_PROGRESS
+BATCH_MB = 1.0  # Of text encoded at once: ~40 MB of encodings.
 FORMAT = 'gqa-lab prepared tokens, version 1'
 SPLITS = ('train', 'val')
 HELD_OUT_RULE = ('whole documents: a document is held out when '
@@ -279,7 +280,7 @@ def start(out: pathlib.Path, settings: dict, say
 def prepare(inputs: list[str], tokenizer_path: str, out: str, *,
             text_field: str = 'text', val_fraction: float = 0.005,
             seed: int = 0, eos_id: int | None = None,
-            shard_tokens: int = 1 << 27, batch_mb: float = 1.0,
+            shard_tokens: int = 1 << 27, batch_mb: float = BATCH_MB,
             say=print) -> dict:
   """Writes the corpus to OUT (module docstring); returns its meta.json."""
   if not 0 < val_fraction < 1:
@@ -407,7 +408,8 @@ def run():
                        "tokenizer's")
   flags.DEFINE_integer('shard_tokens', 1 << 27, 'tokens per shard (at least)',
                        lower_bound=1)
-  flags.DEFINE_float('batch_mb', 1.0, 'text encoded at once (MB)', lower_bound=0)
+  flags.DEFINE_float('batch_mb', BATCH_MB, 'text encoded at once (MB)',
+                    lower_bound=0)
   run_app(main, required=['input', 'tokenizer', 'out'])
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import pathlib
 import shutil
@@ -42,6 +43,19 @@ def check_writable(workdir: str, flag: str = '--workdir') -> pathlib.Path:
     raise UserError(f'{flag}={workdir} cannot be written ({e.strerror}); '
                     'give a directory you can write to') from None
   return path
+
+
+CONVERT_INFO = 'convert.json'  # Written by train.convert.
+
+
+def recipe_learning_rate(workdir: str | os.PathLike) -> float | None:
+  """The uptraining recipe's peak rate that `train.convert` recorded in
+  WORKDIR/convert.json; None for a workdir it did not write."""
+  info = pathlib.Path(workdir) / CONVERT_INFO
+  if not info.exists():
+    return None
+  return json.loads(info.read_text()).get('recipe', {}).get(
+      'train.learning_rate')
 
 
 def refuse_url(path: str, flag: str):
