@@ -8,9 +8,10 @@ two layers of 8 query heads; narrowed to d_model 64 and MLP 128 so that the
 sweep fits 45 minutes here) for every num_kv_heads K against a difficulty
 axis, the head dimension H at fixed width (each K/V head stores a position's
 key in H numbers), with several seeds per cell. Every run is train.main's
-step (`train.loop.train_step`, the config's optimizer, data and loss),
-at a constant learning rate after warmup, evaluated every --eval_every steps
-on 512 held-out rows, and stopped once every query is answered at >= 0.99.
+loop (`train.loop.train_and_evaluate`, in a temporary workdir) at a
+constant learning rate after warmup; every --eval_every steps its accuracy by
+query is measured on 512 held-out rows, and the run ends once every query is
+answered at >= 0.99.
 
 OUT/report.md gets, per cell, the first-query accuracy (pure retrieval:
 crossing out answered values cannot help it) as mean ± spread over seeds, the
@@ -22,13 +23,15 @@ accuracy curves beside it (recall.png); everything as JSON (sweep.json).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pathlib
 import sys
+import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from train import config_lib, data, loop, progress
@@ -59,47 +62,35 @@ def cell_config(base: str, K: int, H: int, seed: int, steps: int,
 
 
 def train_cell(configs, eval_every: int, say=print) -> list[dict]:
-  """Trains each config (one cell: the seeds of one K and H) with one compiled
-  step, each until it answers every query or runs out of steps; returns per
-  seed its history of held-out accuracy by query."""
+  """Trains each config (one cell: the seeds of one K and H) with
+  `train.main`'s loop, each until it answers every query or runs out of
+  steps; returns per seed its history of held-out accuracy by query."""
   mc = config_lib.model_config(configs[0])
   model = Transformer(mc)
-  tc, dc = configs[0].train, configs[0].data
+  dc = configs[0].data
   task = data.load('', val_fraction=0.0, seq_len=dc.seq_len, task='recall',
                    recall_pairs=dc.recall_pairs, vocab_size=mc.vocab_size)
-  weights_T = jnp.asarray(task.loss_weights)
-  tx, _ = loop.make_optimizer(tc)
-  step_fn = jax.jit(lambda state, tokens: loop.train_step(
-      state, tokens, model=model, tx=tx, accum_steps=1,
-      weights_T=weights_T), donate_argnums=0)
   predict = jax.jit(lambda params, tokens: model.apply(
       {'params': params}, tokens).argmax(-1))
   held_out = task.batch('val', seed=0, step=0, batch_size=EVAL_ROWS,
                         seq_len=dc.seq_len, stream=1)
-  accuracy_by_query = lambda params: task.accuracy_by_query(
-      predict(params, held_out[:, :-1]), held_out)
-
   results = []
   for config in configs:
-    state = loop.init_state(model, tx, config.seed)
+    config.train.eval_every = eval_every
     history, start = [], time.perf_counter()
-    for step in range(1, tc.steps + 1):
-      tokens = task.batch('train', seed=config.seed, step=step - 1,
-                          batch_size=tc.batch_size, seq_len=dc.seq_len)
-      state, metrics = step_fn(state, tokens)
-      if step % eval_every and step != tc.steps:
-        continue
-      loss = float(metrics['loss'])
-      if not np.isfinite(loss):
-        raise UserError(f'recall run K={mc.num_kv_heads} H={mc.head_dim} '
-                        f'seed={config.seed}: loss {loss} at step {step}; '
-                        'lower train.learning_rate')
-      by_query = accuracy_by_query(state.params)
-      history.append(dict(step=step, loss=loss, first=float(by_query[0]),
+
+    def on_eval(step, params, record, history=history):
+      by_query = task.accuracy_by_query(predict(params, held_out[:, :-1]),
+                                        held_out)
+      history.append(dict(step=step, loss=record['loss'],
+                          first=float(by_query[0]),
                           mean=float(by_query.mean()),
                           by_query=by_query.round(4).tolist()))
-      if by_query.min() >= SOLVED:
-        break
+      return by_query.min() >= SOLVED
+
+    with tempfile.TemporaryDirectory() as workdir, io.StringIO() as log, (
+        contextlib.redirect_stdout(log)):
+      loop.train_and_evaluate(config, workdir, on_eval=on_eval)
     last = history[-1]
     reached = next((h['step'] for h in history if h['first'] >= REACHED), None)
     results.append(dict(seed=config.seed, steps=last['step'],

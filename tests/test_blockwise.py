@@ -101,6 +101,7 @@ class BlockwiseTest(chex.TestCase):
         ours, reference.reference_attention(q, k, v, is_causal=True),
         atol=2e-5)
 
+  @pytest.mark.slow
   @pytest.mark.cpu_only
   def test_grouped_heads_need_less_peak_memory_than_mha(self):
     # A long training shape (compiled only, not run).

@@ -84,6 +84,7 @@ def test_keeping_all_heads_is_an_exact_copy(trained, tmp_path):
   chex.assert_trees_all_equal(copied['params'], original)
 
 
+@pytest.mark.slow
 def test_converted_workdir_uptrains_from_the_converted_weights(
     trained, tmp_path, capsys):
   result = _convert(f'--source={trained}', f'--workdir={tmp_path}/mqa',

@@ -103,6 +103,7 @@ def test_non_finite_loss_waits_for_saves_and_names_the_last_good_step(
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state['params']))
 
 
+@pytest.mark.slow
 def test_a_divergence_names_the_checkpoint_from_before_the_loss_left_its_range(
     two_checkpoints, tmp_path):
   """The checkpoint saved just before the non-finite step is already a dead
@@ -437,8 +438,10 @@ def _scripts(*args):
     ('scripts.bench_train', ['--rounds=0'], 'argument --rounds'),
     ('scripts.bench_train', ['--configs=gqa_small,nope'],
      "unknown config 'nope'"),
-    ('scripts.uptrain_ablation', ['--out=OUT', '--alphas=x'],
+    ('scripts.uptrain_study', ['--out=OUT', '--alphas=x'],
      'argument --alphas'),
+    ('scripts.uptrain_study', ['--out=OUT', '--config=tiny', '--kv_heads=3'],
+     "--kv_heads=3: give divisors of the source's 4 query heads below 4"),
     ('scripts.bench_attention', ['--lengths=0'], 'argument --lengths'),
     ('scripts.recall_sweep', ['--out=OUT', '--config=tiny'],
      'the sweep needs a recall config'),

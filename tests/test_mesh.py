@@ -79,6 +79,7 @@ def one_device(tmp_path_factory):
   return run
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_only  # Simulated host devices.
 @pytest.mark.parametrize('name', list(MESHES) + ['moved'])
 def test_meshes_train_to_the_losses_of_one_device(mesh_results, one_device,

@@ -108,6 +108,7 @@ def test_a_prepared_corpus_decodes_back_to_its_documents_with_eos_between(
                                 _tokens(tmp_path / 'out', 'train')[40:140])
 
 
+@pytest.mark.slow
 def test_a_vocabulary_above_65536_gives_uint32_shards_that_train(tmp_path):
   path, vocab = _word_tokenizer(tmp_path / 'tokenizer.json', 70_001)
   _corpus(tmp_path, n_files=40, n_records=200)

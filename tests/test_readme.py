@@ -5,9 +5,12 @@ import io
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).parent.parent / 'README.md'
 
 
+@pytest.mark.slow
 def test_readme_example_prints_what_it_claims():
   text = README.read_text()
   blocks = re.findall(r'```python\n(.*?)```', text, re.S)

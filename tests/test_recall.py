@@ -75,6 +75,7 @@ def test_weighted_loss_and_accuracy_count_only_weighted_targets():
   np.testing.assert_allclose(accuracy, hits.mean())
 
 
+@pytest.mark.slow
 def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
   """Only answers are scored: the model learns they are values of its row."""
   config = tiny.get_config()

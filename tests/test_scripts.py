@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attention import dot_product_attention
-from scripts import bench_attention, compare, recall_sweep, uptrain_ablation
+from scripts import bench_attention, compare, recall_sweep
 from train import config_lib, loop
 from train.model import Transformer
 
@@ -36,18 +36,6 @@ def test_the_repeat_kv_peer_computes_the_same_attention():
       dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
 
 
-def test_ablation_verdict_reports_the_ordering_honestly(tmp_path, capsys):
-  good = {'source': 1.0, ('mean', 0): 2.0, ('first', 0): 2.5,
-          ('random', 0): 3.0, ('mean', 0.1): 1.2, ('first', 0.1): 1.3,
-          ('random', 0.1): 1.4}
-  uptrain_ablation.write(tmp_path, good, [0, 0.1], 1, 100)
-  assert 'mean < first < random at alpha=0: holds' in capsys.readouterr().out
-  bad = {**good, ('first', 0): 1.5}
-  uptrain_ablation.write(tmp_path, bad, [0, 0.1], 1, 100)
-  text = (tmp_path / 'ablation.md').read_text()
-  assert 'does not hold' in text and '(closing)' in text
-
-
 @pytest.mark.parametrize('K', [4, 2, 1])
 def test_the_pytorch_training_peer_is_the_same_network(K):
   """bench_train's PyTorch model: our parameter count, and our logits when
@@ -70,6 +58,7 @@ def test_the_pytorch_training_peer_is_the_same_network(K):
                              atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, 'argv', [
       'recall_sweep', f'--out={tmp_path}', '--kv_heads=1', '--head_dims=4',

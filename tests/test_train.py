@@ -75,6 +75,7 @@ def test_stopped_and_resumed_run_is_bit_identical_to_a_straight_run(tmp_path):
   assert key(resumed) == key(straight)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path):
   args = ['--config=tiny', f'--workdir={tmp_path}',
           '--config.train.steps=300', '--config.train.log_every=1']
@@ -272,6 +273,7 @@ def test_cpu_peak_is_the_theoretical_one_from_cpuinfo():
   assert flops.cpu_peak_flops('processor\t: 0\n') is None  # Then: measured.
 
 
+@pytest.mark.slow
 def test_scan_unroll_changes_neither_parameters_nor_outputs():
   mc = config_lib.model_config(tiny.get_config())  # 2 layers.
   rolled, unrolled = (Transformer(dataclasses.replace(mc, scan_unroll=n))
@@ -285,6 +287,7 @@ def test_scan_unroll_changes_neither_parameters_nor_outputs():
                               jax.jit(rolled.apply)(params, tokens), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scanned_and_unrolled_layers_give_the_same_outputs():
   config = _model_config(num_layers=3, d_model=32, num_heads=4,
                          num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16)
@@ -301,6 +304,7 @@ def test_scanned_and_unrolled_layers_give_the_same_outputs():
       jax.jit(scanned.apply)({'params': params}, tokens), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients():
   config = _model_config(num_layers=2, d_model=32, num_heads=4,
                          num_kv_heads=1, head_dim=8, mlp_dim=64, max_len=16)

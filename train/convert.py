@@ -102,21 +102,22 @@ def convert_params(params, model_config, num_kv_heads: int, method: str,
 # (a tenth of the ~3e-4 peak at which 1-8B models are pre-trained, the range
 # continued pre-training uses: Llama 2's fine-tuning 2e-5, Ibrahim et al.
 # 2024's lower re-warmed rates for less forgetting); our own source resumes
-# at the rate its schedule ended with (`_source_rate`).
+# at the rate its schedule ended with (`source_rate`).
 HF_UPTRAINING_LEARNING_RATE = 3e-5
 
 
-def _apply_recipe(config, learning_rate: float) -> dict:
+def apply_recipe(config, learning_rate: float) -> dict:
   """Sets the recipe in `config`; returns its fields (dotted names)."""
   recipe = {'train.learning_rate': learning_rate,
-            'train.warmup_steps': max(1, config.train.steps // 50),
+            'train.warmup_steps': min(max(1, config.train.steps // 50),
+                                      config.train.steps - 1),
             'train.min_learning_rate_ratio': 0.1,
             'model.param_dtype': 'float32'}
   config.update_from_flattened_dict(recipe)
   return recipe
 
 
-def _source_rate(source: pathlib.Path, config) -> float:
+def source_rate(source: pathlib.Path, config) -> float:
   """The recipe's peak for a checkpoint of ours: the rate its schedule ended
   at, or, for one that was itself converted or imported, its own recipe's."""
   rate = workdir_lib.recipe_learning_rate(source)
@@ -146,7 +147,7 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
     k = _target_heads(k_source, num_kv_heads)
     new_params, _ = convert_params(params, model_config, k, method, seed)
     config.model.num_kv_heads = k
-    recipe = _apply_recipe(config, _source_rate(pathlib.Path(source), config))
+    recipe = apply_recipe(config, source_rate(pathlib.Path(source), config))
     for name in ('tokenizer.json', 'hf'):  # The tokenizer travels along.
       _copy(pathlib.Path(source) / name, path / name)
     _write_step0(path, new_params, config, {
@@ -181,7 +182,7 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
                        if f != 'rope_scaling'})
   config.model.rope_scaling.update(fields['rope_scaling'])
   config.data.seq_len = min(config.data.seq_len, config.model.max_len)
-  recipe = _apply_recipe(config, HF_UPTRAINING_LEARNING_RATE)
+  recipe = apply_recipe(config, HF_UPTRAINING_LEARNING_RATE)
   if param_dtype:  # Asked for: it overrides the recipe's float32.
     config.model.param_dtype = param_dtype
   config_lib.validate(config, batch_shards=1)

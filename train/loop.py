@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import config_lib, data as data_lib, flops, sharding
+from train import checkpoint, config_lib, data as data_lib, flops, sharding
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
 from train.checkpoint import Checkpointer
@@ -37,16 +37,36 @@ class TrainState:
 
 def make_optimizer(tc) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with warmup + cosine decay and global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, tc.learning_rate, tc.warmup_steps, tc.steps,
-      end_value=tc.learning_rate * tc.min_learning_rate_ratio)
+  schedule = lambda count: learning_rate(count, schedule_args(tc))
+  return optimizer(tc, schedule), schedule
+
+
+def optimizer(tc, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """AdamW by `schedule`, global-norm clipping; decay on matrices only."""
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: decays(path), params)
-  tx = optax.chain(
+  return optax.chain(
       optax.clip_by_global_norm(tc.grad_clip),
       optax.adamw(schedule, tc.b1, tc.b2, weight_decay=tc.weight_decay,
                   mask=decay_mask))
-  return tx, schedule
+
+
+def schedule_args(tc) -> np.ndarray:
+  """The schedule as data ([peak, warmup, steps, end ratio]): an input of
+  the compiled step, so runs that differ only in it share one program."""
+  return np.array([tc.learning_rate, tc.warmup_steps, tc.steps,
+                   tc.min_learning_rate_ratio], np.float32)
+
+
+def learning_rate(count, args):
+  """Linear warmup from 0 to the peak, then cosine decay to end x peak at
+  `steps` (optax.warmup_cosine_decay_schedule's curve, from traced args)."""
+  peak, warmup, steps, end = (args[i] for i in range(4))
+  count = jnp.asarray(count, jnp.float32)
+  warm = peak * count / jnp.maximum(warmup, 1.0)
+  done = jnp.clip((count - warmup) / jnp.maximum(steps - warmup, 1.0), 0, 1)
+  cosine = 0.5 * (1 + jnp.cos(jnp.pi * done))
+  return jnp.where(count < warmup, warm, peak * ((1 - end) * cosine + end))
 
 
 def decays(path) -> bool:
@@ -117,14 +137,17 @@ def eval_step(params, tokens_BT1, *, model, weights_T=None):
 
 
 def train_and_evaluate(config, workdir: str, *,
-                       should_stop: Callable[[], bool] = lambda: False
+                       should_stop: Callable[[], bool] = lambda: False,
+                       on_eval: Callable[[int, Any, dict], bool] | None = None
                        ) -> dict:
   """Trains per `config`, resuming from WORKDIR's checkpoints; returns the last record.
 
   Stops early, saving a checkpoint, when `should_stop()` turns true (the
   signal handlers in `train.main` use it); then the returned record has
-  'stopped_at'. Holds WORKDIR/lock throughout (`train.workdir`), and on every
-  way out, an error included, waits for pending checkpoint saves.
+  'stopped_at'. `on_eval(step, params, record)`, called after each
+  evaluation (a study's own measures), ends the run there, as finished, by
+  returning True. Holds WORKDIR/lock throughout (`train.workdir`), and on
+  every way out, an error included, waits for pending checkpoint saves.
   """
   mesh = sharding.make_mesh(config.mesh)
   config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
@@ -134,7 +157,7 @@ def train_and_evaluate(config, workdir: str, *,
     with workdir_lib.lock(path, enabled=is_chief):
       run = setup(config, path, mesh, is_chief)
       try:
-        return _train(run, config, should_stop)
+        return _train(run, config, should_stop, on_eval)
       finally:
         run.checkpointer.close()
         run.reporter.close()
@@ -165,106 +188,207 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
   """The data, model, restored or fresh state and compiled steps of a run in
   WORKDIR `path` (also what scripts/bench_train.py times)."""
   mc = config_lib.model_config(config)
-  rules = sharding.rules(mc, mesh)
-  tc, dc = config.train, config.data
-  dataset = _dataset(dc, mc, path, is_chief)
-
-  model = Transformer(mc)
-  tx, schedule = make_optimizer(tc)
-  batch_sharding = sharding.batch_sharding(mesh)
-  replicated = jax.NamedSharding(mesh, jax.P())
-  abstract = jax.eval_shape(lambda: init_state(model, tx, config.seed))
-  state_sharding = sharding.state_shardings(
-      jax.eval_shape(lambda: init_params(model, config.seed)), tx, abstract,
-      mesh, rules)
-
+  tc = config.train
+  dataset = _dataset(config.data, mc, path, is_chief)
+  program = _Programs(config, mc, mesh, dataset.loss_weights)
   warn = (lambda text: print(text, file=sys.stderr, flush=True)) if (
       is_chief) else (lambda _: None)
   checkpointer = Checkpointer(str(path), every=tc.checkpoint_every,
                               keep=tc.keep_checkpoints)
-  restored = checkpointer.restore(  # Onto this run's mesh, whatever wrote it.
-      jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          abstract, state_sharding), warn=warn)
-  if restored is not None:
-    resume_step, state = restored
-    if state.opt_state is None:  # A converted or imported checkpoint.
-      _check_recipe(path, tc.learning_rate, warn)
-      state = jax.jit(lambda s: s.replace(opt_state=tx.init(s.params)),
-                      out_shardings=state_sharding)(state)
-  else:
-    resume_step = None
-    state = jax.jit(lambda: init_state(model, tx, config.seed),
-                    out_shardings=state_sharding)()
-
-  num_devices = jax.device_count()
-  n_params = model_lib.num_params(mc)
-  kv_bytes = model_lib.kv_cache_bytes(mc, batch=1, length=1)
-  flops_per_token = flops.training_flops_per_token(mc, dc.seq_len)
-  peak, peak_source = flops.peak_flops()
-
+  state, resume_step = _restore_or_init(config, program, checkpointer, warn)
   reporter = MetricsWriter(str(path), tc.steps, enabled=is_chief,
-                      resume_step=resume_step or 0)
-  say = reporter.message
-  say(f'config:\n{config}')
-  say(f'data: {dataset.summary()}')
-  say(f'model: {n_params:,} parameters; KV cache {kv_bytes:,} bytes/token '
-      f'({mc.num_layers} layers x 2 x {mc.num_kv_heads} KV heads x '
-      f'{mc.head_dim} x {np.dtype(mc.dtype).itemsize} B); '
-      f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
-  say(f'devices: {num_devices} x {jax.devices()[0].device_kind} on '
-      f'{jax.process_count()} host(s), mesh {dict(mesh.shape)}; peak '
-      f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
+                           resume_step=resume_step or 0)
+  _introduce(reporter.message, config, mc, dataset, mesh)
   if resume_step is not None:
-    say(f'resuming from step {resume_step} ({checkpointer.directory})')
+    reporter.message(f'resuming from step {resume_step} '
+                     f'({checkpointer.directory})')
 
-  def global_batch(split, **kwargs):
-    # Each host makes only its rows; together they form the global batch.
-    local = dataset.batch(split, batch_size=tc.batch_size,
-                          seq_len=dc.seq_len, shard=jax.process_index(),
-                          num_shards=jax.process_count(), **kwargs)
-    return jax.make_array_from_process_local_data(
-        batch_sharding, local, (tc.batch_size, dc.seq_len + 1))
-
-  weights_T = dataset.loss_weights
-  step_fn = jax.jit(
-      lambda s, b: train_step(s, b, model=model, tx=tx,
-                              accum_steps=tc.grad_accum_steps,
-                              weights_T=weights_T),
-      in_shardings=(state_sharding, batch_sharding),
-      out_shardings=(state_sharding, replicated), donate_argnums=0)
-  eval_fn = jax.jit(lambda p, b: eval_step(p, b, model=model,
-                                           weights_T=weights_T),
-                    in_shardings=(state_sharding.params, batch_sharding),
-                    out_shardings=replicated)
+  global_batch = _batches(dataset, config, mesh)
   get_batch = lambda step: global_batch('train', seed=config.seed, step=step)
-  start = int(state.step)
-  eval_batches = [global_batch('val', seed=0, step=i, stream=1)
-                  for i in range(tc.eval_batches)]
+  start, step_fn = int(state.step), None
   if start < tc.steps:
     t0 = time.perf_counter()
-    # Traced under the mesh: kernels that XLA cannot partition (TPU splash
-    # attention) run per shard with shard_map.
-    with jax.set_mesh(mesh):
-      step_fn = step_fn.lower(state, get_batch(start)).compile()
-      eval_fn = eval_fn.lower(state.params, eval_batches[0]).compile()
-    say(f'compiled the train step in {time.perf_counter() - t0:.1f}s')
-
-  def evaluate(params):
-    loss, accuracy = np.mean(jax.device_get(
-        [eval_fn(params, b) for b in eval_batches]), axis=0).tolist()
-    out = {'eval_loss': loss, 'eval_accuracy': accuracy}
-    if dataset.bytes_per_token:
-      out['eval_bpb'] = loss / math.log(2) / dataset.bytes_per_token
-    return out
+    compiled, reused = program.step(state, get_batch(start))
+    args = jax.device_put(schedule_args(tc), program.replicated)
+    step_fn = lambda s, b: compiled(s, b, args)
+    reporter.message('reused the compiled train step' if reused else
+                     'compiled the train step in '
+                     f'{time.perf_counter() - t0:.1f}s')
+  evaluate = _evaluator(config, dataset, program)
 
   def write_config():
     if is_chief:
       _write_atomically(path / 'config.json', config.to_json(indent=2))
 
-  return Run(path, state, start, step_fn, evaluate, get_batch, schedule,
-              checkpointer, reporter, tc.batch_size * dc.seq_len,
-              flops_per_token, peak * num_devices, write_config)
+  return Run(path, state, start, step_fn, evaluate, get_batch,
+             lambda count: learning_rate(count, schedule_args(tc)),
+             checkpointer, reporter, tc.batch_size * config.data.seq_len,
+             flops.training_flops_per_token(mc, config.data.seq_len),
+             flops.peak_flops()[0] * jax.device_count(), write_config)
+
+
+class _Programs:
+  """The compiled programs of a run: init, train step, eval step.
+
+  Kept per process, keyed by what shapes them (model, mesh, batch shape,
+  optimizer constants, loss weights) and not by the schedule, which is an
+  input: a study's runs of one model share their programs instead of
+  tracing and compiling them again (seconds each).
+  """
+  _cache: dict = {}
+
+  def __init__(self, config, mc, mesh, weights_T):
+    tc = config.train
+    self.model, self.mesh, self.weights_T = Transformer(mc), mesh, weights_T
+    self.tx = make_optimizer(tc)[0]  # The state's structure; not its rates.
+    self.replicated = jax.NamedSharding(mesh, jax.P())
+    self.batch_sharding = sharding.batch_sharding(mesh)
+    self._train = tc
+    self._key = (repr(mc), mesh, tc.batch_size, config.data.seq_len,
+                 tc.grad_accum_steps, tc.b1, tc.b2, tc.weight_decay,
+                 tc.grad_clip, None if weights_T is None else
+                 np.asarray(weights_T).tobytes())
+    (self.abstract, self.state_sharding), _ = self._get('shapes', self._shapes)
+
+  def _get(self, name, build):
+    key = (name, *self._key)
+    reused = key in self._cache
+    if not reused:
+      if len(self._cache) > 64:  # A long study of many shapes.
+        self._cache.clear()
+      self._cache[key] = build()
+    return self._cache[key], reused
+
+  def _shapes(self):
+    model, tx, seed = self.model, self.tx, 0
+    abstract = jax.eval_shape(lambda: init_state(model, tx, seed))
+    state_sharding = sharding.state_shardings(
+        jax.eval_shape(lambda: init_params(model, seed)), tx, abstract,
+        self.mesh, sharding.rules(model.config, self.mesh))
+    return abstract, state_sharding
+
+  def init(self, seed: int) -> TrainState:
+    fn, _ = self._get('init', lambda: jax.jit(
+        lambda seed: init_state(self.model, self.tx, seed),
+        out_shardings=self.state_sharding))
+    return fn(seed)
+
+  def fresh_optimizer(self, state: TrainState) -> TrainState:
+    fn, _ = self._get('fresh_optimizer', lambda: jax.jit(
+        lambda s: s.replace(opt_state=self.tx.init(s.params)),
+        out_shardings=self.state_sharding))
+    return fn(state)
+
+  def step(self, state, batch):
+    """((state, batch, schedule_args) -> (state, metrics), compiled; whether
+    it was already)."""
+    tc, model, weights_T = self._train, self.model, self.weights_T
+
+    def step(s, b, args):
+      tx = optimizer(tc, lambda count: learning_rate(count, args))
+      return train_step(s, b, model=model, tx=tx,
+                        accum_steps=tc.grad_accum_steps, weights_T=weights_T)
+
+    def build():
+      fn = jax.jit(step, in_shardings=(self.state_sharding,
+                                       self.batch_sharding, self.replicated),
+                   out_shardings=(self.state_sharding, self.replicated),
+                   donate_argnums=0)
+      # Traced under the mesh: kernels that XLA cannot partition (TPU
+      # splash attention) run per shard with shard_map.
+      with jax.set_mesh(self.mesh):
+        return fn.lower(state, batch, schedule_args(tc)).compile()
+    return self._get('step', build)
+
+  def eval_step(self, params_sharding):
+    return self._get(('eval', params_sharding is None), lambda: jax.jit(
+        lambda p, b: eval_step(p, b, model=self.model,
+                               weights_T=self.weights_T),
+        in_shardings=(params_sharding or self.replicated,
+                      self.batch_sharding),
+        out_shardings=self.replicated))[0]
+
+
+def evaluate_workdir(workdir: str, flag: str = '--workdir') -> dict:
+  """The held-out metrics of WORKDIR's latest checkpoint, as `train.main`
+  logs them (eval_loss, eval_accuracy[, eval_bpb]): the same evaluator on the
+  same batches. Reads WORKDIR, writes nothing."""
+  mc, params, config = checkpoint.load_workdir(workdir, flag)
+  mesh = sharding.make_mesh(config.mesh)
+  config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
+                      jax.process_count())
+  dataset = _dataset(config.data, mc, pathlib.Path(workdir), is_chief=False)
+  program = _Programs(config, mc, mesh, dataset.loss_weights)
+  return _evaluator(config, dataset, program, sharded=False)(params)
+
+
+def _restore_or_init(config, program: _Programs, checkpointer, warn):
+  """(state, the restored step or None): the workdir's latest checkpoint,
+  onto this run's mesh whatever wrote it, or a fresh state."""
+  restored = checkpointer.restore(
+      jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          program.abstract, program.state_sharding), warn=warn)
+  if restored is None:
+    return program.init(config.seed), None
+  step, state = restored
+  if state.opt_state is None:  # A converted or imported checkpoint.
+    _check_recipe(checkpointer.workdir, config.train.learning_rate, warn)
+    state = program.fresh_optimizer(state)
+  return state, step
+
+
+def _introduce(say, config, mc, dataset, mesh):
+  """The run's first lines: config, data, model size, devices."""
+  kv_bytes = model_lib.kv_cache_bytes(mc, batch=1, length=1)
+  flops_per_token = flops.training_flops_per_token(mc, config.data.seq_len)
+  peak, peak_source = flops.peak_flops()
+  say(f'config:\n{config}')
+  say(f'data: {dataset.summary()}')
+  say(f'model: {model_lib.num_params(mc):,} parameters; KV cache '
+      f'{kv_bytes:,} bytes/token ({mc.num_layers} layers x 2 x '
+      f'{mc.num_kv_heads} KV heads x {mc.head_dim} x '
+      f'{np.dtype(mc.dtype).itemsize} B); '
+      f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
+  say(f'devices: {jax.device_count()} x {jax.devices()[0].device_kind} on '
+      f'{jax.process_count()} host(s), mesh {dict(mesh.shape)}; peak '
+      f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
+
+
+def _batches(dataset: data_lib.Source, config, mesh) -> Callable:
+  """(split, seed, step[, stream]) -> a global batch on the mesh; each host
+  makes only its own rows."""
+  tc, dc = config.train, config.data
+  batch_sharding = sharding.batch_sharding(mesh)
+
+  def global_batch(split, **kwargs):
+    local = dataset.batch(split, batch_size=tc.batch_size,
+                          seq_len=dc.seq_len, shard=jax.process_index(),
+                          num_shards=jax.process_count(), **kwargs)
+    return jax.make_array_from_process_local_data(
+        batch_sharding, local, (tc.batch_size, dc.seq_len + 1))
+  return global_batch
+
+
+def _evaluator(config, dataset, program: _Programs, sharded: bool = True):
+  """params -> {'eval_loss', 'eval_accuracy'[, 'eval_bpb']}: the mean over
+  the train.eval_batches held-out batches (the same for every run of the
+  data). sharded: params laid out as the run's state (else replicated)."""
+  global_batch = _batches(dataset, config, program.mesh)
+  batches = [global_batch('val', seed=0, step=i, stream=1)
+             for i in range(config.train.eval_batches)]
+  eval_fn = program.eval_step(
+      program.state_sharding.params if sharded else None)
+
+  def evaluate(params):
+    with jax.set_mesh(program.mesh):
+      loss, accuracy = np.mean(jax.device_get(
+          [eval_fn(params, b) for b in batches]), axis=0).tolist()
+    out = {'eval_loss': loss, 'eval_accuracy': accuracy}
+    if dataset.bytes_per_token:
+      out['eval_bpb'] = loss / math.log(2) / dataset.bytes_per_token
+    return out
+  return evaluate
 
 
 def _dataset(dc, mc, path: pathlib.Path, is_chief: bool) -> data_lib.Source:
@@ -401,7 +525,7 @@ class _Window:
     return rows
 
 
-def _train(run: Run, config, should_stop) -> dict:
+def _train(run: Run, config, should_stop, on_eval=None) -> dict:
   tc = config.train
   state, workdir = run.state, run.workdir
   if run.start >= tc.steps:
@@ -443,6 +567,9 @@ def _train(run: Run, config, should_stop) -> dict:
     }
     if last or n % tc.eval_every == 0:
       record.update(run.evaluate(state.params))
+      if on_eval is not None and on_eval(n, state.params, record) and (
+          not last):
+        last, record['finished_early'] = True, n
     if not config_written and (last or stop or n % tc.checkpoint_every == 0):
       # Written with this run's first save, so that it describes the
       # checkpoints: a run that fails before saving leaves the old one.
@@ -455,6 +582,7 @@ def _train(run: Run, config, should_stop) -> dict:
     window.take()
     if stop and not last:
       stopped_at = n
+    if last or stop:
       break
   run.checkpointer.wait()
   say = run.reporter.message
@@ -463,7 +591,8 @@ def _train(run: Run, config, should_stop) -> dict:
         'command to resume')
     record['stopped_at'] = stopped_at
   else:
-    summary = f'done: step {tc.steps}, held-out loss {record["eval_loss"]:.4f}'
+    summary = (f'done: step {record.get("finished_early", tc.steps)}, '
+               f'held-out loss {record["eval_loss"]:.4f}')
     if 'eval_bpb' in record:
       summary += f' nats/token = {record["eval_bpb"]:.3f} bits/byte'
     say(f'{summary}, next-token accuracy {record["eval_accuracy"]:.3f}')

@@ -91,14 +91,17 @@ def duration(seconds: float) -> str:
           f'{minutes}:{seconds:02d}')
 
 
-def runs(items: list, describe, stream: TextIO | None = None):
+def runs(items: list, describe, stream: TextIO | None = None, *,
+         cost=lambda item: 1.0):
   """Yields `items` (the runs of a study), announcing each on stdout:
   '=== run i of n: DESCRIPTION (elapsed m:ss, ETA m:ss)', the ETA from the
-  runs done so far."""
+  runs done so far, weighted by `cost(item)` (e.g. its steps)."""
   start = time.perf_counter()
+  costs = [cost(item) for item in items]
   for i, item in enumerate(items):
     elapsed = time.perf_counter() - start
-    eta = elapsed / i * (len(items) - i) if i else float('inf')
+    done = sum(costs[:i])
+    eta = elapsed / done * sum(costs[i:]) if done else float('inf')
     print(f'=== run {i + 1} of {len(items)}: {describe(item)} (elapsed '
           f'{duration(elapsed)}, ETA {duration(eta)})',
           file=stream or sys.stdout, flush=True)

@@ -1,0 +1,317 @@
+"""The uptraining study's report: statistics over seeds, tables, the reading, plots.
+
+`write(out, results)` takes `scripts.uptrain_study`'s results.json and writes
+OUT/report.md, OUT/loss_vs_alpha.png and OUT/curves.png. Differences between
+methods are paired by seed (same data order); an interval that excludes 0 at
+95% (Student t over the seeds) "resolves".
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import numpy as np
+
+METHODS = ('identity', 'mean', 'first', 'random')
+RECIPES = ('paper', 'continued')
+SCRATCH_ALPHA = 0.05
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447,
+       7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def losses(results, recipe, method, K, alpha) -> np.ndarray:
+  """Held-out losses over seeds, in seed order."""
+  rows = sorted((r['seed'], r['loss']) for r in results['runs']
+                if (r['recipe'], r['method'], r['K'], r['alpha']) ==
+                (recipe, method, K, alpha))
+  return np.array([loss for _, loss in rows])
+
+
+def interval(x) -> tuple[float, float, float]:
+  """(mean, standard deviation, 95% half-width) of a sample."""
+  x = np.asarray(x, float)
+  if len(x) < 2:
+    return float(x.mean()), 0.0, float('inf')
+  sd = float(x.std(ddof=1))
+  return float(x.mean()), sd, T95.get(len(x) - 1, 1.96) * sd / math.sqrt(len(x))
+
+
+def unpaired(a, b) -> tuple[float, float]:
+  """(mean(a) - mean(b), its 95% half-width), Welch's t."""
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+  if len(a) < 2 or len(b) < 2 or va + vb == 0:
+    return float(a.mean() - b.mean()), float('inf')
+  df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+  t = T95.get(max(1, int(df)), 1.96)
+  return float(a.mean() - b.mean()), t * math.sqrt(va + vb)
+
+
+def resolved(mean: float, half: float) -> bool:
+  return abs(mean) > half
+
+
+def _pm(x) -> str:
+  mean, sd, _ = interval(x)
+  return f'{mean:.4f}' if len(x) < 2 else f'{mean:.4f} ± {sd:.4f}'
+
+
+def _diff(mean: float, half: float) -> str:
+  verdict = 'resolves' if resolved(mean, half) else 'does not resolve'
+  return f'{mean:+.4f} ± {half:.4f} ({verdict})'
+
+
+def loss_table(results, recipe: str, K: int) -> list[str]:
+  """Held-out loss by method (rows) and alpha (columns), mean ± sd."""
+  plan = results['plan']
+  alphas = plan['alphas']
+  lines = ['| method | ' + ' | '.join(f'α={a:g}' for a in alphas) + ' |',
+           '|---|' + '---|' * len(alphas)]
+  for method in METHODS:
+    k = plan['num_heads'] if method == 'identity' else K
+    lines.append(f'| {method}{" (K=N)" if method == "identity" else ""} | '
+                 + ' | '.join(_pm(losses(results, recipe, method, k, a))
+                              for a in alphas) + ' |')
+  return lines
+
+
+def recovery(results, recipe, method, K, alpha) -> np.ndarray:
+  """Per seed, the fraction of the conversion's drop (alpha 0's loss over
+  the source's) that uptraining for alpha won back."""
+  source = results['source']['loss']
+  before = losses(results, recipe, method, K, 0)
+  after = losses(results, recipe, method, K, alpha)
+  return (before - after) / (before - source)
+
+
+def recovery_table(results, K: int) -> list[str]:
+  alphas = [a for a in results['plan']['alphas'] if a]
+  lines = ['| method, recipe | ' + ' | '.join(f'α={a:g}' for a in alphas)
+           + ' |', '|---|' + '---|' * len(alphas)]
+  for method in METHODS[1:]:
+    for recipe in RECIPES:
+      cells = [interval(recovery(results, recipe, method, K, a))
+               for a in alphas]
+      lines.append(f'| {method}, {recipe} | ' + ' | '.join(
+          f'{100 * m:.0f}% ± {100 * sd:.0f}' for m, sd, _ in cells) + ' |')
+  return lines
+
+
+def paired(results, recipe, a_method, b_method, K, alpha):
+  """(mean, 95% half-width) of a_method's loss minus b_method's, by seed."""
+  N = results['plan']['num_heads']
+  a = losses(results, recipe, a_method,
+             N if a_method == 'identity' else K, alpha)
+  b = losses(results, recipe, b_method,
+             N if b_method == 'identity' else K, alpha)
+  mean, _, half = interval(a - b)
+  return mean, half
+
+
+PAIRS = (('mean', 'first'), ('first', 'random'), ('mean', 'random'),
+         ('mean', 'identity'))
+
+
+def paired_table(results, recipe: str, K: int) -> list[str]:
+  alphas = results['plan']['alphas']
+  lines = ['| difference | ' + ' | '.join(f'α={a:g}' for a in alphas) + ' |',
+           '|---|' + '---|' * len(alphas)]
+  for a_method, b_method in PAIRS:
+    lines.append(f'| {a_method} − {b_method} | ' + ' | '.join(
+        _diff(*paired(results, recipe, a_method, b_method, K, a))
+        for a in alphas) + ' |')
+  return lines
+
+
+def scratch_table(results) -> list[str]:
+  lines = ['| K | from scratch | ' + ' | '.join(
+      f'mean-pooled, {r}' for r in RECIPES) + ' |', '|---|---|---|---|']
+  for K in results['plan']['kv_heads']:
+    scratch = [s['loss'] for s in results['scratch'] if s['K'] == K]
+    lines.append(f'| {K} | {_pm(scratch)} | ' + ' | '.join(
+        _pm(losses(results, r, 'mean', K, SCRATCH_ALPHA)) for r in RECIPES)
+        + ' |')
+  return lines
+
+
+def sound_recipe(results) -> tuple[str, dict]:
+  """The recipe whose identity control ends closest to (or below) the
+  source, and each recipe's control shock at the largest alpha:
+  {recipe: (mean, half-width)} of control loss minus the source's."""
+  N, alpha = results['plan']['num_heads'], results['plan']['alphas'][-1]
+  shock = {r: interval(losses(results, r, 'identity', N, alpha)
+                       - results['source']['loss']) for r in RECIPES}
+  return min(RECIPES, key=lambda r: shock[r][0]), {
+      r: (m, half) for r, (m, _, half) in shock.items()}
+
+
+def _better(difference, first: str, second: str) -> str:
+  """Which of two is better, given (first - second, half-width) in loss."""
+  if not resolved(*difference):
+    return 'no resolved difference'
+  return f'{first if difference[0] < 0 else second} is better'
+
+
+def _ordering(results, recipe, K) -> list[str]:
+  """Which of mean < first < random hold after uptraining, per alpha."""
+  lines = []
+  for better, worse in PAIRS[:2]:
+    verdicts = []
+    for alpha in [a for a in results['plan']['alphas'] if a]:
+      mean, half = paired(results, recipe, better, worse, K, alpha)
+      verdicts.append(f'α={alpha:g}: {mean:+.3f} ' + (
+          ('(holds)' if mean < 0 else '(reversed)')
+          if resolved(mean, half) else '(unresolved)'))
+    lines.append(f'  - {better} < {worse}: ' + ', '.join(verdicts))
+  return lines
+
+
+def reading(results) -> list[str]:
+  """The findings, each from the numbers below it."""
+  src, plan = results['source'], results['plan']
+  N, top = plan['num_heads'], plan['alphas'][-1]
+  flat = src['change'] < 0.01
+  identity0 = losses(results, RECIPES[0], 'identity', N, 0)
+  lines = [
+      f'- **Source**: MHA (K = N = {N}) trained {src["steps"]} steps '
+      f'({src["tokens"] / 1e6:.2f}M tokens) to a held-out loss of '
+      f'{src["loss"]:.4f} nats/token; it changed {100 * src["change"]:.2f}% '
+      f'over the last fifth of its steps ({"flat" if flat else "NOT flat"}: '
+      'the criterion is < 1%' + ('' if flat else '; so part of any gain '
+                                  'while uptraining is the source still '
+                                  'learning, which the control measures too')
+      + '). The identity conversion evaluates to '
+      f'{identity0.mean():.4f} at α = 0 (the source: the conversion path is '
+      f'{"exact" if abs(identity0 - src["loss"]).max() < 1e-4 else "NOT exact"}).']
+  recipe, shock = sound_recipe(results)
+  lines.append(
+      f'- **The control** (no conversion, the same uptraining) ends α = {top:g} '
+      + ' and '.join(f'{shock[r][0]:+.4f} ± {shock[r][1]:.4f} nats from the '
+                     f'source under the {r} recipe' for r in RECIPES)
+      + f'. The recipe itself moves the loss that much; the **{recipe}** '
+      'recipe is the sound one here, and the readings below use it.')
+  for K in plan['kv_heads']:
+    rec = interval(recovery(results, recipe, 'mean', K, SCRATCH_ALPHA))
+    gap = losses(results, recipe, 'mean', K, SCRATCH_ALPHA) - src['loss']
+    net = paired(results, recipe, 'mean', 'identity', K, SCRATCH_ALPHA)
+    scratch = [s['loss'] for s in results['scratch'] if s['K'] == K]
+    vs_scratch = unpaired(
+        losses(results, recipe, 'mean', K, SCRATCH_ALPHA), scratch)
+    lines += [
+        f'- **K = {K}, mean-pooled, α = {SCRATCH_ALPHA:g}** (claim 1): '
+        f'{100 * rec[0]:.0f}% ± {100 * rec[1]:.0f} of the conversion\'s drop '
+        f'recovered; {gap.mean():+.4f} nats from the source '
+        f'({100 * gap.mean() / src["loss"]:+.1f}%), '
+        f'{_diff(*net)} against the control. Against K = {K} trained from '
+        f'scratch on the same total tokens: {_diff(*vs_scratch)} '
+        f'({_better(vs_scratch, "uptraining", "scratch")}).',
+        f'- **K = {K}, the methods after uptraining** (claim 2, mean < first '
+        '< random, paired by seed):', *_ordering(results, recipe, K)]
+  return lines
+
+
+def _grid(results, title: str):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  kv_heads = results['plan']['kv_heads']
+  fig, axes = plt.subplots(len(RECIPES), len(kv_heads), squeeze=False,
+                           figsize=(5 * len(kv_heads), 3.6 * len(RECIPES)),
+                           sharey=True)
+  fig.suptitle(title)
+  for i, recipe in enumerate(RECIPES):
+    for j, K in enumerate(kv_heads):
+      axes[i, j].set_title(f'MHA -> K={K}, {recipe} recipe')
+      axes[i, j].axhline(results['source']['loss'], color='gray', ls='--',
+                         lw=1, label='source (MHA)')
+  return fig, axes, plt
+
+
+def plot_alpha(out: pathlib.Path, results):
+  """Held-out loss against alpha, per method, with the seeds' range."""
+  fig, axes, plt = _grid(results, 'Held-out loss after uptraining for α of '
+                         'the source\'s tokens')
+  plan = results['plan']
+  for i, recipe in enumerate(RECIPES):
+    for j, K in enumerate(plan['kv_heads']):
+      ax = axes[i, j]
+      for method in METHODS:
+        k = plan['num_heads'] if method == 'identity' else K
+        rows = np.array([losses(results, recipe, method, k, a)
+                         for a in plan['alphas']])
+        line, = ax.plot(plan['alphas'], rows.mean(1), marker='o', ms=3,
+                        label=method + (' (control)' if k != K else ''))
+        ax.fill_between(plan['alphas'], rows.min(1), rows.max(1),
+                        color=line.get_color(), alpha=0.2)
+      scratch = [s['loss'] for s in results['scratch'] if s['K'] == K]
+      ax.errorbar([SCRATCH_ALPHA], [np.mean(scratch)],
+                  yerr=[[np.mean(scratch) - min(scratch)],
+                        [max(scratch) - np.mean(scratch)]],
+                  fmt='k*', ms=9, label=f'K={K} from scratch')
+      ax.set_xlabel('α (uptraining tokens / source tokens)')
+      ax.set_ylabel('held-out loss (nats/token)')
+      ax.set_yscale('log')
+  axes[0, 0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out / 'loss_vs_alpha.png', dpi=110)
+  plt.close(fig)
+
+
+def plot_curves(out: pathlib.Path, results):
+  """Held-out loss along the largest alpha's uptraining, seed means."""
+  plan = results['plan']
+  top = plan['alphas'][-1]
+  fig, axes, plt = _grid(results, f'Held-out loss while uptraining (α={top:g})')
+  for i, recipe in enumerate(RECIPES):
+    for j, K in enumerate(plan['kv_heads']):
+      for method in METHODS:
+        k = plan['num_heads'] if method == 'identity' else K
+        runs = [r for r in results['runs'] if (
+            r['recipe'], r['method'], r['K'], r['alpha']) == (
+                recipe, method, k, top)]
+        start = losses(results, recipe, method, k, 0).mean()
+        steps = [0] + [s for s, _ in runs[0]['curve']]
+        mean = [start] + list(np.mean(
+            [[loss for _, loss in r['curve']] for r in runs], axis=0))
+        axes[i, j].plot(steps, mean, marker='.', label=method)
+      axes[i, j].set_xlabel('uptraining step')
+      axes[i, j].set_ylabel('held-out loss (nats/token)')
+      axes[i, j].set_yscale('log')
+  axes[0, 0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out / 'curves.png', dpi=110)
+  plt.close(fig)
+
+
+def write(out: pathlib.Path, results):
+  """OUT/report.md and its two plots."""
+  plan, src = results['plan'], results['source']
+  lines = ['# Uptraining MHA to GQA/MQA (Ainslie et al. 2023), with controls',
+           '', '`python -m scripts.uptrain_study` '
+           f'(source: {src["steps"]} steps; targets K = '
+           f'{", ".join(map(str, plan["kv_heads"]))}; α = '
+           f'{", ".join(f"{a:g}" for a in plan["alphas"])} of the source\'s '
+           f'tokens; seeds {", ".join(map(str, plan["seeds"]))}). '
+           'Held-out loss in nats/token, mean ± sd over seeds; differences '
+           'paired by seed with their 95% half-width.', '', '## Reading', '',
+           *reading(results), '',
+           '![loss against alpha](loss_vs_alpha.png)', '',
+           '![learning curves](curves.png)', '']
+  for K in plan['kv_heads']:
+    lines += [f'## MHA -> K = {K}', '']
+    for recipe in RECIPES:
+      lines += [f'Held-out loss, {recipe} recipe:', '',
+                *loss_table(results, recipe, K), '',
+                f'Paired differences, {recipe} recipe (negative: the first '
+                'is better):', '', *paired_table(results, recipe, K), '']
+    lines += ['Fraction of the conversion\'s drop recovered (mean ± sd):', '',
+              *recovery_table(results, K), '']
+  lines += [f'## Against training from scratch (same total tokens: the '
+            f'source\'s plus α = {SCRATCH_ALPHA:g})', '',
+            *scratch_table(results), '']
+  (out / 'report.md').write_text('\n'.join(lines))
+  plot_alpha(out, results)
+  plot_curves(out, results)
+  print('\n'.join(lines[:lines.index('![loss against alpha](loss_vs_alpha.png)')]))
+  print(f'wrote {out / "report.md"}, loss_vs_alpha.png, curves.png')
