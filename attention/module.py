@@ -93,10 +93,6 @@ class Attention(nn.Module):
   decode: bool = False
   kernel_init: nn.initializers.Initializer = default_kernel_init
 
-  @property
-  def kv_heads(self) -> int:
-    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
   @classmethod
   def from_options(cls, options: layer.Options, **fields) -> 'Attention':
     """The module computing `options`; fields: dtype, decode, name, ..."""

@@ -84,8 +84,6 @@ def torch_peer():
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
-  torch.set_num_threads(max(1, len(jax.devices('cpu')) and
-                            torch.get_num_threads()))
   sdpa = torch.nn.functional.scaled_dot_product_attention
 
   def make(q, k, v, backward):

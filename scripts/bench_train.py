@@ -47,11 +47,6 @@ except ImportError:  # Only the torch contestants need it.
   torch = None
 
 
-def _require_torch():
-  if torch is None:
-    raise UserError("torch is not installed; pip install -e '.[bench]'")
-
-
 class TorchTransformer(tnn.Module if torch else object):
   """`train.model.Transformer` in PyTorch, for the default conventions.
 
@@ -301,8 +296,6 @@ def main():
   parser.add_argument('--markdown', help=f'write the table as the section '
                       f'"{SECTION}" of this file (BENCHMARKS.md)')
   args = parser.parse_args()
-  if torch is not None:
-    torch.set_num_threads(len(jax.devices('cpu')) and torch.get_num_threads())
   peak, peak_source = flops.peak_flops()
   env = {'machine': f'{platform.processor() or platform.machine()}, '
                     f'{jax.devices()[0].device_kind}',

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs import tiny
@@ -73,6 +74,59 @@ def test_stopped_and_resumed_run_is_bit_identical_to_a_straight_run(tmp_path):
   key = lambda ms: [(m['step'], m['loss'], m.get('eval_loss')) for m in ms
                     if m['step'] % 5 == 0]
   assert key(resumed) == key(straight)
+
+
+def test_the_schedule_is_optaxs_warmup_cosine_from_traced_arguments():
+  tc = _config(train__steps=100, train__warmup_steps=10,
+               train__learning_rate=3e-3).train
+  reference = optax.warmup_cosine_decay_schedule(
+      0.0, 3e-3, 10, 100, end_value=3e-3 * tc.min_learning_rate_ratio)
+  counts = jnp.arange(0, 120)
+  rates = jax.jit(jax.vmap(loop.learning_rate, in_axes=(0, None)))(
+      counts, loop.schedule_args(tc))
+  np.testing.assert_allclose(rates, jax.vmap(reference)(counts), rtol=1e-5,
+                             atol=1e-9)
+
+
+def test_runs_differing_in_schedule_share_one_program_and_equal_fresh_ones(
+    tmp_path, capsys):
+  """A study's runs reuse the compiled step; the result is the same as
+  compiling it afresh."""
+  config = _config(train__steps=10, train__learning_rate=5e-3)
+  loop.train_and_evaluate(_config(train__steps=12), str(tmp_path / 'a'))
+  shared = loop.train_and_evaluate(config, str(tmp_path / 'b'))
+  assert 'reused the compiled train step' in capsys.readouterr().out
+  loop._Programs._cache.clear()  # pylint: disable=protected-access
+  fresh = loop.train_and_evaluate(config, str(tmp_path / 'c'))
+  assert 'compiled the train step in' in capsys.readouterr().out
+  chex.assert_trees_all_equal(_params(tmp_path / 'b'), _params(tmp_path / 'c'))
+  assert shared['eval_loss'] == fresh['eval_loss']
+  # Its own schedule (at its last step, 9 of 10), not the first run's.
+  assert shared['learning_rate'] == pytest.approx(
+      float(loop.learning_rate(9, loop.schedule_args(config.train))))
+
+
+def test_evaluate_workdir_is_the_loops_evaluation_of_the_last_checkpoint(
+    tmp_path):
+  record = loop.train_and_evaluate(_config(), str(tmp_path))
+  before = sorted(p.name for p in tmp_path.rglob('*'))
+  evaluated = loop.evaluate_workdir(str(tmp_path))
+  assert evaluated['eval_loss'] == pytest.approx(record['eval_loss'],
+                                                 rel=1e-6)
+  assert evaluated.keys() == {'eval_loss', 'eval_accuracy', 'eval_bpb'}
+  assert sorted(p.name for p in tmp_path.rglob('*')) == before
+
+
+def test_on_eval_can_end_a_run_early_as_finished(tmp_path):
+  seen = []
+  on_eval = lambda step, params, record: seen.append(
+      (step, record['eval_loss'])) or step >= 10
+  record = loop.train_and_evaluate(_config(train__eval_every=5),
+                                   str(tmp_path), on_eval=on_eval)
+  assert [step for step, _ in seen] == [5, 10]
+  assert record['finished_early'] == 10 and 'stopped_at' not in record
+  assert checkpoint.restore_latest(str(tmp_path))[0] == 10
+  assert read_metrics(tmp_path)[-1]['step'] == 10
 
 
 @pytest.mark.slow

@@ -39,8 +39,7 @@ FAMILIES = {  # model_type -> architecture class.
     'gemma': 'GemmaForCausalLM'}
 ACTIVATIONS = {'silu': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh',
                'gelu': 'gelu_tanh'}  # Gemma's legacy name for the tanh form.
-DTYPE_NAMES = {'float32': 'float32', 'bfloat16': 'bfloat16',
-               'float16': 'float16'}
+PARAM_DTYPES = ('float32', 'bfloat16', 'float16')  # torch_dtype kept as is.
 # Files of the source that travel with the workdir (WORKDIR/hf/) and back out.
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json',
                    'special_tokens_map.json', 'tokenizer.model',
@@ -83,7 +82,7 @@ def model_fields(hf: dict) -> dict[str, Any]:
       max_len=get('max_position_embeddings', 2048),
       tie_embeddings=bool(get('tie_word_embeddings', gemma)),
       rope_base=float(base), local_window=window, logits_soft_cap=None,
-      fused_qkv=False, param_dtype=DTYPE_NAMES.get(dtype, 'float32'),
+      fused_qkv=False, param_dtype=dtype if dtype in PARAM_DTYPES else 'float32',
       mlp_activation=ACTIVATIONS.get(activation, 'silu'),
       norm_eps=float(get('rms_norm_eps', 1e-6)),
       norm_scale_offset=1.0 if gemma else 0.0, embed_scale=gemma,
