@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import core, dot_product_attention
-from scripts import bench_attention, bench_decode
+from scripts import timing
 from train import config_lib, flops, loop
 from train.errors import (ArgumentParser, check_output_dir, exit_on_user_error,
                           positive_int)
@@ -61,12 +61,6 @@ def run_tests(quick: bool) -> dict:
   lines = result.stdout.strip().splitlines()
   return {'summary': lines[-1] if lines else result.stderr[-500:],
           'returncode': result.returncode}
-
-
-def attention_flops(B, T, N, H, backward):
-  """Causal attention FLOPs: QK and PV over the unmasked half."""
-  forward = 2 * 2 * B * N * H * T * (T + 1) / 2
-  return forward * (3.5 if backward else 1)  # FA2 backward: 2.5x forward.
 
 
 def bench_attention_bf16(lengths, kv_heads, repeats, B=4, N=16, H=128):
@@ -99,8 +93,8 @@ def bench_attention_bf16(lengths, kv_heads, repeats, B=4, N=16, H=128):
           contestants[name] = lambda run=run: run(q, k, v)
         if torch_sdpa:
           contestants['torch sdpa'] = torch_sdpa(q, k, v, backward)
-        times = bench_attention.median_times(contestants, repeats)
-        work = attention_flops(B, T, N, H, backward)
+        times = timing.median_times(contestants, repeats)
+        work = flops.attention_flops(B, T, N, H, backward)
         row = {'T': T, 'K': K, 'pass': 'fwd+bwd' if backward else 'fwd',
                'ms': {n: t * 1e3 for n, t in times.items()},
                'tflops': {n: work / t / 1e12 for n, t in times.items()}}
@@ -156,14 +150,15 @@ def decode_roofline(quick: bool, repeats: int) -> dict:
   config = config_lib.load('tiny' if quick else 'gqa_base')
   heads = config.model.num_heads
   batch, context = (2, 16) if quick else (64, 1024)
-  bandwidth = bench_attention.read_bandwidth(repeats)
+  bandwidth = timing.read_bandwidth(repeats)
+  peak = flops.peak_flops()[0]
   rows = []
   for K in sorted({heads, max(1, heads // 4), 1}, reverse=True):
     config.model.num_kv_heads = K
     mc = config_lib.model_config(config)
-    seconds = bench_decode.decode_step_seconds(mc, batch, context, repeats)
-    roofline = bench_decode.roofline_tokens_per_sec(mc, batch, context,
-                                                    bandwidth)
+    seconds = timing.decode_step_seconds(mc, batch, context, repeats)
+    roofline = flops.decode_roofline_tokens_per_sec(
+        mc, batch, context, bandwidth, peak)['roofline']
     rows.append({'K': K, 'batch': batch, 'context': context,
                  'tokens_per_sec': batch / seconds,
                  'roofline_tokens_per_sec': roofline})

@@ -30,29 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import dot_product_attention
+from scripts.timing import median_times, read_bandwidth, read_test
 from train.errors import (ArgumentParser, exit_on_user_error, int_list,
                           positive_int)
-
-
-def median_time(fn, repeats):
-  return median_times({'fn': fn}, repeats)['fn']
-
-
-def median_times(fns, repeats):
-  """{name: median seconds}, the fns timed in turn, round after round.
-
-  Interleaving puts every contestant under the same drift of the machine's
-  load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
-  """
-  for fn in fns.values():
-    jax.block_until_ready(fn())  # Compile and warm up.
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def repeat_kv_attention(q, k, v, is_causal=True):
@@ -141,19 +121,6 @@ def bench_training(args, on_gpu, dtype, torch_make):
 def peak_bytes(run, *xs):
   analysis = run.lower(*xs).compile().memory_analysis()
   return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
-
-
-def read_test():
-  """(bytes, fn): a jitted sum over 1 GiB of float32, read at full rate."""
-  x = jnp.ones((2**28,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  return x.nbytes, lambda: total(x)
-
-
-def read_bandwidth(repeats) -> float:
-  """Bytes/s of the read test: the machine's read rate."""
-  nbytes, fn = read_test()
-  return nbytes / median_time(fn, repeats)
 
 
 def bench_decode(args, dtype, env):

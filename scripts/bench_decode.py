@@ -17,57 +17,14 @@ of bandwidth. Writes decode.json and decode.png under --out.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-
-from scripts import bench_attention
-from train import config_lib, flops, loop, sample
+from scripts import timing
+from train import config_lib, flops
 from train.errors import (ArgumentParser, check_output_dir, exit_on_user_error,
                           int_list, positive_int)
 from train import model as model_lib
-from train.model import Transformer, unroll_layers
-
-
-def decode_step_seconds(mc, batch: int, context: int, repeats: int,
-                        steps: int = 8) -> float:
-  """Median time per decoded token (all sequences), cache filled to `context`.
-
-  Times `steps` greedy tokens of `train.sample.decode`, the loop that
-  train.sample runs, so the cache is updated in place rather than copied.
-  """
-  mc = dataclasses.replace(mc, max_len=context + steps)
-  model, params = unroll_layers(
-      Transformer(mc, decode=True),
-      nn.unbox(loop.init_params(Transformer(mc), seed=0)))
-  cache = jax.tree_util.tree_map_with_path(  # Filled up to `context`.
-      lambda path, x: jnp.full_like(x, context)
-      if jax.tree_util.keystr(path).endswith(("['cache_index']",
-                                              "['position_index']")) else x,
-      sample.empty_cache(model, batch))
-  rngs = jax.random.split(jax.random.key(0), steps)
-  run = jax.jit(lambda cache, token_B: sample.decode(
-      model, params, cache, token_B, rngs, temperature=0.0, top_k=0)[0])
-  token = jnp.zeros((batch,), jnp.int32)
-  return bench_attention.median_time(lambda: run(cache, token),
-                                     repeats) / steps
-
-
-def roofline_tokens_per_sec(mc, batch: int, context: int,
-                            bandwidth: float) -> float:
-  """Tokens/s if each step only read the weights and the cache at `bandwidth`."""
-  step_bytes = (model_lib.kv_cache_bytes(mc, batch, context)
-                + model_lib.param_bytes(mc))
-  return batch * bandwidth / step_bytes
-
-
-def compute_roofline_tokens_per_sec(mc, context: int, peak: float) -> float:
-  """Tokens/s if each step ran its FLOPs at the device's `peak`."""
-  return peak / flops.decode_flops_per_token(mc, context)
 
 
 def main():
@@ -94,33 +51,34 @@ def run(config_name, kv_heads, batches, contexts, repeats):
   for K in kv_heads:  # Every bad setting refused before any measurement.
     config.model.num_kv_heads = K
     config_lib.validate(config, batch_shards=1)
-  bandwidth = bench_attention.read_bandwidth(repeats)
+  bandwidth = timing.read_bandwidth(repeats)
   peak, peak_source = flops.peak_flops()
   rows = []
   print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:,.0f} '
         f'GFLOP/s ({peak_source})')
   print(f'{"K":>3} {"batch":>6} {"context":>8} {"tokens/s":>10} '
-        f'{"KV MiB":>8} {"roofline tok/s":>15} {"of it":>6} '
-        f'{"FLOP roofline":>14}')
+        f'{"KV MiB":>8} {"bytes bound":>12} {"FLOP bound":>11} '
+        f'{"of the lower":>12}')
   for K in kv_heads:
     config.model.num_kv_heads = K
     mc = config_lib.model_config(config)
     for batch in batches:
       for context in contexts:
-        seconds = decode_step_seconds(mc, batch, context, repeats)
+        seconds = timing.decode_step_seconds(mc, batch, context, repeats)
         kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
-        roofline = roofline_tokens_per_sec(mc, batch, context, bandwidth)
+        bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
+                                                     bandwidth, peak)
         row = dict(num_kv_heads=K, batch=batch, context=context,
                    tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
-                   roofline_tokens_per_sec=roofline,
-                   fraction_of_roofline=batch / seconds / roofline,
-                   compute_roofline_tokens_per_sec=(
-                       compute_roofline_tokens_per_sec(mc, context, peak)))
+                   bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
+                   compute_roofline_tokens_per_sec=bound['compute'],
+                   roofline_tokens_per_sec=bound['roofline'],
+                   fraction_of_roofline=batch / seconds / bound['roofline'])
         rows.append(row)
         print(f'{K:>3} {batch:>6} {context:>8} {row["tokens_per_sec"]:>10,.0f}'
-              f' {kv_bytes / 2**20:>8.1f} {roofline:>15,.0f} '
-              f'{100 * row["fraction_of_roofline"]:>5.0f}% '
-              f'{row["compute_roofline_tokens_per_sec"]:>14,.0f}', flush=True)
+              f' {kv_bytes / 2**20:>8.1f} {bound["bandwidth"]:>12,.0f} '
+              f'{bound["compute"]:>11,.0f} '
+              f'{100 * row["fraction_of_roofline"]:>11.0f}%', flush=True)
   return {'bandwidth': bandwidth, 'peak_flops': peak,
           'peak_source': peak_source, 'rows': rows}
 
@@ -143,7 +101,7 @@ def plot(results, path):
       ax.plot(b, [r['tokens_per_sec'] for r in sel], 'o-', color=color,
               label=f'K={K} measured')
       ax.plot(b, [r['roofline_tokens_per_sec'] for r in sel], '--',
-              color=color, label=f'K={K} bandwidth roofline')
+              color=color, label=f'K={K} roofline')
     ax.set(xscale='log', yscale='log', xlabel='batch',
            ylabel='decoded tokens/s', title=f'context {context}')
     ax.legend(fontsize=7)

@@ -5,11 +5,11 @@
 
 Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed};
 then one decode step per variant is timed (batch 16, context 256, see
-scripts/bench_decode.py). OUT/report.md gets the table (num_kv_heads,
+scripts/timing.py). OUT/report.md gets the table (num_kv_heads,
 parameters, KV bytes per token, held-out loss and bits per byte, training and
 decode tokens/s, mean ± spread over seeds) and the plots beside it: loss
 against step and against training time, training throughput, decode
-throughput with its bandwidth roofline. --equal_params widens the MLP of
+throughput with its roofline (the lower of the bandwidth and FLOP bounds). --equal_params widens the MLP of
 variants with fewer K/V heads to MHA's parameter count (as Shazeer 2019 did).
 --quick: 120 steps per variant (README, Results, has its run times).
 --config=recall runs the recall probe instead (see configs/recall.py); the
@@ -25,8 +25,8 @@ import sys
 
 import numpy as np
 
-from scripts import bench_decode
-from train import checkpoint, config_lib, data, loop, progress
+from scripts import timing
+from train import checkpoint, config_lib, data, flops, loop, progress
 from train.errors import (ArgumentParser, UserError, exit_on_user_error,
                           int_list, positive_int)
 from train import model as model_lib
@@ -39,9 +39,9 @@ DECODE_BATCH, DECODE_CONTEXT = 16, 256
 def variant_config(base, K, seed, steps, equal_params):
   config = config_lib.load(base)
   m = config.model
-  if equal_params:  # 2·D·(N-K)·H fewer K/V weights; 3·D per MLP unit.
-    extra = 2 * (m.num_heads - K) * m.head_dim / 3
-    m.mlp_dim += int(round(extra / 8)) * 8
+  if equal_params:
+    m.mlp_dim = flops.equal_params_mlp_dim(m.mlp_dim, m.num_heads, K,
+                                           m.head_dim)
   m.num_kv_heads = K
   config.seed = seed
   if steps:
@@ -91,10 +91,10 @@ def main():
   decode = {}
   for K in sorted({r['K'] for r in runs}):
     mc = config_lib.model_config(next(r['config'] for r in runs if r['K'] == K))
-    decode[K] = DECODE_BATCH / bench_decode.decode_step_seconds(
+    decode[K] = DECODE_BATCH / timing.decode_step_seconds(
         mc, DECODE_BATCH, DECODE_CONTEXT, repeats=5)
     print(f'decode K={K}: {decode[K]:,.0f} tokens/s', flush=True)
-  bandwidth = bench_decode.bench_attention.read_bandwidth(5)
+  bandwidth = timing.read_bandwidth(5)
   write_report(out, runs, decode, bandwidth, args)
   print(f'wrote {out}/report.md')
 
@@ -147,8 +147,9 @@ def write_report(out, runs, decode, bandwidth, args):
         train=np.mean([np.median([m['tokens_per_sec'] for m in r['metrics']])
                        for r in mine]),
         decode=decode[K],
-        roofline=bench_decode.roofline_tokens_per_sec(
-            mc, DECODE_BATCH, DECODE_CONTEXT, bandwidth)))
+        roofline=flops.decode_roofline_tokens_per_sec(
+            mc, DECODE_BATCH, DECODE_CONTEXT, bandwidth,
+            flops.peak_flops()[0])['roofline']))
   c = runs[0]['config']
   recall = c.data.task == 'recall'
   lines = [
@@ -214,7 +215,7 @@ def write_report(out, runs, decode, bandwidth, args):
   decode_ax.bar(names, [r['decode'] for r in rows], color='C1',
                 label='measured')
   decode_ax.plot(names, [r['roofline'] for r in rows], 'k_', markersize=30,
-                 mew=2, label='bandwidth roofline')
+                 mew=2, label='roofline (bytes or FLOPs, the lower)')
   decode_ax.set(ylabel='tokens/s', yscale='log',
                 title=f'decode (batch {DECODE_BATCH}, context '
                       f'{DECODE_CONTEXT})')

@@ -18,6 +18,7 @@ import pytest
 
 from configs import tiny
 from train import checkpoint, config_lib, data, flops, loop
+from train import model as model_lib
 from train.errors import UserError
 from train.model import Transformer
 from train.metrics import read_metrics
@@ -285,6 +286,33 @@ def test_flops_formula_against_a_hand_count():
   # A window of 2 sees (1+2+2+2)/4 = 1.75 keys on average.
   windowed = dataclasses.replace(model, local_window=2)
   assert flops.forward_flops_per_token(windowed, seq_len=4) == 408 - 12
+
+
+def test_decode_is_judged_against_the_lower_of_its_bandwidth_and_flop_bounds():
+  """gqa_small's shapes on this CPU (18 GB/s, 128 GFLOP/s): MHA is bound by
+  reading its cache, MQA at a short context by arithmetic."""
+  bandwidth, peak = 18e9, 1.28e11
+  for K in (8, 1):
+    config = config_lib.load('gqa_small')
+    config.model.num_kv_heads = K
+    mc = config_lib.model_config(config)
+    for batch, context in ((1, 2048), (256, 256)):
+      b = flops.decode_roofline_tokens_per_sec(mc, batch, context, bandwidth,
+                                               peak)
+      step_bytes = (model_lib.kv_cache_bytes(mc, batch, context)
+                    + model_lib.param_bytes(mc))
+      assert b['bandwidth'] == pytest.approx(batch * bandwidth / step_bytes)
+      assert b['compute'] == pytest.approx(
+          peak / flops.decode_flops_per_token(mc, context))
+      assert b['roofline'] == min(b['bandwidth'], b['compute'])
+      assert b['roofline'] == b['compute' if (K, batch) == (1, 256) else
+                                'bandwidth']
+
+
+def test_attention_flops_count_backward_as_twice_forward():
+  forward = flops.attention_flops(2, 8, 4, 16, backward=False)
+  assert forward == 2 * 2 * 2 * 4 * 16 * 8 * 9 / 2
+  assert flops.attention_flops(2, 8, 4, 16, backward=True) == 3 * forward
 
 
 @pytest.mark.cpu_only

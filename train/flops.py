@@ -69,6 +69,38 @@ def training_flops_per_token(config, seq_len: int) -> float:
   return 3 * forward_flops_per_token(config, seq_len)
 
 
+def attention_flops(B: int, T: int, N: int, H: int, backward: bool) -> float:
+  """Causal attention's FLOPs (QK and PV over the unmasked half), counted as
+  the model's: forward + backward = 3x forward (a kernel's recomputation is
+  not work)."""
+  forward = 2 * 2 * B * N * H * T * (T + 1) / 2
+  return forward * (3 if backward else 1)
+
+
+def decode_roofline_tokens_per_sec(config, batch: int, context: int,
+                                   bandwidth: float, peak: float) -> dict:
+  """Decode tokens/s bounds at `context` cached tokens: 'bandwidth' (each
+  step reads the weights and the cache once at `bandwidth` bytes/s),
+  'compute' (each token's FLOPs at `peak` FLOP/s), and 'roofline', the
+  lower of the two, the bound that applies."""
+  from train import model  # pylint: disable=import-outside-toplevel
+  step_bytes = (model.kv_cache_bytes(config, batch, context)
+                + model.param_bytes(config))
+  by_bandwidth = batch * bandwidth / step_bytes
+  by_compute = peak / decode_flops_per_token(config, context)
+  return {'bandwidth': by_bandwidth, 'compute': by_compute,
+          'roofline': min(by_bandwidth, by_compute)}
+
+
+def equal_params_mlp_dim(mlp_dim: int, num_heads: int, num_kv_heads: int,
+                         head_dim: int) -> int:
+  """The MLP width that gives K K/V heads MHA's parameter count (Shazeer
+  2019): 2·D·(N-K)·H fewer K/V weights, 3·D per gated MLP unit; a multiple
+  of 8."""
+  extra = 2 * (num_heads - num_kv_heads) * head_dim / 3
+  return mlp_dim + int(round(extra / 8)) * 8
+
+
 def peak_flops(device: jax.Device | None = None) -> tuple[float, str]:
   """(peak FLOP/s of one device, where the number comes from).
 

@@ -1,0 +1,72 @@
+"""How the scripts time things: medians taken in turns, the machine's read
+bandwidth, and a model's decode step as `train.sample` runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train import loop, sample
+from train.model import Transformer, unroll_layers
+
+
+def median_time(fn, repeats: int) -> float:
+  return median_times({'fn': fn}, repeats)['fn']
+
+
+def median_times(fns: dict, repeats: int) -> dict:
+  """{name: median seconds}, the fns timed in turn, round after round.
+
+  Interleaving puts every contestant under the same drift of the machine's
+  load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
+  """
+  for fn in fns.values():
+    jax.block_until_ready(fn())  # Compile and warm up.
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def read_test():
+  """(bytes, fn): a jitted sum over 1 GiB of float32, read at full rate."""
+  x = jnp.ones((2**28,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  return x.nbytes, lambda: total(x)
+
+
+def read_bandwidth(repeats: int) -> float:
+  """Bytes/s of the read test: the machine's read rate."""
+  nbytes, fn = read_test()
+  return nbytes / median_time(fn, repeats)
+
+
+def decode_step_seconds(mc, batch: int, context: int, repeats: int,
+                        steps: int = 8) -> float:
+  """Median time per decoded token (all sequences), cache filled to `context`.
+
+  Times `steps` greedy tokens of `train.sample.decode`, the loop that
+  train.sample runs, so the cache is updated in place rather than copied.
+  """
+  mc = dataclasses.replace(mc, max_len=context + steps)
+  model, params = unroll_layers(
+      Transformer(mc, decode=True),
+      nn.unbox(loop.init_params(Transformer(mc), seed=0)))
+  cache = jax.tree_util.tree_map_with_path(  # Filled up to `context`.
+      lambda path, x: jnp.full_like(x, context)
+      if jax.tree_util.keystr(path).endswith(("['cache_index']",
+                                              "['position_index']")) else x,
+      sample.empty_cache(model, batch))
+  rngs = jax.random.split(jax.random.key(0), steps)
+  run = jax.jit(lambda cache, token_B: sample.decode(
+      model, params, cache, token_B, rngs, temperature=0.0, top_k=0)[0])
+  token = jnp.zeros((batch,), jnp.int32)
+  return median_time(lambda: run(cache, token), repeats) / steps
