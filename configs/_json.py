@@ -1,9 +1,33 @@
 """A config from JSON (a workdir's config.json): `--config=FILE.json` or
 `--config=WORKDIR` (train.config_lib.resolve points here). Fields the file
-lacks keep their defaults (configs/default.py)."""
+lacks keep their defaults (configs/default.py), so a config written before a
+field existed still loads."""
 
-from train import config_lib
+import json
+import pathlib
+
+from ml_collections import config_dict
+
+from configs import default
+
+
+def read(path) -> config_dict.ConfigDict:
+  """The defaults, updated with what the JSON file sets (json.JSONDecodeError
+  if it is not JSON)."""
+  saved = json.loads(pathlib.Path(path).read_text())
+  config = default.get_config()
+
+  def update(target, values):
+    for key, value in values.items():
+      if isinstance(value, dict) and isinstance(target.get(key),
+                                                config_dict.ConfigDict):
+        update(target[key], value)
+      else:
+        target[key] = value
+  with config.unlocked():
+    update(config, saved)
+  return config
 
 
 def get_config(path: str):
-  return config_lib.from_json(path)
+  return read(path)

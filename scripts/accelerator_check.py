@@ -34,8 +34,8 @@ import numpy as np
 from attention import core, dot_product_attention
 from scripts import timing
 from train import config_lib, flops, loop
-from train.errors import (ArgumentParser, check_output_dir, exit_on_user_error,
-                          positive_int)
+from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+                       positive_int)
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent

@@ -22,8 +22,8 @@ import pathlib
 
 from scripts import timing
 from train import config_lib, flops
-from train.errors import (ArgumentParser, check_output_dir, exit_on_user_error,
-                          int_list, positive_int)
+from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+                       int_list, positive_int)
 from train import model as model_lib
 
 

@@ -28,8 +28,9 @@ import time
 import numpy as np
 
 from train import prepare_data
-from train.errors import (ArgumentParser, UserError, check_output_dir,
-                          exit_on_user_error, float_list, positive_int)
+from train.errors import UserError
+from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+                       float_list, positive_int)
 
 BATCH_MB = prepare_data.BATCH_MB  # Both contestants' batch.
 

@@ -36,8 +36,9 @@ import jax
 import numpy as np
 
 from train import config_lib, flops, loop, sharding
-from train.errors import ArgumentParser, UserError, exit_on_user_error
-from train.errors import positive_int
+from train.errors import UserError
+from train.cli import ArgumentParser, exit_on_user_error
+from train.cli import positive_int
 
 try:
   import torch

@@ -27,8 +27,8 @@ import numpy as np
 
 from scripts import timing
 from train import checkpoint, config_lib, data, flops, loop, progress
-from train.errors import (ArgumentParser, UserError, exit_on_user_error,
-                          int_list, positive_int)
+from train.errors import UserError
+from train.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
 from train import model as model_lib
 from train.model import Transformer
 from train.metrics import read_metrics

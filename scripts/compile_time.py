@@ -9,15 +9,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-from configs import gqa_small
 from train import config_lib, loop
-from train.errors import ArgumentParser, exit_on_user_error, int_list
+from train.cli import ArgumentParser, exit_on_user_error, int_list
 from train.model import Transformer
 
 
 def compile_seconds(model_config, batch=16, seq_len=256) -> float:
   model = Transformer(model_config)
-  config = gqa_small.get_config()
+  config = config_lib.load('gqa_small')
   tx, _ = loop.make_optimizer(config.train)
   state = jax.eval_shape(lambda: loop.init_state(model, tx, 0))
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
@@ -32,7 +31,7 @@ def main():
   parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--layers', type=int_list, default=[2, 12])
   args = parser.parse_args()
-  base = config_lib.model_config(gqa_small.get_config())
+  base = config_lib.model_config(config_lib.load('gqa_small'))
   print(f'{"layers":>6} {"scanned s":>10} {"unrolled s":>11}')
   for n in args.layers:
     scanned = compile_seconds(dataclasses.replace(base, num_layers=n))

@@ -16,8 +16,11 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from train.errors import (ArgumentParser, UserError, check_output_dir,
-                          exit_on_user_error, positive_int)
+from train.errors import UserError
+
+from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+
+                       positive_int)
 
 FAMILIES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
 

@@ -36,8 +36,8 @@ import numpy as np
 
 from train import config_lib, data, loop, progress
 from train import model as model_lib
-from train.errors import (ArgumentParser, UserError, exit_on_user_error,
-                          int_list, positive_int)
+from train.errors import UserError
+from train.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
 from train.model import Transformer
 
 SOLVED = 0.99  # Every query at least this: the run stops.

@@ -38,9 +38,9 @@ import shutil
 from scripts import uptrain_report
 from scripts.uptrain_report import METHODS, RECIPES, SCRATCH_ALPHA
 from train import config_lib, convert, loop, progress
-from train.errors import (ArgumentParser, UserError, check_output_dir,
-                          exit_on_user_error, float_list, int_list,
-                          positive_int)
+from train.errors import UserError
+from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+                       float_list, int_list, positive_int)
 from train.metrics import read_metrics
 
 CURVE_POINTS = 8  # Evaluations along the largest alpha's runs.
@@ -78,7 +78,7 @@ def source_config(name: str, steps: int | None):
 
 def recipe_config(converted: pathlib.Path, source, run: Run):
   """The converted workdir's config, set to uptrain by `run`'s recipe."""
-  config = config_lib.from_json(converted / 'config.json')
+  config = config_lib.load(str(converted))
   steps = max(1, round(run.alpha * source.train.steps))
   config.train.steps = steps
   if run.recipe == 'paper':
@@ -114,7 +114,7 @@ def train_source(out: pathlib.Path, config) -> dict:
   workdir = out / 'source'
   written = workdir / 'config.json'
   if written.exists() and (
-      config_lib.from_json(written).to_dict() != config.to_dict()):
+      config_lib.load(str(written)).to_dict() != config.to_dict()):
     raise UserError(f'{workdir} holds a source trained with another config '
                     f'({written}); use a new --out, or the same flags as the '
                     'run that wrote it')

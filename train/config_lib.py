@@ -43,6 +43,7 @@ def resolve(argv: list[str]) -> list[str]:
         if not path.is_file():
           raise UserError(f'{path} does not exist; --config takes a config '
                           'name, a .py or .json file, or a workdir')
+        from_json(path)  # Refused here, in one line, if it is not JSON.
         value = f'{CONFIG_DIR / "_json.py"}:{path.absolute()}'
       elif not name.endswith('.py') and '/' not in name:
         if name not in known_configs():
@@ -83,7 +84,12 @@ def _check_config_file(path: pathlib.Path):
 
 
 def load(name: str) -> config_dict.ConfigDict:
-  """The config called NAME in configs/, or the one in the .py file NAME."""
+  """The config called NAME in configs/, or the one in the .py file, the
+  .json file or the workdir NAME."""
+  if pathlib.Path(name).is_dir() or name.endswith('.json'):
+    resolve([f'--config={name}'])  # The same checks as on the command line.
+    path = pathlib.Path(name)
+    return from_json(path / 'config.json' if path.is_dir() else path)
   path = pathlib.Path(resolve([f'--config={name}'])[0].split('=', 1)[1])
   spec = importlib.util.spec_from_file_location(f'config_{path.stem}', path)
   module = importlib.util.module_from_spec(spec)
@@ -100,23 +106,12 @@ def defaults() -> config_dict.ConfigDict:
 def from_json(path: pathlib.Path) -> config_dict.ConfigDict:
   """The defaults, updated with what the JSON file (a workdir's config.json)
   sets; so a config written before a field existed gets its default."""
+  from configs import _json  # pylint: disable=import-outside-toplevel
   try:
-    saved = json.loads(pathlib.Path(path).read_text())
+    return _json.read(path)
   except json.JSONDecodeError as e:
     raise UserError(f'{path} is not valid JSON ({e}); restore it from the '
                     'config the run was started with') from None
-  config = defaults()
-
-  def update(target, values):
-    for key, value in values.items():
-      if isinstance(value, dict) and isinstance(target.get(key),
-                                                config_dict.ConfigDict):
-        update(target[key], value)
-      else:
-        target[key] = value
-  with config.unlocked():
-    update(config, saved)
-  return config
 
 
 def model_config(config: config_dict.ConfigDict) -> ModelConfig:

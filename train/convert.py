@@ -45,7 +45,8 @@ from train import checkpoint, config_lib, hf, loop, safetensors_io
 from train import model as model_lib
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
-from train.errors import UserError, run_app
+from train.errors import UserError
+from train.cli import run_app
 from train.model import Transformer
 
 

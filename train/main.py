@@ -19,7 +19,8 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from train import config_lib
-from train.errors import UserError, run_app
+from train.errors import UserError
+from train.cli import run_app
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'config name or file')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'output directory')

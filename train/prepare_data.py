@@ -44,7 +44,8 @@ import numpy as np
 
 from train import data
 from train import tokenizer as tokenizer_lib
-from train.errors import UserError, run_app
+from train.errors import UserError
+from train.cli import run_app
 from train.progress import Progress
 
 META = data.PREPARED_META

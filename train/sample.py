@@ -24,7 +24,8 @@ import numpy as np
 
 from train import checkpoint
 from train import tokenizer as tokenizer_lib
-from train.errors import UserError, run_app
+from train.errors import UserError
+from train.cli import run_app
 from train.model import Transformer, unroll_layers
 
 
