@@ -26,7 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_NEG = -1e30  # Masked logits; finite, so exp() is 0 without NaN.
+from attention import numerics
+
 MIN_LENGTH = 256  # Below this the dense path is as fast (BENCHMARKS.md).
 
 
@@ -105,7 +106,8 @@ def _logits(q_gbH, k_SH, rows, end, T, S, is_causal, scale):
                           preferred_element_type=jnp.float32) * scale
   if is_causal:  # Only the diagonal block has masked entries.
     q_pos = S - T + jnp.arange(rows.start, rows.stop)[:, None]
-    logits_gbS = jnp.where(jnp.arange(end)[None, :] <= q_pos, logits_gbS, _NEG)
+    logits_gbS = jnp.where(jnp.arange(end)[None, :] <= q_pos, logits_gbS,
+                           numerics.MASKED_LOGIT)
   return logits_gbS
 
 

@@ -34,7 +34,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from attention import blockwise, decode, splash
+from attention import blockwise, decode, numerics, splash
 
 Array = jax.Array
 
@@ -179,18 +179,8 @@ def _xla(call: _Call) -> Array:
   logits_BKGTS = jnp.einsum(
       'BTKGH,BSKH->BKGTS', query_BTKGH, key,
       preferred_element_type=jnp.float32) * call.scale
-  if call.logits_soft_cap is not None:
-    cap = call.logits_soft_cap
-    logits_BKGTS = cap * jnp.tanh(logits_BKGTS / cap)
-
-  if mask_BKGTS is not None:
-    # A large finite negative rather than -inf: a fully masked row then gives
-    # a finite softmax, which the `where` below turns into zeros.
-    big_negative = jnp.finfo(jnp.float32).min
-    logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS, big_negative)
-  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-  if mask_BKGTS is not None:
-    probs_BKGTS = jnp.where(mask_BKGTS, probs_BKGTS, 0.0)
+  probs_BKGTS = numerics.masked_softmax(
+      numerics.soft_cap(logits_BKGTS, call.logits_soft_cap), mask_BKGTS)
 
   out_BTKGH = jnp.einsum(
       'BKGTS,BSKH->BTKGH', probs_BKGTS.astype(value.dtype), value,
@@ -339,7 +329,6 @@ def _grouped_mask(mask, q_shape, k_shape, is_causal, local_window):
   """Combines all masks into one boolean array broadcastable to [B, K, G, T, S]."""
   B, T, N, _ = q_shape
   S, K = k_shape[1], k_shape[2]
-  G = N // K
   combined = None
   if mask is not None:
     combined = as_4d_mask(mask, B, S)  # [b, n, t, s]
@@ -357,10 +346,7 @@ def _grouped_mask(mask, q_shape, k_shape, is_causal, local_window):
     combined = structural if combined is None else combined & structural
   if combined is None:
     return None
-  b, n, t, s = combined.shape
-  if n == 1:
-    return combined[:, :, None]  # [b, 1, 1, t, s]
-  return combined.reshape(b, K, G, t, s)
+  return numerics.grouped_mask(combined, K)
 
 
 def _check_shapes(query, key, value):

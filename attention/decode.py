@@ -26,8 +26,9 @@ outputs, of which the diagonal K blocks are kept. That spends K times the
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from attention import numerics
 
 MAX_QUERIES = 8  # Past this the wasted K-fold arithmetic stops being cheap.
 
@@ -48,16 +49,11 @@ def cache_layout_attention(query, key, value, mask_BKGTS, *, scale,
       B, K * H, T * K * G)
   logits_BSR = jnp.einsum('BSC,BCR->BSR', key.reshape(B, S, K * H), q_BCR,
                           preferred_element_type=jnp.float32) * scale
-  logits_BSTKG = logits_BSR.reshape(B, S, T, K, G)
-  if logits_soft_cap is not None:
-    logits_BSTKG = logits_soft_cap * jnp.tanh(logits_BSTKG / logits_soft_cap)
-  if mask_BKGTS is not None:
-    mask_BSTKG = jnp.moveaxis(mask_BKGTS, 4, 1).transpose(0, 1, 4, 2, 3)
-    logits_BSTKG = jnp.where(mask_BSTKG, logits_BSTKG,
-                             jnp.finfo(jnp.float32).min)
-  probs_BSTKG = jax.nn.softmax(logits_BSTKG, axis=1)
-  if mask_BKGTS is not None:
-    probs_BSTKG = jnp.where(mask_BSTKG, probs_BSTKG, 0.0)
+  logits_BSTKG = numerics.soft_cap(logits_BSR.reshape(B, S, T, K, G),
+                                  logits_soft_cap)
+  mask_BSTKG = None if mask_BKGTS is None else jnp.moveaxis(
+      mask_BKGTS, 4, 1).transpose(0, 1, 4, 2, 3)
+  probs_BSTKG = numerics.masked_softmax(logits_BSTKG, mask_BSTKG, axis=1)
   out_BRC = jnp.einsum(
       'BSR,BSC->BRC', probs_BSTKG.reshape(B, S, T * K * G).astype(value.dtype),
       value.reshape(B, S, K * H), preferred_element_type=jnp.float32)
@@ -81,18 +77,11 @@ def heads_major_attention(query, key_ZHS, value_ZSH, mask_BNTS, *, scale,
       Z, G * T, H)
   logits_ZRS = jnp.einsum('ZRH,ZHS->ZRS', q_ZRH, key_ZHS,
                           preferred_element_type=jnp.float32) * scale
-  if logits_soft_cap is not None:
-    logits_ZRS = logits_soft_cap * jnp.tanh(logits_ZRS / logits_soft_cap)
-  logits_BKGTS = logits_ZRS.reshape(B, K, G, T, S)
-  if mask_BNTS is not None:
-    b, n = mask_BNTS.shape[:2]
-    mask_BKGTS = (mask_BNTS[:, :, None] if n == 1 else
-                  mask_BNTS.reshape(b, K, G, *mask_BNTS.shape[2:]))
-    logits_BKGTS = jnp.where(mask_BKGTS, logits_BKGTS,
-                             jnp.finfo(jnp.float32).min)
-  probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-  if mask_BNTS is not None:  # A row with nothing to attend to gives zeros.
-    probs_BKGTS = jnp.where(mask_BKGTS, probs_BKGTS, 0.0)
+  logits_BKGTS = numerics.soft_cap(logits_ZRS, logits_soft_cap).reshape(
+      B, K, G, T, S)
+  probs_BKGTS = numerics.masked_softmax(
+      logits_BKGTS,
+      None if mask_BNTS is None else numerics.grouped_mask(mask_BNTS, K))
   out_ZRH = jnp.einsum('ZRS,ZSH->ZRH',
                        probs_BKGTS.reshape(Z, G * T, S).astype(value_ZSH.dtype),
                        value_ZSH, preferred_element_type=jnp.float32)
