@@ -42,10 +42,12 @@ CACHE_NAMES = ('cached_key', 'cached_value', 'cache_index')
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """What the layer computes, apart from its arrays (see `Attention`)."""
+  """What the layer computes, apart from its arrays: the one declaration of
+  the attention options and their defaults, which both module shells take
+  (see `attention.Attention` for what each means)."""
   num_heads: int
-  num_kv_heads: int | None
-  head_dim: int
+  num_kv_heads: int | None = None  # None: N (MHA).
+  head_dim: int = 64
   is_causal: bool = True
   use_rope: bool = True
   rope_base: float = 10_000.0
@@ -68,11 +70,17 @@ class Options:
           f'num_kv_heads from the divisors of {N}')
 
   @classmethod
-  def of(cls, source) -> 'Options':
-    """The options that `source` (a module or a model config) has fields for;
-    the others keep their defaults."""
-    return cls(**{f.name: getattr(source, f.name)
-                  for f in dataclasses.fields(cls) if hasattr(source, f.name)})
+  def of(cls, source, **given) -> 'Options':
+    """The options read from `source` (a module or a model config), but for
+    those `given`; one that `source` lacks is an error, so that a renamed
+    field cannot fall back to its default unnoticed."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in given]
+    missing = [name for name in names if not hasattr(source, name)]
+    if missing:
+      raise TypeError(f'{type(source).__name__} has no field '
+                      f'{", ".join(missing)} of attention.layer.Options; add '
+                      'it, or pass it to Options.of')
+    return cls(**{name: getattr(source, name) for name in names}, **given)
 
   def param_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
     D, N, K, H = d_model, self.num_heads, self.num_kv_heads, self.head_dim

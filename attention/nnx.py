@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from attention import layer
-from attention.rope import RopeScaling
 
 Dtype = Any
 
@@ -35,32 +34,20 @@ class Attention(nnx.Module):
     num_heads: N. num_kv_heads: K (None: N); N must be a multiple of K.
     head_dim: H. in_features: D, the model width.
     dtype: computation dtype; logits and softmax stay float32.
-    param_dtype, is_causal, use_rope, rope_base, local_window,
-    logits_soft_cap, fused_qkv, qkv_bias, qk_norm, norm_eps,
-    norm_scale_offset, rope_scaling, kernel_init: as for
-    `attention.Attention`.
+    param_dtype, kernel_init: as for `attention.Attention`.
     rngs: initialises the kernels.
+    **options: the other fields of `attention.layer.Options` (is_causal,
+      use_rope, local_window, ...), with its defaults; an unknown one is an
+      error.
   """
 
   def __init__(self, num_heads: int, num_kv_heads: int | None = None,
                head_dim: int = 64, *, in_features: int,
                dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32,
-               is_causal: bool = True, use_rope: bool = True,
-               rope_base: float = 10_000.0, local_window: int | None = None,
-               logits_soft_cap: float | None = None, fused_qkv: bool = False,
-               qkv_bias: bool = False, qk_norm: bool = False,
-               norm_eps: float = 1e-6, norm_scale_offset: float = 1.0,
-               rope_scaling: RopeScaling | None = None,
                kernel_init=nnx.initializers.lecun_normal(),
-               rngs: nnx.Rngs):
-    self.options = layer.Options(
-        num_heads=num_heads,
-        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
-        head_dim=head_dim, is_causal=is_causal, use_rope=use_rope,
-        rope_base=rope_base, local_window=local_window,
-        logits_soft_cap=logits_soft_cap, fused_qkv=fused_qkv,
-        qkv_bias=qkv_bias, qk_norm=qk_norm, norm_eps=norm_eps,
-        norm_scale_offset=norm_scale_offset, rope_scaling=rope_scaling)
+               rngs: nnx.Rngs, **options):
+    self.options = layer.Options(num_heads, num_kv_heads, head_dim,
+                                 **options)
     self.dtype = dtype
     for name, shape in self.options.param_shapes(in_features).items():
       init = self.options.param_init(name, kernel_init)
@@ -100,8 +87,8 @@ class Attention(nnx.Module):
     """The NNX layer of a linen `attention.Attention` and its params."""
     params = meta.unbox(params)  # Plain arrays, partitioned or not.
     in_features = params['out'].shape[-1]
-    options = dataclasses.asdict(module.options)
-    options['rope_scaling'] = module.rope_scaling  # Kept a dataclass.
+    options = {f.name: getattr(module.options, f.name)
+               for f in dataclasses.fields(module.options)}
     layer_ = cls(**options, in_features=in_features,
                  dtype=dtype or module.dtype, param_dtype=module.param_dtype,
                  rngs=nnx.Rngs(0))

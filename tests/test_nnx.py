@@ -1,5 +1,8 @@
 """Specification of `attention.nnx.Attention`: the linen layer's twin for Flax NNX."""
 
+import dataclasses
+import types
+
 from absl.testing import parameterized
 import chex
 from flax import nnx
@@ -7,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import Attention
+from attention import layer
 from attention import nnx as attention_nnx
 
 B, L, D, N, H = 2, 12, 32, 8, 8
@@ -85,3 +89,17 @@ class NnxAttentionTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, 'num_heads=8 must be a multiple '
                                 'of num_kv_heads=3'):
       attention_nnx.Attention(8, 3, H, in_features=D, rngs=nnx.Rngs(0))
+
+  def test_the_options_are_declared_once_and_an_unknown_one_is_an_error(self):
+    # The linen shell's fields are layer.Options' own, with its defaults.
+    linen = {f.name: f.default for f in dataclasses.fields(Attention)}
+    for f in dataclasses.fields(layer.Options):
+      self.assertIn(f.name, linen)
+      self.assertEqual(linen[f.name], f.default, f.name)
+    with self.assertRaisesRegex(TypeError, 'local_windw'):
+      attention_nnx.Attention(N, 2, H, in_features=D, rngs=nnx.Rngs(0),
+                              local_windw=4)
+    renamed = dataclasses.asdict(layer.Options(8, 2, 4))
+    renamed['qk_normalise'] = renamed.pop('qk_norm')  # A shell renamed it.
+    with self.assertRaisesRegex(TypeError, 'has no field qk_norm of'):
+      layer.Options.of(types.SimpleNamespace(**renamed))

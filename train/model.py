@@ -68,7 +68,7 @@ class ModelConfig:
   @property
   def attention(self) -> layer.Options:
     """The attention layer's options, passed whole to `Attention`."""
-    return layer.Options.of(self)
+    return layer.Options.of(self, is_causal=True)  # A causal LM.
 
 
 class RMSNorm(nn.Module):
