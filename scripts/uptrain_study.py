@@ -23,8 +23,9 @@
    methods over seeds), DIR/results.json, loss_vs_alpha.png and curves.png.
 
 A rerun with the same --out reuses every finished run (DIR/runs/.../final.json)
-and resumes an interrupted one. --quick: a quarter of the source's steps,
-K = 1 only, alphas 0, 0.05, 0.2, 2 seeds.
+and resumes an interrupted one; each run keeps its workdir (about 0.4 GB in
+all by default) to sample from or inspect. --quick: a quarter of the source's
+steps, K = 1 only, alphas 0, 0.05, 0.2, 2 seeds.
 """
 
 from __future__ import annotations
