@@ -45,11 +45,16 @@ SHIFTS = {('paper', 'identity'): 0.3, ('paper', 'mean'): 0.6,
           ('continued', 'first'): 0.3, ('continued', 'random'): 0.25}
 
 
-def test_the_sound_recipe_is_the_one_whose_control_stays_at_the_source():
-  recipe, shock = uptrain_report.sound_recipe(_results(SHIFTS))
-  assert recipe == 'continued'
-  assert shock['paper'][0] == pytest.approx(0.3 * 0.8)
-  assert shock['continued'][0] == pytest.approx(-0.01 * 0.8)
+def test_the_sound_recipe_is_the_one_that_does_not_shock_the_control():
+  results = _results(SHIFTS)
+  assert uptrain_report.sound_recipe(results) == 'continued'
+  assert uptrain_report.control(results, 'paper')[0.2][0] == pytest.approx(
+      0.3 * 0.8)
+  assert uptrain_report.control(results, 'continued')[0.05][0] == \
+      pytest.approx(-0.01 * 0.95)
+  # Neither shocks: the one whose control ends lower.
+  calm = _results({**SHIFTS, ('paper', 'identity'): -0.05})
+  assert uptrain_report.sound_recipe(calm) == 'paper'
 
 
 def test_recovery_is_the_fraction_of_the_conversion_drop_won_back():
