@@ -165,18 +165,40 @@ def _better(difference, first: str, second: str) -> str:
   return f'{first if difference[0] < 0 else second} is better'
 
 
-def _ordering(results, recipe, K) -> list[str]:
-  """Which of mean < first < random hold after uptraining, per alpha."""
-  lines = []
+def _ordering(results, recipe, K) -> tuple[str, list[str]]:
+  """(verdict, lines): which of mean < first < random hold after
+  uptraining, per alpha; reproduced if both do (resolved) at every alpha,
+  partly if at some."""
+  lines, held = [], []
   for better, worse in PAIRS[:2]:
     verdicts = []
-    for alpha in [a for a in results['plan']['alphas'] if a]:
+    for i, alpha in enumerate([a for a in results['plan']['alphas'] if a]):
       mean, half = paired(results, recipe, better, worse, K, alpha)
+      holds = mean < 0 and resolved(mean, half)
+      held.append((i, holds))
       verdicts.append(f'α={alpha:g}: {mean:+.3f} ' + (
           ('(holds)' if mean < 0 else '(reversed)')
           if resolved(mean, half) else '(unresolved)'))
     lines.append(f'  - {better} < {worse}: ' + ', '.join(verdicts))
-  return lines
+  both = [all(h for j, h in held if j == i) for i in {j for j, _ in held}]
+  verdict = ('reproduced' if all(both) else
+             'partly reproduced' if any(both) else 'not reproduced')
+  return verdict, lines
+
+
+def _recovery_verdict(recovered: float, net: float, source: float) -> str:
+  """Claim 1: reproduced if the mean-pooled model ends within 2% of the
+  source's loss of the control; partly if it recovered most of the drop."""
+  if net <= 0.02 * source:
+    return 'reproduced'
+  return 'partly reproduced' if recovered >= 0.5 else 'not reproduced'
+
+
+def _compute_verdict(difference) -> str:
+  """Claim 3: uptraining beats training from scratch on the same tokens."""
+  if not resolved(*difference):
+    return 'unresolved'
+  return 'reproduced' if difference[0] < 0 else 'not reproduced'
 
 
 def reading(results) -> list[str]:
@@ -223,17 +245,20 @@ def _claims(results, recipe: str, K: int) -> list[str]:
   scratch = [s['loss'] for s in results['scratch'] if s['K'] == K]
   vs_scratch = unpaired(
       losses(results, recipe, 'mean', K, SCRATCH_ALPHA), scratch)
+  ordering, ordering_lines = _ordering(results, recipe, K)
   return [
-      f'- **K = {K}, {recipe} recipe, mean-pooled, α = {SCRATCH_ALPHA:g}** '
-      f'(claim 1): {100 * rec[0]:.0f}% ± {100 * rec[1]:.0f} of the '
+      f'- **K = {K}, {recipe} recipe, claim 1 (α = {SCRATCH_ALPHA:g} recovers '
+      f'most of MHA\'s quality): {_recovery_verdict(rec[0], net[0], src)}.** '
+      f'Mean-pooled: {100 * rec[0]:.0f}% ± {100 * rec[1]:.0f} of the '
       f'conversion\'s drop recovered; {gap.mean():+.4f} nats from the source '
-      f'({100 * gap.mean() / src:+.1f}%), {_diff(*net)} against the control. '
-      f'Against K = {K} trained from scratch on the same total tokens: '
+      f'({100 * gap.mean() / src:+.1f}%), {_diff(*net)} against the control.',
+      f'- **K = {K}, {recipe} recipe, claim 3 (uptraining beats training K '
+      f'from scratch on the same total tokens): '
+      f'{_compute_verdict(vs_scratch)}.** Uptrained minus scratch: '
       f'{_diff(*vs_scratch)} '
       f'({_better(vs_scratch, "uptraining", "scratch")}).',
-      f'- **K = {K}, {recipe} recipe, the methods after uptraining** (claim 2, '
-      'mean < first < random, paired by seed):',
-      *_ordering(results, recipe, K)]
+      f'- **K = {K}, {recipe} recipe, claim 2 (after uptraining, mean < first '
+      f'< random, paired by seed): {ordering}.**', *ordering_lines]
 
 
 def _grid(results, title: str):

@@ -86,6 +86,15 @@ def test_the_reading_states_each_claim_from_the_numbers(tmp_path, capsys):
   assert 'first < random: α=0.05: +0.048 (reversed)' in text
   assert '81% ± 0 of the conversion\'s drop recovered' in text
   assert '(uptraining is better)' in text  # 2.19 against 2.51-2.53.
+  # The verdicts, claim by claim.
+  assert ('continued recipe, claim 1 (α = 0.05 recovers most of MHA\'s '
+          'quality): partly reproduced.**') in text  # 81%, 0.20 nats off.
+  assert 'paper recipe, claim 2 (after uptraining, mean < first < random, ' \
+         'paired by seed): reproduced.**' in text
+  assert 'continued recipe, claim 2 (after uptraining, mean < first < ' \
+         'random, paired by seed): not reproduced.**' in text
+  assert 'continued recipe, claim 3 (uptraining beats training K from ' \
+         'scratch on the same total tokens): reproduced.**' in text
   assert 'flat' in text and 'exact' in text
   for plot in ('loss_vs_alpha.png', 'curves.png'):
     assert (tmp_path / plot).stat().st_size > 10_000
