@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+RopeKind = Literal['linear', 'llama3']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,13 +22,13 @@ class RopeScaling:
   low_freq_factor divided by `factor`, those below original_max_len /
   high_freq_factor kept, the ones between interpolated smoothly.
   """
-  kind: str
+  kind: RopeKind
   factor: float
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_len: int = 8192
 
-  KINDS = ('linear', 'llama3')
+  KINDS = get_args(RopeKind)
 
   def __post_init__(self):
     if self.kind not in self.KINDS:

@@ -35,6 +35,7 @@ import pathlib
 import shutil
 import sys
 import zlib
+from typing import Literal
 
 import flax.linen as nn
 import jax
@@ -51,6 +52,7 @@ from train.model import Transformer
 
 
 # How the r source heads of a group become one: [..., K, r, H] -> [..., K, H].
+Method = Literal['mean', 'first', 'random']
 POOLERS = {
     'mean': lambda grouped: grouped.mean(-2),  # Ainslie et al. 2023.
     'first': lambda grouped: grouped[..., 0, :],
@@ -58,7 +60,7 @@ POOLERS = {
 METHODS = (*POOLERS, 'random')  # 'random': freshly initialised projections.
 
 
-def pool_heads(kernel_DKH, num_kv_heads: int, method: str):
+def pool_heads(kernel_DKH, num_kv_heads: int, method: Method):
   """[..., K_source, H] -> [..., K, H]: contiguous groups of r heads become one."""
   if method not in POOLERS:
     raise ValueError(f'method={method!r}; pooling is one of {list(POOLERS)}')
@@ -75,7 +77,7 @@ def is_kv_kernel(path) -> bool:
       hf.KV_NAMES)
 
 
-def convert_params(params, model_config, num_kv_heads: int, method: str,
+def convert_params(params, model_config, num_kv_heads: int, method: Method,
                    seed: int = 0):
   """Params of `model_config` with K/V projections for `num_kv_heads` heads."""
   new_config = dataclasses.replace(model_config, num_kv_heads=num_kv_heads)
@@ -136,7 +138,7 @@ def _target_heads(k_source: int, num_kv_heads: int) -> int:
 
 
 def convert_workdir(source: str, workdir: str, num_kv_heads: int,
-                    method: str, seed: int = 0) -> tuple[int, int]:
+                    method: Method, seed: int = 0) -> tuple[int, int]:
   """Writes WORKDIR: SOURCE's config and a step-0 checkpoint with K KV heads.
 
   Returns (K of the source, K written); num_kv_heads -1 keeps the source's.
@@ -159,7 +161,7 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
 
 
 def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
-              method: str = 'mean', seed: int = 0,
+              method: Method = 'mean', seed: int = 0,
               param_dtype: str = '') -> tuple[str, int, int]:
   """Writes WORKDIR from a Hugging Face checkpoint folder; returns
   (model_type, K of the source, K written).

@@ -38,7 +38,7 @@ import pathlib
 import sys
 import sysconfig
 import zlib
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -51,6 +51,10 @@ _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
               'lib2to3', 'ensurepip'}
 
 
+Split = Literal['train', 'val']  # 'val': the held-out part.
+Task = Literal['lm', 'recall']
+
+
 class Source(Protocol):
   """What the training loop reads: a text/token Dataset or the RecallTask."""
   vocab_size: int
@@ -58,7 +62,7 @@ class Source(Protocol):
   description: str
   loss_weights: np.ndarray | None  # [seq_len] target weights; None: all.
 
-  def batch(self, split: str, *, seed: int, step: int, batch_size: int,
+  def batch(self, split: Split, *, seed: int, step: int, batch_size: int,
             seq_len: int, shard: int = 0, num_shards: int = 1,
             stream: int = 0) -> np.ndarray:
     """Shard `shard` of num_shards of the global batch: rows [batch_size //
@@ -81,7 +85,7 @@ class Dataset:
   tokenizer_fingerprint: str | None = None
   loss_weights = None  # Every target counts.
 
-  def batch(self, split: str, *, seed: int, step: int, batch_size: int,
+  def batch(self, split: Split, *, seed: int, step: int, batch_size: int,
             seq_len: int, shard: int = 0, num_shards: int = 1,
             stream: int = 0) -> np.ndarray:
     return batch(self.train if split == 'train' else self.val, seed=seed,
@@ -123,7 +127,7 @@ class RecallTask:
     return (np.asarray(predicted_BT)[:, answers_T]
             == np.asarray(tokens_BT1)[:, 1:][:, answers_T]).mean(0)
 
-  def batch(self, split: str, *, seed: int, step: int, batch_size: int,
+  def batch(self, split: Split, *, seed: int, step: int, batch_size: int,
             seq_len: int, shard: int = 0, num_shards: int = 1,
             stream: int = 0) -> np.ndarray:
     """Only this shard's rows are made: each row has its own generator,
@@ -146,7 +150,7 @@ class RecallTask:
 
 
 def load(path: str, *, val_fraction: float, seq_len: int,
-         cache_dir: str | None = None, task: str = 'lm', recall_pairs: int = 0,
+         cache_dir: str | None = None, task: Task = 'lm', recall_pairs: int = 0,
          vocab_size: int = 256, tokenizer=None) -> Source:
   """Loads the data named by `path`; raises UserError if it cannot be used.
 

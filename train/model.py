@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import flax.linen as nn
 import jax
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from attention import Attention, layer
 from attention.rope import RopeScaling
 
+Activation = Literal['gelu_tanh', 'silu']
 ACTIVATIONS = {'gelu_tanh': functools.partial(nn.gelu, approximate=True),
                'silu': nn.silu}
 
@@ -56,7 +57,7 @@ class ModelConfig:
   fused_qkv: bool
   dtype: Any
   param_dtype: Any
-  mlp_activation: str  # 'gelu_tanh' (Gemma) or 'silu' (Llama, Mistral, Qwen).
+  mlp_activation: Activation  # 'gelu_tanh' (Gemma), 'silu' (Llama, Qwen).
   norm_eps: float
   norm_scale_offset: float  # RMSNorm multiplies by offset + scale: Gemma 1, Llama 0.
   embed_scale: bool  # Embeddings times √D (Gemma).
