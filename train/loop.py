@@ -37,8 +37,14 @@ class TrainState:
 
 def make_optimizer(tc) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with warmup + cosine decay and global-norm clipping."""
-  schedule = lambda count: learning_rate(count, schedule_args(tc))
-  return optimizer(tc, schedule), schedule
+  curve = schedule(tc)
+  return optimizer(tc, curve), curve
+
+
+def schedule(tc) -> optax.Schedule:
+  """`tc`'s learning rate by optimizer step (the compiled step takes the
+  same curve from `schedule_args` as an input)."""
+  return lambda count: learning_rate(count, schedule_args(tc))
 
 
 def optimizer(tc, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -220,8 +226,7 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
     if is_chief:
       _write_atomically(path / 'config.json', config.to_json(indent=2))
 
-  return Run(path, state, start, step_fn, evaluate, get_batch,
-             lambda count: learning_rate(count, schedule_args(tc)),
+  return Run(path, state, start, step_fn, evaluate, get_batch, schedule(tc),
              checkpointer, reporter, tc.batch_size * config.data.seq_len,
              flops.training_flops_per_token(mc, config.data.seq_len),
              flops.peak_flops()[0] * jax.device_count(), write_config)
