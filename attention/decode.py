@@ -26,6 +26,7 @@ outputs, of which the diagonal K blocks are kept. That spends K times the
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from attention import numerics
@@ -63,10 +64,15 @@ def cache_layout_attention(query, key, value, mask_BKGTS, *, scale,
 
 
 def heads_major_attention(query, key_ZHS, value_ZSH, mask_BNTS, *, scale,
-                          logits_soft_cap):
+                          logits_soft_cap, key_scale_ZS=None,
+                          value_scale_ZS=None):
   """query [B, T, N, H], key [Z, H, S], value [Z, S, H], Z = B·K -> [B, T, N, H].
 
   mask_BNTS: boolean broadcastable to [B, N, T, S] (True = attend), or None.
+  The cache may be stored in another dtype than the query (bfloat16, or int8
+  with a float32 scale per token and KV head, key_scale_ZS and
+  value_scale_ZS): the matmuls take it as it is and the scales multiply the
+  [R, S] logits and probabilities, never the cache.
   R = G·T: the query rows of one KV head.
   """
   B, T, N, H = query.shape
@@ -75,15 +81,26 @@ def heads_major_attention(query, key_ZHS, value_ZSH, mask_BNTS, *, scale,
   G = N // K
   q_ZRH = query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(
       Z, G * T, H)
-  logits_ZRS = jnp.einsum('ZRH,ZHS->ZRS', q_ZRH, key_ZHS,
-                          preferred_element_type=jnp.float32) * scale
+  logits_ZRS = _batched_matmul(q_ZRH, key_ZHS) * scale
+  if key_scale_ZS is not None:
+    logits_ZRS = logits_ZRS * key_scale_ZS[:, None, :]
   logits_BKGTS = numerics.soft_cap(logits_ZRS, logits_soft_cap).reshape(
       B, K, G, T, S)
   probs_BKGTS = numerics.masked_softmax(
       logits_BKGTS,
       None if mask_BNTS is None else numerics.grouped_mask(mask_BNTS, K))
-  out_ZRH = jnp.einsum('ZRS,ZSH->ZRH',
-                       probs_BKGTS.reshape(Z, G * T, S).astype(value_ZSH.dtype),
-                       value_ZSH, preferred_element_type=jnp.float32)
+  probs_ZRS = probs_BKGTS.reshape(Z, G * T, S)
+  if value_scale_ZS is not None:
+    probs_ZRS = probs_ZRS * value_scale_ZS[:, None, :]
+  probs_ZRS = probs_ZRS.astype(query.dtype)
+  out_ZRH = _batched_matmul(probs_ZRS, value_ZSH)
   out_BTNH = out_ZRH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
   return out_BTNH.reshape(B, T, N, H).astype(query.dtype)
+
+
+def _batched_matmul(a_ZMC, b_ZCS):
+  """[Z, M, C] x [Z, C, S] -> [Z, M, S] float32, with b in its own dtype
+  (a bfloat16 or int8 cache is read as stored: on TPU the matmul takes the
+  int8 operand itself; XLA's CPU converts it on the fly)."""
+  return jax.lax.dot_general(a_ZMC, b_ZCS, (((2,), (1,)), ((0,), (0,))),
+                             preferred_element_type=jnp.float32)

@@ -9,8 +9,9 @@ shared by both (D model width; the letters of `attention.core`):
           (fused_qkv: qkv [D, N + 2K, H] in place of the first three)
           qkv_bias: query_bias [N, H], key_bias and value_bias [K, H]
           (fused: qkv_bias [N + 2K, H]); qk_norm: query_norm, key_norm [H]
-  cache   cached_key [B·K, H, max_len], cached_value [B·K, max_len, H];
-          cache_index int32
+  cache   cached_key [B·K, H, S], cached_value [B·K, S, H]; cache_index
+          int32; kv_cache_dtype='int8': key_scale and value_scale [B·K, S]
+          float32. S = max_len, or the window w for causal local attention.
 
 The cache is heads-major (Z = B·K rows, one per batch row and KV head, as
 MaxText's and the TPU kernels' [B, K, S, H] with its first two axes as one):
@@ -20,14 +21,20 @@ the [G, S] probabilities times the [S, H] values: two batched matmuls that
 read the cache where it lies, with their operands in the layout the CPU's
 matmul kernels take without repacking (keys stored [H, S]: 1.5-1.8x faster
 decoding for K < N than [S, H]; BENCHMARKS.md). Writing a token updates both
-in place (a test checks the compiled step for copies). The token-major
-[B, S, K, H] layout made XLA copy the cache at every step.
+in place (a test checks the compiled step for copies).
+
+A causal local layer keeps only its window: slot s holds the latest position
+p with p % w == s (a ring buffer), so its cache is w/max_len the size. An
+int8 cache stores each token's K and V per KV head as int8 times one float32
+scale (symmetric, absmax/127); the matmuls read the int8 arrays and the
+scales multiply the [G, S] logits and probabilities, so no float copy of the
+cache is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +44,10 @@ from attention.core import as_4d_mask, attention_mask, dot_product_attention
 from attention.rope import RopeScaling, apply_rope
 
 Array = jax.Array
-CACHE_NAMES = ('cached_key', 'cached_value', 'cache_index')
+KVCacheDtype = Literal['float32', 'bfloat16', 'int8']
+KV_CACHE_DTYPES = KVCacheDtype.__args__
+CACHE_NAMES = ('cached_key', 'cached_value', 'key_scale', 'value_scale',
+               'cache_index')  # The scales: int8 caches only.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,7 @@ class Options:
   norm_eps: float = 1e-6  # Of qk_norm.
   norm_scale_offset: float = 1.0  # qk_norm multiplies by offset + weight.
   rope_scaling: RopeScaling | None = None
+  kv_cache_dtype: KVCacheDtype | None = None  # None: the compute dtype.
 
   def __post_init__(self):
     if self.num_kv_heads is None:  # As for the modules: None means N (MHA).
@@ -68,6 +79,9 @@ class Options:
       raise ValueError(
           f'num_heads={N} must be a multiple of num_kv_heads={K}; pick '
           f'num_kv_heads from the divisors of {N}')
+    if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+      raise ValueError(f'kv_cache_dtype={self.kv_cache_dtype!r}; use None '
+                       f'(the compute dtype) or one of {KV_CACHE_DTYPES}')
 
   @classmethod
   def of(cls, source, **given) -> 'Options':
@@ -82,15 +96,24 @@ class Options:
                       'it, or pass it to Options.of')
     return cls(**{name: getattr(source, name) for name in names}, **given)
 
-  def param_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
+  def param_shapes(self, d_model: int, *, shared_kv: bool = False
+                   ) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape; shared_kv: the layer reads another layer's
+    K/V (cross-layer sharing) and has only the query's and output's."""
     D, N, K, H = d_model, self.num_heads, self.num_kv_heads, self.head_dim
-    heads = {'qkv': N + 2 * K} if self.fused_qkv else {
-        'query': N, 'key': K, 'value': K}
+    if shared_kv:
+      heads = {'query': N}
+    elif self.fused_qkv:
+      heads = {'qkv': N + 2 * K}
+    else:
+      heads = {'query': N, 'key': K, 'value': K}
     shapes = {name: (D, E, H) for name, E in heads.items()}
     if self.qkv_bias:
       shapes |= {f'{name}_bias': (E, H) for name, E in heads.items()}
     if self.qk_norm:
-      shapes |= {'query_norm': (H,), 'key_norm': (H,)}
+      shapes |= {'query_norm': (H,)}
+      if not shared_kv:
+        shapes |= {'key_norm': (H,)}
     return {**shapes, 'out': (N, H, D)}
 
   def param_init(self, name: str, kernel_init):
@@ -102,30 +125,69 @@ class Options:
       return jax.nn.initializers.constant(1.0 - self.norm_scale_offset)
     return kernel_init
 
-  def cache_shapes(self, batch: int, max_len: int) -> dict[str, tuple]:
-    Z, H = batch * self.num_kv_heads, self.head_dim
-    return {'cached_key': (Z, H, max_len), 'cached_value': (Z, max_len, H),
-            'cache_index': ()}
+  def cache_length(self, max_len: int) -> int:
+    """S, the cache's slots: the window of a causal local layer (a ring
+    buffer), else max_len."""
+    if self.is_causal and self.local_window is not None:
+      return min(self.local_window, max_len)
+    return max_len
+
+  def cache_spec(self, batch: int, max_len: int, dtype: Any
+                 ) -> dict[str, jax.ShapeDtypeStruct]:
+    """The cache's arrays for `batch` sequences of up to max_len tokens;
+    dtype: the compute dtype (stored unless kv_cache_dtype says otherwise)."""
+    Z, H, S = batch * self.num_kv_heads, self.head_dim, self.cache_length(
+        max_len)
+    stored = jnp.dtype(self.kv_cache_dtype or dtype)
+    spec = {'cached_key': ((Z, H, S), stored),
+            'cached_value': ((Z, S, H), stored)}
+    if self.kv_cache_dtype == 'int8':
+      spec |= {'key_scale': ((Z, S), jnp.float32),
+               'value_scale': ((Z, S), jnp.float32)}
+    spec['cache_index'] = ((), jnp.int32)
+    return {name: jax.ShapeDtypeStruct(shape, kind)
+            for name, (shape, kind) in spec.items()}
+
+
+class KV(NamedTuple):
+  """The keys and values one layer's queries attended to; a layer sharing
+  them (cross-layer attention) attends to the same.
+
+  Full pass: key and value [B, S, K, H]. Decoding: the cache's arrays
+  (keys [Z, H, S], values [Z, S, H], int8 scales [Z, S] or None) with each
+  slot's position (-1: empty) and `start`, the position of the first new
+  token.
+  """
+  key: Array
+  value: Array
+  key_scale: Array | None = None
+  value_scale: Array | None = None
+  positions_S: Array | None = None  # None: a full pass.
+  start: Array | int = 0
+  overflow: Array | bool = False  # The write ran past the cache's end.
 
 
 def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
           mask: Array | None = None, cache: dict[str, Array] | None = None,
-          dtype: Any = jnp.float32) -> tuple[Array, dict[str, Array] | None]:
-  """Self-attention of x_BTD [B, T, D]; (out [B, T, D], the updated cache).
+          shared: KV | None = None, dtype: Any = jnp.float32
+          ) -> tuple[Array, dict[str, Array] | None, KV]:
+  """Self-attention of x_BTD [B, T, D]; (out [B, T, D], the updated cache,
+  the K/V attended to).
 
   With a cache (decoding), the T tokens are written at `cache_index` and
-  attend to everything cached so far; without one, to each other.
+  attend to everything cached so far; without one, to each other. With
+  `shared` (what another layer's `apply` returned), the queries attend to
+  those keys and values: this layer has no K/V parameters and no cache.
   mask: True = attend, a key-padding [B, S] or anything broadcastable to
   [B, N, T, S] (S = T, or max_len with a cache).
   """
-  N, K = options.num_heads, options.num_kv_heads
+  N, K, H = options.num_heads, options.num_kv_heads, options.head_dim
   B, T, D = x_BTD.shape
   w = {name: p.astype(dtype) for name, p in params.items()}
   # The projections as plain [X, D] x [D, E·H] matmuls, tokens as one axis
   # X = B·T and heads with their features as one: XLA's CPU matmuls contract
   # or keep two axes (B and T, or E and H) at about half the speed.
   x_XD = x_BTD.astype(dtype).reshape(B * T, D)
-  H = options.head_dim
 
   def project(name):
     y_XEH = (x_XD @ w[name].reshape(D, -1)).reshape(B * T, -1, H)
@@ -133,49 +195,76 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
       y_XEH = y_XEH + w[f'{name}_bias']
     return y_XEH.reshape(B, T, -1, H)
 
-  if options.fused_qkv:
+  if shared is not None:
+    q_BTNH, k_BTKH, v_BTKH = project('query'), None, None
+  elif options.fused_qkv:
     qkv_BTEH = project('qkv')  # E = N + 2K.
     q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTEH, [N, N + K], axis=2)
   else:
     q_BTNH, k_BTKH, v_BTKH = project('query'), project('key'), project('value')
   if options.qk_norm:
     q_BTNH = _rms_norm(q_BTNH, params['query_norm'], options)
-    k_BTKH = _rms_norm(k_BTKH, params['key_norm'], options)
+    if k_BTKH is not None:
+      k_BTKH = _rms_norm(k_BTKH, params['key_norm'], options)
 
-  start = 0 if cache is None else cache['cache_index']
+  if shared is not None:
+    start = shared.start
+  else:
+    start = 0 if cache is None else cache['cache_index']
   pos_T = start + jnp.arange(T)
   if options.use_rope:
     rope = lambda x: apply_rope(x, pos_T, base=options.rope_base,
                                 scaling=options.rope_scaling)
-    q_BTNH, k_BTKH = rope(q_BTNH), rope(k_BTKH)
+    q_BTNH = rope(q_BTNH)
+    k_BTKH = None if k_BTKH is None else rope(k_BTKH)
 
-  if cache is None:
+  if shared is not None:
+    kv = shared
+  elif cache is None:
+    kv = KV(k_BTKH, v_BTKH)
+  else:
+    cache, kv = _write_cache(options, cache, k_BTKH, v_BTKH)
+  if kv.positions_S is None:  # A full pass.
     out_BTNH = dot_product_attention(
-        q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=options.is_causal,
+        q_BTNH, kv.key, kv.value, mask=mask, is_causal=options.is_causal,
         local_window=options.local_window,
         logits_soft_cap=options.logits_soft_cap)
   else:
-    cache = _write_cache(cache, k_BTKH, v_BTKH)
-    max_len = cache['cached_value'].shape[1]
-    # S = max_len cached positions; positions decide what each query sees,
-    # and slots not written yet are hidden.
-    k_pos_S = jnp.arange(max_len)
-    visible_TS = k_pos_S[None, :] < start + T
-    structural_TS = attention_mask(pos_T, k_pos_S, is_causal=options.is_causal,
-                                   local_window=options.local_window)
-    if structural_TS is not None:
-      visible_TS &= structural_TS
-    visible = visible_TS[None, None]
-    if mask is not None:
-      visible = as_4d_mask(mask, B, max_len) & visible
-    out_BTNH = decode.heads_major_attention(
-        q_BTNH, cache['cached_key'], cache['cached_value'], visible,
-        scale=options.head_dim**-0.5, logits_soft_cap=options.logits_soft_cap)
-    # Under jit an overflowing write is clamped onto the last slots; make that
-    # visible as NaN rather than silently attending to the wrong tokens.
-    out_BTNH = jnp.where(start + T > max_len, jnp.nan, out_BTNH)
+    out_BTNH = _attend_cached(options, q_BTNH, kv, pos_T, mask)
   out_XD = out_BTNH.reshape(B * T, N * H) @ w['out'].reshape(N * H, D)
-  return out_XD.reshape(B, T, D), cache
+  return out_XD.reshape(B, T, D), cache, kv
+
+
+def _attend_cached(options: Options, q_BTNH, kv: KV, pos_T, mask):
+  """The T queries at positions pos_T against the cached slots of `kv`."""
+  B, T = q_BTNH.shape[:2]
+  S = kv.positions_S.shape[0]
+  k_pos_S = kv.positions_S
+  # Positions decide what each query sees; empty slots are hidden.
+  visible_TS = jnp.broadcast_to(k_pos_S[None, :] >= 0, (T, S))
+  structural_TS = attention_mask(pos_T, k_pos_S, is_causal=options.is_causal,
+                                 local_window=options.local_window)
+  if structural_TS is not None:
+    visible_TS &= structural_TS
+  visible = visible_TS[None, None]
+  if mask is not None:
+    # A mask over positions (max_len): each slot takes its position's.
+    mask = as_4d_mask(mask, B, mask.shape[-1])
+    if mask.shape[-1] > 1:
+      mask = jnp.take(mask, jnp.maximum(k_pos_S, 0), axis=-1)
+    visible = mask & visible
+  out_BTNH = decode.heads_major_attention(
+      q_BTNH, kv.key, kv.value, visible, scale=options.head_dim**-0.5,
+      logits_soft_cap=options.logits_soft_cap, key_scale_ZS=kv.key_scale,
+      value_scale_ZS=kv.value_scale)
+  # Under jit an overflowing write is clamped onto the last slots; make that
+  # visible as NaN rather than silently attending to the wrong tokens.
+  return jnp.where(kv.overflow, jnp.nan, out_BTNH)
+
+
+def _is_ring(options: Options, S: int) -> bool:
+  """Whether a cache of S slots is a local layer's ring buffer."""
+  return options.is_causal and options.local_window == S
 
 
 def _rms_norm(x_BTEH, weight_H, options: Options):
@@ -187,28 +276,94 @@ def _rms_norm(x_BTEH, weight_H, options: Options):
   return (x * scale_H).astype(x_BTEH.dtype)
 
 
-def _write_cache(cache, k_BTKH, v_BTKH):
-  """The cache with T positions written at its index, in place."""
+def slot_positions(end, S: int) -> Array:
+  """[S]: the position each slot holds once positions 0..end-1 are written
+  (slot s: the latest p < end with p % S == s), -1 where none is."""
+  s = jnp.arange(S)
+  p = end - 1 - jnp.mod(end - 1 - s, S)
+  return jnp.where(p >= 0, p, -1)
+
+
+def _write_cache(options: Options, cache, k_BTKH, v_BTKH
+                 ) -> tuple[dict[str, Array], KV]:
+  """(the cache with T positions written at its index, in place; what the
+  new tokens attend to)."""
   B, T, K, H = k_BTKH.shape
   start = cache['cache_index']
+  S = cache['cached_value'].shape[1]
   shapes = {name: cache[name].shape for name in ('cached_key', 'cached_value')}
-  max_len = shapes['cached_value'][1]
-  if shapes != {'cached_key': (B * K, H, max_len),
-                'cached_value': (B * K, max_len, H)}:
+  if shapes != {'cached_key': (B * K, H, S), 'cached_value': (B * K, S, H)}:
     raise ValueError(
         f'decode step gives K/V {(B, T, K, H)} but the cache holds keys '
-        f"{shapes['cached_key']} = [B·K, H, max_len] and values "
-        f"{shapes['cached_value']} = [B·K, max_len, H]; init the cache with "
+        f"{shapes['cached_key']} = [B·K, H, S] and values "
+        f"{shapes['cached_value']} = [B·K, S, H]; init the cache with "
         'the same batch size and heads')
-  _check_capacity(start, T, max_len)
-  keys_ZHT = k_BTKH.transpose(0, 2, 3, 1).reshape(B * K, H, T)
-  values_ZTH = v_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H)
-  write = lambda c, x, at: jax.lax.dynamic_update_slice(c, x.astype(c.dtype),
-                                                         at)
-  return {'cached_key': write(cache['cached_key'], keys_ZHT, (0, 0, start)),
-          'cached_value': write(cache['cached_value'], values_ZTH,
-                                (0, start, 0)),
-          'cache_index': start + T}
+  ring = _is_ring(options, S)
+  if not ring:
+    _check_capacity(start, T, S)
+  overflow = False if ring else start + T > S
+  new = _stored(cache, k_BTKH.transpose(0, 2, 3, 1).reshape(B * K, H, T),
+                v_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H))
+  if ring and T > 1:
+    # Later tokens of the chunk would overwrite keys its earlier queries
+    # still see: they attend to the old slots and the chunk, then the last
+    # min(T, S) tokens are written.
+    kv = KV(*(jnp.concatenate([cache[name], new[name]], axis=axis)
+              if name in cache else None
+              for name, axis in _AXES.items()),
+            positions_S=jnp.concatenate([slot_positions(start, S),
+                                         start + jnp.arange(T)]),
+            start=start, overflow=overflow)
+    keep = min(T, S)
+    slots = jnp.mod(start + T - keep + jnp.arange(keep), S)
+    written = {name: _scatter(cache[name], new[name], slots, axis)
+               for name, axis in _AXES.items() if name in cache}
+  else:
+    at = jnp.mod(start, S) if ring else start  # T == 1 in a ring.
+    written = {name: jax.lax.dynamic_update_slice_in_dim(
+        cache[name], new[name], at, axis)
+               for name, axis in _AXES.items() if name in cache}
+    kv = None
+  cache = {**written, 'cache_index': start + T}
+  if kv is None:
+    kv = KV(*(cache.get(name) for name in _AXES),
+            positions_S=slot_positions(start + T, S), start=start,
+            overflow=overflow)
+  return cache, kv
+
+
+# The cache's arrays, in the order of KV's fields, and their position axis.
+_AXES = {'cached_key': 2, 'cached_value': 1, 'key_scale': 1, 'value_scale': 1}
+
+
+def _stored(cache, keys_ZHT, values_ZTH) -> dict[str, Array]:
+  """The new tokens as the cache stores them: its dtype, or int8 with a
+  float32 scale per token and KV head."""
+  if 'key_scale' not in cache:
+    return {'cached_key': keys_ZHT.astype(cache['cached_key'].dtype),
+            'cached_value': values_ZTH.astype(cache['cached_value'].dtype)}
+  keys, key_scale = quantize(keys_ZHT, axis=1)
+  values, value_scale = quantize(values_ZTH, axis=2)
+  return {'cached_key': keys, 'cached_value': values, 'key_scale': key_scale,
+          'value_scale': value_scale}
+
+
+def quantize(x, axis: int) -> tuple[Array, Array]:
+  """(int8 x / scale, scale): symmetric, one float32 scale (absmax / 127)
+  per slice along `axis` (a token's H features), which is dropped."""
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+  q = jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8)
+  return q, jnp.squeeze(scale, axis)
+
+
+def _scatter(array, new, slots, axis: int):
+  """array with new's last len(slots) positions along `axis` at `slots`."""
+  new = jax.lax.slice_in_dim(new, new.shape[axis] - slots.shape[0],
+                             new.shape[axis], axis=axis)
+  index = (slice(None),) * axis + (slots,)
+  return array.at[index].set(new)
 
 
 def _check_capacity(index, T, max_len):
@@ -224,6 +379,8 @@ def _check_capacity(index, T, max_len):
 
 
 def kv_cache_bytes(options: Options, batch: int, length: int, dtype) -> int:
-  """Bytes of one layer's KV cache: 2 (K and V) x B x length x K x H."""
-  return (2 * batch * length * options.num_kv_heads * options.head_dim
-          * jnp.dtype(dtype).itemsize)
+  """Bytes of one layer's KV cache for `batch` sequences of `length` tokens
+  (max_len): its arrays (cache_spec), the index not counted."""
+  spec = options.cache_spec(batch, length, dtype)
+  return sum(s.size * s.dtype.itemsize for name, s in spec.items()
+             if name != 'cache_index')

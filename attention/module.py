@@ -3,7 +3,7 @@
 One knob, `num_kv_heads` (K), selects the variant; the parameter shapes show it:
 
   query kernel  [D, N, H]        key and value kernels  [D, K, H]
-  output kernel [N, H, D]        KV cache               [B, K, max_len, H] x 2
+  output kernel [N, H, D]        KV cache     [B·K, H, S] and [B·K, S, H]
 
 With `fused_qkv=True` the three input projections are one kernel [D, N + 2K, H]
 (one matmul producing (N + 2K)·H features), split into Q, K and V by heads.
@@ -64,6 +64,11 @@ class Attention(nn.Module):
       `norm_eps`, multiplying by norm_scale_offset + weight.
     rope_scaling: RoPE frequency scaling for long contexts
       (`attention.rope.RopeScaling`: 'linear' or 'llama3'), or None.
+    kv_cache_dtype: how the decode cache stores K and V: None (`dtype`),
+      'float32', 'bfloat16', or 'int8' (a float32 scale per token and KV
+      head); a decode-time choice, the full pass is unaffected.
+    shared_kv: the layer attends to another layer's keys and values (passed
+      as `shared`, cross-layer attention) and has no K/V projections or cache.
     partitioned: annotate the kernels with logical axis names (embed,
       q_heads, kv_heads, head_dim) for sharding with flax's partitioning
       rules; `init` then returns `nn.LogicallyPartitioned` boxes.
@@ -89,6 +94,8 @@ class Attention(nn.Module):
   norm_eps: float = 1e-6
   norm_scale_offset: float = 1.0
   rope_scaling: RopeScaling | None = None
+  kv_cache_dtype: layer.KVCacheDtype | None = None
+  shared_kv: bool = False
   partitioned: bool = False
   decode: bool = False
   kernel_init: nn.initializers.Initializer = default_kernel_init
@@ -104,8 +111,8 @@ class Attention(nn.Module):
     return layer.Options.of(self)
 
   @nn.compact
-  def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None
-               ) -> jax.Array:
+  def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None, *,
+               shared: layer.KV | None = None, return_kv: bool = False):
     """Attends x to itself.
 
     Args:
@@ -113,14 +120,22 @@ class Attention(nn.Module):
       mask: optional boolean mask, True = attend: a key-padding mask [B, S] or
         anything broadcastable to [B, N, T, S], where S = T, or max_len when
         decoding. Combined with the causal and window masks.
+      shared: with `shared_kv`, the K/V of the layer this one shares (what
+        that layer returned with return_kv).
+      return_kv: also return the keys and values attended to
+        (`attention.layer.KV`), for the layers that share them.
 
     Returns:
-      [B, T, D] in `dtype`.
+      [B, T, D] in `dtype`; with return_kv, (that, the KV).
     """
     options = self.options
+    if self.shared_kv != (shared is not None):
+      raise ValueError('a layer with shared_kv=True attends to the `shared` '
+                       'K/V of another layer, and only such a layer takes it')
     B, T, D = x_BTD.shape
     params = {}
-    for name, shape in options.param_shapes(D).items():
+    for name, shape in options.param_shapes(
+        D, shared_kv=self.shared_kv).items():
       init = options.param_init(name, self.kernel_init)
       if self.partitioned:
         init = nn.with_logical_partitioning(init, LOGICAL_AXES[name])
@@ -129,28 +144,29 @@ class Attention(nn.Module):
     # template and runs a plain pass; later calls append to it.
     appending = self.decode and self.has_variable('cache', 'cache_index')
     cache = None
-    if self.decode:
-      shapes = options.cache_shapes(B, T)
-      variables = {
-          name: self.variable('cache', name, jnp.zeros, shapes[name],
-                              jnp.int32 if name == 'cache_index' else
-                              self.dtype) for name in layer.CACHE_NAMES}
+    if self.decode and not self.shared_kv:
+      spec = options.cache_spec(B, T, self.dtype)
+      variables = {name: self.variable('cache', name, jnp.zeros, s.shape,
+                                       s.dtype) for name, s in spec.items()}
       if appending:
         cache = {name: v.value for name, v in variables.items()}
-    out_BTD, cache = layer.apply(options, params, x_BTD, mask=mask,
-                                 cache=cache, dtype=self.dtype)
+    out_BTD, cache, kv = layer.apply(options, params, x_BTD, mask=mask,
+                                     cache=cache, shared=shared,
+                                     dtype=self.dtype)
     if appending:
       for name, v in variables.items():
         v.value = cache[name]
-    return out_BTD
+    return (out_BTD, kv) if return_kv else out_BTD
 
   def kv_cache_bytes(self, batch: int, length: int, dtype: Dtype = None) -> int:
-    """Bytes of this layer's KV cache: 2 (K and V) x B x length x K x H."""
+    """Bytes of this layer's KV cache for `batch` sequences of up to
+    `length` tokens: 2 (K and V) x B x S x K x H x the stored dtype's size
+    (S = length, or the local window), plus int8's scales."""
     return layer.kv_cache_bytes(self.options, batch, length,
                                 dtype or self.dtype)
 
   def num_params(self, d_model: int) -> int:
     """Parameters of this layer for model width D: D·N·H + 2·D·K·H + N·H·D
     (and the biases and norms, if any)."""
-    return sum(math.prod(shape)
-               for shape in self.options.param_shapes(d_model).values())
+    return sum(math.prod(shape) for shape in self.options.param_shapes(
+        d_model, shared_kv=self.shared_kv).values())

@@ -2,7 +2,7 @@
 
 Same options, same parameter names and shapes (query [D, N, H], key and value
 [D, K, H], out [N, H, D], or qkv [D, N + 2K, H]), same KV cache of K heads
-([B, K, max_len, H]), and the same computation (`attention.layer.apply`), so
+(`layer.Options.cache_spec`), and the same computation (`attention.layer.apply`), so
 the two give identical outputs from the same parameters. Moving parameters:
 
   nnx_layer = Attention.from_linen(linen_layer, linen_params)   # linen -> NNX
@@ -52,27 +52,30 @@ class Attention(nnx.Module):
     for name, shape in self.options.param_shapes(in_features).items():
       init = self.options.param_init(name, kernel_init)
       setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype)))
-    self.cached_key = nnx.data(None)
-    self.cached_value = nnx.data(None)
-    self.cache_index = nnx.data(None)
+    for name in layer.CACHE_NAMES:
+      setattr(self, name, nnx.data(None))
 
   def init_cache(self, batch: int, max_len: int, dtype: Dtype | None = None):
-    """An empty KV cache of K heads, [B, K, max_len, H] for keys and values."""
-    shapes = self.options.cache_shapes(batch, max_len)
-    for name in layer.CACHE_NAMES:
-      kind = jnp.int32 if name == 'cache_index' else dtype or self.dtype
-      setattr(self, name, nnx.Cache(jnp.zeros(shapes[name], kind)))
+    """An empty KV cache of K heads for `batch` sequences of max_len tokens
+    (`layer.Options.cache_spec`; dtype: the compute dtype's, by default)."""
+    spec = self.options.cache_spec(batch, max_len, dtype or self.dtype)
+    for name, s in spec.items():
+      setattr(self, name, nnx.Cache(jnp.zeros(s.shape, s.dtype)))
+
+  def _cache_names(self) -> list[str]:
+    return [name for name in layer.CACHE_NAMES
+            if getattr(self, name) is not None]
 
   def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None
                ) -> jax.Array:
     """x_BTD [B, T, D] -> [B, T, D]; appends to the cache once it exists."""
     cache = None
     if self.cache_index is not None:
-      cache = {name: getattr(self, name)[...] for name in layer.CACHE_NAMES}
-    out_BTD, cache = layer.apply(self.options, self.linen_params(), x_BTD,
-                                 mask=mask, cache=cache, dtype=self.dtype)
+      cache = {name: getattr(self, name)[...] for name in self._cache_names()}
+    out_BTD, cache, _ = layer.apply(self.options, self.linen_params(), x_BTD,
+                                    mask=mask, cache=cache, dtype=self.dtype)
     if cache is not None:
-      for name in layer.CACHE_NAMES:
+      for name in self._cache_names():
         getattr(self, name)[...] = cache[name]
     return out_BTD
 

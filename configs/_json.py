@@ -24,6 +24,9 @@ def read(path) -> config_dict.ConfigDict:
         update(target[key], value)
       else:
         target[key] = value
+  model = saved.get('model', {})
+  if model.get('local_window') and 'attention_pattern' not in model:
+    model['attention_pattern'] = 'L'  # Written when a window meant all.
   with config.unlocked():
     update(config, saved)
   return config

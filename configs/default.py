@@ -28,7 +28,15 @@ def get_config() -> config_dict.ConfigDict:
       # A learned [max_len, D] position embedding added to the tokens' (GPT-2,
       # Zoology's recall models); with or without RoPE.
       learned_positions=False,
-      local_window=config_dict.placeholder(int),
+      local_window=config_dict.placeholder(int),  # Keys of an 'L' layer.
+      # Layer kinds, cycled over the layers: 'G' global, 'L' local
+      # (local_window keys, and a decode cache of that many): 'LG' is
+      # Gemma 2's, 'LLLLLG' Gemma 3's, 'L' every layer local (Mistral).
+      attention_pattern='G',
+      kv_share=1,  # Consecutive layers sharing one K/V (2: CLA2).
+      # How decoding caches K and V: None (dtype), 'bfloat16' or 'int8' (a
+      # scale per token and KV head). Training is unaffected.
+      kv_cache_dtype=config_dict.placeholder(str),
       logits_soft_cap=config_dict.placeholder(float),
       fused_qkv=False,
       dtype='float32',  # Compute dtype: 'bfloat16' on GPU/TPU.

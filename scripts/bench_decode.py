@@ -2,6 +2,7 @@
 
   python -m scripts.bench_decode [--config=gqa_small] [--kv_heads=8,2,1]
       [--batches=1,16,64,256] [--contexts=256,1024,2048] [--out=DIR]
+      [--kv_cache_dtype=bfloat16|int8]
 
 For each num_kv_heads, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+from attention import layer
 from scripts import timing
 from train import config_lib, flops
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -34,11 +36,13 @@ def main():
   parser.add_argument('--batches', type=int_list, default=[1, 16, 64, 256])
   parser.add_argument('--contexts', type=int_list, default=[256, 1024, 2048])
   parser.add_argument('--repeats', type=positive_int, default=5)
+  parser.add_argument('--kv_cache_dtype', choices=layer.KV_CACHE_DTYPES,
+                      help="the cache's storage (default: the config's)")
   parser.add_argument('--out', default='out/decode')
   args = parser.parse_args()
   check_output_dir(args.out)
   results = run(args.config, args.kv_heads, args.batches, args.contexts,
-                args.repeats)
+                args.repeats, args.kv_cache_dtype)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / 'decode.json').write_text(json.dumps(results, indent=1))
@@ -46,8 +50,11 @@ def main():
   print(f'wrote {out}/decode.json and decode.png')
 
 
-def run(config_name, kv_heads, batches, contexts, repeats):
+def run(config_name, kv_heads, batches, contexts, repeats,
+        kv_cache_dtype=None):
   config = config_lib.load(config_name)
+  if kv_cache_dtype:
+    config.model.kv_cache_dtype = kv_cache_dtype
   for K in kv_heads:  # Every bad setting refused before any measurement.
     config.model.num_kv_heads = K
     config_lib.validate(config, batch_shards=1)

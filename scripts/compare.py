@@ -135,7 +135,7 @@ def write_report(out, runs, decode, bandwidth, args):
     c = mine[0]['config']
     mc = config_lib.model_config(c)
     n_params = model_lib.num_params(mc)
-    kv_per_token = model_lib.kv_cache_bytes(mc, batch=1, length=1)
+    kv_per_token = model_lib.kv_bytes_per_token(mc)
     rows.append(dict(
         K=K, params=n_params, kv=kv_per_token, mlp=c.model.mlp_dim,
         loss=_spread([r['record']['eval_loss'] for r in mine]),
@@ -172,7 +172,7 @@ def write_report(out, runs, decode, bandwidth, args):
       + 'train tok/s | decode tok/s | decode roofline tok/s |',
       '|---' * (10 + recall) + '|']
   for r in rows:
-    lines.append(f'| {r["K"]} | {r["params"]:,} | {r["mlp"]} | {r["kv"]:,} | '
+    lines.append(f'| {r["K"]} | {r["params"]:,} | {r["mlp"]} | {r["kv"]:,.0f} | '
                  f'{r["loss"]} | {r["bpb"]} | {r["accuracy"]} | '
                  + (f'{r["first"]} | ' if recall else '')
                  + f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '

@@ -154,7 +154,7 @@ def write_report(out: pathlib.Path, cells: list[dict], meta: dict):
                  f'({len(reached)}/{len(runs)}{median})')
     lines.append(f'| {H} | ' + ' | '.join(row) + ' |')
   lines.append('| KV bytes/token at H=' + ', '.join(map(str, dims)) + ' | '
-               + ' | '.join(', '.join(f'{cell[K, H]["kv_bytes"]:,}'
+               + ' | '.join(', '.join(f'{cell[K, H]["kv_bytes"]:,.0f}'
                                       for H in dims) for K in kvs) + ' |')
   lines += ['', '![recall](recall.png)', '']
   (out / 'report.md').write_text('\n'.join(lines))
@@ -250,7 +250,7 @@ def main():
       f'{len(c[1])} seed(s)'):
     mc = config_lib.model_config(cell[0])
     cells.append(dict(K=K, H=H, runs=train_cell(cell, args.eval_every),
-                      kv_bytes=model_lib.kv_cache_bytes(mc, 1, 1)))
+                      kv_bytes=model_lib.kv_bytes_per_token(mc)))
   c = configs[kvs[0], dims[0]][0]
   m = c.model
   meta = dict(argv=sys.argv[1:], minutes=(time.perf_counter() - start) / 60,

@@ -36,7 +36,7 @@ import json
 import pathlib
 import shutil
 
-from scripts import uptrain_report
+from scripts import study, uptrain_report
 from scripts.uptrain_report import METHODS, RECIPES, SCRATCH_ALPHA
 from train import config_lib, convert, loop, progress
 from train.errors import UserError
@@ -97,18 +97,6 @@ def recipe_config(converted: pathlib.Path, source, run: Run):
   return config
 
 
-def train(config, workdir: pathlib.Path, log: pathlib.Path) -> dict:
-  """`train.main`'s loop, its lines (and warnings) in LOG; a finished run
-  is reused."""
-  final = workdir / 'final.json'
-  if final.exists():
-    return json.loads(final.read_text())
-  log.parent.mkdir(parents=True, exist_ok=True)
-  with log.open('a') as f, contextlib.redirect_stdout(f), (
-      contextlib.redirect_stderr(f)):
-    return loop.train_and_evaluate(config, str(workdir))
-
-
 def train_source(out: pathlib.Path, config) -> dict:
   """The MHA source, trained (or reused: it must be this config's) and
   checked for flatness."""
@@ -120,7 +108,7 @@ def train_source(out: pathlib.Path, config) -> dict:
                     f'({written}); use a new --out, or the same flags as the '
                     'run that wrote it')
   print(f'=== the MHA source: {config.train.steps} steps', flush=True)
-  record = train(config, workdir, workdir / 'log.txt')
+  record = study.train(config, workdir, workdir / 'log.txt')
   curve = [(r['step'], r['eval_loss']) for r in read_metrics(workdir)
            if 'eval_loss' in r]
   last_fifth = [loss for step, loss in curve
@@ -166,7 +154,7 @@ def uptrain(out: pathlib.Path, run: Run, converted: pathlib.Path, source,
     config.train.eval_every = max(1, config.train.steps // CURVE_POINTS)
   if not workdir.exists():
     shutil.copytree(converted, workdir)
-  record = train(config, workdir, workdir / 'log.txt')
+  record = study.train(config, workdir, workdir / 'log.txt')
   return {'loss': record['eval_loss'], 'curve': [
       (r['step'], r['eval_loss']) for r in read_metrics(workdir)
       if 'eval_loss' in r]}
@@ -180,7 +168,7 @@ def scratch(out: pathlib.Path, source, K: int, seed: int) -> dict:
   steps = round((1 + SCRATCH_ALPHA) * source.train.steps)
   config.train.update(steps=steps, checkpoint_every=steps)
   workdir = out / 'scratch' / f'K{K}_s{seed}'
-  record = train(config, workdir, workdir / 'log.txt')
+  record = study.train(config, workdir, workdir / 'log.txt')
   return {'K': K, 'seed': seed, 'loss': record['eval_loss']}
 
 

@@ -14,6 +14,7 @@ import sys
 
 from absl.testing import parameterized
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +23,8 @@ import pytest
 from attention import Attention, core, dot_product_attention, splash
 from configs import gqa_base, mha_base, mqa_base
 from tests import reference
-from train import config_lib, loop
-from train.model import Transformer
+from train import config_lib, loop, sample
+from train.model import Transformer, unroll_layers
 
 B, N, H = 1, 8, 32
 KERNEL = 'tpu_custom_call'  # How a Pallas TPU (Mosaic) kernel is lowered.
@@ -167,22 +168,30 @@ def test_base_train_steps_lower_for_tpu_with_the_kernel_and_for_cuda(base):
 
 
 def _big_shapes(module_text, threshold):
-  """(op, shape) of transposes, broadcasts and copies of >= threshold elements."""
+  """(op, shape) of transposes, broadcasts, copies and converts of >=
+  threshold elements."""
   found = []
   for line in module_text.splitlines():
-    op = re.search(r'stablehlo\.(transpose|broadcast_in_dim|copy)', line)
+    op = re.search(r'stablehlo\.(transpose|broadcast_in_dim|copy|convert)',
+                   line)
     if not op:
       continue
-    for dims in re.findall(r'tensor<([\dx]+)x(?:bf16|f32)>', line):
+    for dims in re.findall(r'tensor<([\dx]+)x(?:bf16|f32|i8)>', line):
       if np.prod([int(d) for d in dims.split('x')]) >= threshold:
         found.append((op.group(1), dims))
   return found
 
 
-def test_decode_step_lowered_for_tpu_copies_no_cache_sized_buffer():
+@pytest.mark.parametrize('options', [
+    {}, dict(local_window=256), dict(kv_cache_dtype='int8'),
+    dict(local_window=256, kv_cache_dtype='int8')],
+    ids=['global', 'ring', 'int8', 'ring_int8'])
+def test_decode_step_lowered_for_tpu_copies_no_cache_sized_buffer(options):
+  """Nothing of the cache's size is copied, transposed, broadcast or
+  converted: an int8 cache goes into the matmuls as int8."""
   batch, max_len, D, K = 4, 1024, 256, 2
   layer = Attention(num_heads=N, num_kv_heads=K, head_dim=H, decode=True,
-                    dtype=jnp.bfloat16)
+                    dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, **options)
   variables = layer.init(jax.random.key(0),
                          jnp.zeros((batch, max_len, D), jnp.bfloat16))
   step = lambda cache, x: layer.apply(
@@ -190,7 +199,8 @@ def test_decode_step_lowered_for_tpu_copies_no_cache_sized_buffer():
   text = _lowered(step, variables['cache'], jnp.zeros((batch, 1, D),
                                                       jnp.bfloat16),
                   platform='tpu')
-  cache_size = batch * max_len * K * H
+  cache_size = variables['cache']['cached_value'].size
+  assert cache_size == batch * K * H * options.get('local_window', max_len)
   assert not _big_shapes(text, cache_size)
   # The control: copying K/V per query head, the seeds' method, is caught.
   cache = jnp.zeros((batch, max_len, K, H), jnp.bfloat16)
@@ -200,6 +210,33 @@ def test_decode_step_lowered_for_tpu_copies_no_cache_sized_buffer():
   control = _lowered(repeat, jnp.zeros((batch, 1, N, H), jnp.bfloat16),
                      cache, cache, platform='tpu')
   assert _big_shapes(control, cache_size)
+  # And a dequantized copy of an int8 cache would be.
+  dequantize = lambda c: c.astype(jnp.bfloat16) * 2
+  assert _big_shapes(_lowered(dequantize, jnp.zeros((batch, max_len, K, H),
+                                                    jnp.int8),
+                              platform='tpu'), cache_size)
+
+
+def test_model_decode_step_with_patterns_sharing_and_int8_lowers_for_tpu_in_place():
+  """The whole model's decode step (local and global layers, K/V shared by
+  pairs, int8 caches) copies no buffer the size of its smallest cache."""
+  config = config_lib.load('tiny')
+  config.model.update(num_layers=4, d_model=64, num_heads=N, num_kv_heads=2,
+                      head_dim=H, max_len=1024, local_window=256,
+                      attention_pattern='LLGG', kv_share=2,
+                      kv_cache_dtype='int8', dtype='bfloat16',
+                      param_dtype='bfloat16')
+  mc = config_lib.model_config(config)
+  model, params = unroll_layers(
+      Transformer(mc, decode=True),
+      nn.unbox(loop.init_params(Transformer(mc), 0)))
+  batch = 4
+  cache = sample.empty_cache(model, batch)
+  step = lambda params, cache, token: model.apply(
+      {'params': params, 'cache': cache}, token, mutable=['cache'])
+  text = _lowered(step, params, cache, jnp.zeros((batch, 1), jnp.int32),
+                  platform='tpu')
+  assert not _big_shapes(text, batch * 2 * H * 256)
 
 
 @pytest.mark.slow

@@ -284,8 +284,20 @@ def test_flops_formula_against_a_hand_count():
   assert flops.forward_flops_per_token(model, seq_len=4) == 408
   assert flops.training_flops_per_token(model, seq_len=4) == 3 * 408
   # A window of 2 sees (1+2+2+2)/4 = 1.75 keys on average.
-  windowed = dataclasses.replace(model, local_window=2)
+  windowed = dataclasses.replace(model, local_window=2, attention_pattern='L')
   assert flops.forward_flops_per_token(windowed, seq_len=4) == 408 - 12
+  # Two layers: global then local; sharing K/V saves the second's 32.
+  two = dataclasses.replace(windowed, num_layers=2, attention_pattern='GL')
+  per_layer = 408 - 80
+  assert flops.forward_flops_per_token(two, seq_len=4) == (
+      80 + per_layer + per_layer - 12)
+  shared = dataclasses.replace(two, attention_pattern='G', kv_share=2)
+  assert flops.forward_flops_per_token(shared, seq_len=4) == (
+      80 + 2 * per_layer - 32)
+  # Decoding after 3 cached tokens: 4 keys, 2 in the local layer (per key
+  # 2·2·N·H = 16).
+  assert flops.decode_flops_per_token(two, context=3) == (
+      80 + 2 * (per_layer - 40) + 16 * (4 + 2))
 
 
 def test_decode_is_judged_against_the_lower_of_its_bandwidth_and_flop_bounds():

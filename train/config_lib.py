@@ -11,6 +11,7 @@ import pathlib
 import jax.numpy as jnp
 from ml_collections import config_dict
 
+from attention import layer
 from attention.rope import RopeScaling
 from train.errors import UserError
 from train.model import ACTIVATIONS, ModelConfig
@@ -148,7 +149,7 @@ _COUNT = _is(1, integer=True)
 RANGES = {
     **{('model', f): _COUNT for f in (
         'vocab_size', 'num_layers', 'd_model', 'num_heads', 'num_kv_heads',
-        'head_dim', 'mlp_dim', 'max_len', 'scan_unroll')},
+        'head_dim', 'mlp_dim', 'max_len', 'scan_unroll', 'kv_share')},
     ('model', 'rope_base'): _is(1, low_open=True),
     ('model', 'norm_eps'): _is(0, low_open=True),
     ('model', 'norm_scale_offset'): _is(),
@@ -168,6 +169,44 @@ RANGES = {
     ('train', 'b2'): _is(0, 1, high_open=True),
     ('train', 'grad_clip'): _is(0, low_open=True),
 }
+
+
+def _check_layer_kinds(m):
+  """attention_pattern, local_window, kv_share and kv_cache_dtype agree."""
+  pattern = m.attention_pattern
+  if not isinstance(pattern, str) or not pattern or set(pattern) - set('GL'):
+    raise UserError(f'model.attention_pattern={pattern!r} must be a string '
+                    "of G (global) and L (local) layers, e.g. 'G', 'LG', "
+                    "'LLLLLG'")
+  if ('L' in pattern) != (m.local_window is not None):
+    raise UserError(
+        f'model.attention_pattern={pattern!r} with model.local_window='
+        f'{m.local_window}: local (L) layers need a window and a window '
+        "needs L layers; set both (e.g. attention_pattern='L' for every "
+        "layer local, 'LG' to alternate) or neither")
+  L, share = m.num_layers, m.kv_share
+  if L % share:
+    raise UserError(f'model.kv_share={share} does not divide model.num_layers'
+                    f'={L}; layers share K/V in groups of kv_share')
+  expanded = (pattern * L)[:L]
+  for first in range(0, L, share):
+    if len(set(expanded[first:first + share])) > 1:
+      raise UserError(
+          f'model.kv_share={share} makes layers {first}-{first + share - 1} '
+          f'share K/V, but attention_pattern={pattern!r} makes them '
+          f'{expanded[first:first + share]}; layers sharing a cache must be '
+          f"all local or all global (e.g. attention_pattern='{'L' * share}"
+          f"{'G' * share}')")
+  group = math.lcm(len(pattern), share)
+  if m.scan_layers and L % group:
+    raise UserError(
+        f'model.num_layers={L} is not a multiple of {group}, the period of '
+        f'attention_pattern={pattern!r} and kv_share={share}, which '
+        'scan_layers steps over; change one, or set model.scan_layers=False')
+  kinds = (None, *layer.KV_CACHE_DTYPES)
+  if m.kv_cache_dtype not in kinds:
+    raise UserError(f'model.kv_cache_dtype={m.kv_cache_dtype!r}; use one of '
+                    f'{", ".join(map(repr, kinds))} (None: model.dtype)')
 
 
 def validate(config: config_dict.ConfigDict, batch_shards: int,
@@ -201,6 +240,7 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
     raise UserError(
         f'model.num_heads={m.num_heads} is not divisible by model.num_kv_heads'
         f'={m.num_kv_heads}; use num_kv_heads in {divisors}')
+  _check_layer_kinds(m)
   if m.head_dim % 2:
     raise UserError(f'model.head_dim={m.head_dim} must be even for RoPE')
   if d.seq_len > m.max_len:

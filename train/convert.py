@@ -267,18 +267,24 @@ def export_hf(source: str, target: str) -> str:
 
 
 def _unfused(params, mc):
-  """Separate query/key/value (and biases) from a fused_qkv model's qkv."""
+  """Separate query/key/value (and biases) from a fused_qkv model's qkv, in
+  every attention layer."""
   if not mc.fused_qkv:
     return params
   N, K = mc.num_heads, mc.num_kv_heads
-  attention = dict(params['layers']['attention'])
-  for suffix in ('', '_bias'):
-    if f'qkv{suffix}' in attention:
-      q, k, v = np.split(np.asarray(attention.pop(f'qkv{suffix}')),
-                         [N, N + K], axis=-2)
-      attention.update({f'query{suffix}': q, f'key{suffix}': k,
-                        f'value{suffix}': v})
-  return {**params, 'layers': {**params['layers'], 'attention': attention}}
+
+  def unfuse(tree):
+    if not isinstance(tree, dict):
+      return tree
+    tree = {name: unfuse(sub) for name, sub in tree.items()}
+    for suffix in ('', '_bias'):
+      if f'qkv{suffix}' in tree:
+        q, k, v = np.split(np.asarray(tree.pop(f'qkv{suffix}')),
+                           [N, N + K], axis=-2)
+        tree.update({f'query{suffix}': q, f'key{suffix}': k,
+                     f'value{suffix}': v})
+    return tree
+  return unfuse(params)
 
 
 def _check_method(method: str):

@@ -5,12 +5,13 @@ token, counting a multiply-add as 2 FLOPs, with D model width, N query heads,
 K key/value heads, H head dim, F MLP hidden, V vocabulary:
 
   Q and output projections   2·D·N·H + 2·N·H·D
-  K and V projections        2·2·D·K·H              <- shrinks with K
+  K and V projections        2·2·D·K·H              <- shrinks with K; none in
+                                                      a layer sharing K/V
   attention scores and mix   2·2·N·H·C              C = mean keys a query sees
   gated MLP                  3·2·D·F
 and once per token the output logits, 2·D·V. For causal attention over a
 length-T sequence C = (T + 1) / 2 (masked blocks are not counted as work),
-capped by the local window w: C = mean over i of min(i + 1, w). Training costs
+capped in local layers by their window w: C = mean over i of min(i + 1, w). Training costs
 3x the forward pass (backward = 2x forward); rematerialised recomputation is
 not counted, as in the PaLM paper's MFU.
 """
@@ -46,23 +47,27 @@ def mean_context(seq_len: int, local_window: int | None = None) -> float:
 def forward_flops_per_token(config, seq_len: int) -> float:
   """Forward FLOPs per token of the causal LM `config` (a ModelConfig) over
   sequences of seq_len (see the module docstring)."""
-  return _forward_flops(config, mean_context(seq_len, config.local_window))
+  return _forward_flops(config, lambda window: mean_context(seq_len, window))
 
 
 def decode_flops_per_token(config, context: int) -> float:
   """FLOPs to decode one token after `context` cached ones (C = context + 1
-  keys, capped by the local window)."""
-  C = context + 1 if config.local_window is None else min(
-      context + 1, config.local_window)
-  return _forward_flops(config, C)
+  keys, capped by a local layer's window)."""
+  return _forward_flops(config, lambda window: min(context + 1,
+                                                   window or context + 1))
 
 
-def _forward_flops(config, C: float) -> float:
+def _forward_flops(config, context) -> float:
+  """context(local_window or None) -> C, the keys a query sees."""
   D, N, K = config.d_model, config.num_heads, config.num_kv_heads
   H, F = config.head_dim, config.mlp_dim
-  per_layer = (2 * D * N * H + 2 * N * H * D + 2 * 2 * D * K * H
-               + 2 * 2 * N * H * C + 3 * 2 * D * F)
-  return config.num_layers * per_layer + 2 * D * config.vocab_size
+  total = 2 * D * config.vocab_size
+  for i in range(config.num_layers):
+    C = context(config.attention(i).local_window)
+    kv = 0 if config.shares_kv(i) else 2 * 2 * D * K * H
+    total += (2 * D * N * H + 2 * N * H * D + kv + 2 * 2 * N * H * C
+              + 3 * 2 * D * F)
+  return total
 
 
 def training_flops_per_token(config, seq_len: int) -> float:

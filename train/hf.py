@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from train import model as model_lib
 from train import safetensors_io
 from train.errors import UserError
 from train.progress import Progress
@@ -82,6 +83,7 @@ def model_fields(hf: dict) -> dict[str, Any]:
       max_len=get('max_position_embeddings', 2048),
       tie_embeddings=bool(get('tie_word_embeddings', gemma)),
       rope_base=float(base), local_window=window, logits_soft_cap=None,
+      attention_pattern='L' if window else 'G', kv_share=1,
       fused_qkv=False, param_dtype=dtype if dtype in PARAM_DTYPES else 'float32',
       mlp_activation=ACTIVATIONS.get(activation, 'silu'),
       norm_eps=float(get('rms_norm_eps', 1e-6)),
@@ -182,6 +184,12 @@ def family_of(mc, remembered: str | None = None) -> str:
     problems.append('model.use_rope=False')
   if mc.learned_positions:
     problems.append('model.learned_positions (a learned position embedding)')
+  if mc.attention_pattern not in ('G', 'L'):
+    problems.append(f'model.attention_pattern={mc.attention_pattern!r} '
+                    '(local and global layers mixed)')
+  if mc.kv_share > 1:
+    problems.append(f'model.kv_share={mc.kv_share} (K/V shared across '
+                    'layers)')
   if mc.tie_embeddings and mc.tied_logits_scale:
     problems.append('model.tied_logits_scale=True (tied logits divided by '
                     '√D)')
@@ -317,18 +325,20 @@ GLOBAL_WEIGHTS = {
 KV_NAMES = ('key', 'value', 'key_bias', 'value_bias')
 
 
-def weight_plan(params_shapes: dict, num_layers: int
+def weight_plan(params_shapes: dict, mc
                 ) -> dict[str, tuple[tuple, int | None, Callable, Callable]]:
-  """HF name -> (our path, layer index or None, to ours, to HF), for the
-  parameters the model has (biases and norms only where configured)."""
+  """HF name -> (our path, index on its stacked layer axis or None, to ours,
+  to HF), for the parameters the model has (biases and norms only where
+  configured)."""
   plan = {}
   for name, (path, to_ours, to_hf) in GLOBAL_WEIGHTS.items():
     if _has(params_shapes, path):
       plan[name] = (path, None, to_ours, to_hf)
-  for i in range(num_layers):
+  for i in range(mc.num_layers):
+    prefix, index = model_lib.layer_slot(mc, i)
     for name, (path, to_ours, to_hf) in LAYER_WEIGHTS.items():
-      if _has(params_shapes, ('layers', *path)):
-        plan[f'model.layers.{i}.{name}'] = (('layers', *path), i, to_ours,
+      if _has(params_shapes, (*prefix, *path)):
+        plan[f'model.layers.{i}.{name}'] = ((*prefix, *path), index, to_ours,
                                             to_hf)
   return plan
 
@@ -356,7 +366,7 @@ def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
   turns a source key/value weight [D, K_source, H] or bias [K_source, H] into
   the target's K heads. Checks every name and shape before reading any.
   """
-  plan = weight_plan(shapes, mc.num_layers)
+  plan = weight_plan(shapes, mc)
   where = {}
   ignored = ('rotary_emb.inv_freq',)
   unexpected = []
@@ -439,7 +449,7 @@ def _empty_like(shapes):
 
 def hf_tensors(params, mc) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
   """(name -> (dtype, shape), the tensors one by one) in Hugging Face layout."""
-  plan = weight_plan(params, mc.num_layers)
+  plan = weight_plan(params, mc)
   H = mc.head_dim
 
   def convert(name):

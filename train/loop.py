@@ -187,6 +187,7 @@ class Run:
   tokens_per_step: int
   flops_per_token: float
   peak_flops: float  # Of all devices together.
+  kv_bytes_per_token: float  # Decode cache at max_len / max_len.
   write_config: Callable[[], None]  # config.json, once it describes a save.
 
 
@@ -229,7 +230,8 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
   return Run(path, state, start, step_fn, evaluate, get_batch, schedule(tc),
              checkpointer, reporter, tc.batch_size * config.data.seq_len,
              flops.training_flops_per_token(mc, config.data.seq_len),
-             flops.peak_flops()[0] * jax.device_count(), write_config)
+             flops.peak_flops()[0] * jax.device_count(),
+             model_lib.kv_bytes_per_token(mc), write_config)
 
 
 class _Programs:
@@ -242,14 +244,15 @@ class _Programs:
   """
   _cache: dict = {}
 
-  def __init__(self, config, mc, mesh, weights_T):
+  def __init__(self, config, mc, mesh, weights_T, through_cache=False):
     tc = config.train
-    self.model, self.mesh, self.weights_T = Transformer(mc), mesh, weights_T
+    model = model_lib.ThroughCache(mc) if through_cache else Transformer(mc)
+    self.model, self.mesh, self.weights_T = model, mesh, weights_T
     self.tx = make_optimizer(tc)[0]  # The state's structure; not its rates.
     self.replicated = jax.NamedSharding(mesh, jax.P())
     self.batch_sharding = sharding.batch_sharding(mesh)
     self._train = tc
-    self._key = (repr(mc), mesh, tc.batch_size, config.data.seq_len,
+    self._key = (repr(model), mesh, tc.batch_size, config.data.seq_len,
                  tc.grad_accum_steps, tc.b1, tc.b2, tc.weight_decay,
                  tc.grad_clip, None if weights_T is None else
                  np.asarray(weights_T).tobytes())
@@ -314,16 +317,23 @@ class _Programs:
         out_shardings=self.replicated))[0]
 
 
-def evaluate_workdir(workdir: str, flag: str = '--workdir') -> dict:
+def evaluate_workdir(workdir: str, flag: str = '--workdir', *,
+                     through_cache: bool = False,
+                     kv_cache_dtype: str | None = None) -> dict:
   """The held-out metrics of WORKDIR's latest checkpoint, as `train.main`
   logs them (eval_loss, eval_accuracy[, eval_bpb]): the same evaluator on the
-  same batches. Reads WORKDIR, writes nothing."""
+  same batches. through_cache: the logits that decoding gives instead
+  (`model.ThroughCache`), its cache in kv_cache_dtype (None: the model's).
+  Reads WORKDIR, writes nothing."""
   mc, params, config = checkpoint.load_workdir(workdir, flag)
+  if kv_cache_dtype is not None:
+    mc = dataclasses.replace(mc, kv_cache_dtype=kv_cache_dtype)
   mesh = sharding.make_mesh(config.mesh)
   config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
                       jax.process_count())
   dataset = _dataset(config.data, mc, pathlib.Path(workdir), is_chief=False)
-  program = _Programs(config, mc, mesh, dataset.loss_weights)
+  program = _Programs(config, mc, mesh, dataset.loss_weights,
+                      through_cache=through_cache)
   return _evaluator(config, dataset, program, sharded=False)(params)
 
 
@@ -345,19 +355,29 @@ def _restore_or_init(config, program: _Programs, checkpointer, warn):
 
 def _introduce(say, config, mc, dataset, mesh):
   """The run's first lines: config, data, model size, devices."""
-  kv_bytes = model_lib.kv_cache_bytes(mc, batch=1, length=1)
   flops_per_token = flops.training_flops_per_token(mc, config.data.seq_len)
   peak, peak_source = flops.peak_flops()
   say(f'config:\n{config}')
   say(f'data: {dataset.summary()}')
-  say(f'model: {model_lib.num_params(mc):,} parameters; KV cache '
-      f'{kv_bytes:,} bytes/token ({mc.num_layers} layers x 2 x '
-      f'{mc.num_kv_heads} KV heads x {mc.head_dim} x '
-      f'{np.dtype(mc.dtype).itemsize} B); '
+  say(f'model: {model_lib.num_params(mc):,} parameters; decode cache '
+      f'{model_lib.kv_bytes_per_token(mc):,.1f} bytes/token at max_len '
+      f'{mc.max_len} ({mc.num_kv_heads} KV heads x {mc.head_dim}, '
+      f'{_layer_kinds(mc)}, {mc.kv_cache_dtype or np.dtype(mc.dtype).name}); '
       f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
   say(f'devices: {jax.device_count()} x {jax.devices()[0].device_kind} on '
       f'{jax.process_count()} host(s), mesh {dict(mesh.shape)}; peak '
       f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
+
+
+def _layer_kinds(mc) -> str:
+  """'4 layers' or '6 layers, pattern LG (window 128), K/V shared by 2'."""
+  text = f'{mc.num_layers} layers'
+  if mc.attention_pattern != 'G':
+    text += (f', pattern {mc.attention_pattern} (window '
+             f'{mc.local_window})')
+  if mc.kv_share > 1:
+    text += f', K/V shared by {mc.kv_share}'
+  return text
 
 
 def _batches(dataset: data_lib.Source, config, mesh) -> Callable:
@@ -601,6 +621,7 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
     if 'eval_bpb' in record:
       summary += f' nats/token = {record["eval_bpb"]:.3f} bits/byte'
     say(f'{summary}, next-token accuracy {record["eval_accuracy"]:.3f}')
+  record['kv_bytes_per_token'] = run.kv_bytes_per_token
   if jax.process_index() == 0:
     _write_atomically(workdir / 'final.json', json.dumps(record))
   return record

@@ -5,7 +5,12 @@ residual), token embedding, RoPE inside the attention (`use_rope`) and/or a
 learned position table added to the embeddings (`learned_positions`, GPT-2's
 and Zoology's), optionally tied output.
 Layers are stacked with `nn.scan` (compile time independent of depth) and can
-be rematerialised with `nn.remat`. Parameters are `param_dtype` (float32 by
+be rematerialised with `nn.remat`. Two options make layers differ: the
+attention pattern (global or local attention, cycled over the layers: 'LG' is
+Gemma 2's, 'LLLLLG' Gemma 3's) and K/V sharing (each `kv_share` consecutive
+layers attend to the first one's keys and values, cross-layer attention); the
+scan then steps over groups of `scan_group` layers, one compiled group,
+whose layers are 'layers/block_j' (stacked over the groups). Parameters are `param_dtype` (float32 by
 default); activations use `dtype`; logits and the loss are float32.
 
 The defaults are Gemma's conventions (GELU gate, RMSNorm by 1 + scale,
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Literal
 
 import flax.linen as nn
@@ -65,11 +71,26 @@ class ModelConfig:
   qkv_bias: bool  # Biases on the Q/K/V projections (Qwen2).
   qk_norm: bool  # RMSNorm of each query and key head (Qwen3).
   rope_scaling: RopeScaling | None  # 'linear' or 'llama3' (Llama 3.1+).
+  # Over G (global) and L (local: local_window keys), cycled over the layers.
+  attention_pattern: str
+  kv_share: int  # Consecutive layers sharing one K/V projection and cache.
+  kv_cache_dtype: layer.KVCacheDtype | None  # Decoding's; None: dtype.
+
+  def attention(self, i: int) -> layer.Options:
+    """Layer i's attention options (a causal LM), passed whole to
+    `Attention`: local_window for the pattern's L layers, none for G."""
+    local = self.attention_pattern[i % len(self.attention_pattern)] == 'L'
+    return layer.Options.of(self, is_causal=True,
+                            local_window=self.local_window if local else None)
+
+  def shares_kv(self, i: int) -> bool:
+    """Whether layer i attends to an earlier layer's K/V (kv_share)."""
+    return i % self.kv_share != 0
 
   @property
-  def attention(self) -> layer.Options:
-    """The attention layer's options, passed whole to `Attention`."""
-    return layer.Options.of(self, is_causal=True)  # A causal LM.
+  def scan_group(self) -> int:
+    """Layers per scan step: the pattern and the sharing repeat in it."""
+    return math.lcm(len(self.attention_pattern), self.kv_share)
 
 
 class RMSNorm(nn.Module):
@@ -112,18 +133,47 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+  """Layer `index` (or any layer of the same kind: index mod scan_group).
+  Returns (x, the K/V attended to, for the layers sharing them), or (x,
+  None) as the step of a scan over identical layers."""
+  config: ModelConfig
+  decode: bool = False
+  index: int = 0
+  scan_step: bool = False
+
+  @nn.compact
+  def __call__(self, x_BTD, shared=None):
+    c = self.config
+    attention = Attention.from_options(
+        c.attention(self.index), dtype=c.dtype, param_dtype=c.param_dtype,
+        partitioned=True, decode=self.decode,
+        shared_kv=c.shares_kv(self.index), name='attention')
+    out_BTD, kv = attention(RMSNorm(c, name='attention_norm')(x_BTD),
+                            shared=shared, return_kv=True)
+    x_BTD = x_BTD + out_BTD
+    x_BTD = x_BTD + MLP(c, name='mlp')(RMSNorm(c, name='mlp_norm')(x_BTD))
+    return x_BTD, None if self.scan_step else kv
+
+
+class Group(nn.Module):
+  """scan_group consecutive layers, 'block_0'...: what the scan steps over
+  when the layers differ."""
   config: ModelConfig
   decode: bool = False
 
   @nn.compact
   def __call__(self, x_BTD, _=None):
     c = self.config
-    attention = Attention.from_options(
-        c.attention, dtype=c.dtype, param_dtype=c.param_dtype,
-        partitioned=True, decode=self.decode, name='attention')
-    x_BTD = x_BTD + attention(RMSNorm(c, name='attention_norm')(x_BTD))
-    x_BTD = x_BTD + MLP(c, name='mlp')(RMSNorm(c, name='mlp_norm')(x_BTD))
+    block = _maybe_remat(Block, c)
+    kv = None
+    for j in range(c.scan_group):
+      x_BTD, kv = block(c, self.decode, j, name=f'block_{j}')(
+          x_BTD, kv if c.shares_kv(j) else None)
     return x_BTD, None  # (carry, output) for nn.scan.
+
+
+def _maybe_remat(module, c: ModelConfig):
+  return nn.remat(module, prevent_cse=not c.scan_layers) if c.remat else module
 
 
 class Transformer(nn.Module):
@@ -151,18 +201,23 @@ class Transformer(nn.Module):
     if c.embed_scale:
       x_BTD = x_BTD * sqrt_d
 
-    block = Block
-    if c.remat:
-      block = nn.remat(block, prevent_cse=not c.scan_layers)
     if c.scan_layers:
-      layers = nn.scan(block, variable_axes={'params': 0, 'cache': 0},
-                       split_rngs={'params': True}, length=c.num_layers,
-                       unroll=min(c.scan_unroll, c.num_layers),
+      # Identical layers scan one Block, else groups of them.
+      step = Group if c.scan_group > 1 else _maybe_remat(Block, c)
+      layers = nn.scan(step, variable_axes={'params': 0, 'cache': 0},
+                       split_rngs={'params': True},
+                       length=c.num_layers // c.scan_group,
+                       unroll=max(1, min(c.scan_unroll, c.num_layers)
+                                  // c.scan_group),
                        metadata_params={nn.PARTITION_NAME: 'layers'})
-      x_BTD, _ = layers(c, self.decode, name='layers')(x_BTD)
+      x_BTD, _ = layers(c, self.decode, *(() if step is Group else (0, True)),
+                        name='layers')(x_BTD)
     else:
+      block = _maybe_remat(Block, c)
+      kv = None
       for i in range(c.num_layers):
-        x_BTD, _ = block(c, self.decode, name=f'layers_{i}')(x_BTD)
+        x_BTD, kv = block(c, self.decode, i, name=f'layers_{i}')(
+            x_BTD, kv if c.shares_kv(i) else None)
 
     x_BTD = RMSNorm(c, name='final_norm')(x_BTD)
     B, T, D = x_BTD.shape
@@ -202,9 +257,18 @@ class Transformer(nn.Module):
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, length: int) -> int:
-  """Bytes of the whole model's KV cache: layers x one layer's."""
-  return config.num_layers * layer.kv_cache_bytes(config.attention, batch,
-                                                  length, config.dtype)
+  """Bytes of the whole model's decode cache for `batch` sequences of up to
+  `length` tokens: every layer that owns one (not those sharing K/V), local
+  layers their window, in kv_cache_dtype with int8's scales."""
+  return sum(layer.kv_cache_bytes(config.attention(i), batch, length,
+                                  config.kv_cache_dtype or config.dtype)
+             for i in range(config.num_layers) if not config.shares_kv(i))
+
+
+def kv_bytes_per_token(config: ModelConfig) -> float:
+  """One sequence's decode cache at max_len, in bytes, over max_len: what
+  a token of context costs in memory, averaged over the context."""
+  return kv_cache_bytes(config, 1, config.max_len) / config.max_len
 
 
 def parameter_shapes(config: ModelConfig):
@@ -223,6 +287,51 @@ def param_bytes(config: ModelConfig) -> int:
              for x in jax.tree.leaves(parameter_shapes(config)))
 
 
+@dataclasses.dataclass(frozen=True)
+class ThroughCache:
+  """The network's forward pass read through its decode cache: each call
+  prefills an empty cache with the tokens, so the logits are those decoding
+  gives (local layers' ring buffers, kv_cache_dtype's rounding). Stands in
+  for `Transformer` where only `init` and `apply` are used (evaluation)."""
+  config: ModelConfig
+
+  def init(self, *args, **kwargs):
+    return Transformer(self.config).init(*args, **kwargs)
+
+  def apply(self, variables, tokens_BT):
+    model, params = unroll_layers(Transformer(self.config, decode=True),
+                                  variables['params'])
+    cache = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        nn.unbox(jax.eval_shape(model.init, jax.random.key(0),
+                                tokens_BT)['cache']))
+    logits, _ = model.apply({'params': params, 'cache': cache}, tokens_BT,
+                            mutable=['cache'])
+    return logits
+
+
+def layer_slot(config: ModelConfig, i: int) -> tuple[tuple[str, ...],
+                                                     int | None]:
+  """Where layer i's parameters are: (the path of its subtree, its index on
+  the stacked axis, or None when the layers are not scanned)."""
+  if not config.scan_layers:
+    return (f'layers_{i}',), None
+  if config.scan_group == 1:
+    return ('layers',), i
+  return ('layers', f'block_{i % config.scan_group}'), i // config.scan_group
+
+
+def layer_subtrees(config: ModelConfig, params) -> list:
+  """Every layer's parameters (or caches) as its own subtree, in order."""
+  def get(i):
+    path, index = layer_slot(config, i)
+    tree = params
+    for key in path:
+      tree = tree[key]
+    return tree if index is None else jax.tree.map(lambda x: x[index], tree)
+  return [get(i) for i in range(config.num_layers)]
+
+
 def unroll_layers(model: Transformer, params) -> tuple[Transformer, Any]:
   """The same network with its scanned layers unrolled, for decoding.
 
@@ -231,11 +340,10 @@ def unroll_layers(model: Transformer, params) -> tuple[Transformer, Any]:
   Unrolled, each layer's cache is its own buffer, updated in place: decoding
   reads the cache once per token, which is what it is bound by.
   """
-  if not model.config.scan_layers:
+  c = model.config
+  if not c.scan_layers:
     return model, params
-  params = dict(params)
-  stacked = params.pop('layers')
-  for i in range(model.config.num_layers):
-    params[f'layers_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
-  config = dataclasses.replace(model.config, scan_layers=False)
-  return model.clone(config=config), params
+  layers = layer_subtrees(c, params)
+  params = {k: v for k, v in params.items() if k != 'layers'}
+  params |= {f'layers_{i}': tree for i, tree in enumerate(layers)}
+  return model.clone(config=dataclasses.replace(c, scan_layers=False)), params

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention import layer
 from train import checkpoint
 from train import tokenizer as tokenizer_lib
 from train.errors import UserError
@@ -94,6 +95,9 @@ def _check_flags(f, vocab_size: int):
     raise UserError(f'--max_new_tokens={f.max_new_tokens} must be >= 1')
   if not 0 <= f.seed < 1 << 32:
     raise UserError(f'--seed={f.seed} must be in 0..2**32 - 1')
+  if f.kv_cache_dtype not in (None, *layer.KV_CACHE_DTYPES):
+    raise UserError(f'--kv_cache_dtype={f.kv_cache_dtype!r}; use one of '
+                    f'{", ".join(layer.KV_CACHE_DTYPES)}')
 
 
 def main(argv):
@@ -128,7 +132,8 @@ def main(argv):
                     f'({f.max_new_tokens}) must be within 1..model.max_len '
                     f'({mc.max_len}); shorten one')
   # The KV cache holds what this call needs, not the model's longest context.
-  mc = dataclasses.replace(mc, max_len=total)
+  mc = dataclasses.replace(mc, max_len=total, kv_cache_dtype=(
+      f.kv_cache_dtype or mc.kv_cache_dtype))
   run = functools.partial(
       generate, model=Transformer(mc, decode=True),
       max_new_tokens=f.max_new_tokens, temperature=f.temperature,
@@ -159,6 +164,9 @@ def run():
   flags.DEFINE_float('temperature', 0.8, '0 = greedy')
   flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
   flags.DEFINE_integer('seed', 0, 'sampling seed')
+  flags.DEFINE_string('kv_cache_dtype', None, 'how the decode cache stores '
+                      'K/V: float32, bfloat16 or int8 (default: the '
+                      "workdir's model.kv_cache_dtype, else model.dtype)")
   run_app(main, required=['workdir'])
 
 
