@@ -2,7 +2,7 @@
 int8 caches, compared at equal bytes.
 
   python -m scripts.kv_frontier --out=DIR [--quick] [--config=gqa_small]
-      [--kv_heads=8,2,1] [--seeds=2] [--steps=100] [--window=64]
+      [--kv_heads=8,2,1] [--seeds=2] [--steps=60] [--window=64]
 
 Trains every combination of K/V heads (MHA, GQA, MQA), layer pattern (all
 global 'G', or local and global pairs 'LLGG' with a --window-key local
@@ -17,7 +17,7 @@ and its decode speed is timed (batch 16, the cache filled to max_len - 8).
 Writes DIR/frontier.json, DIR/report.md (the table, the Pareto frontier:
 the points no other point beats on both bytes and loss) and DIR/frontier.png
 (loss and decode tokens/s against bytes per token). A rerun reuses finished
-runs. --quick: MHA and MQA, one seed, 30 steps (under 10 minutes here).
+runs. --quick: MHA and MQA, one seed, 15 steps (under 10 minutes here).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def main():
   parser.add_argument('--seeds', type=positive_int, default=None)
   parser.add_argument('--steps', type=positive_int, default=None)
   parser.add_argument('--window', type=positive_int, default=64)
-  parser.add_argument('--repeats', type=positive_int, default=3,
-                      help='timed decode runs per variant (median)')
+  parser.add_argument('--repeats', type=positive_int, default=None,
+                      help='timed decode runs per variant (median; 3, --quick 2)')
   parser.add_argument('--quick', action='store_true')
   args = parser.parse_args()
   check_output_dir(args.out)
@@ -83,7 +83,7 @@ def main():
       [num_heads, 1] if args.quick else
       sorted({num_heads, max(1, num_heads // 4), 1}, reverse=True))
   seeds = range(1, 1 + (args.seeds or (1 if args.quick else 2)))
-  steps = args.steps or (30 if args.quick else 100)
+  steps = args.steps or (15 if args.quick else 60)
   variants = [Variant(*v) for v in itertools.product(kv_heads, PATTERNS,
                                                      SHARES)]
   for v in variants:  # Every bad setting refused before any training.
@@ -91,8 +91,9 @@ def main():
                         batch_shards=1)
   out = pathlib.Path(args.out)
   start = time.perf_counter()
-  rows = [measure(out, args.config, v, seeds, steps, args.window,
-                  args.repeats) for v in variants]
+  repeats = args.repeats or (2 if args.quick else 3)
+  rows = [measure(out, args.config, v, seeds, steps, args.window, repeats)
+          for v in variants]
   result = {'config': args.config, 'steps': steps, 'seeds': list(seeds),
             'window': args.window, 'rows': rows,
             'minutes': (time.perf_counter() - start) / 60}

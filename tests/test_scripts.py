@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attention import dot_product_attention
-from scripts import bench_attention, compare, recall_sweep
+from scripts import bench_attention, compare, kv_frontier, recall_sweep
 from train import config_lib, loop
 from train.model import Transformer
 
@@ -75,6 +75,50 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
   report = (tmp_path / 'report.md').read_text()
   assert '| 4 | ' in report and '| K=1 |' in report and '(0/2)' in report
   assert (tmp_path / 'recall.png').stat().st_size > 0
+
+
+def test_the_frontier_keeps_the_points_no_other_beats_on_bytes_and_loss():
+  row = lambda name, nbytes, loss: dict(variant=name,
+                                        kv_bytes_per_token=nbytes, loss=loss)
+  rows = [[row('mha', 100, 1.0), row('mha_int8', 30, 1.0)],
+          [row('mqa', 20, 1.5), row('worse', 50, 1.6)],
+          [row('tie', 20, 1.5)]]
+  kv_frontier.mark_frontier(rows)
+  pareto = {r['variant'] for rs in rows for r in rs if r['pareto']}
+  # mha_int8 has mha's loss for fewer bytes; equal points both stay.
+  assert pareto == {'mha_int8', 'mqa', 'tie'}
+
+
+@pytest.mark.slow
+def test_kv_frontier_trains_reads_and_reports_every_variant(tmp_path,
+                                                            monkeypatch):
+  config = tmp_path / 'four_layers.py'
+  config.write_text('from configs import tiny\n\n\ndef get_config():\n'
+                    '  config = tiny.get_config()\n'
+                    '  config.model.num_layers = 4\n  return config\n')
+  out = tmp_path / 'out'
+  monkeypatch.setattr(sys, 'argv', [
+      'kv_frontier', f'--out={out}', f'--config={config}', '--kv_heads=1',
+      '--seeds=2', '--steps=4', '--window=4', '--repeats=1'])
+  kv_frontier.main()
+  result = json.loads((out / 'frontier.json').read_text())
+  rows = [r for rs in result['rows'] for r in rs]
+  assert {(r['attention_pattern'], r['kv_share'], r['cache'])
+          for r in rows} == {(p, s, c) for p in ('G', 'LLGG')
+                             for s in (1, 2) for c in ('float', 'int8')}
+  for r in rows:
+    assert len(r['losses']) == 2 and np.isfinite(r['loss'])
+    assert r['decode_tokens_per_sec'] > 0
+  by = {(r['attention_pattern'], r['kv_share'], r['cache']): r for r in rows}
+  base = by['G', 1, 'float']['kv_bytes_per_token']
+  assert by['G', 2, 'float']['kv_bytes_per_token'] == base / 2
+  # LLGG at window 4 of max_len 32: half the layers hold 4/32 of a cache.
+  assert by['LLGG', 1, 'float']['kv_bytes_per_token'] == base * (
+      1 + 4 / 32) / 2
+  assert any(r['pareto'] for r in rows)
+  report = (out / 'report.md').read_text()
+  assert '| K1_LLGG_share2 | int8 |' in report
+  assert (out / 'frontier.png').stat().st_size > 0
 
 
 def test_bench_prepare_measures_both_contestants_in_their_own_processes(
