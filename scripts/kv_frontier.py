@@ -3,16 +3,21 @@ int8 caches, compared at equal bytes.
 
   python -m scripts.kv_frontier --out=DIR [--quick] [--config=gqa_small]
       [--kv_heads=8,2,1] [--seeds=2] [--steps=60] [--window=64]
+      [--local_pattern=LLGG]
 
 Trains every combination of K/V heads (MHA, GQA, MQA), layer pattern (all
-global 'G', or local and global pairs 'LLGG' with a --window-key local
-attention) and K/V sharing (kv_share 1, or 2: pairs of layers share one K/V,
+global 'G', or --local_pattern: local and global pairs 'LLGG' with a
+--window-key local attention) and K/V sharing (kv_share 1, or 2: pairs of layers share one K/V,
 CLA2) with `train.main`'s loop, per seed, into DIR/runs/. Each model is then
 read with two decode caches: float (its held-out loss, the loop's evaluator)
 and int8 (the same evaluator on the logits the int8 cache gives,
 `loop.evaluate_workdir(through_cache=True)`). Its cost is the cache's bytes
 per token of context at the decode context max_len (`model.kv_bytes_per_token`),
 and its decode speed is timed (batch 16, the cache filled to max_len - 8).
+
+The accuracy column is the evaluator's next-token accuracy; with
+--config=recall (2 layers: --local_pattern=LG, or LL to share K/V) it is the
+recall probe's answer accuracy.
 
 Writes DIR/frontier.json, DIR/report.md (the table, the Pareto frontier:
 the points no other point beats on both bytes and loss) and DIR/frontier.png
@@ -37,7 +42,6 @@ from train import model as model_lib
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 
-PATTERNS = ('G', 'LLGG')
 SHARES = (1, 2)
 CACHES = ('float', 'int8')
 DECODE_BATCH = 16
@@ -54,7 +58,8 @@ class Variant:
     return f'K{self.K}_{self.pattern}_share{self.share}'
 
 
-def variant_config(base: str, v: Variant, seed: int, steps: int, window: int):
+def variant_config(base: str, v: Variant, seed: int, steps: int,
+                   window: int):
   config = config_lib.load(base)
   config.model.update(num_kv_heads=v.K, attention_pattern=v.pattern,
                       local_window=window if 'L' in v.pattern else None,
@@ -74,6 +79,8 @@ def main():
   parser.add_argument('--seeds', type=positive_int, default=None)
   parser.add_argument('--steps', type=positive_int, default=None)
   parser.add_argument('--window', type=positive_int, default=64)
+  parser.add_argument('--local_pattern', default='LLGG',
+                      help="the pattern compared with all-global 'G'")
   parser.add_argument('--repeats', type=positive_int, default=None,
                       help='timed decode runs per variant (median; 3, --quick 2)')
   parser.add_argument('--quick', action='store_true')
@@ -85,7 +92,8 @@ def main():
       sorted({num_heads, max(1, num_heads // 4), 1}, reverse=True))
   seeds = range(1, 1 + (args.seeds or (1 if args.quick else 2)))
   steps = args.steps or (15 if args.quick else 60)
-  variants = [Variant(*v) for v in itertools.product(kv_heads, PATTERNS,
+  patterns = ('G', args.local_pattern)
+  variants = [Variant(*v) for v in itertools.product(kv_heads, patterns,
                                                      SHARES)]
   if args.quick and not args.kv_heads:
     variants.insert(0, Variant(num_heads, 'G', 1))  # The MHA reference.
@@ -103,7 +111,7 @@ def main():
   mark_frontier(rows)
   (out / 'frontier.json').write_text(json.dumps(result, indent=1))
   (out / 'report.md').write_text(report(result))
-  plot(rows, out / 'frontier.png')
+  plot(rows, patterns, out / 'frontier.png')
   print(f'wrote {out}/report.md, frontier.json and frontier.png '
         f'({result["minutes"]:.1f} min)')
 
@@ -198,14 +206,14 @@ def report(result: dict) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def plot(rows_by_variant, path):
+def plot(rows_by_variant, patterns, path):
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   rows = [r for rs in rows_by_variant for r in rs]
   fig, (ax, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
   colors = {kind: f'C{i}' for i, kind in enumerate(
-      itertools.product(PATTERNS, SHARES))}
+      itertools.product(patterns, SHARES))}
   for r in rows:
     color = colors[r['attention_pattern'], r['kv_share']]
     marker = 'o' if r['cache'] == 'float' else 's'
