@@ -83,13 +83,13 @@ def test_cached_decoding_equals_the_full_pass(layout):
 
 
 @pytest.mark.parametrize('kv_cache_dtype, tolerance', [
-    pytest.param('bfloat16', 0.01, marks=pytest.mark.slow), ('int8', 0.02)])
+    pytest.param('bfloat16', 0.005, marks=pytest.mark.slow), ('int8', 0.01)])
 def test_low_precision_caches_decode_within_a_stated_tolerance(
     kv_cache_dtype, tolerance):
   """bfloat16 and int8 caches (float32 model) change the logits by less
   than `tolerance` x their spread (max |error| / std of the logits; measured
-  here: bfloat16 ~0.002, int8 ~0.004), and leave nearly every greedy
-  prediction where it was."""
+  here: bfloat16 0.0014, int8 0.0028, every greedy prediction kept), and
+  leave at least 95% of the greedy predictions where they were."""
   config = _config('gemma2_LG', kv_cache_dtype=kv_cache_dtype)
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=1))
