@@ -22,8 +22,9 @@ recall probe's answer accuracy.
 Writes DIR/frontier.json, DIR/report.md (the table, the Pareto frontier:
 the points no other point beats on both bytes and loss) and DIR/frontier.png
 (loss and decode tokens/s against bytes per token). A rerun reuses finished
-runs. --quick: the MHA reference (all global, no sharing) and MQA with every
-pattern and sharing, one seed, 15 steps (about 8 minutes here).
+runs; --report_only rebuilds the report from DIR/frontier.json. --quick: the
+MHA reference (all global, no sharing) and MQA with every pattern and
+sharing, one seed, 15 steps (about 8 minutes here).
 """
 
 from __future__ import annotations
@@ -84,8 +85,15 @@ def main():
   parser.add_argument('--repeats', type=positive_int, default=None,
                       help='timed decode runs per variant (median; 3, --quick 2)')
   parser.add_argument('--quick', action='store_true')
+  parser.add_argument('--report_only', action='store_true',
+                      help='rebuild report.md and the plot from frontier.json')
   args = parser.parse_args()
   check_output_dir(args.out)
+  out = pathlib.Path(args.out)
+  if args.report_only:
+    result = json.loads((out / 'frontier.json').read_text())
+    write(out, result, ('G', result.get('local_pattern', 'LLGG')))
+    return
   num_heads = config_lib.load(args.config).model.num_heads
   kv_heads = args.kv_heads or (
       [1] if args.quick else
@@ -100,20 +108,23 @@ def main():
   for v in variants:  # Every bad setting refused before any training.
     config_lib.validate(variant_config(args.config, v, 1, steps, args.window),
                         batch_shards=1)
-  out = pathlib.Path(args.out)
   start = time.perf_counter()
   repeats = args.repeats or (2 if args.quick else 3)
   rows = [measure(out, args.config, v, seeds, steps, args.window, repeats)
           for v in variants]
   result = {'config': args.config, 'steps': steps, 'seeds': list(seeds),
-            'window': args.window, 'rows': rows,
-            'minutes': (time.perf_counter() - start) / 60}
-  mark_frontier(rows)
-  (out / 'frontier.json').write_text(json.dumps(result, indent=1))
-  (out / 'report.md').write_text(report(result))
-  plot(rows, patterns, out / 'frontier.png')
+            'window': args.window, 'local_pattern': args.local_pattern,
+            'rows': rows, 'minutes': (time.perf_counter() - start) / 60}
+  write(out, result, patterns)
   print(f'wrote {out}/report.md, frontier.json and frontier.png '
         f'({result["minutes"]:.1f} min)')
+
+
+def write(out: pathlib.Path, result: dict, patterns):
+  mark_frontier(result['rows'])
+  (out / 'frontier.json').write_text(json.dumps(result, indent=1))
+  (out / 'report.md').write_text(report(result))
+  plot(result['rows'], patterns, out / 'frontier.png')
 
 
 def measure(out: pathlib.Path, base: str, v: Variant, seeds, steps: int,
@@ -188,10 +199,20 @@ def report(result: dict) -> str:
         f'{r["loss"]:.4f} ({r["loss_spread"]:.4f}) | {r["accuracy"]:.3f} | '
         f'{r["decode_tokens_per_sec"]:,.0f} | {"yes" if r["pareto"] else ""} |')
   frontier = [r for r in rows if r['pareto']]
+  losses = [r['loss'] for r in rows]
+  spread = float(np.mean([r['loss_spread'] for r in rows]))
   lines += ['', '## Reading', '',
             'On the frontier, from the most bytes to the fewest: '
             + ', '.join(f'{r["variant"]} ({r["cache"]})'
-                        for r in reversed(frontier)) + '.']
+                        for r in reversed(frontier)) + '.',
+            f'All {len(rows)} points lie within {max(losses) - min(losses):.4f} '
+            f'nats of each other, against a mean spread over seeds of '
+            f'{spread:.4f}: '
+            + ('the loss does not separate the variants at this budget, so '
+               'the frontier is set by the bytes alone (a null result; more '
+               '--steps and --seeds resolve smaller differences).'
+               if max(losses) - min(losses) < 2 * spread else
+               'the differences are larger than the seeds\' spread.')]
   by_key = {(r['variant'], r['cache']): r for r in rows}
   names = sorted({r['variant'] for r in rows})
   deltas = [by_key[n, 'int8']['loss'] - by_key[n, 'float']['loss']

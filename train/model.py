@@ -9,9 +9,10 @@ be rematerialised with `nn.remat`. Two options make layers differ: the
 attention pattern (global or local attention, cycled over the layers: 'LG' is
 Gemma 2's, 'LLLLLG' Gemma 3's) and K/V sharing (each `kv_share` consecutive
 layers attend to the first one's keys and values, cross-layer attention); the
-scan then steps over groups of `scan_group` layers, one compiled group,
-whose layers are 'layers/block_j' (stacked over the groups). Parameters are `param_dtype` (float32 by
-default); activations use `dtype`; logits and the loss are float32.
+scan then steps over groups of `scan_group` layers, one compiled group, whose
+layers are 'layers/block_j' (stacked over the groups). Parameters are
+`param_dtype` (float32 by default); activations use `dtype`; logits and the
+loss are float32.
 
 The defaults are Gemma's conventions (GELU gate, RMSNorm by 1 + scale,
 embeddings times √D); the fields below select Llama's, Mistral's and Qwen's,
@@ -202,16 +203,17 @@ class Transformer(nn.Module):
       x_BTD = x_BTD * sqrt_d
 
     if c.scan_layers:
-      # Identical layers scan one Block, else groups of them.
-      step = Group if c.scan_group > 1 else _maybe_remat(Block, c)
+      if c.scan_group > 1:  # The layers differ: scan groups of them.
+        step, fields = Group, ()
+      else:  # Identical layers: scan one Block (as a scan step).
+        step, fields = _maybe_remat(Block, c), (0, True)
       layers = nn.scan(step, variable_axes={'params': 0, 'cache': 0},
                        split_rngs={'params': True},
                        length=c.num_layers // c.scan_group,
                        unroll=max(1, min(c.scan_unroll, c.num_layers)
                                   // c.scan_group),
                        metadata_params={nn.PARTITION_NAME: 'layers'})
-      x_BTD, _ = layers(c, self.decode, *(() if step is Group else (0, True)),
-                        name='layers')(x_BTD)
+      x_BTD, _ = layers(c, self.decode, *fields, name='layers')(x_BTD)
     else:
       block = _maybe_remat(Block, c)
       kv = None
