@@ -24,6 +24,11 @@ MESHES = {
     'data8': (dict(data=8), {}),
     'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), {}),
     'fsdp2_tensor4_mqa': (dict(data=1, fsdp=2, tensor=4), dict(num_kv_heads=1)),
+    # Local/global pairs sharing K/V: the scan over groups, sharded.
+    'data2_fsdp2_tensor2_LLGG_cla2': (
+        dict(data=2, fsdp=2, tensor=2),
+        dict(num_layers=4, attention_pattern='LLGG', local_window=8,
+             kv_share=2)),
 }
 
 
