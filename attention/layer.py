@@ -63,6 +63,9 @@ class Options:
   rope_base: float = 10_000.0
   local_window: int | None = None
   logits_soft_cap: float | None = None
+  # Logits are q·k times query_pre_attn_scalar ** -0.5; None: head_dim
+  # (Gemma 2/3 set it, e.g. d_model / num_heads for Gemma 2 27B).
+  query_pre_attn_scalar: float | None = None
   fused_qkv: bool = False
   qkv_bias: bool = False  # Biases on the Q/K/V projections (Qwen2).
   qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3).
@@ -95,6 +98,11 @@ class Options:
                       f'{", ".join(missing)} of attention.layer.Options; add '
                       'it, or pass it to Options.of')
     return cls(**{name: getattr(source, name) for name in names}, **given)
+
+  @property
+  def scale(self) -> float:
+    """The logits' multiplier: query_pre_attn_scalar (or H) ** -0.5."""
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   def param_shapes(self, d_model: int, *, shared_kv: bool = False
                    ) -> dict[str, tuple[int, ...]]:
@@ -227,7 +235,7 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   if kv.positions_S is None:  # A full pass.
     out_BTNH = dot_product_attention(
         q_BTNH, kv.key, kv.value, mask=mask, is_causal=options.is_causal,
-        local_window=options.local_window,
+        scale=options.scale, local_window=options.local_window,
         logits_soft_cap=options.logits_soft_cap)
   else:
     out_BTNH = _attend_cached(options, q_BTNH, kv, pos_T, mask)
@@ -254,7 +262,7 @@ def _attend_cached(options: Options, q_BTNH, kv: KV, pos_T, mask):
       mask = jnp.take(mask, jnp.maximum(k_pos_S, 0), axis=-1)
     visible = mask & visible
   out_BTNH = decode.heads_major_attention(
-      q_BTNH, kv.key, kv.value, visible, scale=options.head_dim**-0.5,
+      q_BTNH, kv.key, kv.value, visible, scale=options.scale,
       logits_soft_cap=options.logits_soft_cap, key_scale_ZS=kv.key_scale,
       value_scale_ZS=kv.value_scale)
   # Under jit an overflowing write is clamped onto the last slots; make that

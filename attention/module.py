@@ -58,6 +58,8 @@ class Attention(nn.Module):
     rope_base: RoPE wavelength base.
     local_window: sliding-window size w, or None for global attention.
     logits_soft_cap: Gemma-2 style soft cap on the logits, or None.
+    query_pre_attn_scalar: the logits are q·k times its -1/2 power; None
+      means head_dim (1/sqrt(H)); Gemma 2/3 checkpoints set it.
     fused_qkv: one [D, N + 2K, H] input projection instead of three.
     qkv_bias: biases on the query, key and value projections (Qwen2).
     qk_norm: RMSNorm of each query and key head before RoPE (Qwen3), with
@@ -88,6 +90,7 @@ class Attention(nn.Module):
   rope_base: float = 10_000.0
   local_window: int | None = None
   logits_soft_cap: float | None = None
+  query_pre_attn_scalar: float | None = None
   fused_qkv: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False

@@ -37,7 +37,12 @@ def get_config() -> config_dict.ConfigDict:
       # How decoding caches K and V: None (dtype), 'bfloat16' or 'int8' (a
       # scale per token and KV head). Training is unaffected.
       kv_cache_dtype=config_dict.placeholder(str),
-      logits_soft_cap=config_dict.placeholder(float),
+      logits_soft_cap=config_dict.placeholder(float),  # Attention's (Gemma 2).
+      final_logits_soft_cap=config_dict.placeholder(float),  # Output's.
+      # Attention logits are q·k x query_pre_attn_scalar ** -0.5 (None:
+      # head_dim); Gemma 2/3 checkpoints set it.
+      query_pre_attn_scalar=config_dict.placeholder(float),
+      post_norms=False,  # Norms after attention and MLP too (Gemma 2/3).
       fused_qkv=False,
       dtype='float32',  # Compute dtype: 'bfloat16' on GPU/TPU.
       param_dtype='float32',  # Of the parameters (imported bf16 may stay).
@@ -51,6 +56,9 @@ def get_config() -> config_dict.ConfigDict:
       qkv_bias=False,  # Biases on the Q/K/V projections (Qwen2).
       qk_norm=False,  # RMSNorm of each query and key head (Qwen3).
       # RoPE frequency scaling: kind '' (none), 'linear' or 'llama3'.
+      # The L layers' RoPE base, unscaled (Gemma 3: 10k); None: rope_base
+      # and rope_scaling, as the G layers.
+      local_rope_base=config_dict.placeholder(float),
       rope_scaling=config_dict.ConfigDict(dict(
           kind='', factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
           original_max_len=8192)),

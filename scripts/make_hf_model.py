@@ -22,7 +22,8 @@ from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
 
                        positive_int)
 
-FAMILIES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma')
+FAMILIES = ('llama', 'mistral', 'ministral', 'qwen2', 'qwen3', 'gemma',
+            'gemma2', 'gemma3_text')
 
 
 def train_tokenizer(vocab_size: int, path: pathlib.Path):
@@ -50,9 +51,13 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
          head_dim: int | None = None, mlp_dim: int = 1024,
          vocab_size: int = 4096, max_len: int = 2048, dtype: str = 'float32',
          rope_scaling: dict | None = None, sliding_window: int | None = None,
+         layer_types: list[str] | None = None,
          tie_embeddings: bool | None = None, init_std: float = 0.02,
-         seed: int = 0, tokenizer: bool = True):
-  """Saves the model (and tokenizer.json) to OUT; returns the torch model."""
+         seed: int = 0, tokenizer: bool = True, **config_fields):
+  """Saves the model (and tokenizer.json) to OUT; returns the torch model.
+  sliding_window (and layer_types, where the family reads them) make layers
+  local; rope_scaling goes to the global layers; config_fields are set on the
+  family's config as they are (e.g. Gemma 2's attn_logit_softcapping)."""
   try:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
@@ -62,7 +67,9 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
   config_class = {
       'llama': transformers.LlamaConfig, 'mistral': transformers.MistralConfig,
       'qwen2': transformers.Qwen2Config, 'qwen3': transformers.Qwen3Config,
-      'gemma': transformers.GemmaConfig}[family]
+      'ministral': transformers.MinistralConfig,
+      'gemma': transformers.GemmaConfig, 'gemma2': transformers.Gemma2Config,
+      'gemma3_text': transformers.Gemma3TextConfig}[family]
   fields = dict(
       vocab_size=vocab_size, hidden_size=d_model, intermediate_size=mlp_dim,
       num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -76,8 +83,19 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
       'llama', 'qwen2', 'qwen3') else 10_000.0}
   rope.update(rope_scaling or {})
   fields['rope_parameters'] = rope
-  if family == 'mistral':
+  if family == 'gemma3_text':  # 10k for the local layers, 1M global.
+    fields['rope_parameters'] = {
+        'sliding_attention': {'rope_type': 'default', 'rope_theta': 10_000.0},
+        'full_attention': {**rope, 'rope_theta': 1_000_000.0}}
+  if sliding_window is not None or family in ('mistral', 'ministral', 'qwen2',
+                                              'qwen3'):  # Gemma keeps 4096.
     fields['sliding_window'] = sliding_window
+  if family in ('qwen2', 'qwen3'):
+    fields['use_sliding_window'] = sliding_window is not None
+    fields['max_window_layers'] = 0
+  if layer_types is not None:
+    fields['layer_types'] = layer_types
+  fields.update(config_fields)
   torch.manual_seed(seed)
   config = config_class(**fields)
   model = transformers.AutoModelForCausalLM.from_config(

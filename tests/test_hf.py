@@ -23,6 +23,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
+from train import model as model_lib  # pylint: disable=wrong-import-position
 from train import (checkpoint, config_lib, convert, hf, loop, prepare_data,  # pylint: disable=wrong-import-position
                    safetensors_io, sample, tokenizer)
 from train.errors import UserError  # pylint: disable=wrong-import-position
@@ -41,6 +42,22 @@ FAMILIES = {
     'qwen2': dict(family='qwen2'),
     'qwen3': dict(family='qwen3', head_dim=32),
     'gemma': dict(family='gemma', head_dim=32),
+    # Local/global layers with a window the 23 generated tokens overrun.
+    'gemma2': dict(family='gemma2', head_dim=32, sliding_window=16,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=20.0,
+                   final_logit_softcapping=10.0),
+    # 3 layers of pattern LG (unscanned: 2 does not divide 3); 10k local and
+    # 1M linearly scaled global RoPE.
+    'gemma3': dict(family='gemma3_text', head_dim=32, num_layers=3,
+                   sliding_window=16, sliding_window_pattern=2,
+                   final_logit_softcapping=10.0, rope_scaling=dict(
+                       rope_type='linear', factor=8.0)),
+    'qwen3-mixed': dict(family='qwen3', head_dim=32, sliding_window=16,
+                        layer_types=['sliding_attention', 'full_attention']),
+    # A pattern with no period shorter than the model: GGL, one scan step.
+    'ministral': dict(family='ministral', num_layers=3, sliding_window=16,
+                      layer_types=['full_attention', 'full_attention',
+                                   'sliding_attention']),
 }
 
 
@@ -50,8 +67,8 @@ FAMILIES = {
 def imported(request, tmp_path_factory):
   """(HF model, its folder, our workdir) per family."""
   root = tmp_path_factory.mktemp(request.param)
-  model = make_hf_model.make(str(root / 'hf'), **SMALL,
-                             **FAMILIES[request.param])
+  model = make_hf_model.make(str(root / 'hf'),
+                             **{**SMALL, **FAMILIES[request.param]})
   convert.import_hf(str(root / 'hf'), str(root / 'ours'))
   return model, root / 'hf', root / 'ours'
 
@@ -77,13 +94,21 @@ def test_logits_equal_transformers_at_every_position(imported):
   chex.assert_trees_all_close(ours, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize('imported', ['llama3.1'], indirect=True)
-def test_the_logit_comparison_can_tell_a_wrong_rope(imported):
-  """The control: without Llama 3.1's frequency scaling, far above 1e-4."""
+@pytest.mark.parametrize('imported, wrong', [
+    ('llama3.1', dict(rope_scaling=None)),
+    ('gemma3', dict(local_rope_base=None)),  # 1M, scaled, in local layers.
+    ('gemma2', dict(final_logits_soft_cap=None)),
+    ('gemma2', dict(logits_soft_cap=None)),
+    ('gemma2', dict(query_pre_attn_scalar=None)),
+    ('gemma2', dict(post_norms=False)),
+    ('ministral', dict(local_window=15)),  # One key short.
+], indirect=['imported'])
+def test_the_logit_comparison_can_tell_each_setting_missing(imported, wrong):
+  """The controls: without each setting the import reads, far above 1e-4."""
   model, _, workdir = imported
   tokens_BT = np.random.default_rng(0).integers(0, 300, (1, 1024))
-  wrong = _our_logits(workdir, tokens_BT, rope_scaling=None)
-  assert np.abs(wrong - _hf_logits(model, tokens_BT)).max() > 1e-2
+  ours = _our_logits(workdir, tokens_BT, **wrong)  # Unused params ignored.
+  assert np.abs(ours - _hf_logits(model, tokens_BT)).max() > 1e-2
 
 
 def test_greedy_generation_equals_generate(imported):
@@ -123,21 +148,23 @@ def test_import_export_import_is_bit_exact(imported, tmp_path):
   assert exported['model_type'] == original['model_type']
 
 
-def test_mha_import_with_fewer_kv_heads_mean_pools_them(tmp_path):
+@pytest.mark.parametrize('family', ['llama', 'gemma3'])
+def test_mha_import_with_fewer_kv_heads_mean_pools_them(tmp_path, family):
   model = make_hf_model.make(str(tmp_path / 'hf'), **{
-      **SMALL, 'num_kv_heads': 4})
+      **SMALL, **FAMILIES[family], 'num_kv_heads': 4})
   convert.import_hf(str(tmp_path / 'hf'), str(tmp_path / 'gqa'),
                     num_kv_heads=2, method='mean')
   mc, params, _ = checkpoint.load_workdir(str(tmp_path / 'gqa'))
   assert mc.num_kv_heads == 2
   D, H = mc.d_model, mc.head_dim
+  layers = model_lib.layer_subtrees(mc, params)
   for i in range(mc.num_layers):
     for name, ours in (('k_proj', 'key'), ('v_proj', 'value')):
       w = getattr(model.model.layers[i].self_attn, name).weight.detach().numpy()
       heads_KHD = w.reshape(4, H, D)
       pooled_DKH = heads_KHD.reshape(2, 2, H, D).mean(1).transpose(2, 0, 1)
-      np.testing.assert_allclose(params['layers']['attention'][ours][i],
-                                 pooled_DKH, rtol=1e-6, atol=1e-7)
+      np.testing.assert_allclose(layers[i]['attention'][ours], pooled_DKH,
+                                 rtol=1e-6, atol=1e-7)
   export = tmp_path / 'exported'
   convert.export_hf(str(tmp_path / 'gqa'), str(export))
   assert json.loads((export / 'config.json').read_text())[
@@ -206,10 +233,24 @@ def test_an_imported_workdir_uptrains_on_a_prepared_corpus_by_the_recipe(
     (dict(model_type='falcon'), "model_type 'falcon' is not supported"),
     (dict(rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4,
                            'factor': 4.0}), "rope scaling 'yarn'"),
-    (dict(layer_types=['sliding_attention', 'full_attention'],
+    (dict(layer_types=['sliding_attention', 'bidirectional'],
           use_sliding_window=True, sliding_window=64),
-     'sliding-window and full-attention layers mixed'),
-    (dict(num_hidden_layers=3), 'missing model.layers.2.'),
+     "layer_types ['sliding_attention', 'bidirectional'] (one of "
+     'sliding_attention, full_attention per layer, 2 layers)'),
+    (dict(model_type='mistral', sliding_window=64, layer_types=[
+        'sliding_attention', 'full_attention']),
+     "transformers' Mistral ignores (model_type 'ministral' reads them)"),
+    (dict(model_type='gemma3'), "model_type 'gemma3' is Gemma 3 with vision"),
+    (dict(model_type='gemma3_text', attn_logit_softcapping=50.0),
+     "attn_logit_softcapping, which transformers' Gemma 3 does not apply"),
+    (dict(model_type='gemma3_text', rope_parameters={
+        'full_attention': {'rope_type': 'default', 'rope_theta': 1e6},
+        'sliding_attention': {'rope_type': 'linear', 'factor': 2.0,
+                              'rope_theta': 1e4}}),
+     "rope_type 'linear' in the sliding-window layers"),
+    (dict(model_type='gemma2', use_bidirectional_attention=True),
+     'use_bidirectional_attention=true'),
+    (dict(num_hidden_layers=3, layer_types=...), 'missing model.layers.2.'),
     (dict(hidden_size=32), 'model.embed_tokens.weight is [300, 64] in the '
      'safetensors, but config.json implies [300, 32]'),
     (dict(hidden_size=...), 'config.json has no hidden_size'),
@@ -443,3 +484,39 @@ def test_the_readme_workflow_runs_on_this_machine(tmp_path):
   assert not any(info.values()), info
   assert model.config.num_key_value_heads == 2
   assert (tmp_path / 'runs/hf_gqa_exported/tokenizer.json').exists()
+
+
+def test_transformers_4_gemma_configs_read_as_5_writes_them():
+  """Hub checkpoints of Gemma 2 and 3 carry transformers 4's config.json:
+  rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern
+  in place of rope_parameters per layer type and layer_types."""
+  common = dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=26, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=32, sliding_window=512,
+                query_pre_attn_scalar=32, rms_norm_eps=1e-6)
+  gemma3_v4 = dict(common, model_type='gemma3_text', rope_theta=1e6,
+                   rope_local_base_freq=1e4, sliding_window_pattern=6,
+                   rope_scaling={'rope_type': 'linear', 'factor': 8.0},
+                   attn_logit_softcapping=None, final_logit_softcapping=None)
+  kinds = ['full_attention' if (i + 1) % 6 == 0 else 'sliding_attention'
+           for i in range(26)]
+  gemma3_v5 = dict(common, model_type='gemma3_text', layer_types=kinds,
+                   rope_parameters={
+                       'full_attention': {'rope_type': 'linear',
+                                          'factor': 8.0, 'rope_theta': 1e6},
+                       'sliding_attention': {'rope_type': 'default',
+                                             'rope_theta': 1e4}})
+  fields = hf.model_fields(gemma3_v4)
+  assert fields == hf.model_fields(gemma3_v5)
+  assert (fields['attention_pattern'], fields['local_window'],
+          fields['local_rope_base'], fields['rope_base'],
+          fields['rope_scaling'], fields['scan_layers']) == (
+              'LLLLLG', 512, 1e4, 1e6, {'kind': 'linear', 'factor': 8.0},
+              False)  # 6 does not divide 26.
+  gemma2_v4 = dict(common, model_type='gemma2', rope_theta=1e4,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+  fields = hf.model_fields(gemma2_v4)
+  assert (fields['attention_pattern'], fields['logits_soft_cap'],
+          fields['final_logits_soft_cap'], fields['post_norms'],
+          fields['qk_norm'], fields['scan_layers']) == (
+              'LG', 50.0, 30.0, True, False, True)

@@ -28,7 +28,13 @@ LAYOUTS = {
     'cla2': ('G', None, 2, True),
     'cla2_local_pairs': ('LLGG', WINDOW, 2, True),
     'cla2_local_pairs_unscanned': ('LLGG', WINDOW, 2, False),
+    'gemma3_conventions': ('LG', WINDOW, 1, True),
 }
+# Gemma 2/3's settings (train.hf's imports): post-norms, QK-norm, a query
+# scale, both soft caps (low enough to bend the logits), a local RoPE base.
+CONVENTIONS = {'gemma3_conventions': dict(
+    post_norms=True, qk_norm=True, query_pre_attn_scalar=24.0,
+    logits_soft_cap=2.0, final_logits_soft_cap=3.0, local_rope_base=100.0)}
 
 
 def _config(layout, num_layers=4, kv_cache_dtype=None, **model):
@@ -36,7 +42,8 @@ def _config(layout, num_layers=4, kv_cache_dtype=None, **model):
   config = tiny.get_config()
   config.model.update(num_layers=num_layers, attention_pattern=pattern,
                       local_window=window, kv_share=share, scan_layers=scan,
-                      kv_cache_dtype=kv_cache_dtype, **model)
+                      kv_cache_dtype=kv_cache_dtype,
+                      **CONVENTIONS.get(layout, {}), **model)
   config_lib.validate(config, batch_shards=1)
   return config
 
@@ -57,7 +64,7 @@ def _decode_in_chunks(mc, params, tokens_BT, chunks):
 
 # One layout covers the ring buffers, sharing and scanned groups in the
 # default suite; the rest run with the slow tests.
-FAST = ('cla2_local_pairs',)
+FAST = ('cla2_local_pairs', 'gemma3_conventions')
 
 
 @pytest.mark.parametrize('layout', [
@@ -133,6 +140,17 @@ def test_kv_bytes_per_token_by_formula():
   assert bytes_of('global', kv_cache_dtype='int8') == 4 * 2 * 2 * (8 + 4)
 
 
+def test_gemma_conventions_train_and_their_loss_falls(tmp_path):
+  config = _config('gemma3_conventions', num_layers=2)
+  config.train.update(steps=40)
+  record = loop.train_and_evaluate(config, str(tmp_path))
+  losses = [json.loads(line)['loss'] for line in
+            (tmp_path / 'metrics.jsonl').read_text().splitlines()
+            if '"loss"' in line]
+  assert losses[-1] < losses[0] - 1.0
+  assert record['eval_loss'] < np.log(256) - 1.0
+
+
 def test_train_main_writes_kv_bytes_per_token(tmp_path):
   config = _config('cla2_local_pairs', kv_cache_dtype='int8')
   config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1,
@@ -175,6 +193,12 @@ def test_sample_decodes_with_an_int8_cache_on_request(tmp_path):
      'num_layers=4 is not a multiple of 3.*scan_layers=False'),
     (dict(kv_cache_dtype='int4'), "kv_cache_dtype='int4'; use one of None, "
      "'float32', 'bfloat16', 'int8'"),
+    (dict(local_rope_base=1e4), 'model.local_rope_base=10000.0 applies to '
+     "local \\(L\\) layers, but attention_pattern='G' has none"),
+    (dict(final_logits_soft_cap=0.0),
+     'model.final_logits_soft_cap=0.0 must be a number > 0 \\(or None\\)'),
+    (dict(query_pre_attn_scalar=-1.0),
+     'model.query_pre_attn_scalar=-1.0 must be a number > 0'),
 ])
 def test_bad_kv_memory_options_are_refused_in_one_line(fields, message):
   config = tiny.get_config()

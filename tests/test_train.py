@@ -328,10 +328,16 @@ def test_attention_flops_count_backward_as_twice_forward():
 
 
 @pytest.mark.cpu_only
-def test_flops_formula_agrees_with_xla_cost_analysis():
+@pytest.mark.parametrize('conventions', [
+    {}, dict(post_norms=True, qk_norm=True, query_pre_attn_scalar=24.0,
+             logits_soft_cap=50.0, final_logits_soft_cap=30.0)])
+def test_flops_formula_agrees_with_xla_cost_analysis(conventions):
+  """Gemma 2/3's norms, query scale and soft caps are elementwise: the same
+  count of matmul work, within the same margin."""
   # Unrolled: XLA's cost analysis counts a scanned loop body once.
   c = _model_config(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
-                    head_dim=16, mlp_dim=128, max_len=64, scan_layers=False)
+                    head_dim=16, mlp_dim=128, max_len=64, scan_layers=False,
+                    **conventions)
   B, T = 2, 64
   tokens = jnp.zeros((B, T), jnp.int32)
   model = Transformer(c)

@@ -155,6 +155,9 @@ RANGES = {
     ('model', 'norm_scale_offset'): _is(),
     ('model', 'local_window'): _is(1, integer=True, optional=True),
     ('model', 'logits_soft_cap'): _is(0, low_open=True, optional=True),
+    ('model', 'final_logits_soft_cap'): _is(0, low_open=True, optional=True),
+    ('model', 'query_pre_attn_scalar'): _is(0, low_open=True, optional=True),
+    ('model', 'local_rope_base'): _is(1, low_open=True, optional=True),
     ('data', 'seq_len'): _COUNT,
     ('data', 'val_fraction'): _is(0, 1, low_open=True, high_open=True),
     ('data', 'recall_pairs'): _is(0, integer=True),
@@ -184,6 +187,10 @@ def _check_layer_kinds(m):
         f'{m.local_window}: local (L) layers need a window and a window '
         "needs L layers; set both (e.g. attention_pattern='L' for every "
         "layer local, 'LG' to alternate) or neither")
+  if m.local_rope_base is not None and 'L' not in pattern:
+    raise UserError(f'model.local_rope_base={m.local_rope_base} applies to '
+                    f'local (L) layers, but attention_pattern={pattern!r} has '
+                    'none; unset it, or add L layers')
   L, share = m.num_layers, m.kv_share
   if L % share:
     raise UserError(f'model.kv_share={share} does not divide model.num_layers'

@@ -11,7 +11,8 @@ K key/value heads, H head dim, F MLP hidden, V vocabulary:
   gated MLP                  3·2·D·F
 and once per token the output logits, 2·D·V. For causal attention over a
 length-T sequence C = (T + 1) / 2 (masked blocks are not counted as work),
-capped in local layers by their window w: C = mean over i of min(i + 1, w). Training costs
+capped in local layers by their window w: C = mean over i of min(i + 1, w). Norms, soft caps
+and the query scale are elementwise and not counted. Training costs
 3x the forward pass (backward = 2x forward); rematerialised recomputation is
 not counted, as in the PaLM paper's MFU.
 """

@@ -1,9 +1,12 @@
-"""Hugging Face checkpoints in and out: Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma.
+"""Hugging Face checkpoints in and out: Llama 2/3/3.1+, Mistral, Ministral,
+Qwen2, Qwen3, Gemma 1, 2 and 3 (text).
 
-One network (`train.model.Transformer`) holds all five; what differs between
+One network (`train.model.Transformer`) holds them all; what differs between
 them is a handful of conventions (`ModelConfig`: activation, norm eps and
 weight offset, embedding and tied-logit scale, q/k/v bias, QK-norm, RoPE
-scaling, sliding window), and the layout of the weights:
+base and scaling per layer kind, which layers slide a window
+(`attention_pattern`, from `layer_types`), Gemma 2/3's post-norms, query
+scale and soft caps), and the layout of the weights:
 
   HF (torch Linear, [out, in])             here
   q_proj [N·H, D], k/v_proj [K·H, D]   ->  query [D, N, H], key/value [D, K, H]
@@ -13,6 +16,9 @@ scaling, sliding window), and the layout of the weights:
   gate/up_proj [F, D], down_proj [D, F] -> gate/up [D, F], down [F, D]
   *_layernorm, norm [D]                ->  *_norm/scale [D] (same numbers:
                                            Gemma stores w of 1 + w, as we do)
+    (Gemma 2/3: input_, post_attention_, pre_feedforward_ and
+    post_feedforward_layernorm -> attention_, post_attention_, mlp_ and
+    post_mlp_norm; elsewhere post_attention_layernorm is mlp_norm)
   embed_tokens [V, D], lm_head [V, D]  ->  embedding [V, D], unembed [D, V]
 
 Layers are stacked ([L, ...], `nn.scan`). Import streams tensor by tensor
@@ -37,7 +43,10 @@ from train.progress import Progress
 FAMILIES = {  # model_type -> architecture class.
     'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
     'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
-    'gemma': 'GemmaForCausalLM'}
+    'ministral': 'MinistralForCausalLM', 'gemma': 'GemmaForCausalLM',
+    'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM'}
+GEMMAS = ('gemma', 'gemma2', 'gemma3_text')
+SANDWICHED = ('gemma2', 'gemma3_text')  # Post-norms, query scale, soft caps.
 ACTIVATIONS = {'silu': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh',
                'gelu': 'gelu_tanh'}  # Gemma's legacy name for the tanh form.
 PARAM_DTYPES = ('float32', 'bfloat16', 'float16')  # torch_dtype kept as is.
@@ -53,6 +62,10 @@ def model_fields(hf: dict) -> dict[str, Any]:
   """config.model fields for a Hugging Face config.json; UserError names
   every setting this network cannot express."""
   family = hf.get('model_type')
+  if family == 'gemma3':
+    raise UserError("model_type 'gemma3' is Gemma 3 with vision (Gemma3For"
+                    'ConditionalGeneration), which is not supported; text-only '
+                    "Gemma 3 checkpoints (model_type 'gemma3_text') are")
   if family not in FAMILIES:
     raise UserError(f'model_type {family!r} is not supported; supported: '
                     f'{", ".join(FAMILIES)}')
@@ -64,33 +77,46 @@ def model_fields(hf: dict) -> dict[str, Any]:
     problems.append('mlp_bias=true')
   if get('attention_bias', False) and family != 'qwen2':
     problems.append('attention_bias=true (a bias on o_proj)')
+  if get('use_bidirectional_attention', False):
+    problems.append('use_bidirectional_attention=true')
+  if family == 'gemma3_text' and get('attn_logit_softcapping'):
+    problems.append("attn_logit_softcapping, which transformers' Gemma 3 "
+                    'does not apply (so its logits would not be ours)')
   activation = get('hidden_activation') or get('hidden_act', 'silu')
   if activation not in ACTIVATIONS:
     problems.append(f'hidden_act={activation!r} (supported: '
                     f'{", ".join(ACTIVATIONS)})')
-  base, scaling = _rope(hf, problems)
-  window = _window(hf, family, problems)
+  window, pattern = _layer_kinds(hf, family, problems)
+  base, scaling, local_base = _rope(hf, family, problems)
   if problems:
     raise UserError(f'this {family} checkpoint uses {"; ".join(problems)}, '
                     'which train.model cannot express; nothing was written')
-  D, N = hf['hidden_size'], hf['num_attention_heads']
-  gemma = family == 'gemma'
+  D, N, L = hf['hidden_size'], hf['num_attention_heads'], hf['num_hidden_layers']
+  gemma, sandwiched = family in GEMMAS, family in SANDWICHED
+  number = lambda key: float(get(key)) if sandwiched and get(key) else None
   dtype = str(get('dtype') or get('torch_dtype', 'float32'))
   return dict(
-      vocab_size=hf['vocab_size'], num_layers=hf['num_hidden_layers'],
+      vocab_size=hf['vocab_size'], num_layers=L,
       d_model=D, num_heads=N, num_kv_heads=get('num_key_value_heads', N),
       head_dim=get('head_dim', D // N), mlp_dim=hf['intermediate_size'],
       max_len=get('max_position_embeddings', 2048),
       tie_embeddings=bool(get('tie_word_embeddings', gemma)),
-      rope_base=float(base), local_window=window, logits_soft_cap=None,
-      attention_pattern='L' if window else 'G', kv_share=1,
+      rope_base=float(base), local_window=window,
+      local_rope_base=local_base if 'L' in pattern else None,
+      logits_soft_cap=number('attn_logit_softcapping'),
+      final_logits_soft_cap=number('final_logit_softcapping'),
+      query_pre_attn_scalar=number('query_pre_attn_scalar'),
+      post_norms=sandwiched, attention_pattern=pattern, kv_share=1,
       fused_qkv=False, param_dtype=dtype if dtype in PARAM_DTYPES else 'float32',
       mlp_activation=ACTIVATIONS.get(activation, 'silu'),
       norm_eps=float(get('rms_norm_eps', 1e-6)),
       norm_scale_offset=1.0 if gemma else 0.0, embed_scale=gemma,
       tied_logits_scale=False, qkv_bias=family == 'qwen2',
-      qk_norm=family == 'qwen3', rope_scaling=scaling, use_rope=True,
-      learned_positions=False,
+      qk_norm=family in ('qwen3', 'gemma3_text'), rope_scaling=scaling,
+      use_rope=True, learned_positions=False,
+      # Scanned in groups of the pattern's period where it divides the
+      # layers (Gemma 3's 6 does not divide 26 or 34: unrolled).
+      scan_layers=L % len(pattern) == 0,
       scan_unroll=1)  # Deep models: one layer compiled, not four.
 
 
@@ -99,7 +125,9 @@ REQUIRED_COUNTS = ('vocab_size', 'hidden_size', 'intermediate_size',
                    'num_hidden_layers', 'num_attention_heads')
 OPTIONAL_COUNTS = ('num_key_value_heads', 'head_dim', 'max_position_embeddings',
                    'sliding_window')
-OPTIONAL_NUMBERS = ('rms_norm_eps', 'rope_theta')
+OPTIONAL_NUMBERS = ('rms_norm_eps', 'rope_theta', 'rope_local_base_freq',
+                    'query_pre_attn_scalar', 'attn_logit_softcapping',
+                    'final_logit_softcapping')
 
 
 def _check_types(hf: dict):
@@ -124,13 +152,28 @@ def _check_types(hf: dict):
       raise bad(key, 'a number > 0 (or absent)')
 
 
-def _rope(hf: dict, problems: list[str]):
-  """(rope_theta, rope_scaling fields) from transformers 5's rope_parameters
-  or 4's rope_theta + rope_scaling."""
+def _rope(hf: dict, family: str, problems: list[str]):
+  """(rope_theta, rope_scaling fields, the sliding layers' unscaled base or
+  None) from transformers 5's rope_parameters (one, or one per layer type as
+  Gemma 3's) or 4's rope_theta + rope_scaling (+ rope_local_base_freq)."""
   params = dict(hf.get('rope_parameters') or {})
+  local_base = hf.get('rope_local_base_freq') if family == 'gemma3_text' else (
+      None)
   if params and all(isinstance(v, dict) for v in params.values()):
-    problems.append('RoPE parameters per layer type')
-    return 10_000.0, {'kind': ''}
+    if set(params) - {'full_attention', 'sliding_attention'}:
+      problems.append(f'RoPE parameters for layer types {sorted(params)}')
+    local = params.get('sliding_attention') or {}
+    if local.get('rope_type', 'default') != 'default':
+      problems.append(f"rope_type {local['rope_type']!r} in the sliding-"
+                      'window layers (supported there: default)')
+    local_base = local.get('rope_theta', local_base)
+    params = params.get('full_attention') or {}
+  base, scaling = _one_rope(params, hf, problems)
+  return base, scaling, None if local_base is None else float(local_base)
+
+
+def _one_rope(params: dict, hf: dict, problems: list[str]):
+  """(rope_theta, rope_scaling fields) of one layer type."""
   base = params.get('rope_theta', hf.get('rope_theta', 10_000.0))
   scaling = params if params.get('rope_type', 'default') != 'default' else (
       hf.get('rope_scaling') or {})
@@ -154,39 +197,54 @@ def _rope(hf: dict, problems: list[str]):
   return base, fields
 
 
-def _window(hf: dict, family: str, problems: list[str]) -> int | None:
-  """The sliding window of every layer, or None; mixed layers are refused."""
-  window = hf.get('sliding_window')
+def _layer_kinds(hf: dict, family: str, problems: list[str]
+                 ) -> tuple[int | None, str]:
+  """(the sliding window or None, attention_pattern): which layers slide a
+  window, as transformers reads the config; the pattern is the shortest
+  period of the layers' kinds (the whole list where none is shorter)."""
+  L, window = hf['num_hidden_layers'], hf.get('sliding_window')
+  kinds = hf.get('layer_types')
   if family == 'mistral':
-    return window
-  if family not in ('qwen2', 'qwen3'):
-    return None
+    if kinds and len(set(kinds)) > 1:
+      problems.append("layer_types mixing sliding and full attention, which "
+                      "transformers' Mistral ignores (model_type 'ministral' "
+                      'reads them)')
+    return window, 'L' if window else 'G'
+  if family in ('llama', 'gemma'):
+    return None, 'G'
+  if family in ('qwen2', 'qwen3') and not hf.get('use_sliding_window'):
+    window = None  # transformers drops the window, whatever layer_types say.
+  kinds = kinds or [_default_kind(hf, family, i) for i in range(L)]
+  if len(kinds) != L or set(kinds) - {'sliding_attention', 'full_attention'}:
+    problems.append(f'layer_types {kinds!r} (one of sliding_attention, '
+                    f'full_attention per layer, {L} layers)')
+    return None, 'G'
+  letters = ''.join('L' if kind == 'sliding_attention' and window else 'G'
+                    for kind in kinds)
+  period = next(p for p in range(1, L + 1) if letters == (letters[:p] * L)[:L])
+  pattern = letters[:period]
+  return (window if 'L' in pattern else None), pattern
+
+
+def _default_kind(hf: dict, family: str, i: int) -> str:
+  """Layer i's type where config.json lists none, as transformers fills it."""
   L = hf['num_hidden_layers']
-  kinds = hf.get('layer_types') or [
-      'sliding_attention' if hf.get('use_sliding_window') and
-      i >= hf.get('max_window_layers', L) else 'full_attention'
-      for i in range(L)]
-  if set(kinds) == {'full_attention'}:
-    return None
-  if set(kinds) == {'sliding_attention'} and window:
-    return window
-  problems.append(f'layer_types {sorted(set(kinds))} (sliding-window and '
-                  'full-attention layers mixed)')
-  return None
+  sliding = {
+      'qwen2': i >= hf.get('max_window_layers', L),
+      'qwen3': i >= hf.get('max_window_layers', L),
+      'ministral': True,
+      'gemma2': (i + 1) % 2 != 0,
+      'gemma3_text': (i + 1) % hf.get('sliding_window_pattern', 6) != 0}[family]
+  return 'sliding_attention' if sliding else 'full_attention'
 
 
 def family_of(mc, remembered: str | None = None) -> str:
   """The Hugging Face model_type that computes what `mc` computes."""
   problems = []
-  if mc.logits_soft_cap is not None:
-    problems.append('model.logits_soft_cap')
   if not mc.use_rope:
     problems.append('model.use_rope=False')
   if mc.learned_positions:
     problems.append('model.learned_positions (a learned position embedding)')
-  if mc.attention_pattern not in ('G', 'L'):
-    problems.append(f'model.attention_pattern={mc.attention_pattern!r} '
-                    '(local and global layers mixed)')
   if mc.kv_share > 1:
     problems.append(f'model.kv_share={mc.kv_share} (K/V shared across '
                     'layers)')
@@ -197,26 +255,39 @@ def family_of(mc, remembered: str | None = None) -> str:
            and mc.embed_scale)
   llama = (mc.mlp_activation == 'silu' and mc.norm_scale_offset == 0.0
            and not mc.embed_scale)
-  if gemma:
-    family = 'gemma'
-    for field in ('qkv_bias', 'qk_norm', 'local_window'):
-      if getattr(mc, field):
-        problems.append(f'model.{field} with Gemma conventions')
-  elif llama:
-    family = ('qwen3' if mc.qk_norm else 'qwen2' if mc.qkv_bias else
+  mixed = mc.attention_pattern not in ('G', 'L')
+  if gemma and mc.post_norms:
+    family = 'gemma3_text' if mc.qk_norm else 'gemma2'
+    given = {'qkv_bias': mc.qkv_bias,
+             'local_rope_base': family == 'gemma2' and mc.local_rope_base,
+             # transformers' Gemma 3 does not apply it.
+             'logits_soft_cap': family == 'gemma3_text' and mc.logits_soft_cap}
+  elif gemma or llama:
+    family = ('gemma' if gemma else 'qwen3' if mc.qk_norm else
+              'qwen2' if mc.qkv_bias else
+              'ministral' if mixed or remembered == 'ministral' else
               'mistral' if mc.local_window or remembered == 'mistral' else
               'llama')
-    if mc.qk_norm and mc.qkv_bias:
-      problems.append('model.qk_norm with model.qkv_bias')
+    given = {
+        'post_norms': mc.post_norms, 'logits_soft_cap': mc.logits_soft_cap,
+        'final_logits_soft_cap': mc.final_logits_soft_cap,
+        'query_pre_attn_scalar': mc.query_pre_attn_scalar not in (
+            None, mc.head_dim),
+        'local_rope_base': mc.local_rope_base,
+        'qk_norm': gemma and mc.qk_norm, 'qkv_bias': gemma and mc.qkv_bias,
+        'local_window': gemma and mc.local_window,
+        'qk_norm with model.qkv_bias': mc.qk_norm and mc.qkv_bias}
   else:
-    family = None
+    family, given = None, {}
     problems.append(
         f'model.mlp_activation={mc.mlp_activation!r}, norm_scale_offset='
         f'{mc.norm_scale_offset}, embed_scale={mc.embed_scale} (neither '
         "Gemma's gelu_tanh/1/True nor Llama's silu/0/False)")
+  problems += [f'model.{field} in a {family} model'
+               for field, value in given.items() if value]
   if problems:
     raise UserError(f'no Hugging Face architecture computes {"; ".join(problems)}'
-                    '; export supports Llama, Mistral, Qwen2, Qwen3 and Gemma')
+                    f'; export supports {", ".join(FAMILIES)}')
   return family
 
 
@@ -225,9 +296,56 @@ def hf_config(mc, family: str, base: dict | None = None) -> dict:
   keeps what we do not set, such as the special token ids."""
   config = {k: v for k, v in (base or {}).items()
             if k not in ('rope_scaling', 'rope_parameters', 'torch_dtype',
-                         'layer_types', 'transformers_version')}
+                         'layer_types', 'transformers_version',
+                         'hidden_act', 'hidden_activation')}
   dtype = {np.dtype('float32'): 'float32', np.dtype('float16'): 'float16'
            }.get(np.dtype(mc.param_dtype), 'bfloat16')
+  rope = _rope_parameters(mc)
+  L = mc.num_layers
+  kinds = [('sliding_attention' if letter == 'L' else 'full_attention')
+           for letter in (mc.attention_pattern * L)[:L]]
+  config.update(
+      model_type=family, architectures=[FAMILIES[family]],
+      vocab_size=mc.vocab_size, hidden_size=mc.d_model,
+      intermediate_size=mc.mlp_dim, num_hidden_layers=L,
+      num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+      head_dim=mc.head_dim, max_position_embeddings=mc.max_len,
+      rms_norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_embeddings,
+      rope_parameters=rope, rope_theta=mc.rope_base, dtype=dtype)
+  config['hidden_activation' if family in SANDWICHED else 'hidden_act'] = (
+      'gelu_pytorch_tanh' if family in GEMMAS else 'silu')
+  if mc.rope_scaling is not None:  # For transformers 4 readers.
+    config['rope_scaling'] = {k: v for k, v in rope.items()
+                              if k != 'rope_theta'}
+  if family in ('llama', 'qwen3', *GEMMAS):
+    config['attention_bias'] = False
+  if family == 'llama':
+    config['mlp_bias'] = False
+  if family in ('mistral', 'ministral', *SANDWICHED):
+    config['sliding_window'] = mc.local_window
+  if family in ('ministral', 'qwen2', 'qwen3', *SANDWICHED):
+    config['layer_types'] = kinds
+  if family in ('qwen2', 'qwen3'):
+    sliding = mc.local_window is not None
+    config.update(use_sliding_window=sliding, sliding_window=mc.local_window,
+                  max_window_layers=0 if sliding else L)
+  if family in SANDWICHED:
+    scalar = mc.query_pre_attn_scalar or mc.head_dim
+    config.update(
+        query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+        attn_logit_softcapping=mc.logits_soft_cap,
+        final_logit_softcapping=mc.final_logits_soft_cap)
+  if family == 'gemma3_text':
+    local = ({'rope_type': 'default', 'rope_theta': mc.local_rope_base}
+             if mc.local_rope_base is not None else rope)
+    config.update(rope_parameters={'full_attention': rope,
+                                   'sliding_attention': local},
+                  rope_local_base_freq=local['rope_theta'])
+  return config
+
+
+def _rope_parameters(mc) -> dict:
+  """One layer type's rope_parameters: the global layers'."""
   rope = {'rope_type': 'default', 'rope_theta': mc.rope_base}
   if mc.rope_scaling is not None:
     s = mc.rope_scaling
@@ -237,32 +355,7 @@ def hf_config(mc, family: str, base: dict | None = None) -> dict:
       rope.update(low_freq_factor=s.low_freq_factor,
                   high_freq_factor=s.high_freq_factor,
                   original_max_position_embeddings=s.original_max_len)
-  config.update(
-      model_type=family, architectures=[FAMILIES[family]],
-      vocab_size=mc.vocab_size, hidden_size=mc.d_model,
-      intermediate_size=mc.mlp_dim, num_hidden_layers=mc.num_layers,
-      num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
-      head_dim=mc.head_dim, max_position_embeddings=mc.max_len,
-      rms_norm_eps=mc.norm_eps, tie_word_embeddings=mc.tie_embeddings,
-      hidden_act='gelu_pytorch_tanh' if family == 'gemma' else 'silu',
-      rope_parameters=rope, rope_theta=mc.rope_base, dtype=dtype)
-  if mc.rope_scaling is not None:  # For transformers 4 readers.
-    config['rope_scaling'] = {k: v for k, v in rope.items()
-                              if k != 'rope_theta'}
-  if family in ('llama', 'qwen3', 'gemma'):
-    config['attention_bias'] = False
-  if family == 'llama':
-    config['mlp_bias'] = False
-  if family == 'mistral':
-    config['sliding_window'] = mc.local_window
-  if family in ('qwen2', 'qwen3'):
-    sliding = mc.local_window is not None
-    config.update(use_sliding_window=sliding, sliding_window=mc.local_window,
-                  max_window_layers=0 if sliding else mc.num_layers,
-                  layer_types=[('sliding_attention' if sliding else
-                                'full_attention')] * mc.num_layers)
-  config.pop('hidden_activation', None)
-  return config
+  return rope
 
 
 # --- Weights ---------------------------------------------------------------
@@ -317,6 +410,15 @@ LAYER_WEIGHTS = {
     'input_layernorm.weight': (('attention_norm', 'scale'), _same, _same),
     'post_attention_layernorm.weight': (('mlp_norm', 'scale'), _same, _same),
 }
+# Gemma 2/3's four norms per layer: post_attention_layernorm is the
+# attention output's, the MLP's input norm is pre_feedforward_layernorm.
+POST_NORM_WEIGHTS = {
+    'post_attention_layernorm.weight': (('post_attention_norm', 'scale'),
+                                        _same, _same),
+    'pre_feedforward_layernorm.weight': (('mlp_norm', 'scale'), _same, _same),
+    'post_feedforward_layernorm.weight': (('post_mlp_norm', 'scale'), _same,
+                                          _same),
+}
 GLOBAL_WEIGHTS = {
     'model.embed_tokens.weight': (('embed', 'embedding'), _same, _same),
     'model.norm.weight': (('final_norm', 'scale'), _same, _same),
@@ -334,9 +436,10 @@ def weight_plan(params_shapes: dict, mc
   for name, (path, to_ours, to_hf) in GLOBAL_WEIGHTS.items():
     if _has(params_shapes, path):
       plan[name] = (path, None, to_ours, to_hf)
+  names = LAYER_WEIGHTS | (POST_NORM_WEIGHTS if mc.post_norms else {})
   for i in range(mc.num_layers):
     prefix, index = model_lib.layer_slot(mc, i)
-    for name, (path, to_ours, to_hf) in LAYER_WEIGHTS.items():
+    for name, (path, to_ours, to_hf) in names.items():
       if _has(params_shapes, (*prefix, *path)):
         plan[f'model.layers.{i}.{name}'] = ((*prefix, *path), index, to_ours,
                                             to_hf)

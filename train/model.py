@@ -1,7 +1,8 @@
 """A decoder-only Transformer language model on `attention.Attention`.
 
 Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> gated MLP ->
-residual), token embedding, RoPE inside the attention (`use_rope`) and/or a
+residual; with `post_norms`, Gemma 2/3's, each branch's output normalised
+too before it joins the residual), token embedding, RoPE inside the attention (`use_rope`) and/or a
 learned position table added to the embeddings (`learned_positions`, GPT-2's
 and Zoology's), optionally tied output.
 Layers are stacked with `nn.scan` (compile time independent of depth) and can
@@ -72,6 +73,12 @@ class ModelConfig:
   qkv_bias: bool  # Biases on the Q/K/V projections (Qwen2).
   qk_norm: bool  # RMSNorm of each query and key head (Qwen3).
   rope_scaling: RopeScaling | None  # 'linear' or 'llama3' (Llama 3.1+).
+  # The L layers' RoPE base, unscaled (Gemma 3: 10k local, 1M global); None:
+  # rope_base and rope_scaling, as the G layers.
+  local_rope_base: float | None
+  query_pre_attn_scalar: float | None  # Logits x its ** -0.5; None: head_dim.
+  post_norms: bool  # RMSNorm of the attention's and MLP's outputs (Gemma 2/3).
+  final_logits_soft_cap: float | None  # c·tanh(logits / c) (Gemma 2).
   # Over G (global) and L (local: local_window keys), cycled over the layers.
   attention_pattern: str
   kv_share: int  # Consecutive layers sharing one K/V projection and cache.
@@ -81,8 +88,12 @@ class ModelConfig:
     """Layer i's attention options (a causal LM), passed whole to
     `Attention`: local_window for the pattern's L layers, none for G."""
     local = self.attention_pattern[i % len(self.attention_pattern)] == 'L'
+    rope = {}
+    if local and self.local_rope_base is not None:
+      rope = dict(rope_base=self.local_rope_base, rope_scaling=None)
     return layer.Options.of(self, is_causal=True,
-                            local_window=self.local_window if local else None)
+                            local_window=self.local_window if local else None,
+                            **rope)
 
   def shares_kv(self, i: int) -> bool:
     """Whether layer i attends to an earlier layer's K/V (kv_share)."""
@@ -151,9 +162,13 @@ class Block(nn.Module):
         shared_kv=c.shares_kv(self.index), name='attention')
     out_BTD, kv = attention(RMSNorm(c, name='attention_norm')(x_BTD),
                             shared=shared, return_kv=True)
+    if c.post_norms:
+      out_BTD = RMSNorm(c, name='post_attention_norm')(out_BTD)
     x_BTD = x_BTD + out_BTD
-    x_BTD = x_BTD + MLP(c, name='mlp')(RMSNorm(c, name='mlp_norm')(x_BTD))
-    return x_BTD, None if self.scan_step else kv
+    out_BTD = MLP(c, name='mlp')(RMSNorm(c, name='mlp_norm')(x_BTD))
+    if c.post_norms:
+      out_BTD = RMSNorm(c, name='post_mlp_norm')(out_BTD)
+    return x_BTD + out_BTD, None if self.scan_step else kv
 
 
 class Group(nn.Module):
@@ -236,8 +251,11 @@ class Transformer(nn.Module):
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.normal(0.02), ('embed', 'vocab')),
           name='unembed')(x_XD)
-    logits_BTV = logits_XV.reshape(B, T, -1)
-    return logits_BTV.astype(jnp.float32)
+    logits_BTV = logits_XV.reshape(B, T, -1).astype(jnp.float32)
+    if c.final_logits_soft_cap is not None:
+      cap = c.final_logits_soft_cap
+      logits_BTV = cap * jnp.tanh(logits_BTV / cap)
+    return logits_BTV
 
   def _position_embedding(self, T: int):
     """[T, D]: the learned embeddings of this call's positions (0..T-1, or
