@@ -39,7 +39,22 @@ from attention import blockwise, decode, numerics, splash
 Array = jax.Array
 
 
-Implementation = Literal['xla', 'decode', 'blockwise', 'splash', 'cudnn']
+# The kernels `dot_product_attention` can run (`choose` picks one per
+# platform; an explicit name that cannot take the call raises ValueError):
+#   'xla'          the dense einsum below, anywhere, with every option;
+#   'short_query'  `attention.decode`: a few query tokens (decoding) against a
+#                  long [B, S, K, H] cache, read in place (CPU);
+#   'blockwise'    `attention.blockwise`: flash-style, masked blocks skipped,
+#                  O(T) memory; causal or full only (CPU);
+#   'splash'       `attention.splash`: TPU splash attention (Pallas), causal,
+#                  full or windowed, soft cap; T and S multiples of 128; no
+#                  explicit mask. Elsewhere it runs in Pallas interpret mode
+#                  (slow; for tests);
+#   'cudnn'        cuDNN flash attention through `jax.nn.dot_product_attention`
+#                  (GPU, 16-bit inputs, head dim a multiple of 8 up to 256,
+#                  T == S when causal, windows only when causal, no mask or
+#                  soft cap); needs cuDNN where the function is traced.
+Implementation = Literal['xla', 'short_query', 'blockwise', 'splash', 'cudnn']
 PLATFORMS = ('cpu', 'cuda', 'tpu')
 
 
@@ -73,20 +88,7 @@ def dot_product_attention(
     logits_soft_cap: c > 0, logits become c * tanh(logits / c) before masking
       (Gemma 2).
     implementation: None chooses, per platform (`choose`); or one of
-      'xla'        the dense einsum below, anywhere, with every option;
-      'decode'     `attention.decode`: a few query tokens against a long
-                   [B, S, K, H] cache, read in place (CPU);
-      'blockwise'  `attention.blockwise`: flash-style, masked blocks skipped,
-                   O(T) memory; causal or full only (CPU);
-      'splash'     `attention.splash`: TPU splash attention (Pallas), causal,
-                   full or windowed, soft cap; T and S multiples of 128; no
-                   explicit mask. Elsewhere it runs in Pallas interpret mode
-                   (slow; for tests);
-      'cudnn'      cuDNN flash attention through `jax.nn.dot_product_attention`
-                   (GPU, 16-bit inputs, head dim a multiple of 8 up to 256,
-                   T == S when causal, windows only when causal, no mask or
-                   soft cap); needs cuDNN where the function is traced.
-      An explicit name that cannot take the call raises ValueError.
+      `Implementation` (see there), which must take the call.
 
   Returns:
     [B, T, N, H] in the query's dtype. Logits and softmax are computed in
@@ -96,14 +98,7 @@ def dot_product_attention(
   Raises:
     ValueError: on shapes that do not fit together, naming them.
   """
-  B, T, N, H, S, K = _check_shapes(query, key, value)
-  if local_window is not None and local_window < 1:
-    raise ValueError(f'local_window must be a positive int, got {local_window}')
-  if logits_soft_cap is not None and logits_soft_cap <= 0:
-    raise ValueError(f'logits_soft_cap must be > 0, got {logits_soft_cap}')
-  if implementation is not None and implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f'implementation={implementation!r}; use None or one of '
-                     f'{", ".join(map(repr, _IMPLEMENTATIONS))}')
+  H = _check(query, key, value, local_window, logits_soft_cap, implementation)
   call = _Call(query, key, value, mask, is_causal,
                H**-0.5 if scale is None else scale, local_window,
                logits_soft_cap)
@@ -121,6 +116,20 @@ def dot_product_attention(
   return jax.lax.platform_dependent(**{
       platform: functools.partial(_IMPLEMENTATIONS[name], call)
       for platform, name in chosen.items()})
+
+
+def _check(query, key, value, local_window, logits_soft_cap,
+           implementation) -> int:
+  """H, once the shapes and options are known to fit; ValueError if not."""
+  H = _check_shapes(query, key, value)[3]
+  if local_window is not None and local_window < 1:
+    raise ValueError(f'local_window must be a positive int, got {local_window}')
+  if logits_soft_cap is not None and logits_soft_cap <= 0:
+    raise ValueError(f'logits_soft_cap must be > 0, got {logits_soft_cap}')
+  if implementation is not None and implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f'implementation={implementation!r}; use None or one of '
+                     f'{", ".join(map(repr, _IMPLEMENTATIONS))}')
+  return H
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +153,7 @@ class _Call:
 def choose(platform: str, call: _Call) -> str:
   """The fastest implementation that takes `call` on `platform` (BENCHMARKS.md).
 
-  cpu   'decode' for T <= 8; 'blockwise' for plain attention over 256 or
+  cpu   'short_query' for T <= 8; 'blockwise' for plain attention over 256 or
         more tokens; else 'xla'.
   tpu   'splash' where it applies (see its entry above); else 'xla'
         (decoding included: the grouped einsum reads the cache in place).
@@ -159,7 +168,7 @@ def choose(platform: str, call: _Call) -> str:
         and blockwise.tiling(T, N // K)[1] < T):
       return 'blockwise'
     if T <= decode.MAX_QUERIES:
-      return 'decode'  # Stream the [B, S, K, H] cache instead of copying it.
+      return 'short_query'  # Reads the [B, S, K, H] cache; no copy.
     return 'xla'
   if platform == 'tpu':
     return 'splash' if not _refuse_splash(call) else 'xla'
@@ -188,7 +197,7 @@ def _xla(call: _Call) -> Array:
   return out_BTKGH.reshape(B, T, N, H).astype(query.dtype)
 
 
-def _decode(call: _Call) -> Array:
+def _short_query(call: _Call) -> Array:
   mask_BKGTS = _grouped_mask(call.mask, call.query.shape, call.key.shape,
                              call.is_causal, call.local_window)
   return decode.cache_layout_attention(
@@ -272,9 +281,10 @@ def cudnn_available() -> bool:
     return False
 
 
-_IMPLEMENTATIONS = {'xla': _xla, 'decode': _decode, 'blockwise': _blockwise,
-                    'splash': _splash, 'cudnn': _cudnn}
-_REFUSALS = {'xla': _refuse_none, 'decode': _refuse_none,
+_IMPLEMENTATIONS = {'xla': _xla, 'short_query': _short_query,
+                    'blockwise': _blockwise, 'splash': _splash,
+                    'cudnn': _cudnn}
+_REFUSALS = {'xla': _refuse_none, 'short_query': _refuse_none,
              'blockwise': _refuse_blockwise, 'splash': _refuse_splash,
              'cudnn': _refuse_cudnn}
 

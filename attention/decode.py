@@ -13,7 +13,7 @@ these matmuls (with a 4-D cache and K = 1, XLA's CPU fusion duplicates the
 write for the reshape and copies the whole cache to do it).
 
 `cache_layout_attention`: a token-major [B, S, K, H] cache, as
-`dot_product_attention` takes keys (implementation 'decode'). The dense path
+`dot_product_attention` takes keys (implementation 'short_query'). The dense path
 contracts 'BTKGH,BSKH->BKGTS'; for that batched matmul XLA first copies the
 whole cache into a heads-major [B, K, S, H] layout, on every decoded token,
 which on a CPU costs several times the attention itself. Here the cache is

@@ -54,25 +54,32 @@ CACHE_NAMES = ('cached_key', 'cached_value', 'key_scale', 'value_scale',
 class Options:
   """What the layer computes, apart from its arrays: the one declaration of
   the attention options and their defaults, which both module shells take
-  (see `attention.Attention` for what each means)."""
-  num_heads: int
-  num_kv_heads: int | None = None  # None: N (MHA).
-  head_dim: int = 64
-  is_causal: bool = True
-  use_rope: bool = True
-  rope_base: float = 10_000.0
-  local_window: int | None = None
-  logits_soft_cap: float | None = None
+  (the linen `attention.Attention` as fields of its own, generated from
+  these)."""
+  num_heads: int  # N, query heads.
+  num_kv_heads: int | None = None  # K, key/value heads; None: N (MHA).
+  head_dim: int = 64  # H.
+  is_causal: bool = True  # False: bidirectional.
+  use_rope: bool = True  # Rotary position embeddings on Q and K.
+  rope_base: float = 10_000.0  # RoPE's wavelength base.
+  local_window: int | None = None  # Sliding window w; None: global.
+  logits_soft_cap: float | None = None  # c·tanh(logits / c) (Gemma 2).
   # Logits are q·k times query_pre_attn_scalar ** -0.5; None: head_dim
   # (Gemma 2/3 set it, e.g. d_model / num_heads for Gemma 2 27B).
   query_pre_attn_scalar: float | None = None
-  fused_qkv: bool = False
+  fused_qkv: bool = False  # One [D, N + 2K, H] input projection, not three.
   qkv_bias: bool = False  # Biases on the Q/K/V projections (Qwen2).
-  qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3).
-  norm_eps: float = 1e-6  # Of qk_norm.
-  norm_scale_offset: float = 1.0  # qk_norm multiplies by offset + weight.
+  # RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3), with
+  # norm_eps, multiplying by norm_scale_offset + weight.
+  qk_norm: bool = False
+  norm_eps: float = 1e-6
+  norm_scale_offset: float = 1.0
+  # RoPE frequency scaling for long contexts ('linear', 'llama3'), or None.
   rope_scaling: RopeScaling | None = None
-  kv_cache_dtype: KVCacheDtype | None = None  # None: the compute dtype.
+  # How the decode cache stores K and V: None (the compute dtype),
+  # 'float32', 'bfloat16', or 'int8' (a float32 scale per token and KV
+  # head); a decode-time choice, the full pass is unaffected.
+  kv_cache_dtype: KVCacheDtype | None = None
 
   def __post_init__(self):
     if self.num_kv_heads is None:  # As for the modules: None means N (MHA).
@@ -189,32 +196,11 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   mask: True = attend, a key-padding [B, S] or anything broadcastable to
   [B, N, T, S] (S = T, or max_len with a cache).
   """
-  N, K, H = options.num_heads, options.num_kv_heads, options.head_dim
+  N, H = options.num_heads, options.head_dim
   B, T, D = x_BTD.shape
   w = {name: p.astype(dtype) for name, p in params.items()}
-  # The projections as plain [X, D] x [D, E·H] matmuls, tokens as one axis
-  # X = B·T and heads with their features as one: XLA's CPU matmuls contract
-  # or keep two axes (B and T, or E and H) at about half the speed.
-  x_XD = x_BTD.astype(dtype).reshape(B * T, D)
-
-  def project(name):
-    y_XEH = (x_XD @ w[name].reshape(D, -1)).reshape(B * T, -1, H)
-    if options.qkv_bias:
-      y_XEH = y_XEH + w[f'{name}_bias']
-    return y_XEH.reshape(B, T, -1, H)
-
-  if shared is not None:
-    q_BTNH, k_BTKH, v_BTKH = project('query'), None, None
-  elif options.fused_qkv:
-    qkv_BTEH = project('qkv')  # E = N + 2K.
-    q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTEH, [N, N + K], axis=2)
-  else:
-    q_BTNH, k_BTKH, v_BTKH = project('query'), project('key'), project('value')
-  if options.qk_norm:
-    q_BTNH = _rms_norm(q_BTNH, params['query_norm'], options)
-    if k_BTKH is not None:
-      k_BTKH = _rms_norm(k_BTKH, params['key_norm'], options)
-
+  q_BTNH, k_BTKH, v_BTKH = _project(options, params, w, x_BTD.astype(dtype),
+                                    shared is not None)
   if shared is not None:
     start = shared.start
   else:
@@ -241,6 +227,39 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
     out_BTNH = _attend_cached(options, q_BTNH, kv, pos_T, mask)
   out_XD = out_BTNH.reshape(B * T, N * H) @ w['out'].reshape(N * H, D)
   return out_XD.reshape(B, T, D), cache, kv
+
+
+def _project(options: Options, params: dict[str, Array], w: dict[str, Array],
+             x_BTD: Array, shared: bool
+             ) -> tuple[Array, Array | None, Array | None]:
+  """(queries [B, T, N, H], keys and values [B, T, K, H], or None when
+  `shared`), QK-normed if asked; w: the parameters in the compute dtype
+  (the norms' weights are read from `params`, in float32)."""
+  N, K, H = options.num_heads, options.num_kv_heads, options.head_dim
+  B, T, D = x_BTD.shape
+  # The projections as plain [X, D] x [D, E·H] matmuls, tokens as one axis
+  # X = B·T and heads with their features as one: XLA's CPU matmuls contract
+  # or keep two axes (B and T, or E and H) at about half the speed.
+  x_XD = x_BTD.reshape(B * T, D)
+
+  def project(name):
+    y_XEH = (x_XD @ w[name].reshape(D, -1)).reshape(B * T, -1, H)
+    if options.qkv_bias:
+      y_XEH = y_XEH + w[f'{name}_bias']
+    return y_XEH.reshape(B, T, -1, H)
+
+  if shared:
+    q_BTNH, k_BTKH, v_BTKH = project('query'), None, None
+  elif options.fused_qkv:
+    qkv_BTEH = project('qkv')  # E = N + 2K.
+    q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTEH, [N, N + K], axis=2)
+  else:
+    q_BTNH, k_BTKH, v_BTKH = project('query'), project('key'), project('value')
+  if options.qk_norm:
+    q_BTNH = _rms_norm(q_BTNH, params['query_norm'], options)
+    if k_BTKH is not None:
+      k_BTKH = _rms_norm(k_BTKH, params['key_norm'], options)
+  return q_BTNH, k_BTKH, v_BTKH
 
 
 def _attend_cached(options: Options, q_BTNH, kv: KV, pos_T, mask):

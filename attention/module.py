@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from attention import layer
-from attention.rope import RopeScaling
 
 Dtype = Any
 default_kernel_init = nn.initializers.lecun_normal()
@@ -42,33 +41,29 @@ LOGICAL_AXES = {
 }
 
 
-class Attention(nn.Module):
+# The option fields (names, types, defaults) as `attention.layer.Options`
+# declares them, once: the module takes each as a field of its own.
+_OptionFields = type('_OptionFields', (nn.Module,), {
+    '__module__': __name__,
+    '__annotations__': {f.name: f.type
+                        for f in dataclasses.fields(layer.Options)},
+    **{f.name: f.default for f in dataclasses.fields(layer.Options)
+       if f.default is not dataclasses.MISSING}})
+
+
+class Attention(_OptionFields):
   """Self-attention with N query heads sharing K key/value heads.
 
   Attributes:
-    num_heads: N, query heads.
-    num_kv_heads: K, key/value heads; N must be a multiple. K = N is MHA,
-      1 < K < N GQA, K = 1 MQA. None means N.
-    head_dim: H.
+    the fields of `attention.layer.Options`, which say what each computes:
+      num_heads (N), num_kv_heads (K; N must be a multiple; K = N is MHA,
+      1 < K < N GQA, K = 1 MQA; None means N), head_dim (H), is_causal,
+      use_rope, rope_base, local_window, logits_soft_cap,
+      query_pre_attn_scalar, fused_qkv, qkv_bias, qk_norm, norm_eps,
+      norm_scale_offset, rope_scaling, kv_cache_dtype.
     dtype: computation dtype (e.g. bfloat16 on GPU/TPU); logits and softmax
       stay float32.
     param_dtype: parameter dtype.
-    is_causal: causal self-attention (the default); False for bidirectional.
-    use_rope: rotary position embeddings on Q and K.
-    rope_base: RoPE wavelength base.
-    local_window: sliding-window size w, or None for global attention.
-    logits_soft_cap: Gemma-2 style soft cap on the logits, or None.
-    query_pre_attn_scalar: the logits are q·k times its -1/2 power; None
-      means head_dim (1/sqrt(H)); Gemma 2/3 checkpoints set it.
-    fused_qkv: one [D, N + 2K, H] input projection instead of three.
-    qkv_bias: biases on the query, key and value projections (Qwen2).
-    qk_norm: RMSNorm of each query and key head before RoPE (Qwen3), with
-      `norm_eps`, multiplying by norm_scale_offset + weight.
-    rope_scaling: RoPE frequency scaling for long contexts
-      (`attention.rope.RopeScaling`: 'linear' or 'llama3'), or None.
-    kv_cache_dtype: how the decode cache stores K and V: None (`dtype`),
-      'float32', 'bfloat16', or 'int8' (a float32 scale per token and KV
-      head); a decode-time choice, the full pass is unaffected.
     shared_kv: the layer attends to another layer's keys and values (passed
       as `shared`, cross-layer attention) and has no K/V projections or cache.
     partitioned: annotate the kernels with logical axis names (embed,
@@ -80,24 +75,8 @@ class Attention(nn.Module):
       appends them and attends to everything cached so far.
     kernel_init: initialiser of all kernels.
   """
-  num_heads: int
-  num_kv_heads: int | None = None
-  head_dim: int = 64
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
-  is_causal: bool = True
-  use_rope: bool = True
-  rope_base: float = 10_000.0
-  local_window: int | None = None
-  logits_soft_cap: float | None = None
-  query_pre_attn_scalar: float | None = None
-  fused_qkv: bool = False
-  qkv_bias: bool = False
-  qk_norm: bool = False
-  norm_eps: float = 1e-6
-  norm_scale_offset: float = 1.0
-  rope_scaling: RopeScaling | None = None
-  kv_cache_dtype: layer.KVCacheDtype | None = None
   shared_kv: bool = False
   partitioned: bool = False
   decode: bool = False

@@ -6,8 +6,16 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.seed = 0
+  c.model = model()
+  c.data = data()
+  c.train = train()
+  # Device mesh: -1 = all remaining devices.
+  c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  return c
 
-  c.model = config_dict.ConfigDict(dict(
+
+def model() -> config_dict.ConfigDict:
+  return config_dict.ConfigDict(dict(
       vocab_size=256,
       num_layers=4,
       d_model=256,
@@ -64,7 +72,9 @@ def get_config() -> config_dict.ConfigDict:
           original_max_len=8192)),
   ))
 
-  c.data = config_dict.ConfigDict(dict(
+
+def data() -> config_dict.ConfigDict:
+  return config_dict.ConfigDict(dict(
       task='lm',  # 'lm': data.path; 'recall': the synthetic recall probe.
       path='',  # '' = the embedded stdlib corpus; else text, a folder, .bin.
       recall_pairs=0,  # task='recall': key-value pairs per row; 0 = all fit.
@@ -76,7 +86,9 @@ def get_config() -> config_dict.ConfigDict:
       tokenizer='',
   ))
 
-  c.train = config_dict.ConfigDict(dict(
+
+def train() -> config_dict.ConfigDict:
+  return config_dict.ConfigDict(dict(
       steps=360,
       batch_size=16,
       grad_accum_steps=1,
@@ -93,7 +105,3 @@ def get_config() -> config_dict.ConfigDict:
       checkpoint_every=120,
       keep_checkpoints=3,
   ))
-
-  # Device mesh: -1 = all remaining devices.
-  c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-  return c

@@ -35,6 +35,7 @@ import time
 import jax
 import numpy as np
 
+from scripts import timing
 from train import config_lib, flops, loop, sharding
 from train.errors import UserError
 from train.cli import ArgumentParser, exit_on_user_error
@@ -333,26 +334,10 @@ def main():
         f'over {args.rounds} rounds, the ratio\'s range over the rounds in '
         f'brackets. MFU against {env["peak_source"]} = '
         f'{env["peak_flops"] / 1e9:,.0f} GFLOP/s.\n\n{table}\n')
-    replace_section(args.markdown, SECTION, section)
+    timing.replace_section(args.markdown, SECTION, section)
 
 
 SECTION = 'Training step: train.main against PyTorch'
-
-
-def replace_section(path: str, title: str, body: str):
-  """Writes `## title` + body into the markdown file at path, replacing that
-  section (up to the next `## `) if present, else appending it."""
-  p = pathlib.Path(path)
-  text = p.read_text() if p.exists() else ''
-  head = f'## {title}\n'
-  block = f'{head}\n{body}\n'
-  if head in text:
-    start = text.index(head)
-    end = text.find('\n## ', start + len(head))
-    text = text[:start] + block + (text[end + 1:] if end >= 0 else '')
-  else:
-    text = text.rstrip('\n') + ('\n\n' if text else '') + block
-  p.write_text(text)
 
 
 if __name__ == '__main__':

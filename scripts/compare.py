@@ -19,16 +19,14 @@ table then adds each variant's first-query accuracy (pure retrieval).
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
 import numpy as np
 
-from scripts import timing
+from scripts import study, timing
 from train import checkpoint, config_lib, data, flops, loop, progress
-from train.errors import UserError
-from train.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
+from train.cli import exit_on_user_error
 from train import model as model_lib
 from train.model import Transformer
 from train.metrics import read_metrics
@@ -52,17 +50,11 @@ def variant_config(base, K, seed, steps, equal_params):
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--out', required=True)
-  parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
-  parser.add_argument('--seeds', type=positive_int, default=1)
-  parser.add_argument('--steps', type=positive_int, default=None,
-                      help='default: the config\'s')
+  parser = study.parser(__doc__, config='gqa_small', kv_heads=[8, 2, 1],
+                        seeds=1, report_only='the runs already in --out',
+                        helps=dict(steps="default: the config's",
+                                   quick='120 steps each'))
   parser.add_argument('--equal_params', action='store_true')
-  parser.add_argument('--quick', action='store_true', help='120 steps each')
-  parser.add_argument('--report_only', action='store_true',
-                      help='rebuild the report from the runs already in --out')
   args = parser.parse_args()
   steps = 120 if args.quick and not args.steps else args.steps
   out = pathlib.Path(args.out)
@@ -77,11 +69,7 @@ def main():
   for (K, seed), config in todo:
     workdir = out / f'K{K}_s{seed}'
     if args.report_only:
-      final = workdir / 'final.json'
-      if not final.exists():
-        raise UserError(f'{final} not found: --report_only needs finished '
-                        'runs in --out; run without it first')
-      record = json.loads(final.read_text())
+      record = study.saved(workdir / 'final.json')
     else:
       record = loop.train_and_evaluate(config, str(workdir))
     if config.data.task == 'recall':
@@ -125,36 +113,64 @@ def _spread(values):
 
 
 def write_report(out, runs, decode, bandwidth, args):
+  """report.md (the command, a reading, the table), loss.png and
+  throughput.png in OUT."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  kvs = sorted({r['K'] for r in runs}, reverse=True)
+  rows = _rows(runs, decode, bandwidth)
+  (out / 'report.md').write_text('\n'.join(
+      _report_lines(runs, rows, bandwidth, args)))
+  _plot_loss(out / 'loss.png', runs)
+  _plot_throughput(out / 'throughput.png', rows)
+
+
+def _rows(runs, decode, bandwidth) -> list[dict]:
+  """One row a variant (K): its size, its losses over seeds, its speeds."""
   rows = []
-  for K in kvs:
+  for K in sorted({r['K'] for r in runs}, reverse=True):
     mine = [r for r in runs if r['K'] == K]
     c = mine[0]['config']
     mc = config_lib.model_config(c)
-    n_params = model_lib.num_params(mc)
-    kv_per_token = model_lib.kv_bytes_per_token(mc)
+    record = lambda key, default=np.nan: _spread(
+        [r['record'].get(key, default) for r in mine])
     rows.append(dict(
-        K=K, params=n_params, kv=kv_per_token, mlp=c.model.mlp_dim,
-        loss=_spread([r['record']['eval_loss'] for r in mine]),
-        bpb=_spread([r['record'].get('eval_bpb', np.nan) for r in mine]),
-        accuracy=_spread([r['record'].get('eval_accuracy', np.nan)
-                          for r in mine]),
+        K=K, params=model_lib.num_params(mc),
+        kv=model_lib.kv_bytes_per_token(mc), mlp=c.model.mlp_dim,
+        loss=record('eval_loss'), bpb=record('eval_bpb'),
+        accuracy=record('eval_accuracy'),
         first=_spread([r['record'].get('accuracy_by_query', [np.nan])[0]
                        for r in mine]),
+        mean_loss=np.mean([r['record']['eval_loss'] for r in mine]),
         train=np.mean([np.median([m['tokens_per_sec'] for m in r['metrics']])
                        for r in mine]),
         decode=decode[K],
         roofline=flops.decode_roofline_tokens_per_sec(
             mc, DECODE_BATCH, DECODE_CONTEXT, bandwidth,
             flops.peak_flops()[0])['roofline']))
+  return rows
+
+
+def _reading(rows, seeds: int) -> str:
+  """Two sentences on what the table says, from its numbers."""
+  best = min(rows, key=lambda r: r['mean_loss'])
+  worst = max(rows, key=lambda r: r['mean_loss'])
+  fastest = max(rows, key=lambda r: r['decode'])
+  slowest = min(rows, key=lambda r: r['decode'])
+  gap = worst['mean_loss'] - best['mean_loss']
+  return (f'Held-out loss is lowest for K={best["K"]} and highest for '
+          f'K={worst["K"]}, {gap:.3f} nats apart'
+          + (' (compare with the ± over seeds).' if seeds > 1 else
+             ' (one seed: rerun with --seeds=3 to see the spread).')
+          + f' Decoding is fastest with K={fastest["K"]}, '
+          f'{fastest["decode"] / slowest["decode"]:.1f}x K={slowest["K"]}.')
+
+
+def _report_lines(runs, rows, bandwidth, args) -> list[str]:
   c = runs[0]['config']
   recall = c.data.task == 'recall'
   lines = [
       '# Comparing MHA, GQA and MQA', '',
-      f'`python -m scripts.compare {" ".join(sys.argv[1:])}`: '
+      f'Made by `python -m scripts.compare {" ".join(sys.argv[1:])}`: '
       f'{c.model.num_layers} layers, d_model {c.model.d_model}, '
       f'{c.model.num_heads} query heads of {c.model.head_dim}; '
       f'{c.train.steps} steps of {c.train.batch_size} x {c.data.seq_len} '
@@ -163,6 +179,7 @@ def write_report(out, runs, decode, bandwidth, args):
       + f'. Compute dtype {c.model.dtype}. Decode: batch {DECODE_BATCH}, '
       f'context {DECODE_CONTEXT}; '
       f'read bandwidth {bandwidth / 1e9:.1f} GB/s.', '',
+      _reading(rows, args.seeds), '',
       (f'Data: the recall probe, {c.data.recall_pairs} key-value pairs per '
        'row; accuracy counts the answers only.' if recall else
        f'Data: {c.data.path or "the embedded stdlib corpus"} (bytes).'), '',
@@ -179,50 +196,62 @@ def write_report(out, runs, decode, bandwidth, args):
                  f'{r["roofline"]:,.0f} |')
   if recall:  # Later queries can be guessed by crossing out; not the first.
     lines += ['', 'Answer accuracy by query (1st ... last):', '']
-    for K in kvs:
-      by_query = np.mean([r['record']['accuracy_by_query'] for r in runs
-                          if r['K'] == K], axis=0)
-      lines.append(f'- K={K}: ' + ' '.join(f'{a:.2f}' for a in by_query))
-  lines += ['', '![loss](loss.png)', '', '![throughput](throughput.png)', '']
-  (out / 'report.md').write_text('\n'.join(lines))
+    for r in rows:
+      by_query = np.mean([run['record']['accuracy_by_query'] for run in runs
+                          if run['K'] == r['K']], axis=0)
+      lines.append(f'- K={r["K"]}: ' + ' '.join(f'{a:.2f}' for a in by_query))
+  return lines + ['', '![loss](loss.png)', '', '![throughput](throughput.png)',
+                  '']
 
-  fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-  for i, K in enumerate(kvs):
-    for r in (r for r in runs if r['K'] == K):
-      evals = [m for m in r['metrics'] if 'eval_loss' in m]
-      label = f'K={K}' if r['seed'] == 0 else None
-      by_step.plot([m['step'] for m in r['metrics']],
-                   [m['loss'] for m in r['metrics']], color=f'C{i}',
-                   alpha=0.4)
-      by_step.plot([m['step'] for m in evals], [m['eval_loss'] for m in evals],
-                   'o-', color=f'C{i}', label=label)
-      by_time.plot([m['train_seconds'] for m in evals],
-                   [m['eval_loss'] for m in evals], 'o-', color=f'C{i}',
-                   label=label)
+
+def _plot_loss(path, runs):
+  """Training loss (mean over seeds) and held-out loss with its seed band,
+  against step; the held-out loss of the last half, zoomed."""
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, (by_step, zoom) = plt.subplots(1, 2, figsize=(11, 4))
+  for i, K in enumerate(sorted({r['K'] for r in runs}, reverse=True)):
+    mine = [r for r in runs if r['K'] == K]
+    steps = [m['step'] for m in mine[0]['metrics']]
+    train = np.mean([[m['loss'] for m in r['metrics']] for r in mine], 0)
+    by_step.plot(steps, train, color=f'C{i}', alpha=0.4)
+    evals = [[m for m in r['metrics'] if 'eval_loss' in m] for r in mine]
+    at = [m['step'] for m in evals[0]]
+    held = np.array([[m['eval_loss'] for m in e] for e in evals])
+    for ax in (by_step, zoom):
+      ax.plot(at, held.mean(0), 'o-', color=f'C{i}', label=f'K={K}')
+      if len(mine) > 1:
+        ax.fill_between(at, held.min(0), held.max(0), color=f'C{i}',
+                        alpha=0.2)
+  last = max(m['step'] for r in runs for m in r['metrics'])
+  zoom.set_xlim(last / 2, last * 1.02)
+  zoom.autoscale(axis='y')
   by_step.set(xlabel='step', ylabel='loss (nats/token)',
-              title='train (faint) and held-out loss')
-  by_time.set(xlabel='training seconds', ylabel='held-out loss',
-              title='held-out loss against time')
+              title='train (faint) and held-out loss, band: seeds')
+  zoom.set(xlabel='step', ylabel='held-out loss (nats/token)',
+           title='held-out loss, second half')
   by_step.legend()
-  by_time.legend()
   fig.tight_layout()
-  fig.savefig(out / 'loss.png', dpi=100)
+  fig.savefig(path, dpi=100)
 
+
+def _plot_throughput(path, rows):
+  """Training tokens/s (bars), decode tokens/s and its roofline (points on
+  a log axis)."""
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, (train_ax, decode_ax) = plt.subplots(1, 2, figsize=(11, 4))
   names = [f'K={r["K"]}' for r in rows]
   train_ax.bar(names, [r['train'] for r in rows], color='C0')
   train_ax.set(ylabel='tokens/s', title='training throughput')
-  decode_ax.bar(names, [r['decode'] for r in rows], color='C1',
-                label='measured')
+  decode_ax.plot(names, [r['decode'] for r in rows], 'o', color='C1',
+                 markersize=10, label='measured')
   decode_ax.plot(names, [r['roofline'] for r in rows], 'k_', markersize=30,
                  mew=2, label='roofline (bytes or FLOPs, the lower)')
-  decode_ax.set(ylabel='tokens/s', yscale='log',
+  decode_ax.set(ylabel='tokens/s (log)', yscale='log',
                 title=f'decode (batch {DECODE_BATCH}, context '
                       f'{DECODE_CONTEXT})')
   decode_ax.legend()
   fig.tight_layout()
-  fig.savefig(out / 'throughput.png', dpi=100)
-
+  fig.savefig(path, dpi=100)
 
 if __name__ == '__main__':
   exit_on_user_error(main)

@@ -40,8 +40,7 @@ import numpy as np
 from scripts import study, timing
 from train import config_lib, loop
 from train import model as model_lib
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-                       int_list, positive_int)
+from train.cli import check_output_dir, exit_on_user_error, positive_int
 
 SHARES = (1, 2)
 CACHES = ('float', 'int8')
@@ -73,25 +72,18 @@ def variant_config(base: str, v: Variant, seed: int, steps: int,
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--out', required=True)
-  parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', type=int_list, default=None)
-  parser.add_argument('--seeds', type=positive_int, default=None)
-  parser.add_argument('--steps', type=positive_int, default=None)
+  parser = study.parser(__doc__, config='gqa_small',
+                        report_only='frontier.json in --out')
   parser.add_argument('--window', type=positive_int, default=64)
   parser.add_argument('--local_pattern', default='LLGG',
                       help="the pattern compared with all-global 'G'")
   parser.add_argument('--repeats', type=positive_int, default=None,
                       help='timed decode runs per variant (median; 3, --quick 2)')
-  parser.add_argument('--quick', action='store_true')
-  parser.add_argument('--report_only', action='store_true',
-                      help='rebuild report.md and the plot from frontier.json')
   args = parser.parse_args()
   check_output_dir(args.out)
   out = pathlib.Path(args.out)
   if args.report_only:
-    result = json.loads((out / 'frontier.json').read_text())
+    result = study.saved(out / 'frontier.json')
     write(out, result, ('G', result.get('local_pattern', 'LLGG')))
     return
   num_heads = config_lib.load(args.config).model.num_heads

@@ -64,12 +64,6 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
   except ImportError as e:
     raise UserError(f'{e.name} is not installed; make_hf_model needs the '
                     "test extra: pip install -e '.[test]'") from None
-  config_class = {
-      'llama': transformers.LlamaConfig, 'mistral': transformers.MistralConfig,
-      'qwen2': transformers.Qwen2Config, 'qwen3': transformers.Qwen3Config,
-      'ministral': transformers.MinistralConfig,
-      'gemma': transformers.GemmaConfig, 'gemma2': transformers.Gemma2Config,
-      'gemma3_text': transformers.Gemma3TextConfig}[family]
   fields = dict(
       vocab_size=vocab_size, hidden_size=d_model, intermediate_size=mlp_dim,
       num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -97,7 +91,7 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
     fields['layer_types'] = layer_types
   fields.update(config_fields)
   torch.manual_seed(seed)
-  config = config_class(**fields)
+  config = transformers.AutoConfig.for_model(family, **fields)
   model = transformers.AutoModelForCausalLM.from_config(
       config, dtype=getattr(torch, dtype))
   with torch.no_grad():  # Norm weights random too, so that a mix-up shows.

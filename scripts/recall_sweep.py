@@ -34,10 +34,11 @@ import time
 import jax
 import numpy as np
 
+from scripts import study
 from train import config_lib, data, loop, progress
 from train import model as model_lib
 from train.errors import UserError
-from train.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
+from train.cli import exit_on_user_error, int_list, positive_int
 from train.model import Transformer
 
 SOLVED = 0.99  # Every query at least this: the run stops.
@@ -122,22 +123,45 @@ def learning_curve(runs) -> tuple[list[int], list[float]]:
                  for i in range(len(steps))]
 
 
+def _first(cell: dict) -> list[float]:
+  """A cell's first-query accuracy, one a seed."""
+  return [r['first'] for r in cell['runs']]
+
+
 def write_report(out: pathlib.Path, cells: list[dict], meta: dict):
+  """report.md (the command, a reading, the table) and recall.png."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   kvs = sorted({c['K'] for c in cells}, reverse=True)
   dims = sorted({c['H'] for c in cells}, reverse=True)
   cell = {(c['K'], c['H']): c for c in cells}
-  first = lambda c: [r['first'] for r in c['runs']]
+  (out / 'report.md').write_text('\n'.join(
+      _report_lines(cell, kvs, dims, meta)))
+  _plot(out / 'recall.png', cell, kvs, dims)
 
+
+def _reading(cell, kvs, dims) -> str:
+  """Two sentences on the table, from its numbers."""
+  means = {key: np.mean(_first(c)) for key, c in cell.items()}
+  (K_lo, H_lo), (K_hi, H_hi) = (min(means, key=means.get),
+                                max(means, key=means.get))
+  by_h = ', '.join(f'H={H}: {min(means[K, H] for K in kvs):.2f}-'
+                   f'{max(means[K, H] for K in kvs):.2f}' for H in dims)
+  return (f'First-query accuracy runs from {means[K_lo, H_lo]:.2f} (K={K_lo}, '
+          f'H={H_lo}) to {means[K_hi, H_hi]:.2f} (K={K_hi}, H={H_hi}); over '
+          f'K at each head size, {by_h}. Compare a difference with the '
+          'spread over seeds before reading it as an effect of K.')
+
+
+def _report_lines(cell, kvs, dims, meta) -> list[str]:
   lines = [
       '# Recall against num_kv_heads', '',
-      f'`python -m scripts.recall_sweep {" ".join(meta["argv"])}`: '
+      f'Made by `python -m scripts.recall_sweep {" ".join(meta["argv"])}`: '
       f'{meta["description"]}; {meta["model"]}. At most {meta["steps"]} '
       f'steps of {meta["batch_size"]} rows per run (stopped once every query '
       f'is at ≥ {SOLVED}), {meta["seeds"]} seeds per cell, '
       f'{meta["minutes"]:.1f} minutes in all.', '',
+      _reading(cell, kvs, dims), '',
       'First-query accuracy (retrieval alone; chance 1/P = '
       f'{1 / meta["pairs"]:.3f}), mean ± spread over seeds; in brackets how '
       f'many seeds reached {REACHED} on it, and their median step. KV cache '
@@ -150,17 +174,21 @@ def write_report(out: pathlib.Path, cells: list[dict], meta: dict):
       runs = cell[K, H]['runs']
       reached = [r['reached'] for r in runs if r['reached'] is not None]
       median = f', step {int(np.median(reached))}' if reached else ''
-      row.append(f'{_mean_spread(first(cell[K, H]))} '
+      row.append(f'{_mean_spread(_first(cell[K, H]))} '
                  f'({len(reached)}/{len(runs)}{median})')
     lines.append(f'| {H} | ' + ' | '.join(row) + ' |')
   lines.append('| KV bytes/token at H=' + ', '.join(map(str, dims)) + ' | '
                + ' | '.join(', '.join(f'{cell[K, H]["kv_bytes"]:,.0f}'
                                       for H in dims) for K in kvs) + ' |')
-  lines += ['', '![recall](recall.png)', '']
-  (out / 'report.md').write_text('\n'.join(lines))
+  return lines + ['', '![recall](recall.png)', '']
 
+
+def _plot(path, cell, kvs, dims):
+  """Accuracy by (K, H), against KV bytes (error bars: the seeds' sd,
+  clipped to [0, 1]), and learning curves."""
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, (heat, curves, learning) = plt.subplots(1, 3, figsize=(16, 4))
-  means = np.array([[np.mean(first(cell[K, H])) for K in kvs] for H in dims])
+  means = np.array([[np.mean(_first(cell[K, H])) for K in kvs] for H in dims])
   image = heat.imshow(means, vmin=0, vmax=1, cmap='viridis')
   for i in range(len(dims)):
     for j in range(len(kvs)):
@@ -172,12 +200,14 @@ def write_report(out: pathlib.Path, cells: list[dict], meta: dict):
   fig.colorbar(image, ax=heat)
   for i, H in enumerate(dims):
     kv_bytes = [cell[K, H]['kv_bytes'] for K in kvs]
-    values = [first(cell[K, H]) for K in kvs]
-    curves.errorbar(kv_bytes, [np.mean(v) for v in values],
-                    yerr=[np.std(v) for v in values], fmt='o-', color=f'C{i}',
-                    capsize=3, label=f'H={H}')
-  all_bytes = sorted({c['kv_bytes'] for c in cells})
-  curves.set(xscale='log', xlabel='KV cache bytes per token (K x H)',
+    mean = np.array([np.mean(_first(cell[K, H])) for K in kvs])
+    sd = np.array([np.std(_first(cell[K, H])) for K in kvs])
+    curves.errorbar(kv_bytes, mean, fmt='o-', color=f'C{i}', capsize=3,
+                    label=f'H={H}', yerr=[np.minimum(sd, mean),
+                                          np.minimum(sd, 1 - mean)])
+  all_bytes = sorted({c['kv_bytes'] for c in cell.values()})
+  curves.set(xscale='log',
+             xlabel='KV cache bytes per token (float32, all layers)',
              ylabel='first-query accuracy', ylim=(0, 1.05),
              title='accuracy against KV memory')
   curves.set_xticks(all_bytes, [f'{b:,}' for b in all_bytes])
@@ -191,35 +221,24 @@ def write_report(out: pathlib.Path, cells: list[dict], meta: dict):
                ylim=(0, 1.05), title='learning curves')
   learning.legend(fontsize=7, ncol=2)
   fig.tight_layout()
-  fig.savefig(out / 'recall.png', dpi=100)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--out', required=True)
-  parser.add_argument('--config', default='recall')
-  parser.add_argument('--kv_heads', type=int_list, default=None,
-                      help="default: N, N/2, N/4 and 1 of the config's N")
+  parser = study.parser(
+      __doc__, config='recall', seeds=3, report_only='OUT/sweep.json',
+      helps=dict(kv_heads="default: N, N/2, N/4 and 1 of the config's N",
+                 steps='most steps per run; default 1200 (--quick: 500)'))
   parser.add_argument('--head_dims', type=int_list, default=None,
                       help='default: 16,8 (--quick: 16)')
-  parser.add_argument('--seeds', type=positive_int, default=3)
-  parser.add_argument('--steps', type=positive_int, default=None,
-                      help='most steps per run; default 1200 (--quick: 500)')
   parser.add_argument('--d_model', type=int, default=64,
                       help="model width (MLP twice it); 0: the config's")
   parser.add_argument('--eval_every', type=positive_int, default=100)
-  parser.add_argument('--quick', action='store_true')
-  parser.add_argument('--report_only', action='store_true',
-                      help='rewrite the report from OUT/sweep.json')
   args = parser.parse_args()
   out = pathlib.Path(args.out)
   if args.report_only:
-    saved = out / 'sweep.json'
-    if not saved.exists():
-      raise UserError(f'{saved} not found: --report_only rewrites the report '
-                      'of a finished sweep; run without it first')
-    sweep = json.loads(saved.read_text())
+    sweep = study.saved(out / 'sweep.json')
     write_report(out, sweep['cells'], sweep['meta'])
     print(f'wrote {out}/report.md')
     return

@@ -4,6 +4,7 @@ bandwidth, and a model's decode step as `train.sample` runs it."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import time
 
 import flax.linen as nn
@@ -70,3 +71,19 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
       model, params, cache, token_B, rngs, temperature=0.0, top_k=0)[0])
   token = jnp.zeros((batch,), jnp.int32)
   return median_time(lambda: run(cache, token), repeats) / steps
+
+
+def replace_section(path: str, title: str, body: str):
+  """Writes `## title` + body into the markdown file at path, replacing that
+  section (up to the next `## `) if present, else appending it."""
+  p = pathlib.Path(path)
+  text = p.read_text() if p.exists() else ''
+  head = f'## {title}\n'
+  block = f'{head}\n{body}\n'
+  if head in text:
+    start = text.index(head)
+    end = text.find('\n## ', start + len(head))
+    text = text[:start] + block + (text[end + 1:] if end >= 0 else '')
+  else:
+    text = text.rstrip('\n') + ('\n\n' if text else '') + block
+  p.write_text(text)

@@ -40,8 +40,7 @@ from scripts import study, uptrain_report
 from scripts.uptrain_report import METHODS, RECIPES, SCRATCH_ALPHA
 from train import config_lib, convert, loop, progress
 from train.errors import UserError
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-                       float_list, int_list, positive_int)
+from train.cli import check_output_dir, exit_on_user_error, float_list
 from train.metrics import read_metrics
 
 CURVE_POINTS = 8  # Evaluations along the largest alpha's runs.
@@ -200,17 +199,12 @@ def run_study(out: pathlib.Path, config, kv_heads, alphas, seeds) -> dict:
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--out', required=True)
-  parser.add_argument('--config', default='uptrain_source',
-                      help='the source\'s config (K is set to its N)')
-  parser.add_argument('--steps', type=positive_int, default=None,
-                      help='source steps (default: the config\'s)')
-  parser.add_argument('--kv_heads', type=int_list, default=None,
-                      help='targets (default: N/4 and 1)')
+  parser = study.parser(
+      __doc__, config='uptrain_source', helps=dict(
+          config="the source's config (K is set to its N)",
+          steps="source steps (default: the config's)",
+          kv_heads='targets (default: N/4 and 1)'))
   parser.add_argument('--alphas', type=float_list, default=None)
-  parser.add_argument('--seeds', type=positive_int, default=None)
-  parser.add_argument('--quick', action='store_true')
   args = parser.parse_args()
   check_output_dir(args.out)
   quick = args.quick

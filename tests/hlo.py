@@ -1,7 +1,9 @@
-"""Reading compiled HLO text in tests: which float arrays a program holds."""
+"""Reading programs in tests: compiled HLO text (which float arrays a program
+holds) and StableHLO lowered for another platform with `jax.export`."""
 
 import re
 
+import jax
 import numpy as np
 
 _ARRAY = re.compile(r'%[\w.\-]+ = (?:f32|bf16|f16)\[([\d,]*)\]\{[\d,]*\} '
@@ -25,3 +27,32 @@ def element_counts(compiled_text: str, dtypes=('f32', 'bf16', 'f16')
 def copies_of_size(compiled_text: str, size: int) -> int:
   """How many copy instructions produce an array of `size` elements."""
   return sum(op == 'copy' and n == size for op, n in arrays(compiled_text))
+
+
+def lowered(fn, *args, platform: str) -> str:
+  """The StableHLO text of jit(fn)(*args) exported for `platform` ('tpu',
+  'cuda'), on this host."""
+  return jax.export.export(jax.jit(fn), platforms=[platform])(
+      *args).mlir_module()
+
+
+def big_shapes(module_text: str, threshold: int) -> list[tuple[str, str]]:
+  """(op, shape) of the StableHLO transposes, broadcasts, copies and
+  converts of >= threshold elements."""
+  found = []
+  for line in module_text.splitlines():
+    op = re.search(r'stablehlo\.(transpose|broadcast_in_dim|copy|convert)',
+                   line)
+    if not op:
+      continue
+    for dims in re.findall(r'tensor<([\dx]+)x(?:bf16|f32|i8)>', line):
+      if np.prod([int(d) for d in dims.split('x')]) >= threshold:
+        found.append((op.group(1), dims))
+  return found
+
+
+def grouped_matmuls(module_text: str, K: int, G: int) -> int:
+  """How many dot_generals take a [.., K, G, ..] (grouped query) operand:
+  the einsum over a query viewed as [B, T, K, G, H]."""
+  return sum(f'x{K}x{G}x' in line for line in module_text.splitlines()
+             if 'stablehlo.dot_general' in line)

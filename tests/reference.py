@@ -52,3 +52,13 @@ def reference_attention(query, key, value, *, mask=None, is_causal=False,
   return attention_repeated(
       query, jnp.repeat(key, N // K, axis=2), jnp.repeat(value, N // K, axis=2),
       allowed, scale=scale, logits_soft_cap=logits_soft_cap)
+
+
+def inputs(B, T, S, N, K, H, dtype=jnp.float32, seed=0):
+  """Normal (query [B, T, N, H], key and value [B, S, K, H], a float32
+  cotangent [B, T, N, H] for the gradients)."""
+  kq, kk, kv, kg = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(kq, (B, T, N, H), dtype),
+          jax.random.normal(kk, (B, S, K, H), dtype),
+          jax.random.normal(kv, (B, S, K, H), dtype),
+          jax.random.normal(kg, (B, T, N, H), jnp.float32))

@@ -22,7 +22,7 @@ import pytest
 
 from attention import Attention, core, dot_product_attention, splash
 from configs import gqa_base, mha_base, mqa_base
-from tests import reference
+from tests import hlo, reference
 from train import config_lib, loop, sample
 from train.model import Transformer, unroll_layers
 
@@ -31,16 +31,7 @@ KERNEL = 'tpu_custom_call'  # How a Pallas TPU (Mosaic) kernel is lowered.
 
 
 def _inputs(K, T, S, dtype=jnp.float32):
-  kq, kk, kv, kg = jax.random.split(jax.random.key(K * 1000 + T + S), 4)
-  return (jax.random.normal(kq, (B, T, N, H), dtype),
-          jax.random.normal(kk, (B, S, K, H), dtype),
-          jax.random.normal(kv, (B, S, K, H), dtype),
-          jax.random.normal(kg, (B, T, N, H), jnp.float32))
-
-
-def _lowered(fn, *args, platform):
-  return jax.export.export(jax.jit(fn), platforms=[platform])(
-      *args).mlir_module()
+  return reference.inputs(B, T, S, N, K, H, dtype, seed=K * 1000 + T + S)
 
 
 class SplashTest(chex.TestCase):
@@ -73,12 +64,12 @@ class SplashTest(chex.TestCase):
                                 'multiples of 128'):
       dot_product_attention(q, k, v, is_causal=True, implementation='splash')
     auto = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True)
-    self.assertNotIn(KERNEL, _lowered(auto, q, k, v, platform='tpu'))
+    self.assertNotIn(KERNEL, hlo.lowered(auto, q, k, v, platform='tpu'))
     chex.assert_trees_all_close(
         auto(q, k, v), reference.reference_attention(q, k, v, is_causal=True),
         atol=2e-5)
     q, k, v, _ = _inputs(2, 256, 256)  # The control: a multiple of 128.
-    self.assertIn(KERNEL, _lowered(auto, q, k, v, platform='tpu'))
+    self.assertIn(KERNEL, hlo.lowered(auto, q, k, v, platform='tpu'))
 
   def test_block_sizes_are_the_largest_that_divide(self):
     self.assertEqual(splash.block_size(8192), 512)
@@ -108,7 +99,7 @@ def test_each_platform_chooses_its_kernel():
   assert chosen(256, 256, mask=jnp.ones((B, 256), bool))['tpu'] == 'xla'
   # Decoding: the grouped einsum reads the cache in place on accelerators.
   assert chosen(1, 1024, is_causal=True) == {
-      'cpu': 'decode', 'tpu': 'xla', 'cuda': 'xla'}
+      'cpu': 'short_query', 'tpu': 'xla', 'cuda': 'xla'}
 
 
 @pytest.mark.cpu_only  # What a host without cuDNN chooses.
@@ -133,12 +124,16 @@ def test_attention_and_gradient_lower_for_tpu_with_the_kernel_and_for_cuda(K):
   fwd_bwd = lambda q, k, v: jax.value_and_grad(
       lambda q, k, v: dot_product_attention(q, k, v, is_causal=True).astype(
           jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
-  tpu = _lowered(fwd_bwd, q, k, v, platform='tpu')
+  tpu = hlo.lowered(fwd_bwd, q, k, v, platform='tpu')
   assert tpu.count(KERNEL) >= 3  # Forward, dQ and dK/dV kernels.
   # No N-head copy of K or V, [B, S, N, H] or heads-major: GQA stays native.
   copies = [f'tensor<{B}x512x{N}x{H}x', f'tensor<{B}x{N}x512x{H}x']
   assert K == N or not any(c in tpu for c in copies)
-  assert _lowered(fwd_bwd, q, k, v, platform='cuda')
+  # CUDA without cuDNN at trace time: the grouped einsum, forward and
+  # backward, with no N-head copy of K or V either.
+  cuda = hlo.lowered(fwd_bwd, q, k, v, platform='cuda')
+  assert hlo.grouped_matmuls(cuda, K, N // K) >= 2
+  assert K == N or not any(c in cuda for c in copies)
 
 
 def test_attention_module_lowers_for_tpu_with_the_kernel():
@@ -147,8 +142,9 @@ def test_attention_module_lowers_for_tpu_with_the_kernel():
   x = jnp.zeros((2, 256, 64), jnp.bfloat16)
   params = layer.init(jax.random.key(0), x)['params']
   apply = lambda p, x: layer.apply({'params': p}, x)
-  assert KERNEL in _lowered(apply, params, x, platform='tpu')
-  assert _lowered(apply, params, x, platform='cuda')
+  assert KERNEL in hlo.lowered(apply, params, x, platform='tpu')
+  cuda = hlo.lowered(apply, params, x, platform='cuda')
+  assert KERNEL not in cuda and hlo.grouped_matmuls(cuda, 2, N // 2) >= 1
 
 
 @pytest.mark.parametrize('base', [mha_base, gqa_base, mqa_base],
@@ -163,23 +159,10 @@ def test_base_train_steps_lower_for_tpu_with_the_kernel_and_for_cuda(base):
   tokens = jax.ShapeDtypeStruct((8, config.data.seq_len + 1), jnp.int32)
   step = lambda s, b: loop.train_step(s, b, model=model, tx=tx,
                                       accum_steps=1)
-  assert KERNEL in _lowered(step, state, tokens, platform='tpu')
-  assert _lowered(step, state, tokens, platform='cuda')
-
-
-def _big_shapes(module_text, threshold):
-  """(op, shape) of transposes, broadcasts, copies and converts of >=
-  threshold elements."""
-  found = []
-  for line in module_text.splitlines():
-    op = re.search(r'stablehlo\.(transpose|broadcast_in_dim|copy|convert)',
-                   line)
-    if not op:
-      continue
-    for dims in re.findall(r'tensor<([\dx]+)x(?:bf16|f32|i8)>', line):
-      if np.prod([int(d) for d in dims.split('x')]) >= threshold:
-        found.append((op.group(1), dims))
-  return found
+  assert KERNEL in hlo.lowered(step, state, tokens, platform='tpu')
+  cuda = hlo.lowered(step, state, tokens, platform='cuda')
+  N, K = mc.num_heads, mc.num_kv_heads
+  assert KERNEL not in cuda and hlo.grouped_matmuls(cuda, K, N // K) >= 2
 
 
 @pytest.mark.parametrize('options', [
@@ -196,23 +179,23 @@ def test_decode_step_lowered_for_tpu_copies_no_cache_sized_buffer(options):
                          jnp.zeros((batch, max_len, D), jnp.bfloat16))
   step = lambda cache, x: layer.apply(
       {'params': variables['params'], 'cache': cache}, x, mutable=['cache'])
-  text = _lowered(step, variables['cache'], jnp.zeros((batch, 1, D),
+  text = hlo.lowered(step, variables['cache'], jnp.zeros((batch, 1, D),
                                                       jnp.bfloat16),
                   platform='tpu')
   cache_size = variables['cache']['cached_value'].size
   assert cache_size == batch * K * H * options.get('local_window', max_len)
-  assert not _big_shapes(text, cache_size)
+  assert not hlo.big_shapes(text, cache_size)
   # The control: copying K/V per query head, the seeds' method, is caught.
   cache = jnp.zeros((batch, max_len, K, H), jnp.bfloat16)
   repeat = lambda q, k, v: reference.attention_repeated(
       q, jnp.repeat(k, N // K, 2), jnp.repeat(v, N // K, 2),
       jnp.ones((batch, N, 1, max_len), bool))
-  control = _lowered(repeat, jnp.zeros((batch, 1, N, H), jnp.bfloat16),
+  control = hlo.lowered(repeat, jnp.zeros((batch, 1, N, H), jnp.bfloat16),
                      cache, cache, platform='tpu')
-  assert _big_shapes(control, cache_size)
+  assert hlo.big_shapes(control, cache_size)
   # And a dequantized copy of an int8 cache would be.
   dequantize = lambda c: c.astype(jnp.bfloat16) * 2
-  assert _big_shapes(_lowered(dequantize, jnp.zeros((batch, max_len, K, H),
+  assert hlo.big_shapes(hlo.lowered(dequantize, jnp.zeros((batch, max_len, K, H),
                                                     jnp.int8),
                               platform='tpu'), cache_size)
 
@@ -234,9 +217,9 @@ def test_model_decode_step_with_patterns_sharing_and_int8_lowers_for_tpu_in_plac
   cache = sample.empty_cache(model, batch)
   step = lambda params, cache, token: model.apply(
       {'params': params, 'cache': cache}, token, mutable=['cache'])
-  text = _lowered(step, params, cache, jnp.zeros((batch, 1), jnp.int32),
+  text = hlo.lowered(step, params, cache, jnp.zeros((batch, 1), jnp.int32),
                   platform='tpu')
-  assert not _big_shapes(text, batch * 2 * H * 256)
+  assert not hlo.big_shapes(text, batch * 2 * H * 256)
 
 
 @pytest.mark.slow

@@ -14,11 +14,7 @@ B, N, H = 2, 8, 16
 
 
 def _inputs(K, T, S, dtype=jnp.float32):
-  kq, kk, kv, kg = jax.random.split(jax.random.key(0), 4)
-  return (jax.random.normal(kq, (B, T, N, H), dtype),
-          jax.random.normal(kk, (B, S, K, H), dtype),
-          jax.random.normal(kv, (B, S, K, H), dtype),
-          jax.random.normal(kg, (B, T, N, H), jnp.float32))
+  return reference.inputs(B, T, S, N, K, H, dtype)
 
 
 class BlockwiseTest(chex.TestCase):

@@ -29,12 +29,7 @@ CASES = [(f'{v}_{o}', k, opts) for v, k in KV_HEADS for o, opts in OPTIONS]
 
 
 def _inputs(K, dtype=jnp.float32, t=T, s=S, seed=0):
-  kq, kk, kv, kg = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(kq, (B, t, N, H), dtype)
-  k = jax.random.normal(kk, (B, s, K, H), dtype)
-  v = jax.random.normal(kv, (B, s, K, H), dtype)
-  cotangent = jax.random.normal(kg, (B, t, N, H), jnp.float32)
-  return q, k, v, cotangent
+  return reference.inputs(B, t, s, N, K, H, dtype, seed)
 
 
 def _padding(s=S):
@@ -52,7 +47,7 @@ class DotProductAttentionTest(chex.TestCase):
   @chex.variants(with_jit=True)
   @parameterized.named_parameters(*CASES)
   def test_decode_path_matches_reference_forward_and_gradients(self, K, opts):
-    self._check_against_reference(K, opts, 'decode')
+    self._check_against_reference(K, opts, 'short_query')
 
   def _check_against_reference(self, K, opts, implementation):
     opts = dict(opts)
@@ -198,7 +193,7 @@ def _hlo_element_counts(fn, *args):
   return hlo.element_counts(jax.jit(fn).lower(*args).compile().as_text())
 
 
-@pytest.mark.parametrize('implementation', ['xla', 'decode'])
+@pytest.mark.parametrize('implementation', ['xla', 'short_query'])
 @pytest.mark.parametrize('K', [2, 1])
 @pytest.mark.parametrize('is_causal', [False, True])
 def test_compiled_function_never_copies_kv_per_query_head(K, is_causal,

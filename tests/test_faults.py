@@ -6,6 +6,7 @@ checkpoints and metrics, out-of-range settings, non-text data, and kills at
 random moments (SIGKILL, mid-save included) that must resume bit-identically.
 """
 
+import errno
 import io
 import os
 import pathlib
@@ -208,6 +209,27 @@ def test_train_main_falls_back_to_the_newest_intact_checkpoint(
   assert (copy / checkpoint.UNREADABLE_DIR / '20' / 'default').is_dir()
   chex.assert_trees_all_equal(checkpoint.restore_latest(str(copy)),
                               checkpoint.restore_latest(str(two_checkpoints)))
+
+
+@pytest.mark.parametrize('error', [
+    OSError(errno.EIO, 'Input/output error'), PermissionError('denied'),
+    TimeoutError('the bucket did not answer')])
+def test_a_storage_fault_while_resuming_moves_nothing(
+    two_checkpoints, tmp_path, monkeypatch, error):
+  """A transient read error is not a damaged checkpoint: the run stops
+  with one line and every checkpoint stays where it is."""
+  copy = tmp_path / 'w'
+  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  def fail(*args, **kwargs):
+    raise RuntimeError('restore failed') from error
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'restore', fail)
+  with pytest.raises(UserError, match=r'checkpoint step 20 in .* could not '
+                     r'be read \(.+\), which looks like a storage fault.*'
+                     'nothing was moved'):
+    loop.train_and_evaluate(_config(), str(copy))
+  assert sorted(p.name for p in (copy / 'checkpoints').iterdir()) == [
+      '10', '20']
+  assert not (copy / checkpoint.UNREADABLE_DIR).exists()
 
 
 def test_a_corrupt_checkpoint_is_one_warning_line_on_stderr_and_no_traceback(

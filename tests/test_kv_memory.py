@@ -43,7 +43,7 @@ def _config(layout, num_layers=4, kv_cache_dtype=None, **model):
   config.model.update(num_layers=num_layers, attention_pattern=pattern,
                       local_window=window, kv_share=share, scan_layers=scan,
                       kv_cache_dtype=kv_cache_dtype,
-                      **CONVENTIONS.get(layout, {}), **model)
+                      **{**CONVENTIONS.get(layout, {}), **model})
   config_lib.validate(config, batch_shards=1)
   return config
 
@@ -241,10 +241,19 @@ def test_pooling_kv_heads_converts_every_layer_that_owns_k_and_v():
   assert np.all(np.isfinite(logits))
 
 
-def test_hugging_face_export_refuses_what_no_architecture_computes():
-  """Mixed local/global layers wait for Gemma 2/3 export; no HF family
-  shares K/V across layers."""
-  for layout, named in (('gemma2_LG', "attention_pattern='LG'"),
+def test_hugging_face_export_takes_local_layers_but_not_shared_kv():
+  """Mixed local/global layers export as Gemma 2/3 (with their post-norms)
+  or Ministral; Gemma 1 has no window, and no HF family shares K/V."""
+  assert hf.family_of(config_lib.model_config(_config(
+      'gemma2_LG', post_norms=True))) == 'gemma2'
+  gemma3 = config_lib.model_config(_config('gemma3_conventions',
+                                           logits_soft_cap=None))
+  assert hf.family_of(gemma3) == 'gemma3_text'
+  llama = dict(mlp_activation='silu', norm_scale_offset=0.0,
+               embed_scale=False, tied_logits_scale=False)
+  assert hf.family_of(config_lib.model_config(_config(
+      'gemma2_LG', **llama))) == 'ministral'
+  for layout, named in (('gemma2_LG', 'model.local_window in a gemma model'),
                         ('cla2', 'kv_share=2')):
     mc = config_lib.model_config(_config(layout))
     with pytest.raises(UserError, match=named):

@@ -148,7 +148,7 @@ class AttentionTest(chex.TestCase):
       cache_BSKH = jax.lax.dynamic_update_slice(cache_BSKH, new_BTKH,
                                                 (0, i, 0, 0))
       return cache_BSKH, dot_product_attention(
-          q_BTNH, cache_BSKH, cache_BSKH, implementation='decode')
+          q_BTNH, cache_BSKH, cache_BSKH, implementation='short_query')
     self.assertGreater(_copies_of_size(
         jax.jit(four_d, donate_argnums=0), cache_size,
         jnp.zeros((B, 64, K, H)), jnp.ones((B, 1, K, H)),

@@ -12,7 +12,7 @@ import pytest
 
 from configs import tiny
 from train import checkpoint, config_lib, loop, sample
-from train.model import Transformer, unroll_layers
+from train.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -49,20 +49,6 @@ def test_greedy_decoding_with_the_cache_equals_full_passes(
                              max_new_tokens=12, temperature=0.0, top_k=0)
   np.testing.assert_array_equal(
       cached, _greedy_by_full_passes(model, params, prompt, 12))
-
-
-def test_unrolled_layers_are_the_same_network():
-  mc = config_lib.model_config(tiny.get_config())
-  assert mc.scan_layers
-  model = Transformer(mc)
-  params = nn.unbox(loop.init_params(model, seed=1))
-  unrolled, unrolled_params = unroll_layers(model, params)
-  assert not unrolled.config.scan_layers
-  assert 'layers' not in unrolled_params
-  tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
-  np.testing.assert_allclose(
-      unrolled.apply({'params': unrolled_params}, tokens),
-      model.apply({'params': params}, tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_samples_only_among_the_k_likeliest():

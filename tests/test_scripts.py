@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attention import dot_product_attention
-from scripts import bench_attention, compare, kv_frontier, recall_sweep
+from scripts import bench_attention, compare, kv_frontier, recall_sweep, timing
 from train import config_lib, loop
 from train.model import Transformer
 
@@ -34,6 +34,28 @@ def test_the_repeat_kv_peer_computes_the_same_attention():
   np.testing.assert_allclose(
       bench_attention.repeat_kv_attention(q, k, v),
       dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
+
+
+def test_a_benchmark_rewrites_its_own_sections_of_benchmarks_md(tmp_path):
+  """bench_attention --markdown replaces its two sections and keeps the
+  others (the training step's, the GPU notes) as they were."""
+  path = tmp_path / 'BENCHMARKS.md'
+  path.write_text('# Benchmarks\n\n## Training shapes (causal; B=8, N=8, '
+                  'H=64)\n\nold table\n\n## Training step: train.main '
+                  'against PyTorch\n\nkept\n')
+  env = dict(machine='cpu', jax='0', torch=None, dtype='float32',
+             read_bandwidth_GBps=10.0)
+  rows = [dict(shape='train', T=512, K=2, mode='fwd', ours=0.1, **{
+      'jax.nn': 0.2, 'repeat': 0.3, 'ours/best_peer': 0.5}),
+          dict(shape='decode', K=2, seconds=0.01, bytes_per_sec=1e9,
+               fraction_of_bandwidth=0.1, speedup_vs_mha=2.0)]
+  for title, body in bench_attention.markdown(env, rows, '--x').items():
+    timing.replace_section(str(path), title, body)
+  text = path.read_text()
+  assert 'old table' not in text and '| 512 | 2 | fwd | 100.0 |' in text
+  assert text.count('Written by `python -m scripts.bench_attention --x`') == 2
+  assert '## Training step: train.main against PyTorch\n\nkept\n' in text
+  assert text.index('## Decode shapes') > text.index('## Training step')
 
 
 @pytest.mark.parametrize('K', [4, 2, 1])

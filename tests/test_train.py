@@ -20,7 +20,7 @@ from configs import tiny
 from train import checkpoint, config_lib, data, flops, loop
 from train import model as model_lib
 from train.errors import UserError
-from train.model import Transformer
+from train.model import Transformer, unroll_layers
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -160,6 +160,8 @@ def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path):
     (['--config=nope'], "unknown config 'nope'; known: gqa_base"),
     (['--config=tiny', '--config.model.nope=1'],
      "unknown config field 'nope'"),
+    (['--config=tiny', '--config.modle.steps=1'],
+     "unknown config field 'modle'"),
     (['--config=tiny', '--config.train.steps=ten'], 'config.train.steps=ten'),
     (['--config=tiny', '--config.model.num_kv_heads=3'],
      'model.num_heads=4 is not divisible by model.num_kv_heads=3'),
@@ -388,17 +390,21 @@ def test_scan_unroll_changes_neither_parameters_nor_outputs():
 
 
 @pytest.mark.slow
-def test_scanned_and_unrolled_layers_give_the_same_outputs():
-  config = _model_config(num_layers=3, d_model=32, num_heads=4,
-                         num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16)
+@pytest.mark.parametrize('layers', [
+    dict(num_layers=3),
+    dict(num_layers=4, attention_pattern='LLGG', local_window=4, kv_share=2)])
+def test_scanned_and_unrolled_layers_give_the_same_outputs(layers):
+  """unroll_layers (decoding's) moves layer i's slice of the stacked
+  parameters, or of its group's, to layers_i: the same network."""
+  config = _model_config(d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                         mlp_dim=64, max_len=16, scan_unroll=1, **layers)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
-  scanned = Transformer(dataclasses.replace(config, scan_unroll=1))  # A loop.
+  scanned = Transformer(config)
   params = nn.unbox(scanned.init(jax.random.key(1), tokens)['params'])
-  unrolled = Transformer(dataclasses.replace(config, scan_layers=False))
-  unrolled_params = {k: v for k, v in params.items() if k != 'layers'}
-  for i in range(3):
-    unrolled_params[f'layers_{i}'] = jax.tree.map(lambda x: x[i],
-                                                  params['layers'])
+  unrolled, unrolled_params = unroll_layers(scanned, params)
+  assert not unrolled.config.scan_layers and 'layers' not in unrolled_params
+  assert sorted(k for k in unrolled_params if k.startswith('layers_')) == [
+      f'layers_{i}' for i in range(config.num_layers)]
   chex.assert_trees_all_close(
       jax.jit(unrolled.apply)({'params': unrolled_params}, tokens),
       jax.jit(scanned.apply)({'params': params}, tokens), atol=1e-5)

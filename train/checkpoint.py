@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import pathlib
@@ -87,6 +88,12 @@ class Checkpointer:
       except UserError:
         raise
       except Exception as e:  # pylint: disable=broad-except
+        if _transient(e):  # The files may be fine: move nothing.
+          raise UserError(
+              f'checkpoint step {step} in {self.directory} could not be read '
+              f'({_cause(e)}), which looks like a storage fault rather than '
+              'a damaged checkpoint; nothing was moved: check the disk or '
+              'mount and rerun') from None
         moved = self._move_aside(step)
         warn(f'warning: checkpoint step {step} cannot be read '
              f'({_cause(e)}); moved it to {moved}, trying the one before')
@@ -222,6 +229,26 @@ def _flatten(tree):
   name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(
       k, 'name', k))))
   return [(''.join(f'[{name(k)!r}]' for k in p), leaf) for p, leaf in flat]
+
+
+# Errors of the storage rather than of the bytes read: a checkpoint that
+# raises one is not moved aside as unreadable.
+_TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ESTALE,
+                     errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTUNREACH,
+                     errno.ECONNRESET, errno.ENOMEM}
+
+
+def _transient(error: BaseException) -> bool:
+  """Whether `error`, or one it was raised from, is a storage fault: a
+  permission, time-out, connection or I/O error."""
+  while error is not None:
+    if isinstance(error, (PermissionError, TimeoutError, ConnectionError,
+                          InterruptedError, MemoryError)) or (
+                              isinstance(error, OSError)
+                              and error.errno in _TRANSIENT_ERRNOS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def _cause(error: BaseException) -> str:

@@ -160,6 +160,23 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
   return k_source, k
 
 
+def _kv_converter(k: int, method: Method, seed: int):
+  """(a source K/V weight [D, K_source, H] or bias [K_source, H], its HF
+  name) -> the same with k heads, by `method`."""
+  init = nn.initializers.lecun_normal()
+  key = jax.random.key(seed)
+
+  def convert_kv(value, name):
+    if method == 'random':  # Kernels fresh, biases zero.
+      shape = (*value.shape[:-2], k, value.shape[-1])
+      if value.ndim == 2:
+        return np.zeros(shape, value.dtype)
+      rng = jax.random.fold_in(key, zlib.crc32(name.encode()))
+      return np.asarray(init(rng, shape, jnp.float32))
+    return pool_heads(value.astype(np.float32), k, method)
+  return convert_kv
+
+
 def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
               method: Method = 'mean', seed: int = 0,
               param_dtype: str = '') -> tuple[str, int, int]:
@@ -194,20 +211,8 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
   mc = config_lib.model_config(config)
   shapes = model_lib.parameter_shapes(mc)
 
-  convert_kv = None
-  if k != k_source or method == 'random':
-    init = nn.initializers.lecun_normal()
-    key = jax.random.key(seed)
-
-    def convert_kv(value, name):
-      if method == 'random':  # Kernels fresh, biases zero.
-        shape = (*value.shape[:-2], k, value.shape[-1])
-        if value.ndim == 2:
-          return np.zeros(shape, value.dtype)
-        rng = jax.random.fold_in(key, zlib.crc32(name.encode()))
-        return np.asarray(init(rng, shape, jnp.float32))
-      return pool_heads(value.astype(np.float32), k, method)
-
+  convert_kv = _kv_converter(k, method, seed) if (
+      k != k_source or method == 'random') else None
   with _new_workdir(workdir) as path:
     params = hf.read_weights(files, shapes, mc, convert_kv)
     (path / 'hf').mkdir()

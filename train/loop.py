@@ -576,20 +576,8 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
     except _NonFinite as e:
       raise UserError(_diverged(run, e.step, str(e))) from None
     rows = window.take()
-    step_time = float(np.mean([r['step_time'] for r in rows]))
     train_seconds += sum(r['step_time'] for r in rows)
-    record = {
-        'loss': float(rows[-1]['loss']),  # This step's: a resume logs the same.
-        'grad_norm': float(rows[-1]['grad_norm']),
-        'learning_rate': float(run.schedule(step)),
-        'step_time': step_time,
-        'tokens_per_sec': run.tokens_per_step / step_time,
-        'tokens_per_sec_per_device':
-            run.tokens_per_step / step_time / jax.device_count(),
-        'mfu': run.tokens_per_step / step_time * run.flops_per_token
-               / run.peak_flops,
-        'train_seconds': train_seconds,  # Since this process started.
-    }
+    record = _record(run, step, rows, train_seconds)
     if last or n % tc.eval_every == 0:
       record.update(run.evaluate(state.params))
       if on_eval is not None and on_eval(n, state.params, record) and (
@@ -610,6 +598,29 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
     if last or stop:
       break
   run.checkpointer.wait()
+  return _finish(run, tc, record, stopped_at)
+
+
+def _record(run: Run, step: int, rows: list[dict], train_seconds: float
+            ) -> dict:
+  """The metrics logged at `step`, from the steps since the last log."""
+  step_time = float(np.mean([r['step_time'] for r in rows]))
+  return {
+      'loss': float(rows[-1]['loss']),  # This step's: a resume logs the same.
+      'grad_norm': float(rows[-1]['grad_norm']),
+      'learning_rate': float(run.schedule(step)),
+      'step_time': step_time,
+      'tokens_per_sec': run.tokens_per_step / step_time,
+      'tokens_per_sec_per_device':
+          run.tokens_per_step / step_time / jax.device_count(),
+      'mfu': run.tokens_per_step / step_time * run.flops_per_token
+             / run.peak_flops,
+      'train_seconds': train_seconds,  # Since this process started.
+  }
+
+
+def _finish(run: Run, tc, record: dict, stopped_at: int | None) -> dict:
+  """The last line said, and final.json written (process 0)."""
   say = run.reporter.message
   if stopped_at is not None:
     say(f'stopped at step {stopped_at}; checkpoint saved; rerun the same '
@@ -623,7 +634,7 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
     say(f'{summary}, next-token accuracy {record["eval_accuracy"]:.3f}')
   record['kv_bytes_per_token'] = run.kv_bytes_per_token
   if jax.process_index() == 0:
-    _write_atomically(workdir / 'final.json', json.dumps(record))
+    _write_atomically(run.workdir / 'final.json', json.dumps(record))
   return record
 
 

@@ -69,13 +69,17 @@ def parse_flags(argv):
   except (AttributeError, KeyError) as e:  # config_flags: an unknown field.
     overrides = [a.split('=')[0] for a in argv if a.startswith('--config.')]
     # AttributeError(KeyError("'stepz'\nDid you mean \"steps\" ...?")).
-    while e.args and isinstance(e.args[0], Exception):
-      e = e.args[0]
-    message = str(e.args[0]) if e.args else str(e)
+    error = e
+    while error.args and isinstance(error.args[0], Exception):
+      error = error.args[0]
+    message = str(error.args[0]) if error.args else str(error)
     field, *hint = message.splitlines() or ['?']
+    field = field.strip(chr(39) + chr(34) + ' ')
+    if not any(field in o.split('.')[1:] for o in overrides):
+      raise  # Not an override naming a missing field: a bug, shown whole.
     hint = f' ({" ".join(hint).strip()})' if hint else ''
     raise UserError(
-        f'unknown config field {field.strip(chr(39) + chr(34))!r}{hint} among '
+        f'unknown config field {field!r}{hint} among '
         f'{", ".join(overrides)}; the fields are those of the config file '
         '(sections model, data, train, mesh)') from None
 
