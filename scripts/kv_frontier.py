@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import json
 import pathlib
+import sys
 import time
 
 import numpy as np
@@ -104,7 +105,8 @@ def main():
   repeats = args.repeats or (2 if args.quick else 3)
   rows = [measure(out, args.config, v, seeds, steps, args.window, repeats)
           for v in variants]
-  result = {'config': args.config, 'steps': steps, 'seeds': list(seeds),
+  result = {'argv': sys.argv[1:], 'config': args.config, 'steps': steps,
+            'seeds': list(seeds),
             'window': args.window, 'local_pattern': args.local_pattern,
             'rows': rows, 'minutes': (time.perf_counter() - start) / 60}
   write(out, result, patterns)
@@ -169,54 +171,62 @@ def mark_frontier(rows_by_variant: list[list[dict]]):
 
 
 def report(result: dict) -> str:
+  """report.md: the command, the reading, what was measured, the table."""
   rows = sorted((r for rs in result['rows'] for r in rs),
                 key=lambda r: r['kv_bytes_per_token'])
   mc_line = (f'`{result["config"]}` with each variant\'s K, layer pattern '
              f'(L: {result["window"]}-key local attention) and K/V sharing; '
              f'{result["steps"]} steps, seeds {result["seeds"]}')
-  lines = [
-      '# The KV-memory frontier', '',
-      f'Models: {mc_line}. Bytes: the decode cache per token of context at '
-      'max_len (`model.kv_bytes_per_token`: every layer that owns a cache, '
-      'local layers their window, int8 with its float32 scale per token and '
-      'KV head). Loss: held-out nats/token, the training loop\'s evaluator; '
-      'for int8, on the logits the int8 cache gives. Decode: tokens/s at '
-      f'batch {DECODE_BATCH}, the cache filled to max_len - 8, this machine. '
-      f'Took {result["minutes"]:.1f} min.', '',
-      '| variant | cache | bytes/token | loss (spread) | accuracy | decode '
-      'tokens/s | frontier |', '|---|---|---|---|---|---|---|']
+  command = ('python -m scripts.kv_frontier ' + ' '.join(
+      result.get('argv', ['(its arguments were not saved)'])))
+  lines = ['# The KV-memory frontier', '', f'Made by `{command}`.', '',
+           *_reading(rows), '',
+           f'Models: {mc_line}. Bytes: the decode cache per token of context '
+           'at max_len (`model.kv_bytes_per_token`: every layer that owns a '
+           'cache, local layers their window, int8 with its float32 scale '
+           'per token and KV head). Loss: held-out nats/token, the training '
+           'loop\'s evaluator; for int8, on the logits the int8 cache gives. '
+           f'Decode: tokens/s at batch {DECODE_BATCH}, the cache filled to '
+           f'max_len - 8, this machine. Took {result["minutes"]:.1f} min.', '',
+           '| variant | cache | bytes/token | loss (spread) | accuracy | '
+           'decode tokens/s | frontier |', '|---|---|---|---|---|---|---|']
   for r in rows:
     lines.append(
         f'| {r["variant"]} | {r["cache"]} | {r["kv_bytes_per_token"]:,.0f} | '
         f'{r["loss"]:.4f} ({r["loss_spread"]:.4f}) | {r["accuracy"]:.3f} | '
         f'{r["decode_tokens_per_sec"]:,.0f} | {"yes" if r["pareto"] else ""} |')
+  return '\n'.join(lines) + '\n'
+
+
+def _reading(rows) -> list[str]:
+  """What the table says: the frontier, whether the loss separates the
+  variants, what int8 costs."""
   frontier = [r for r in rows if r['pareto']]
   losses = [r['loss'] for r in rows]
   spread = float(np.mean([r['loss_spread'] for r in rows]))
-  lines += ['', '## Reading', '',
-            'On the frontier, from the most bytes to the fewest: '
-            + ', '.join(f'{r["variant"]} ({r["cache"]})'
-                        for r in reversed(frontier)) + '.',
-            f'All {len(rows)} points lie within {max(losses) - min(losses):.4f} '
-            f'nats of each other, against a mean spread over seeds of '
-            f'{spread:.4f}: '
-            + ('the loss does not separate the variants at this budget, so '
-               'the frontier is set by the bytes alone (a null result; more '
-               '--steps and --seeds resolve smaller differences).'
-               if max(losses) - min(losses) < 2 * spread else
-               'the differences are larger than the seeds\' spread.')]
   by_key = {(r['variant'], r['cache']): r for r in rows}
   names = sorted({r['variant'] for r in rows})
   deltas = [by_key[n, 'int8']['loss'] - by_key[n, 'float']['loss']
             for n in names]
   shares = [by_key[n, 'int8']['kv_bytes_per_token']
             / by_key[n, 'float']['kv_bytes_per_token'] for n in names]
-  lines.append(
+  return [
+      'On the frontier, from the most bytes to the fewest: '
+      + ', '.join(f'{r["variant"]} ({r["cache"]})'
+                  for r in reversed(frontier)) + '. '
+      f'All {len(rows)} points lie within {max(losses) - min(losses):.4f} '
+      f'nats of each other, against a mean spread over seeds of '
+      f'{spread:.4f}: '
+      + ('the loss does not separate the variants at this budget, so '
+         'the frontier is set by the bytes alone (a null result; more '
+         '--steps and --seeds resolve smaller differences).'
+         if max(losses) - min(losses) < 2 * spread else
+         'the differences are larger than the seeds\' spread.'),
+      '',
       f'An int8 cache holds {min(shares):.0%}-{max(shares):.0%} of the float '
       f'cache\'s bytes and changes the held-out loss by {min(deltas):+.4f} to '
-      f'{max(deltas):+.4f} nats (the seed spreads above say whether that is '
-      'more than noise).')
-  return '\n'.join(lines) + '\n'
+      f'{max(deltas):+.4f} nats (the seed spreads below say whether that is '
+      'more than noise).']
 
 
 def plot(rows_by_variant, patterns, path):

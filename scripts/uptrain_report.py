@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import sys
 
 import numpy as np
 
@@ -338,8 +339,8 @@ def write(out: pathlib.Path, results):
   """OUT/report.md and its two plots."""
   plan, src = results['plan'], results['source']
   lines = ['# Uptraining MHA to GQA/MQA (Ainslie et al. 2023), with controls',
-           '', '`python -m scripts.uptrain_study` '
-           f'(source: {src["steps"]} steps; targets K = '
+           '', f'Made by `python -m scripts.uptrain_study '
+           f'{" ".join(sys.argv[1:])}` (source: {src["steps"]} steps; targets K = '
            f'{", ".join(map(str, plan["kv_heads"]))}; α = '
            f'{", ".join(f"{a:g}" for a in plan["alphas"])} of the source\'s '
            f'tokens; seeds {", ".join(map(str, plan["seeds"]))}). '

@@ -2,8 +2,12 @@
 
 import contextlib
 import io
+import os
 import pathlib
 import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -28,3 +32,72 @@ def test_ci_runs_the_readme_test_command():
   commands = re.findall(r'```bash\n(.*?)\n```', README.read_text(), re.S)
   test_command = next(c for c in commands if 'pytest' in c)
   assert test_command in ci
+
+
+def _command_lines() -> list[tuple[int, str]]:
+  """(block number, line) for every command of the README's bash blocks."""
+  blocks = re.findall(r'```bash\n(.*?)\n```', README.read_text(), re.S)
+  return [(i, line) for i, block in enumerate(blocks)
+          for line in block.splitlines() if line.strip()]
+
+
+def _invocations(line: str) -> list[list[str]]:
+  """The `python -m MODULE ARGS...` a command line runs, as token lists:
+  through `&&`, inside gcloud's --command, after srun's options. Every other
+  command must be one of the few known shell steps."""
+  tokens = shlex.split(line)
+  found, segment = [], []
+  for token in [*tokens, '&&']:
+    if token != '&&':
+      segment.append(token)
+      continue
+    head = segment[:2]
+    if head == ['gcloud', 'compute']:
+      inner = [t.split('=', 1)[1] for t in segment
+               if t.startswith('--command=')]
+      found += [i for command in inner for i in _invocations(command)]
+    elif head and head[0] == 'srun':
+      found.append(segment[segment.index('python'):])
+    elif head in (['python', '-m'], ['python3', '-m']) and (
+        segment[2] != 'venv'):
+      found.append(segment)
+    else:
+      assert head[0] in ('python3', 'pip', '.', 'cd'), line  # venv, install.
+    segment = []
+  return found
+
+
+def test_readme_commands_name_distinct_outputs():
+  """Two commands writing one --out would overwrite each other's results."""
+  outs = [t for _, line in _command_lines() for command in _invocations(line)
+          for t in command if t.startswith('--out=')]
+  assert outs and len(outs) == len(set(outs)), outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('number, line', _command_lines())
+def test_every_readme_command_is_taken_as_written(number, line, tmp_path):
+  """Each `python -m` command of the README parses its flags as written
+  (tests/readme_dry_run.py: nothing runs). A --config naming a workdir that
+  an earlier command of the same block writes is read as `tiny`, since the
+  workdir does not exist yet. The blocks that can run on this machine run
+  for real elsewhere: the test command in CI, the Hugging Face block in
+  test_hf, the Python blocks above."""
+  earlier = {t.split('=', 1)[1] for n, other in _command_lines() if n == number
+             for command in _invocations(other) for t in command
+             if t.startswith('--workdir=')}
+  for command in _invocations(line):
+    if command[2] == 'pytest':
+      continue  # The test command: CI runs it (the test above).
+    args = []
+    for token in command[3:]:
+      if token.startswith('--config=') and '/' in token:
+        assert token.split('=', 1)[1] in earlier, (line, token)
+        token = '--config=tiny'
+      args.append(token)
+    result = subprocess.run(
+        [sys.executable, str(README.parent / 'tests' / 'readme_dry_run.py'),
+         command[2], *args], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120, env={**os.environ, 'PYTHONPATH': str(README.parent)})
+    assert result.returncode == 0, (line, result.stderr[-2000:])
+    assert not list(tmp_path.iterdir()), line  # Nothing was written.
