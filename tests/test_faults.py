@@ -23,9 +23,10 @@ import jax
 import numpy as np
 import pytest
 
-from train import checkpoint, config_lib, data, loop, workdir
+from train import checkpoint, config_lib, convert, data, loop, prepare_data, workdir
 from train import metrics as metrics_lib
 from train import progress
+from train.cli import check_output_dir
 from train.errors import UserError
 from tests.test_train import _config
 
@@ -109,8 +110,7 @@ def test_a_divergence_names_the_checkpoint_from_before_the_loss_left_its_range(
     two_checkpoints, tmp_path):
   """The checkpoint saved just before the non-finite step is already a dead
   model (loss ln V): the good one is the last whose loss was in range."""
-  copy = tmp_path / 'w'
-  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  copy = _copy(two_checkpoints, tmp_path / 'w')
   config = _config(train__learning_rate=1e6, train__checkpoint_every=1,
                    train__keep_checkpoints=100, train__steps=40)
   with pytest.raises(UserError) as error:
@@ -183,11 +183,15 @@ def two_checkpoints(tmp_path_factory):
   return path
 
 
+def _copy(workdir, target):
+  subprocess.run(['cp', '-r', str(workdir), str(target)], check=True)
+  return target
+
+
 @pytest.mark.parametrize('kind', ['truncated', 'overwritten', 'empty_metadata'])
 def test_reading_a_corrupt_latest_checkpoint_names_the_step_to_remove(
     two_checkpoints, tmp_path, kind):
-  copy = tmp_path / 'w'
-  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  copy = _copy(two_checkpoints, tmp_path / 'w')
   _corrupt(copy / 'checkpoints' / '20', kind)
   with pytest.raises(UserError, match=r'checkpoint step 20 in .* cannot be '
                      r'read \(.+\); move or remove .*/checkpoints/20 to use '
@@ -197,8 +201,7 @@ def test_reading_a_corrupt_latest_checkpoint_names_the_step_to_remove(
 
 def test_train_main_falls_back_to_the_newest_intact_checkpoint(
     two_checkpoints, tmp_path, capsys):
-  copy = tmp_path / 'w'
-  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  copy = _copy(two_checkpoints, tmp_path / 'w')
   _corrupt(copy / 'checkpoints' / '20', 'truncated')
   loop.train_and_evaluate(_config(), str(copy))
   out, err = capsys.readouterr()
@@ -218,8 +221,7 @@ def test_a_storage_fault_while_resuming_moves_nothing(
     two_checkpoints, tmp_path, monkeypatch, error):
   """A transient read error is not a damaged checkpoint: the run stops
   with one line and every checkpoint stays where it is."""
-  copy = tmp_path / 'w'
-  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  copy = _copy(two_checkpoints, tmp_path / 'w')
   def fail(*args, **kwargs):
     raise RuntimeError('restore failed') from error
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, 'restore', fail)
@@ -234,8 +236,7 @@ def test_a_storage_fault_while_resuming_moves_nothing(
 
 def test_a_corrupt_checkpoint_is_one_warning_line_on_stderr_and_no_traceback(
     two_checkpoints, tmp_path):
-  copy = tmp_path / 'w'
-  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  copy = _copy(two_checkpoints, tmp_path / 'w')
   _corrupt(copy / 'checkpoints' / '20', 'truncated')
   result = _run('train.main', '--config=tiny', f'--workdir={copy}')
   assert result.returncode == 0, result.stderr[-3000:]
@@ -248,8 +249,7 @@ def test_a_corrupt_checkpoint_is_one_warning_line_on_stderr_and_no_traceback(
 def test_a_config_that_changes_the_model_is_refused_and_touches_nothing(
     two_checkpoints, tmp_path):
   """Not "unreadable": the checkpoints are fine, the config is not theirs."""
-  copy = tmp_path / 'w'
-  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  copy = _copy(two_checkpoints, tmp_path / 'w')
   before = {p: p.read_bytes() for p in copy.rglob('*') if p.is_file()}
   for change, named in ((dict(model__tie_embeddings=True),
                          "params['unembed']['kernel'] is [32, 256] there and "
@@ -267,8 +267,7 @@ def test_a_config_that_changes_the_model_is_refused_and_touches_nothing(
 
 def test_sample_and_convert_refuse_a_corrupt_checkpoint_in_one_line(
     two_checkpoints, tmp_path):
-  copy = tmp_path / 'w'
-  subprocess.run(['cp', '-r', str(two_checkpoints), str(copy)], check=True)
+  copy = _copy(two_checkpoints, tmp_path / 'w')
   _corrupt(copy / 'checkpoints' / '20', 'empty_metadata')
   _one_line_error(_run('train.sample', f'--workdir={copy}'),
                   'checkpoint step 20 in')
@@ -576,6 +575,20 @@ def test_object_store_paths_are_refused_not_made_into_folders(tmp_path,
     loop.train_and_evaluate(_config(), 'gs://bucket/run')
   with pytest.raises(UserError, match='data.path=s3://b/corpus: s3://'):
     data.load('s3://b/corpus', val_fraction=0.1, seq_len=8)
+  url = 'gs://bucket/x'
+  for call, flag in [
+      (lambda: checkpoint.load_workdir(url), '--workdir'),  # sample's.
+      (lambda: convert.import_hf(url, 'w'), '--from_hf'),
+      (lambda: convert.export_hf(url, 'w'), '--source'),
+      (lambda: convert.export_hf(str(tmp_path), url), '--to_hf'),
+      (lambda: prepare_data.prepare(['embedded'], url, 'c'), '--tokenizer'),
+      (lambda: prepare_data.prepare([url], 'tok.json', 'c'), '--input'),
+      (lambda: prepare_data.prepare(['embedded'], 'tok.json', url), '--out'),
+      (lambda: check_output_dir(url), '--out'),  # Every script's.
+      (lambda: config_lib.resolve([f'--config={url}']), '--config')]:
+    with pytest.raises(UserError, match=f'{flag}={url}: gs:// paths are not '
+                       'supported yet'):
+      call()
   assert not list(tmp_path.iterdir())  # No folder named 'gs:'.
 
 

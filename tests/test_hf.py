@@ -7,6 +7,7 @@ import -> export -> import is bit-exact.
 """
 
 import json
+import os
 import pathlib
 import re
 import struct
@@ -469,9 +470,12 @@ def test_the_readme_workflow_runs_on_this_machine(tmp_path):
   block = readme.split('The same commands on this machine')[1]
   commands = block.split('```bash\n')[1].split('\n```')[0].splitlines()
   assert len(commands) == 6
+  # `python` is this interpreter, as in the environment the README activates.
+  path = f'{pathlib.Path(sys.executable).parent}:{os.environ["PATH"]}'
   for command in commands:
     result = subprocess.run(command, shell=True, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, 'PATH': path})
     assert result.returncode == 0, (command, result.stderr[-2000:])
   from train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   assert read_metrics(tmp_path / 'runs/hf_gqa')[-1]['step'] == 20

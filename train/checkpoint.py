@@ -337,7 +337,14 @@ def restore_latest(workdir: str) -> tuple[int, dict]:
                     f'python -m train.main --workdir={workdir}')
   try:
     with _quiet_orbax():
-      return step, manager.restore(step, args=ocp.args.StandardRestore())
+      # Onto this process's first device, whatever devices wrote it (a
+      # pod's checkpoint sampled on a laptop).
+      here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      target = jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
+          manager.item_metadata(step))
+      return step, manager.restore(step,
+                                   args=ocp.args.StandardRestore(target))
   except Exception as e:  # pylint: disable=broad-except
     older = [s for s in manager.all_steps() if s < step]
     fallback = (f'to use step {max(older)}' if older else
@@ -355,6 +362,8 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
   flag: the command-line flag that named WORKDIR, for the error messages.
   """
   from train import config_lib  # pylint: disable=import-outside-toplevel
+  from train.workdir import refuse_url  # pylint: disable=import-outside-toplevel
+  refuse_url(workdir, flag)
   path = pathlib.Path(workdir) / 'config.json'
   if not pathlib.Path(workdir).is_dir():
     raise UserError(f'{flag}={workdir} is not a directory; give the workdir '

@@ -84,6 +84,8 @@ def check_output_dir(path: str, flag: str = '--out', *, new: bool = False):
 
   new: refuse one that already holds files (results that a rerun would
   otherwise mix with, or report as, its own)."""
+  from train.workdir import refuse_url  # pylint: disable=import-outside-toplevel
+  refuse_url(path, flag)
   out = pathlib.Path(path).expanduser()
   if out.exists() and not out.is_dir():
     raise UserError(f'{flag}={path} is a file; give a folder for the results')

@@ -14,6 +14,7 @@ from ml_collections import config_dict
 from attention import layer
 from attention.rope import RopeScaling
 from train.errors import UserError
+from train.workdir import refuse_url
 from train.model import ACTIVATIONS, ModelConfig
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / 'configs'
@@ -36,6 +37,7 @@ def resolve(argv: list[str]) -> list[str]:
   for arg in argv:
     if arg.startswith('--config='):
       value = arg.split('=', 1)[1]
+      refuse_url(value, '--config')
       name, _, rest = value.partition(':')
       path = pathlib.Path(name)
       if path.is_dir() or name.endswith('.json'):

@@ -187,6 +187,7 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
   is written; a failure after that removes what was written.
   """
   _check_method(method)
+  workdir_lib.refuse_url(source, '--from_hf')
   directory = pathlib.Path(source)
   hf_config = hf.read_config(directory)
   fields = hf.model_fields(hf_config)
@@ -243,6 +244,7 @@ def _check_tokenizer(path: pathlib.Path, vocab_size: int):
 def export_hf(source: str, target: str) -> str:
   """Writes SOURCE's latest parameters as a Hugging Face folder TARGET;
   returns its model_type."""
+  workdir_lib.refuse_url(target, '--to_hf')
   out = pathlib.Path(target)
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise UserError(f'--to_hf={target} exists and is not an empty folder; '

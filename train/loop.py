@@ -364,9 +364,13 @@ def _introduce(say, config, mc, dataset, mesh):
       f'{mc.max_len} ({mc.num_kv_heads} KV heads x {mc.head_dim}, '
       f'{_layer_kinds(mc)}, {mc.kv_cache_dtype or np.dtype(mc.dtype).name}); '
       f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
+  hosts = jax.process_count()
+  rows = (f'; each of {hosts} processes builds {config.train.batch_size // hosts}'
+          f' of the {config.train.batch_size} rows of a batch'
+          if hosts > 1 else '')
   say(f'devices: {jax.device_count()} x {jax.devices()[0].device_kind} on '
-      f'{jax.process_count()} host(s), mesh {dict(mesh.shape)}; peak '
-      f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source})')
+      f'{hosts} host(s), mesh {dict(mesh.shape)}; peak '
+      f'{peak / 1e12:,.2f} TFLOP/s each ({peak_source}){rows}')
 
 
 def _layer_kinds(mc) -> str:
@@ -390,6 +394,9 @@ def _batches(dataset: data_lib.Source, config, mesh) -> Callable:
     local = dataset.batch(split, batch_size=tc.batch_size,
                           seq_len=dc.seq_len, shard=jax.process_index(),
                           num_shards=jax.process_count(), **kwargs)
+    if local.shape[0] * jax.process_count() != tc.batch_size:
+      raise ValueError(f'this process built {local.shape[0]} rows, not its '
+                       f'share of {tc.batch_size}')  # A bug, not bad input.
     return jax.make_array_from_process_local_data(
         batch_sharding, local, (tc.batch_size, dc.seq_len + 1))
   return global_batch

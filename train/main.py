@@ -8,7 +8,9 @@ Flags:
 
 SIGTERM or SIGINT (Ctrl-C) saves a checkpoint and exits (status 128 + signal).
 Launched as one of several processes (a multi-host TPU slice, SLURM, Open MPI,
-or JAX_COORDINATOR_ADDRESS set), it joins JAX's distributed runtime first.
+or JAX_COORDINATOR_ADDRESS set), it trains in a watched child process that
+joins JAX's distributed runtime (train/peers.py: a lost peer ends the run in
+one line).
 """
 
 import os
@@ -18,9 +20,9 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from train import config_lib
+from train import config_lib, peers
 from train.errors import UserError
-from train.cli import run_app
+from train.cli import exit_on_user_error, run_app
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'config name or file')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'output directory')
@@ -36,10 +38,11 @@ def main(argv):
     # TPU slices, SLURM and Open MPI are detected by jax; a hand-made cluster
     # names itself with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     # JAX_PROCESS_ID.
-    jax.distributed.initialize(**{
-        arg: int(os.environ[var]) for arg, var in (
-            ('num_processes', 'JAX_NUM_PROCESSES'),
-            ('process_id', 'JAX_PROCESS_ID')) if var in os.environ})
+    jax.distributed.initialize(
+        heartbeat_timeout_seconds=peers.heartbeat_timeout(os.environ), **{
+            arg: int(os.environ[var]) for arg, var in (
+                ('num_processes', 'JAX_NUM_PROCESSES'),
+                ('process_id', 'JAX_PROCESS_ID')) if var in os.environ})
   from train import loop  # pylint: disable=import-outside-toplevel
   received = []
 
@@ -85,6 +88,13 @@ def parse_flags(argv):
 
 
 def run():
+  if _is_multiprocess(os.environ) and not os.environ.get(peers.WATCHED):
+    # One of several processes: train in a watched child (train/peers.py).
+    workdir = next((a.split('=', 1)[1] for a in sys.argv
+                    if a.startswith('--workdir=')), None)
+    exit_on_user_error(lambda: (peers.heartbeat_timeout(os.environ),
+                                sys.exit(peers.watch('train.main',
+                                                     sys.argv[1:], workdir))))
   run_app(main, required=['config', 'workdir'], parse=parse_flags)
 
 

@@ -45,6 +45,7 @@ import numpy as np
 from train import data
 from train import tokenizer as tokenizer_lib
 from train.errors import UserError
+from train.workdir import refuse_url
 from train.cli import run_app
 from train.progress import Progress
 
@@ -286,6 +287,10 @@ def prepare(inputs: list[str], tokenizer_path: str, out: str, *,
   """Writes the corpus to OUT (module docstring); returns its meta.json."""
   if not 0 < val_fraction < 1:
     raise UserError(f'--val_fraction={val_fraction} must be in (0, 1)')
+  for flag, paths in (('--input', inputs), ('--tokenizer', [tokenizer_path]),
+                      ('--out', [out])):
+    for path in paths:
+      refuse_url(path, flag)
   tokenizer, file, eos_id, bos_id = load_tokenizer(tokenizer_path, eos_id)
   files = input_files(inputs)
   settings = dict(
