@@ -310,7 +310,8 @@ def plot_alpha(out: pathlib.Path, results):
 
 
 def plot_curves(out: pathlib.Path, results):
-  """Held-out loss along the largest alpha's uptraining, seed means."""
+  """Held-out loss along the largest alpha's uptraining: seed means, and
+  the seeds' range as a band."""
   plan = results['plan']
   top = plan['alphas'][-1]
   fig, axes, plt = _grid(results, f'Held-out loss while uptraining (α={top:g})')
@@ -321,11 +322,14 @@ def plot_curves(out: pathlib.Path, results):
         runs = [r for r in results['runs'] if (
             r['recipe'], r['method'], r['K'], r['alpha']) == (
                 recipe, method, k, top)]
-        start = losses(results, recipe, method, k, 0).mean()
+        start = losses(results, recipe, method, k, 0)
         steps = [0] + [s for s, _ in runs[0]['curve']]
-        mean = [start] + list(np.mean(
-            [[loss for _, loss in r['curve']] for r in runs], axis=0))
-        axes[i, j].plot(steps, mean, marker='.', label=method)
+        seeds = np.array([[start.mean()] + [loss for _, loss in r['curve']]
+                          for r in runs])  # [seed, step]; from the start.
+        line, = axes[i, j].plot(steps, seeds.mean(0), marker='.',
+                                label=method)
+        axes[i, j].fill_between(steps, seeds.min(0), seeds.max(0),
+                                color=line.get_color(), alpha=0.2)
       axes[i, j].set_xlabel('uptraining step')
       axes[i, j].set_ylabel('held-out loss (nats/token)')
       axes[i, j].set_yscale('log')
