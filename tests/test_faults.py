@@ -747,3 +747,17 @@ def test_a_second_train_main_on_a_running_workdir_is_refused_at_once(
     assert first.wait(timeout=60) == 128 + signal.SIGTERM
   steps = [m['step'] for m in metrics_lib.read_metrics(tmp_path)]
   assert steps == sorted(set(steps))
+
+
+def test_a_bad_heartbeat_timeout_is_one_line_before_any_process_starts(
+    tmp_path):
+  env = {**os.environ, 'JAX_COORDINATOR_ADDRESS': 'localhost:1',
+         'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '0',
+         'GQA_LAB_HEARTBEAT_TIMEOUT': 'soon'}
+  result = subprocess.run(
+      [sys.executable, '-m', 'train.main', '--config=tiny',
+       f'--workdir={tmp_path / "w"}'], cwd=REPO, env=env, capture_output=True,
+      text=True, timeout=60)
+  _one_line_error(result, "GQA_LAB_HEARTBEAT_TIMEOUT='soon' must be a whole "
+                  'number of seconds >= 1')
+  assert not (tmp_path / 'w').exists()

@@ -92,9 +92,8 @@ def run():
     # One of several processes: train in a watched child (train/peers.py).
     workdir = next((a.split('=', 1)[1] for a in sys.argv
                     if a.startswith('--workdir=')), None)
-    exit_on_user_error(lambda: (peers.heartbeat_timeout(os.environ),
-                                sys.exit(peers.watch('train.main',
-                                                     sys.argv[1:], workdir))))
+    exit_on_user_error(lambda: sys.exit(
+        peers.watch('train.main', sys.argv[1:], workdir)))
   run_app(main, required=['config', 'workdir'], parse=parse_flags)
 
 

@@ -40,6 +40,7 @@ def heartbeat_timeout(env) -> int:
 def watch(module: str, args: list[str], workdir: str | None) -> int:
   """Runs `python -m MODULE ARGS` as a watched child; its exit status, or 1
   with one line on stderr when it ended because a peer was lost."""
+  timeout = heartbeat_timeout(os.environ)  # A bad value: refused before.
   child = subprocess.Popen([sys.executable, '-m', module, *args],
                            env={**os.environ, WATCHED: '1'},
                            stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -57,7 +58,7 @@ def watch(module: str, args: list[str], workdir: str | None) -> int:
   status = child.wait()
   if dump is not None and status != 0:
     print(f'error: {_what_was_lost(dump)}, so this process stopped too '
-          f'(after {heartbeat_timeout(os.environ)} s without its heartbeats); '
+          f'(after {timeout} s without its heartbeats); '
           f'rerun the same command on every host to resume {_resume(workdir)}',
           file=sys.stderr, flush=True)
     return 1
