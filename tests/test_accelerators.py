@@ -147,10 +147,21 @@ def test_attention_module_lowers_for_tpu_with_the_kernel():
   assert KERNEL not in cuda and hlo.grouped_matmuls(cuda, 2, N // 2) >= 1
 
 
-@pytest.mark.parametrize('base', [mha_base, gqa_base, mqa_base],
-                         ids=lambda m: m.__name__.split('.')[-1])
-def test_base_train_steps_lower_for_tpu_with_the_kernel_and_for_cuda(base):
+# Gemma 2's conventions on gqa_base: local/global layers, soft caps, a query
+# scale and post-norms, all of which the splash kernel must take.
+GEMMA2_LIKE = dict(attention_pattern='LG', local_window=512, post_norms=True,
+                   logits_soft_cap=50.0, final_logits_soft_cap=30.0,
+                   query_pre_attn_scalar=48.0)
+
+
+@pytest.mark.parametrize('base, model', [
+    (mha_base, {}), (gqa_base, {}), (mqa_base, {}), (gqa_base, GEMMA2_LIKE)],
+    ids=['mha_base', 'gqa_base', 'mqa_base', 'gqa_base_gemma2_like'])
+def test_base_train_steps_lower_for_tpu_with_the_kernel_and_for_cuda(base,
+                                                                     model):
   config = base.get_config()
+  config.model.update(model)
+  config_lib.validate(config, batch_shards=1)
   mc = config_lib.model_config(config)
   assert mc.dtype == jnp.bfloat16
   model = Transformer(mc)
