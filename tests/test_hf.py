@@ -189,6 +189,33 @@ def test_our_own_model_exports_as_gemma(trained, tmp_path):
                              _our_logits(trained, tokens_BT), atol=1e-4)
 
 
+@pytest.mark.parametrize('family, model', [
+    ('gemma2', dict(post_norms=True, logits_soft_cap=5.0,
+                    final_logits_soft_cap=3.0, query_pre_attn_scalar=12.0)),
+    ('gemma3_text', dict(post_norms=True, qk_norm=True, local_rope_base=100.0,
+                         final_logits_soft_cap=3.0))])
+def test_our_own_local_global_models_export_as_gemma_2_and_3(tmp_path, family,
+                                                            model):
+  """A model trained here with Gemma 2's or 3's conventions and LG layers
+  (window 8, shorter than the 32 tokens compared) exports as that family,
+  with transformers' logits equal to ours."""
+  config = config_lib.load('tiny')
+  config.model.update(attention_pattern='LG', local_window=8, **model)
+  config.train.update(steps=4, warmup_steps=1, eval_every=4,
+                      checkpoint_every=4)
+  loop.train_and_evaluate(config, str(tmp_path / 'w'))
+  convert.export_hf(str(tmp_path / 'w'), str(tmp_path / 'out'))
+  exported = json.loads((tmp_path / 'out' / 'config.json').read_text())
+  assert exported['model_type'] == family
+  assert exported['layer_types'] == ['sliding_attention', 'full_attention']
+  hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / 'out', output_loading_info=True, attn_implementation='eager')
+  assert not any(info.values()), info
+  tokens_BT = np.random.default_rng(5).integers(0, 256, (2, 32))
+  np.testing.assert_allclose(_hf_logits(hf_model.eval(), tokens_BT),
+                             _our_logits(tmp_path / 'w', tokens_BT), atol=1e-4)
+
+
 def test_bf16_checkpoints_get_float32_master_weights_unless_asked(tmp_path):
   make_hf_model.make(str(tmp_path / 'hf'), **{**SMALL, 'max_len': 64},
                      dtype='bfloat16')
