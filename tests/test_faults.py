@@ -23,7 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from train import checkpoint, config_lib, convert, data, loop, prepare_data, workdir
+from train import (checkpoint, config_lib, convert, data, loop, peers,
+                   prepare_data, workdir)
 from train import metrics as metrics_lib
 from train import progress
 from train.cli import check_output_dir
@@ -761,3 +762,37 @@ def test_a_bad_heartbeat_timeout_is_one_line_before_any_process_starts(
   _one_line_error(result, "GQA_LAB_HEARTBEAT_TIMEOUT='soon' must be a whole "
                   'number of seconds >= 1')
   assert not (tmp_path / 'w').exists()
+
+
+LOST_DUMP = [
+    'E1201 07:50:57.790475 28789 coordination_service.cc:1549] Use error '
+    'polling to propagate the following error to all tasks: UNAVAILABLE: The '
+    'following tasks are unhealthy (stopped sending heartbeats):', '1',
+    'F1201 07:50:57.791158 28800 client.h:80] Terminating process because the '
+    'JAX distributed service detected fatal errors.',
+    '*** Check failure stack trace: ***', 'Fatal Python error: Aborted']
+
+
+@pytest.mark.parametrize('lines, end, status, expected', [
+    (['step 5 ...', *LOST_DUMP], 'abort', 1,
+     ['step 5 ...', 'error: process 1 of this run stopped answering (killed, '
+      'crashed, or its host is down), so this process stopped too (after 30 s '
+      'without its heartbeats); rerun the same command on every host to '
+      'resume from the start']),
+    # A coordination warning, then another error: both shown as they were.
+    (['W1201 preemption_sync_manager.cc:147] coordination service note',
+      'error: model.num_heads=4 is not divisible'], '1', 1,
+     ['W1201 preemption_sync_manager.cc:147] coordination service note',
+      'error: model.num_heads=4 is not divisible']),
+    (['W1201 coordination service shutting down'], '0', 0,
+     ['W1201 coordination service shutting down']),
+])
+def test_the_watcher_turns_only_a_lost_peer_into_one_line(
+    monkeypatch, capsys, lines, end, status, expected):
+  monkeypatch.setenv('FAKE_PEER_EXIT', end)
+  monkeypatch.delenv('GQA_LAB_HEARTBEAT_TIMEOUT', raising=False)
+  monkeypatch.chdir(REPO)
+  before = signal.getsignal(signal.SIGTERM)
+  assert peers.watch('tests.fake_peer', lines, None) == status
+  assert capsys.readouterr().err.splitlines() == expected
+  assert signal.getsignal(signal.SIGTERM) is before  # Handlers given back.

@@ -24,6 +24,9 @@ WATCHED = 'GQA_LAB_WATCHED'  # Set in the child: it trains, not watches.
 _LOST = re.compile(r'coordination[_ ]service|CoordinationService|heartbeat|'
                    r'JAX distributed service detected fatal errors')
 _UNHEALTHY = re.compile(r'unhealthy \(stopped sending heartbeats\):')
+# What makes it a lost peer rather than a warning on the way to another end.
+_FATAL = re.compile(r'detected fatal errors|stopped sending heartbeats|'
+                    r'UNAVAILABLE')
 
 
 def heartbeat_timeout(env) -> int:
@@ -44,24 +47,29 @@ def watch(module: str, args: list[str], workdir: str | None) -> int:
   child = subprocess.Popen([sys.executable, '-m', module, *args],
                            env={**os.environ, WATCHED: '1'},
                            stderr=subprocess.PIPE, text=True, bufsize=1)
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, lambda signum, _: child.send_signal(signum))
+  passed_on = {sig: signal.signal(sig, lambda signum, _: child.send_signal(
+      signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
   dump = None  # The fatal error's lines, once it starts.
-  for line in child.stderr:
-    if dump is None and _LOST.search(line):
-      dump = []
-    if dump is None:
-      sys.stderr.write(line)
-      sys.stderr.flush()
-    else:
-      dump.append(line)
-  status = child.wait()
-  if dump is not None and status != 0:
+  try:
+    for line in child.stderr:
+      if dump is None and _LOST.search(line):
+        dump = []
+      if dump is None:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+      else:
+        dump.append(line)
+    status = child.wait()
+  finally:
+    for sig, handler in passed_on.items():
+      signal.signal(sig, handler)
+  if dump and status != 0 and any(_FATAL.search(line) for line in dump):
     print(f'error: {_what_was_lost(dump)}, so this process stopped too '
           f'(after {timeout} s without its heartbeats); '
           f'rerun the same command on every host to resume {_resume(workdir)}',
           file=sys.stderr, flush=True)
     return 1
+  sys.stderr.writelines(dump or [])  # Not a lost peer: shown as it was.
   return status if status >= 0 else 128 - status
 
 
