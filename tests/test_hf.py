@@ -551,3 +551,24 @@ def test_transformers_4_gemma_configs_read_as_5_writes_them():
           fields['final_logits_soft_cap'], fields['post_norms'],
           fields['qk_norm'], fields['scan_layers']) == (
               'LG', 50.0, 30.0, True, False, True)
+
+
+def test_a_gemma_config_leaving_keys_out_reads_as_transformers_fills_them():
+  """A config.json without the query scalar, soft caps, window or RoPE bases
+  means transformers' defaults (Gemma 2: 256, 50, 30, 4096), not none; an
+  explicit null stays null."""
+  common = dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4)
+  gemma2 = hf.model_fields(dict(common, model_type='gemma2'))
+  assert (gemma2['query_pre_attn_scalar'], gemma2['logits_soft_cap'],
+          gemma2['final_logits_soft_cap'], gemma2['local_window'],
+          gemma2['attention_pattern']) == (256.0, 50.0, 30.0, 4096, 'LG')
+  uncapped = hf.model_fields(dict(common, model_type='gemma2',
+                                  attn_logit_softcapping=None))
+  assert uncapped['logits_soft_cap'] is None
+  gemma3 = hf.model_fields(dict(common, model_type='gemma3_text'))
+  assert (gemma3['rope_base'], gemma3['local_rope_base']) == (1e6, 1e4)
+  for family, fields in (('gemma2', gemma2), ('gemma3_text', gemma3)):
+    config = transformers.AutoConfig.for_model(family, **common)  # Theirs.
+    assert config.query_pre_attn_scalar == fields['query_pre_attn_scalar']
+    assert config.sliding_window == fields['local_window']

@@ -47,6 +47,14 @@ FAMILIES = {  # model_type -> architecture class.
     'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM'}
 GEMMAS = ('gemma', 'gemma2', 'gemma3_text')
 SANDWICHED = ('gemma2', 'gemma3_text')  # Post-norms, query scale, soft caps.
+# What transformers' config classes assume for a key config.json leaves out
+# (an explicit null stays null: no soft cap).
+CONFIG_DEFAULTS = {
+    'gemma2': dict(query_pre_attn_scalar=256, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    'gemma3_text': dict(query_pre_attn_scalar=256, sliding_window=4096,
+                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+}
 ACTIVATIONS = {'silu': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh',
                'gelu': 'gelu_tanh'}  # Gemma's legacy name for the tanh form.
 PARAM_DTYPES = ('float32', 'bfloat16', 'float16')  # torch_dtype kept as is.
@@ -69,6 +77,7 @@ def model_fields(hf: dict) -> dict[str, Any]:
   if family not in FAMILIES:
     raise UserError(f'model_type {family!r} is not supported; supported: '
                     f'{", ".join(FAMILIES)}')
+  hf = {**CONFIG_DEFAULTS.get(family, {}), **hf}
   _check_types(hf)
   get = lambda key, default=None: (hf[key] if hf.get(key) is not None
                                    else default)
