@@ -4,7 +4,7 @@ lacks keep their defaults (configs/default.py), so a config written before a
 field existed still loads."""
 
 import json
-import pathlib
+from etils import epath
 
 from ml_collections import config_dict
 
@@ -14,7 +14,7 @@ from configs import default
 def read(path) -> config_dict.ConfigDict:
   """The defaults, updated with what the JSON file sets (json.JSONDecodeError
   if it is not JSON)."""
-  saved = json.loads(pathlib.Path(path).read_text())
+  saved = json.loads(epath.Path(path).read_text())
   config = default.get_config()
 
   def update(target, values):

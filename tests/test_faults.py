@@ -570,17 +570,18 @@ def test_an_exact_copy_is_called_one(trained, tmp_path):
 
 def test_object_store_paths_are_refused_not_made_into_folders(tmp_path,
                                                              monkeypatch):
+  # gs:// workdirs and --source are supported (tests/test_buckets.py); any
+  # other scheme there, and any URL where only a local path will do, is
+  # refused in one line.
   monkeypatch.chdir(tmp_path)
-  with pytest.raises(UserError, match='--workdir=gs://bucket/run: gs:// paths '
-                     'are not supported yet; mount the bucket'):
-    loop.train_and_evaluate(_config(), 'gs://bucket/run')
+  with pytest.raises(UserError, match='--workdir=s3://bucket/run: s3:// is '
+                     'not supported; give a local folder or a gs:// path'):
+    loop.train_and_evaluate(_config(), 's3://bucket/run')
   with pytest.raises(UserError, match='data.path=s3://b/corpus: s3://'):
     data.load('s3://b/corpus', val_fraction=0.1, seq_len=8)
   url = 'gs://bucket/x'
   for call, flag in [
-      (lambda: checkpoint.load_workdir(url), '--workdir'),  # sample's.
       (lambda: convert.import_hf(url, 'w'), '--from_hf'),
-      (lambda: convert.export_hf(url, 'w'), '--source'),
       (lambda: convert.export_hf(str(tmp_path), url), '--to_hf'),
       (lambda: prepare_data.prepare(['embedded'], url, 'c'), '--tokenizer'),
       (lambda: prepare_data.prepare([url], 'tok.json', 'c'), '--input'),
@@ -588,7 +589,7 @@ def test_object_store_paths_are_refused_not_made_into_folders(tmp_path,
       (lambda: check_output_dir(url), '--out'),  # Every script's.
       (lambda: config_lib.resolve([f'--config={url}']), '--config')]:
     with pytest.raises(UserError, match=f'{flag}={url}: gs:// paths are not '
-                       'supported yet'):
+                       r'supported here \(only --workdir'):
       call()
   assert not list(tmp_path.iterdir())  # No folder named 'gs:'.
 

@@ -14,16 +14,17 @@ import contextlib
 import errno
 import logging
 import os
-import pathlib
 import shutil
 import sys
 from typing import Callable
 
+from etils import epath
 from flax import serialization
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from train import storage
 from train.errors import UserError
 
 UNREADABLE_DIR = 'unreadable_checkpoints'
@@ -32,8 +33,8 @@ UNREADABLE_DIR = 'unreadable_checkpoints'
 class Checkpointer:
   """Saves every `every` steps (and on demand), keeps the last `keep`."""
 
-  def __init__(self, workdir: str, *, every: int, keep: int):
-    self.workdir = pathlib.Path(workdir).absolute()
+  def __init__(self, workdir: str | epath.Path, *, every: int, keep: int):
+    self.workdir = storage.path(workdir)
     self.directory = self.workdir / 'checkpoints'
     self.every = every
     self._keep = keep
@@ -132,31 +133,34 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       failed, self._saving = self._saving, None
       kept = [s for s in self.all_steps() if s != failed]
-      disk = _mount_point(self.directory)
-      free = shutil.disk_usage(disk).free
       cause = _cause(e)
       if 'RESOURCE_EXHAUSTED' in cause or 'No space left' in cause:
         cause = 'the disk is full'
+      room, fix = '', ('check the bucket (its quota, your permissions, the '
+                       'network)')
+      if storage.is_local(self.directory):
+        disk = _mount_point(self.directory)
+        room = (f'; the disk at {disk} has '
+                f'{shutil.disk_usage(disk).free / 1e6:,.1f} MB free')
+        fix = 'free space (or give another --workdir)'
       raise UserError(
           f'could not write checkpoint step {failed} to {self.directory} '
-          f'({cause[:200]}); the disk at {disk} has {free / 1e6:,.1f} MB '
-          'free; '
+          f'({cause[:200]}){room}; '
           + (f'the last complete checkpoint is step {max(kept)}' if kept else
              'no checkpoint was completed')
-          + '; free space (or give another --workdir) and rerun the same '
-          'command to resume') from None
+          + f'; {fix} and rerun the same command to resume') from None
 
-  def _move_aside(self, step: int) -> pathlib.Path:
+  def _move_aside(self, step: int) -> epath.Path:
     return self._move(step, self.workdir / UNREADABLE_DIR / str(step))
 
-  def _move(self, step: int, target: pathlib.Path) -> pathlib.Path:
+  def _move(self, step: int, target: epath.Path) -> epath.Path:
     base, n = target, 1
     while target.exists():  # Kept from an earlier run: keep both.
       n += 1
       target = base.with_name(f'{base.name}-{n}')
     if jax.process_index() == 0:
-      target.parent.mkdir(exist_ok=True)
-      shutil.move(str(self.directory / str(step)), str(target))
+      target.parent.mkdir(parents=True, exist_ok=True)
+      (self.directory / str(step)).rename(target)
     self._manager.close()
     self._manager = self._open()
     return target
@@ -182,7 +186,7 @@ class Checkpointer:
               'new --workdir; nothing was changed')
 
 
-def save_params(workdir: str, params) -> None:
+def save_params(workdir: str | epath.Path, params) -> None:
   """Writes WORKDIR/checkpoints/0 holding `params` alone (`train.convert`);
   `Checkpointer.restore` then returns them with opt_state None.
 
@@ -203,7 +207,7 @@ def save_params(workdir: str, params) -> None:
   default = type_handlers.get_type_handler(np.ndarray)
   register(type_handlers.NumpyHandler(deepcopy_host_arrays=False))
   manager = ocp.CheckpointManager(
-      pathlib.Path(workdir).absolute() / 'checkpoints',
+      storage.path(workdir) / 'checkpoints',
       options=ocp.CheckpointManagerOptions(create=True),
       item_handlers=ocp.PyTreeCheckpointHandler(use_compression=False))
   try:
@@ -279,10 +283,10 @@ def _quiet_orbax():
     sys.unraisablehook = hook
 
 
-def _mount_point(path: pathlib.Path) -> pathlib.Path:
-  path = path.absolute()
+def _mount_point(path: epath.Path) -> str:
+  path = os.path.abspath(path)
   while not os.path.ismount(path):
-    path = path.parent
+    path = os.path.dirname(path)
   return path
 
 
@@ -320,12 +324,12 @@ def _ignore_callbacks_on_closed_loops():
   loop_class.call_soon_threadsafe = call_soon_threadsafe
 
 
-def restore_latest(workdir: str) -> tuple[int, dict]:
+def restore_latest(workdir: str | epath.Path) -> tuple[int, dict]:
   """(step, saved state as a dict of arrays) of WORKDIR's latest checkpoint.
 
   Read-only: nothing in WORKDIR is created, moved or changed.
   """
-  directory = pathlib.Path(workdir).absolute() / 'checkpoints'
+  directory = storage.path(workdir) / 'checkpoints'
   manager = None
   if directory.is_dir():
     manager = ocp.CheckpointManager(
@@ -362,10 +366,8 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
   flag: the command-line flag that named WORKDIR, for the error messages.
   """
   from train import config_lib  # pylint: disable=import-outside-toplevel
-  from train.workdir import refuse_url  # pylint: disable=import-outside-toplevel
-  refuse_url(workdir, flag)
-  path = pathlib.Path(workdir) / 'config.json'
-  if not pathlib.Path(workdir).is_dir():
+  path = storage.path(workdir, flag) / 'config.json'
+  if not path.parent.is_dir():
     raise UserError(f'{flag}={workdir} is not a directory; give the workdir '
                     'of a train.main run')
   if not path.exists():

@@ -13,11 +13,19 @@ from train.errors import UserError
 
 
 def exit_on_user_error(fn: Callable[[], object]):
-  """Runs fn(); a UserError becomes one line on stderr and exit status 1."""
+  """Runs fn(); a UserError, or a bucket that cannot be reached, becomes one
+  line on stderr and exit status 1."""
+  from train import storage  # pylint: disable=import-outside-toplevel
   try:
     fn()
   except UserError as e:
     print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
+  except Exception as e:  # pylint: disable=broad-except
+    fault = storage.bucket_fault(e)
+    if fault is None:
+      raise
+    print(f'error: {fault}', file=sys.stderr)
     sys.exit(1)
 
 
@@ -84,7 +92,7 @@ def check_output_dir(path: str, flag: str = '--out', *, new: bool = False):
 
   new: refuse one that already holds files (results that a rerun would
   otherwise mix with, or report as, its own)."""
-  from train.workdir import refuse_url  # pylint: disable=import-outside-toplevel
+  from train.storage import refuse_url  # pylint: disable=import-outside-toplevel
   refuse_url(path, flag)
   out = pathlib.Path(path).expanduser()
   if out.exists() and not out.is_dir():

@@ -14,7 +14,7 @@ from ml_collections import config_dict
 from attention import layer
 from attention.rope import RopeScaling
 from train.errors import UserError
-from train.workdir import refuse_url
+from train.storage import refuse_url
 from train.model import ACTIVATIONS, ModelConfig
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / 'configs'

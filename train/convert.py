@@ -37,12 +37,13 @@ import sys
 import zlib
 from typing import Literal
 
+from etils import epath
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import checkpoint, config_lib, hf, loop, safetensors_io
+from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
 from train import model as model_lib
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
@@ -120,7 +121,7 @@ def apply_recipe(config, learning_rate: float) -> dict:
   return recipe
 
 
-def source_rate(source: pathlib.Path, config) -> float:
+def source_rate(source: epath.Path, config) -> float:
   """The recipe's peak for a checkpoint of ours: the rate its schedule ended
   at, or, for one that was itself converted or imported, its own recipe's."""
   rate = workdir_lib.recipe_learning_rate(source)
@@ -150,9 +151,10 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
     k = _target_heads(k_source, num_kv_heads)
     new_params, _ = convert_params(params, model_config, k, method, seed)
     config.model.num_kv_heads = k
-    recipe = apply_recipe(config, source_rate(pathlib.Path(source), config))
+    source = storage.path(source, '--source')
+    recipe = apply_recipe(config, source_rate(source, config))
     for name in ('tokenizer.json', 'hf'):  # The tokenizer travels along.
-      _copy(pathlib.Path(source) / name, path / name)
+      storage.copy(source / name, path / name)
     _write_step0(path, new_params, config, {
         'source': str(source), 'num_kv_heads': k,
         'source_num_kv_heads': k_source, 'method': method,
@@ -187,8 +189,8 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
   is written; a failure after that removes what was written.
   """
   _check_method(method)
-  workdir_lib.refuse_url(source, '--from_hf')
-  directory = pathlib.Path(source)
+  storage.refuse_url(source, '--from_hf')
+  directory = pathlib.Path(source).absolute()
   hf_config = hf.read_config(directory)
   fields = hf.model_fields(hf_config)
   if param_dtype:
@@ -216,13 +218,14 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
       k != k_source or method == 'random') else None
   with _new_workdir(workdir) as path:
     params = hf.read_weights(files, shapes, mc, convert_kv)
-    (path / 'hf').mkdir()
+    (path / 'hf').mkdir(exist_ok=True)
     (path / 'hf' / 'config.json').write_text(json.dumps(hf_config, indent=2))
     for name in hf.TOKENIZER_FILES:
-      _copy(directory / name, path / 'hf' / name)
-    _copy(directory / 'tokenizer.json', path / 'tokenizer.json')
+      storage.copy(epath.Path(directory / name), path / 'hf' / name)
+    storage.copy(epath.Path(directory / tokenizer_lib.FILE),
+                 path / tokenizer_lib.FILE)
     _write_step0(path, params, config, {
-        'from_hf': str(directory.absolute()),
+        'from_hf': str(directory),
         'model_type': hf_config['model_type'], 'num_kv_heads': k,
         'source_num_kv_heads': k_source, 'method': method,
         'recipe': recipe})
@@ -244,16 +247,16 @@ def _check_tokenizer(path: pathlib.Path, vocab_size: int):
 def export_hf(source: str, target: str) -> str:
   """Writes SOURCE's latest parameters as a Hugging Face folder TARGET;
   returns its model_type."""
-  workdir_lib.refuse_url(target, '--to_hf')
+  storage.refuse_url(target, '--to_hf')
   out = pathlib.Path(target)
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise UserError(f'--to_hf={target} exists and is not an empty folder; '
                     'give a new one')
   mc, params, _ = checkpoint.load_workdir(source, '--source')
+  source = storage.path(source, '--source')
   remembered = {}
-  if (pathlib.Path(source) / 'hf' / 'config.json').exists():
-    remembered = json.loads(
-        (pathlib.Path(source) / 'hf' / 'config.json').read_text())
+  if (source / 'hf' / 'config.json').exists():
+    remembered = json.loads((source / 'hf' / 'config.json').read_text())
   family = hf.family_of(mc, remembered.get('model_type'))
   if remembered.get('model_type') not in (None, family):
     remembered = {}  # Another architecture now: keep only its token ids.
@@ -265,8 +268,8 @@ def export_hf(source: str, target: str) -> str:
     config = hf.hf_config(mc, family, remembered)
     (out / 'config.json').write_text(json.dumps(config, indent=2))
     for name in hf.TOKENIZER_FILES:
-      _copy(pathlib.Path(source) / 'hf' / name, out / name)
-    _copy(pathlib.Path(source) / 'tokenizer.json', out / 'tokenizer.json')
+      storage.copy(source / 'hf' / name, epath.Path(out / name))
+    storage.copy(source / 'tokenizer.json', epath.Path(out / 'tokenizer.json'))
   except BaseException:
     shutil.rmtree(out)
     raise
@@ -302,37 +305,28 @@ def _check_method(method: str):
 @contextlib.contextmanager
 def _new_workdir(workdir: str):
   """A new workdir, locked; on any failure, what was written is removed."""
-  existed = pathlib.Path(workdir).expanduser().exists()
+  existed = storage.path(workdir).exists()
   path = workdir_lib.check_writable(workdir)
   if (path / 'checkpoints').exists():
     raise UserError(f'{workdir} already holds checkpoints; pick a new '
                     '--workdir')
-  before = set(path.iterdir())
+  before = set(path.iterdir()) if existed else set()  # A bucket has no
+  # empty folders.
   try:
     with workdir_lib.lock(path):
       yield path
   except BaseException:
-    if not existed:
-      shutil.rmtree(path, ignore_errors=True)
-    else:
-      for item in set(path.iterdir()) - before:
-        shutil.rmtree(item) if item.is_dir() else item.unlink()
+    for item in set(path.iterdir()) - before if existed else [path]:
+      storage.remove(item)
     raise
 
 
-def _write_step0(path: pathlib.Path, params, config, info: dict):
+def _write_step0(path: epath.Path, params, config, info: dict):
   """The step-0 checkpoint (parameters only: `train.main` starts the
   optimizer fresh), then config.json, which marks the workdir complete."""
-  checkpoint.save_params(str(path), params)
+  checkpoint.save_params(path, params)
   (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
   (path / 'config.json').write_text(config.to_json(indent=2))
-
-
-def _copy(source: pathlib.Path, target: pathlib.Path):
-  if source.is_dir():
-    shutil.copytree(source, target)
-  elif source.exists():
-    shutil.copyfile(source, target)
 
 
 def main(argv):

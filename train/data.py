@@ -45,7 +45,7 @@ import numpy as np
 from train import tokenizer as tokenizer_lib
 from train.errors import UserError
 from train.progress import Progress
-from train.workdir import refuse_url
+from train.storage import refuse_url
 
 _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
               'lib2to3', 'ensurepip'}

@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pathlib
-import shutil
 import sys
 import time
 from typing import Any, Callable
 
+from etils import epath
 import flax
 import flax.linen as nn
 import jax
@@ -19,6 +18,7 @@ import numpy as np
 import optax
 
 from train import checkpoint, config_lib, data as data_lib, flops, sharding
+from train import storage
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
 from train.checkpoint import Checkpointer
@@ -175,7 +175,7 @@ DIVERGED_DIR = 'diverged_checkpoints'
 @dataclasses.dataclass
 class Run:
   """What the loop works with, built once by `setup`."""
-  workdir: pathlib.Path
+  workdir: epath.Path
   state: TrainState
   start: int  # First step to run (the restored step, or 0).
   step_fn: Callable  # Compiled (state, batch) -> (state, metrics).
@@ -191,7 +191,7 @@ class Run:
   write_config: Callable[[], None]  # config.json, once it describes a save.
 
 
-def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
+def setup(config, path: epath.Path, mesh, is_chief: bool) -> Run:
   """The data, model, restored or fresh state and compiled steps of a run in
   WORKDIR `path` (also what scripts/bench_train.py times)."""
   mc = config_lib.model_config(config)
@@ -200,10 +200,10 @@ def setup(config, path: pathlib.Path, mesh, is_chief: bool) -> Run:
   program = _Programs(config, mc, mesh, dataset.loss_weights)
   warn = (lambda text: print(text, file=sys.stderr, flush=True)) if (
       is_chief) else (lambda _: None)
-  checkpointer = Checkpointer(str(path), every=tc.checkpoint_every,
+  checkpointer = Checkpointer(path, every=tc.checkpoint_every,
                               keep=tc.keep_checkpoints)
   state, resume_step = _restore_or_init(config, program, checkpointer, warn)
-  reporter = MetricsWriter(str(path), tc.steps, enabled=is_chief,
+  reporter = MetricsWriter(path, tc.steps, enabled=is_chief,
                            resume_step=resume_step or 0)
   _introduce(reporter.message, config, mc, dataset, mesh)
   if resume_step is not None:
@@ -331,7 +331,8 @@ def evaluate_workdir(workdir: str, flag: str = '--workdir', *,
   mesh = sharding.make_mesh(config.mesh)
   config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
                       jax.process_count())
-  dataset = _dataset(config.data, mc, pathlib.Path(workdir), is_chief=False)
+  dataset = _dataset(config.data, mc, storage.path(workdir, flag),
+                     is_chief=False)
   program = _Programs(config, mc, mesh, dataset.loss_weights,
                       through_cache=through_cache)
   return _evaluator(config, dataset, program, sharded=False)(params)
@@ -423,7 +424,7 @@ def _evaluator(config, dataset, program: _Programs, sharded: bool = True):
   return evaluate
 
 
-def _dataset(dc, mc, path: pathlib.Path, is_chief: bool) -> data_lib.Source:
+def _dataset(dc, mc, path: epath.Path, is_chief: bool) -> data_lib.Source:
   """The run's data, checked against the model; the workdir remembers the
   tokenizer it was read with."""
   tokenizer = _tokenizer(dc, path)
@@ -446,11 +447,11 @@ def _dataset(dc, mc, path: pathlib.Path, is_chief: bool) -> data_lib.Source:
   remembered = path / tokenizer_lib.FILE  # Once the data is known to fit.
   if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
       not remembered.exists()):
-    shutil.copyfile(tokenizer.name, remembered)
+    remembered.write_bytes(epath.Path(tokenizer.name).read_bytes())
   return dataset
 
 
-def _check_recipe(path: pathlib.Path, learning_rate: float, warn):
+def _check_recipe(path: epath.Path, learning_rate: float, warn):
   """One line when uptraining a converted or imported checkpoint faster
   than the recipe `train.convert` wrote (a from-scratch rate can undo what
   the model learnt)."""
@@ -462,7 +463,7 @@ def _check_recipe(path: pathlib.Path, learning_rate: float, warn):
          'what it learnt')
 
 
-def _tokenizer(dc, path: pathlib.Path):
+def _tokenizer(dc, path: epath.Path):
   """data.tokenizer, which the workdir then remembers, or the workdir's own;
   a fresh workdir training on a prepared corpus remembers the corpus's."""
   remembered = path / tokenizer_lib.FILE
@@ -499,6 +500,7 @@ def _diverged(run: Run, step: int, what: str) -> str:
   moved to WORKDIR/diverged_checkpoints, so that a rerun resumes from it.
   """
   run.checkpointer.wait()  # Every save must be complete first.
+  run.reporter.sync()
   records = read_metrics(run.workdir) if (
       run.workdir / 'metrics.jsonl').exists() else []
   left = left_range_at(records, step)
@@ -597,7 +599,8 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
       config_written = True
     # Logged before the save starts: a kill between the two then resumes
     # from an earlier step and logs this one again, never leaves it out.
-    run.reporter.log(n, record)
+    saving = last or stop or n % tc.checkpoint_every == 0
+    run.reporter.log(n, record, durable=saving)
     run.checkpointer.save(n, state, force=last or stop)
     window.take()
     if stop and not last:
@@ -649,7 +652,12 @@ def _rounded(metrics: dict) -> dict:
   return {k: float(f'{float(v):.4g}') for k, v in metrics.items()}
 
 
-def _write_atomically(path: pathlib.Path, text: str):
+def _write_atomically(path: epath.Path, text: str):
+  """A reader sees the old text or the new, never part: through a renamed
+  temporary file on a disk; an object's upload is atomic itself."""
+  if not storage.is_local(path):
+    path.write_text(text)
+    return
   tmp = path.with_name(f'.{path.name}.tmp')
   tmp.write_text(text)
   tmp.replace(path)

@@ -1,4 +1,8 @@
-"""What a run tells its user: a progress bar or log lines, metrics.jsonl, TensorBoard."""
+"""What a run tells its user: a progress bar or log lines, metrics.jsonl, TensorBoard.
+
+In a bucket workdir both files are written locally and uploaded whole
+(`storage.Staged`): every 30 s, and completely before each checkpoint, so a
+resumed run's metrics.jsonl holds every step up to its checkpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +12,9 @@ import pathlib
 import sys
 import time
 
+from etils import epath
+
+from train import storage
 from train.errors import UserError
 from train.progress import duration
 
@@ -19,7 +26,8 @@ class MetricsWriter:
   (a log file, CI) each logged step is a plain line on stdout.
   """
 
-  def __init__(self, workdir: str, total_steps: int, *, enabled: bool = True,
+  def __init__(self, workdir: str | epath.Path, total_steps: int, *,
+               enabled: bool = True,
                resume_step: int = 0):
     self.enabled = enabled
     self.total_steps = total_steps
@@ -28,13 +36,17 @@ class MetricsWriter:
     # compilation, which would otherwise dominate a short (resumed) run.
     if not enabled:
       return
-    path = pathlib.Path(workdir) / 'metrics.jsonl'
+    self._staged = storage.Staged(storage.path(workdir),
+                                  seed=('metrics.jsonl',))
+    path = self._staged.folder / 'metrics.jsonl'
     _truncate_after(path, resume_step)  # Steps past the checkpoint rerun.
     self._jsonl = path.open('a')
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
+    self._tb = SummaryWriter(str(self._staged.folder / 'tensorboard'))
 
-  def log(self, step: int, metrics: dict):
+  def log(self, step: int, metrics: dict, *, durable: bool = False):
+    """Appends a record; durable: in the workdir before this returns (a
+    bucket's copy is otherwise at most 30 s behind)."""
     if not self.enabled:
       return
     record = {'step': step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -44,7 +56,15 @@ class MetricsWriter:
       if name != 'step' and isinstance(value, (int, float)):
         self._tb.add_scalar(name, value, step)
     self._tb.flush()
+    self._staged.upload(unless_recent=not durable)
     self._show(step, record)
+
+  def sync(self):
+    """metrics.jsonl and the events, complete in the workdir."""
+    if self.enabled:
+      self._jsonl.flush()
+      self._tb.flush()
+      self._staged.upload()
 
   def message(self, text: str):
     if self.enabled:
@@ -58,6 +78,7 @@ class MetricsWriter:
         sys.stderr.write('\n')
       self._jsonl.close()
       self._tb.close()
+      self._staged.close()
 
   def _show(self, step, record):
     now = time.perf_counter()
@@ -87,11 +108,11 @@ class MetricsWriter:
       print(line, flush=True)
 
 
-def read_metrics(workdir: str) -> list[dict]:
-  return _records(pathlib.Path(workdir) / 'metrics.jsonl')
+def read_metrics(workdir: str | epath.Path) -> list[dict]:
+  return _records(storage.path(workdir) / 'metrics.jsonl')
 
 
-def _records(path: pathlib.Path) -> list[dict]:
+def _records(path: epath.Path | pathlib.Path) -> list[dict]:
   """The records of a metrics.jsonl; a partial last line (a kill mid-write)
   is dropped, an unreadable line elsewhere is an error."""
   lines = path.read_text().splitlines()

@@ -13,11 +13,12 @@ is kept: an interrupted save is a temporary folder the next run removes.
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import signal
 import subprocess
 import sys
+
+from train import storage
 
 WATCHED = 'GQA_LAB_WATCHED'  # Set in the child: it trains, not watches.
 # The coordination service's error, as the survivors' stderr shows it.
@@ -88,6 +89,10 @@ def _what_was_lost(dump: list[str]) -> str:
 
 def _resume(workdir: str | None) -> str:
   """'from step N' (the newest checkpoint in WORKDIR), or 'from the start'."""
-  steps = [int(p.name) for p in pathlib.Path(workdir or '.', 'checkpoints')
-           .glob('*') if p.name.isdigit()] if workdir else []
+  try:
+    folder = storage.path(workdir or '.') / 'checkpoints'
+    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if (
+        workdir and folder.is_dir()) else []
+  except Exception:  # pylint: disable=broad-except
+    return 'from its latest checkpoint'  # An unreachable bucket, say.
   return f'from step {max(steps)}' if steps else 'from the start'

@@ -45,7 +45,7 @@ import numpy as np
 from train import data
 from train import tokenizer as tokenizer_lib
 from train.errors import UserError
-from train.workdir import refuse_url
+from train.storage import refuse_url
 from train.cli import run_app
 from train.progress import Progress
 

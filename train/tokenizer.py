@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pathlib
+import os
 
+from etils import epath
 import numpy as np
 
 from train.errors import UserError
@@ -36,7 +37,7 @@ class Bytes:
 class HuggingFace:
   """A `tokenizers` tokenizer.json (BPE, Unigram, WordPiece, ...)."""
 
-  def __init__(self, path: pathlib.Path, eos_ids: tuple[int, ...] = ()):
+  def __init__(self, path: epath.Path, eos_ids: tuple[int, ...] = ()):
     try:
       from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
     except ImportError:
@@ -77,11 +78,11 @@ class HuggingFace:
                                   skip_special_tokens=False)
 
 
-def load(path: str | pathlib.Path | None, eos_ids: tuple[int, ...] = ()):
+def load(path: str | os.PathLike | None, eos_ids: tuple[int, ...] = ()):
   """The tokenizer at PATH, or bytes for '' / None."""
   if not path:
     return Bytes()
-  path = pathlib.Path(path).expanduser()
+  path = epath.Path(path).expanduser()  # A workdir's may be in a bucket.
   if not path.is_file():
     raise UserError(f'tokenizer {str(path)!r} does not exist; give a '
                     "tokenizer.json, or '' for bytes")
@@ -93,10 +94,10 @@ def load(path: str | pathlib.Path | None, eos_ids: tuple[int, ...] = ()):
 EOS_NAMES = ('</s>', '<|endoftext|>', '<eos>', '<|end_of_text|>')
 
 
-def of_workdir(workdir: str | pathlib.Path):
+def of_workdir(workdir: str | os.PathLike):
   """WORKDIR's tokenizer (bytes if it has none), with the end-of-sequence
   ids of the Hugging Face model it came from, or else its named one."""
-  workdir = pathlib.Path(workdir)
+  workdir = epath.Path(workdir)
   if not (workdir / FILE).exists():
     return Bytes()
   eos = set()
@@ -113,7 +114,7 @@ def of_workdir(workdir: str | pathlib.Path):
   return tokenizer
 
 
-def named_eos(tokenizer: HuggingFace, config: pathlib.Path
+def named_eos(tokenizer: HuggingFace, config: epath.Path
               ) -> tuple[int, ...]:
   """(id,) of the EOS token that `config` (a tokenizer_config.json) names,
   or else of the first of EOS_NAMES in the vocabulary; () if none."""
