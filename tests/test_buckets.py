@@ -22,6 +22,7 @@ import pytest
 
 from tests import gcs_emulator
 from tests.test_faults import _one_line_error, _params_and_losses, _run, REPO
+from tests.test_prepare_data import _word_tokenizer
 from tests.test_train import _config
 from train import checkpoint, loop, storage, workdir
 from train.errors import UserError
@@ -107,29 +108,40 @@ def test_of_two_runs_taking_over_one_stale_lock_only_one_wins(bucket,
 
 
 def test_the_holder_renews_its_lease(bucket, monkeypatch):
-  monkeypatch.setattr(workdir, 'LEASE_SECONDS', 0.4)
+  monkeypatch.setenv('GQA_LAB_LOCK_LEASE', '0.4')
   with workdir.lock(storage.path(bucket)):
     first = json.loads(_lock_object(bucket).read_text())['expires']
     time.sleep(0.5)  # Two renewals.
     assert json.loads(_lock_object(bucket).read_text())['expires'] > first
   assert not _lock_object(bucket).exists()
+  monkeypatch.setenv('GQA_LAB_LOCK_LEASE', 'soon')
+  with pytest.raises(UserError, match="GQA_LAB_LOCK_LEASE='soon' must be a "
+                     'number of seconds > 0'):
+    with workdir.lock(storage.path(bucket)):
+      pass
 
 
 # A run's files.
 
-def test_a_run_writes_every_file_to_the_bucket_and_reads_it_back(bucket):
-  record = loop.train_and_evaluate(_config(train__steps=10), bucket)
+def test_a_run_writes_every_file_to_the_bucket_and_reads_it_back(bucket,
+                                                                 tmp_path):
+  tokenizer, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
+  record = loop.train_and_evaluate(
+      _config(train__steps=10, data__tokenizer=str(tokenizer)), bucket)
   root = epath.Path(bucket)
   names = {p.name for p in root.iterdir()}
   assert {'checkpoints', 'config.json', 'metrics.jsonl', 'final.json',
-          'tensorboard'} <= names and 'lock' not in names, names
+          'tensorboard', 'tokenizer.json'} <= names and 'lock' not in names, (
+              names)
+  assert (root / 'tokenizer.json').read_bytes() == tokenizer.read_bytes()
   assert [r['step'] for r in read_metrics(bucket)] == [5, 10]
   assert list((root / 'tensorboard').iterdir())
   assert json.loads((root / 'final.json').read_text())['eval_loss'] == (
       record['eval_loss'])
   assert checkpoint.restore_latest(bucket)[0] == 10
+  # The tokenizer and final.json, read back from the bucket.
   again = loop.train_and_evaluate(_config(train__steps=10), bucket)
-  assert again['eval_loss'] == record['eval_loss']  # final.json, read back.
+  assert again['eval_loss'] == record['eval_loss']
   model_config, _, config = checkpoint.load_workdir(bucket)
   assert model_config.num_kv_heads == 2 and config.train.steps == 10
 

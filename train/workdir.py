@@ -9,9 +9,10 @@ naming the holder's host and pid:
     note. The file stays after a run, empty.
   * In a bucket (gs://), an object created only if absent (a generation
     precondition: of two runs starting together, one wins). The holder
-    renews its lease every LEASE_SECONDS / 4; a lock whose lease has expired,
+    renews its lease every quarter lease; a lock whose lease has expired,
     or whose holder was a process on this host that is gone, is stale and
     taken over, again under a precondition. The object is deleted at the end.
+    GQA_LAB_LOCK_LEASE sets the lease (60 s).
 Multi-host runs share one workdir by design: only process 0 writes, and only
 process 0 takes the lock.
 """
@@ -34,8 +35,6 @@ from train import storage
 from train.errors import UserError
 
 LOCK_NAME = 'lock'
-# How long a bucket lock outlives a holder that stopped renewing it.
-LEASE_SECONDS = float(os.environ.get('GQA_LAB_LOCK_LEASE', '60'))
 
 
 def check_writable(workdir: str, flag: str = '--workdir') -> epath.Path:
@@ -111,6 +110,20 @@ def lock(workdir: str | os.PathLike, *, enabled: bool = True,
       held.release()
 
 
+def lease_seconds(env=os.environ) -> float:
+  """How long a bucket lock outlives a holder that stopped renewing it:
+  GQA_LAB_LOCK_LEASE, or 60."""
+  value = env.get('GQA_LAB_LOCK_LEASE', '60')
+  try:
+    seconds = float(value)
+  except ValueError:
+    seconds = 0.0
+  if not 0 < seconds < 1e6:
+    raise UserError(f'GQA_LAB_LOCK_LEASE={value!r} must be a number of '
+                    'seconds > 0 (60 by default)')
+  return seconds
+
+
 def _busy(workdir, holder: str) -> UserError:
   return UserError(f'{workdir} is in use by another run ({holder}); wait for '
                    'it to finish or stop it, or use another --workdir')
@@ -159,8 +172,10 @@ class _ObjectLock:
     from google.cloud import storage as gcs  # pylint: disable=import-outside-toplevel
     self._conflict = exceptions.PreconditionFailed
     self._missing = exceptions.NotFound
+    self._lease = lease_seconds()
     bucket, _, prefix = workdir.removeprefix('gs://').partition('/')
-    self._blob = lambda: gcs.Client().bucket(bucket).blob(
+    client = gcs.Client()
+    self._blob = lambda: client.bucket(bucket).blob(
         f'{prefix}/{LOCK_NAME}' if prefix else LOCK_NAME)
     self._stop = threading.Event()
     self._generation = self._acquire(workdir, say)
@@ -196,12 +211,12 @@ class _ObjectLock:
     blob = self._blob()
     blob.upload_from_string(json.dumps({
         'holder': _me(), 'host': socket.gethostname(), 'pid': os.getpid(),
-        'expires': time.time() + LEASE_SECONDS}),
+        'expires': time.time() + self._lease}),
         if_generation_match=if_generation_match)
     return int(blob.generation)
 
   def _renew(self, workdir):
-    while not self._stop.wait(LEASE_SECONDS / 4):
+    while not self._stop.wait(self._lease / 4):
       try:
         self._generation = self._write(self._generation)
       except self._conflict:
