@@ -1,33 +1,44 @@
-"""Training-step benchmark: `train.main`'s step against the same model in PyTorch.
+"""Training-step benchmark: `train.main` against the same model in PyTorch.
 
   python -m scripts.bench_train [--configs=gqa_small,mha_small,mqa_small]
-      [--rounds=5] [--steps=10] [--no_compile] [--json=out.json]
-      [--markdown=BENCHMARKS.md]   (pip install -e '.[bench]' for torch)
+      [--rounds=3] [--steps=25] [--warmup=5] [--no_compile] [--in_process]
+      [--json=out.json] [--markdown=BENCHMARKS.md]
+      (pip install -e '.[bench]' for torch)
 
-Contestants, per config, taking turns round after round in this process so
-that all see the same machine load (a shared 2-core VM drifts up to 1.5x):
-  ours           the step `train.main` runs: `loop.setup`'s compiled
-                 (state, batch) -> state, batches from the config's data
+Contestants, per config:
+  ours           `python -m train.main --config=NAME` as users run it, every
+                 step logged (log_every=1): its step_time from metrics.jsonl,
+                 which counts everything between two steps' results (the
+                 data feed, the loop's host work, the metrics fetch)
   torch eager    `TorchTransformer`, the same network built from the same
                  config (parameter count asserted equal, logits checked equal
                  on our parameters by tests/test_scripts.py): SDPA with
                  enable_gqa, AdamW(fused=True) with the same hyperparameters
-                 and decay mask, global-norm clipping
+                 and decay mask, global-norm clipping; a loop that makes
+                 each batch from the same data and fetches each loss
   torch compile  the same, forward and backward under torch.compile
 
-Each round times --steps steps of each contestant (after a warm-up that
-compiles); a round's time is its mean step. Prints a table of median
-tokens/s and ours/peer ratios, with the spread over rounds; --json and
---markdown write them.
+Each contestant runs --steps steps in a process of its own (no two
+frameworks' thread pools in one process), taking turns round after round so
+that all see the same machine load (a shared 2-core VM drifts up to 1.5x); a
+round's time is the median step after --warmup steps (compilation). Prints a
+table of median tokens/s and ours/peer ratios, with the spread over rounds;
+--json and --markdown write them.
+
+--in_process times the compiled step alone instead (`loop.setup`'s
+(state, batch) -> state, and the two torch steps), all in this process, each
+round --steps steps after a warm-up: the step without the loop around it.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +47,9 @@ import jax
 import numpy as np
 
 from scripts import timing
-from train import config_lib, flops, loop, sharding
+from train import config_lib, flops, loop, sharding, storage
+from train import metrics as metrics_lib
+from train import model as model_lib
 from train.errors import UserError
 from train.cli import ArgumentParser, exit_on_user_error
 from train.cli import positive_int
@@ -215,9 +228,70 @@ class Ours:
     self._tmp.cleanup()
 
 
+def ours_in_a_process(name: str, steps: int) -> list[float]:
+  """The step_time of each step of `train.main --config=NAME`, run as a user
+  runs it (its own process, a fresh workdir, every step logged)."""
+  with tempfile.TemporaryDirectory() as workdir:
+    result = subprocess.run(
+        [sys.executable, '-m', 'train.main', f'--config={name}',
+         f'--workdir={workdir}', f'--config.train.steps={steps}',
+         '--config.train.log_every=1', f'--config.train.eval_every={steps}',
+         f'--config.train.checkpoint_every={steps}'],
+        capture_output=True, text=True, check=False)
+    if result.returncode:  # Our own contestant failing: shown whole.
+      raise RuntimeError(f'train.main --config={name} failed:\n'
+                         f'{result.stderr[-3000:]}')
+    return [r['step_time'] for r in metrics_lib.read_metrics(workdir)]
+
+
+def torch_in_a_process(name: str, peer: str, steps: int) -> list[float]:
+  """The wall time of each step of `peer` on config NAME, in a process of
+  its own (`--worker`)."""
+  result = subprocess.run(
+      [sys.executable, '-m', 'scripts.bench_train', f'--worker={peer}',
+       f'--configs={name}', f'--steps={steps}'],
+      capture_output=True, text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f'{peer} on {name} failed:\n{result.stderr[-3000:]}')
+  return json.loads(result.stdout.strip().splitlines()[-1])['step_times']
+
+
+def torch_worker(name: str, peer: str, steps: int):
+  """Prints {"step_times": [...]}: `peer`'s training loop on config NAME,
+  each step from making its batch to fetching its loss."""
+  config = config_lib.load(name)
+  mc, tc, dc = config_lib.model_config(config), config.train, config.data
+  with tempfile.TemporaryDirectory() as workdir:  # Ours' data, as numpy.
+    dataset = loop._dataset(dc, mc, storage.path(workdir), is_chief=False)  # pylint: disable=protected-access
+  torch.manual_seed(config.seed)
+  step = torch_step(TorchTransformer(mc), tc, compile_=peer == 'torch compile')
+  times = []
+  for i in range(steps):
+    start = time.perf_counter()
+    batch = dataset.batch('train', batch_size=tc.batch_size,
+                          seq_len=dc.seq_len, shard=0, num_shards=1,
+                          seed=config.seed, step=i)
+    step(np.asarray(batch)).item()
+    times.append(time.perf_counter() - start)
+  print(json.dumps({'step_times': times}))
+
+
+def bench_processes(name, config, args) -> dict:
+  """`train.main` and the torch loops, each in its own process, in turns."""
+  peers = ['ours'] + ([] if torch is None else ['torch eager'] + (
+      [] if args.no_compile else ['torch compile']))
+  times = {peer: [] for peer in peers}
+  for _ in range(args.rounds):
+    for peer in peers:
+      steps = (ours_in_a_process(name, args.steps) if peer == 'ours' else
+               torch_in_a_process(name, peer, args.steps))
+      times[peer].append(statistics.median(steps[args.warmup:]))
+  return _row(name, config, times)
+
+
 def bench_config(name, config, args) -> dict:
+  """The compiled steps alone, taking turns in this process."""
   mc, tc = config_lib.model_config(config), config.train
-  tokens_per_step = tc.batch_size * config.data.seq_len
   ours = Ours(config)
   contestants = {'ours': (ours, ours.sync)}
   if torch is not None:
@@ -249,15 +323,22 @@ def bench_config(name, config, args) -> dict:
       sync(out)
       times[peer].append((time.perf_counter() - start) / args.steps)
   ours.close()
+  return _row(name, config, times)
+
+
+def _row(name, config, times: dict[str, list[float]]) -> dict:
+  """Tokens/s and ratios from each contestant's step time per round."""
+  mc = config_lib.model_config(config)
+  tokens_per_step = config.train.batch_size * config.data.seq_len
   row = {'config': name, 'tokens_per_step': tokens_per_step,
-         'params': sum(x.size for x in jax.tree.leaves(ours.state.params)),
+         'params': model_lib.num_params(mc),
          'model_flops_per_token': flops.training_flops_per_token(
              mc, config.data.seq_len)}
   for peer, t in times.items():
     row[peer] = {'step_s_median': statistics.median(t),
                  'tokens_per_s': tokens_per_step / statistics.median(t),
                  'rounds_s': t}
-  for peer in contestants:
+  for peer in times:
     if peer != 'ours':
       ratios = [b / a for a, b in zip(times['ours'], times[peer])]
       row[f'ours/{peer}'] = {
@@ -289,15 +370,29 @@ def format_rows(rows, env) -> str:
 def main():
   parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--configs', default='gqa_small,mha_small,mqa_small')
-  parser.add_argument('--rounds', type=positive_int, default=5)
-  parser.add_argument('--steps', type=positive_int, default=10,
-                      help='steps per contestant per round')
+  parser.add_argument('--rounds', type=positive_int, default=3)
+  parser.add_argument('--steps', type=positive_int,
+                      help='steps per contestant per round (25; '
+                      '--in_process: 10)')
+  parser.add_argument('--warmup', type=positive_int, default=5,
+                      help='first steps of each process left out')
   parser.add_argument('--no_compile', action='store_true',
                       help='skip the torch.compile contestant')
+  parser.add_argument('--in_process', action='store_true',
+                      help='time the compiled steps alone, in this process')
+  parser.add_argument('--worker', choices=('torch eager', 'torch compile'),
+                      help=argparse.SUPPRESS)  # One torch contestant's run.
   parser.add_argument('--json', help='also write the results here')
   parser.add_argument('--markdown', help=f'write the table as the section '
-                      f'"{SECTION}" of this file (BENCHMARKS.md)')
+                      f'"{SECTION}" (--in_process: "{STEP_SECTION}") of '
+                      'this file (BENCHMARKS.md)')
   args = parser.parse_args()
+  args.steps = args.steps or (10 if args.in_process else 25)
+  if args.worker:
+    return torch_worker(args.configs, args.worker, args.steps)
+  if not args.in_process and args.steps <= args.warmup:
+    raise UserError(f'--steps={args.steps} must exceed --warmup='
+                    f'{args.warmup}: the warm-up steps are left out')
   peak, peak_source = flops.peak_flops()
   env = {'machine': f'{platform.processor() or platform.machine()}, '
                     f'{jax.devices()[0].device_kind}',
@@ -306,7 +401,7 @@ def main():
          'torch_threads': torch.get_num_threads() if torch else None,
          'peak_flops': peak, 'peak_source': peak_source,
          'date': time.strftime('%Y-%m-%d'), 'rounds': args.rounds,
-         'steps': args.steps}
+         'steps': args.steps, 'in_process': args.in_process}
   print(json.dumps(env), flush=True)
   configs = {}  # Every config checked before anything is measured.
   for name in args.configs.split(','):
@@ -318,7 +413,8 @@ def main():
       raise UserError(f'{name}: {refusal}')
   rows = []
   for name, config in configs.items():
-    rows.append(bench_config(name, config, args))
+    rows.append((bench_config if args.in_process else bench_processes)(
+        name, config, args))
     print(format_rows(rows[-1:], env), flush=True)
   table = format_rows(rows, env)
   print(table)
@@ -329,15 +425,22 @@ def main():
     section = (
         f'Written by `python -m scripts.bench_train {" ".join(sys.argv[1:])}` '
         f'on {env["date"]}: {env["machine"]}, jax {env["jax"]}, torch '
-        f'{env["torch"]} ({env["torch_threads"]} threads), float32. Each '
-        f'round times {args.steps} steps of each contestant in turn; medians '
-        f'over {args.rounds} rounds, the ratio\'s range over the rounds in '
-        f'brackets. MFU against {env["peak_source"]} = '
+        f'{env["torch"]} ({env["torch_threads"]} threads), float32. '
+        + (f'The compiled steps alone, in one process: each round times '
+           f'{args.steps} steps of each contestant in turn' if args.in_process
+           else f'As users run them, each contestant in its own process '
+           f'({args.steps} steps, every loss fetched), taking turns; a '
+           f'round\'s time is the median step after the first '
+           f'{args.warmup}')
+        + f'; medians over {args.rounds} rounds, the ratio\'s range over the '
+        f'rounds in brackets. MFU against {env["peak_source"]} = '
         f'{env["peak_flops"] / 1e9:,.0f} GFLOP/s.\n\n{table}\n')
-    timing.replace_section(args.markdown, SECTION, section)
+    timing.replace_section(
+        args.markdown, STEP_SECTION if args.in_process else SECTION, section)
 
 
 SECTION = 'Training step: train.main against PyTorch'
+STEP_SECTION = 'Training step alone (one process): ours against PyTorch'
 
 
 if __name__ == '__main__':

@@ -156,3 +156,26 @@ def test_bench_prepare_measures_both_contestants_in_their_own_processes(
     assert 50 < row[f'{kind}_peak_rss_mb'] < 1024  # Its own, not pytest's.
   assert row['ratio'] == pytest.approx(
       row['prepare_mb_per_s'] / row['encoder_mb_per_s'])
+
+
+@pytest.mark.slow
+def test_bench_train_times_train_main_and_torch_in_processes_of_their_own(
+    tmp_path, monkeypatch):
+  pytest.importorskip('torch')
+  from scripts import bench_train  # pylint: disable=import-outside-toplevel
+  markdown = tmp_path / 'BENCHMARKS.md'
+  monkeypatch.setattr(sys, 'argv', [
+      'bench_train', '--configs=tiny', '--rounds=2', '--steps=5',
+      '--warmup=2', '--no_compile', f'--json={tmp_path / "out.json"}',
+      f'--markdown={markdown}'])
+  bench_train.main()
+  row, = json.loads((tmp_path / 'out.json').read_text())['rows']
+  for peer in ('ours', 'torch eager'):
+    assert len(row[peer]['rounds_s']) == 2 and min(row[peer]['rounds_s']) > 0
+  ratio = row['ours/torch eager']
+  assert ratio['median'] == pytest.approx(
+      row['ours']['tokens_per_s'] / row['torch eager']['tokens_per_s'])
+  assert ratio['min'] <= ratio['max']
+  text = markdown.read_text()
+  assert text.startswith(f'## {bench_train.SECTION}\n')
+  assert 'each contestant in its own process (5 steps' in text
