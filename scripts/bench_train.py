@@ -228,15 +228,23 @@ class Ours:
     self._tmp.cleanup()
 
 
-def ours_in_a_process(name: str, steps: int) -> list[float]:
+def run_overrides(config, steps: int) -> dict[str, int]:
+  """train.main's settings for a timed run of `steps` steps, every one
+  logged (a warm-up shortened to fit: the schedule does not change speed)."""
+  return {'train.steps': steps, 'train.log_every': 1,
+          'train.eval_every': steps, 'train.checkpoint_every': steps,
+          'train.warmup_steps': min(config.train.warmup_steps, steps - 1)}
+
+
+def ours_in_a_process(name: str, config, steps: int) -> list[float]:
   """The step_time of each step of `train.main --config=NAME`, run as a user
   runs it (its own process, a fresh workdir, every step logged)."""
   with tempfile.TemporaryDirectory() as workdir:
     result = subprocess.run(
         [sys.executable, '-m', 'train.main', f'--config={name}',
-         f'--workdir={workdir}', f'--config.train.steps={steps}',
-         '--config.train.log_every=1', f'--config.train.eval_every={steps}',
-         f'--config.train.checkpoint_every={steps}'],
+         f'--workdir={workdir}'] + [
+             f'--config.{k}={v}'
+             for k, v in run_overrides(config, steps).items()],
         capture_output=True, text=True, check=False)
     if result.returncode:  # Our own contestant failing: shown whole.
       raise RuntimeError(f'train.main --config={name} failed:\n'
@@ -283,7 +291,8 @@ def bench_processes(name, config, args) -> dict:
   times = {peer: [] for peer in peers}
   for _ in range(args.rounds):
     for peer in peers:
-      steps = (ours_in_a_process(name, args.steps) if peer == 'ours' else
+      steps = (ours_in_a_process(name, config, args.steps)
+               if peer == 'ours' else
                torch_in_a_process(name, peer, args.steps))
       times[peer].append(statistics.median(steps[args.warmup:]))
   return _row(name, config, times)
@@ -407,6 +416,10 @@ def main():
   for name in args.configs.split(','):
     configs[name] = config_lib.load(name)  # As train.main reads it.
     config_lib.validate(configs[name], batch_shards=1)
+    if not args.in_process:  # As the timed runs will read it.
+      timed = config_lib.load(name)
+      timed.update_from_flattened_dict(run_overrides(timed, args.steps))
+      config_lib.validate(timed, batch_shards=1)
     refusal = torch and TorchTransformer.refusal(
         config_lib.model_config(configs[name]))
     if refusal:
