@@ -146,6 +146,20 @@ def test_a_run_writes_every_file_to_the_bucket_and_reads_it_back(bucket,
   assert model_config.num_kv_heads == 2 and config.train.steps == 10
 
 
+def test_checkpoints_in_a_bucket_are_moved_aside_whole(bucket):
+  # What a divergence or an unreadable checkpoint does (a bucket has no
+  # rename: gcsfs copies and deletes).
+  loop.train_and_evaluate(_config(train__steps=10, train__checkpoint_every=5),
+                          bucket)
+  checkpointer = checkpoint.Checkpointer(bucket, every=5, keep=3)
+  assert checkpointer.move_after(5, loop.DIVERGED_DIR) == [10]
+  assert checkpointer.all_steps() == [5]
+  moved = epath.Path(bucket) / loop.DIVERGED_DIR / '10'
+  assert (moved / 'commit_success.txt').exists()
+  checkpointer.close()
+  assert checkpoint.restore_latest(bucket)[0] == 5
+
+
 def test_staged_files_are_uploaded_when_new_or_changed(bucket, monkeypatch):
   staged = storage.Staged(storage.path(bucket), seed=('log',))
   (staged.folder / 'log').write_text('1\n')

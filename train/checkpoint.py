@@ -159,8 +159,7 @@ class Checkpointer:
       n += 1
       target = base.with_name(f'{base.name}-{n}')
     if jax.process_index() == 0:
-      target.parent.mkdir(parents=True, exist_ok=True)
-      (self.directory / str(step)).rename(target)
+      storage.move(self.directory / str(step), target)
     self._manager.close()
     self._manager = self._open()
     return target

@@ -107,6 +107,17 @@ def copy(source: epath.Path, target: epath.Path):
     target.write_bytes(source.read_bytes())
 
 
+def move(source: epath.Path, target: epath.Path):
+  """SOURCE to TARGET: a rename on a disk; in a bucket, which has neither
+  renames nor empty folders to rename into, a copy and a delete."""
+  if is_local(source) and is_local(target):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source.rename(target)
+  else:
+    copy(source, target)
+    remove(source)
+
+
 def remove(target: epath.Path):
   if target.is_dir():
     target.rmtree()
