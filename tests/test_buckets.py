@@ -265,7 +265,7 @@ def test_an_unsupported_scheme_or_a_missing_gcsfs_is_one_line(monkeypatch):
     storage.path('gs://b/run')
 
 
-def test_an_unreachable_bucket_is_one_line():
+def test_only_errors_of_the_bucket_libraries_read_as_an_unreachable_bucket():
   fault = storage.bucket_fault(RuntimeError('while saving'))
   assert fault is None  # Not the bucket's: shown whole.
   import aiohttp  # pylint: disable=import-outside-toplevel

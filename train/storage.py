@@ -142,8 +142,7 @@ class Staged:
       return
     self.folder = pathlib.Path(tempfile.mkdtemp(prefix='gqa-lab-staged-'))
     for name in seed:
-      if (target / name).exists():
-        (self.folder / name).write_bytes((target / name).read_bytes())
+      copy(target / name, epath.Path(self.folder / name))
 
   def upload(self, *, unless_recent: bool = False):
     """Writes new or changed files to TARGET; with unless_recent, only if
