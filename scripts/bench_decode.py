@@ -1,8 +1,10 @@
-"""Decode throughput per variant against the memory-bandwidth roofline.
+"""Decode throughput per variant against the roofline, and against PyTorch.
 
   python -m scripts.bench_decode [--config=gqa_small] [--kv_heads=8,2,1]
       [--batches=1,16,64,256] [--contexts=256,1024,2048] [--out=DIR]
-      [--kv_cache_dtype=bfloat16|int8]
+      [--kv_cache_dtype=bfloat16|int8] [--markdown=BENCHMARKS.md]
+  python -m scripts.bench_decode --layer [--kv_heads=16,4,1]
+      [--batches=16,256] [--contexts=2048] [--out=DIR]
 
 For each num_kv_heads, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
@@ -14,12 +16,27 @@ the tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
 a CPU comes close for the grouped variants: G query heads share each cached
 key, G/2 FLOPs per float32 byte of cache, against the CPU's ~6 FLOPs per byte
 of bandwidth. Writes decode.json and decode.png under --out.
+
+--layer: one attention layer's decode step (N=16, H=64, D=1024, float32),
+`attention.layer.apply` with its cache as `attention.Attention(decode=True)`
+runs it, against the same step in PyTorch eager: the same projections and
+RoPE, a preallocated [B, K, S, H] cache written in place, and SDPA
+(`enable_gqa`) over the filled prefix; both from the same weights and cache
+(a test checks they agree), in this process, taking turns. The cache is
+filled to `context` - 8 and every timed step writes the same slot. Writes
+decode_layer.json under --out.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from attention import layer
 from scripts import timing
@@ -27,20 +44,33 @@ from train import config_lib, flops
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from train import model as model_lib
+from train.errors import UserError
 
 
 def main():
   parser = ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
-  parser.add_argument('--batches', type=int_list, default=[1, 16, 64, 256])
-  parser.add_argument('--contexts', type=int_list, default=[256, 1024, 2048])
+  parser.add_argument('--layer', action='store_true',
+                      help='one attention layer against PyTorch')
+  parser.add_argument('--kv_heads', type=int_list,
+                      help='default 8,2,1; with --layer 16,4,1')
+  parser.add_argument('--batches', type=int_list,
+                      help='default 1,16,64,256; with --layer 16,256')
+  parser.add_argument('--contexts', type=int_list,
+                      help='default 256,1024,2048; with --layer 2048')
   parser.add_argument('--repeats', type=positive_int, default=5)
   parser.add_argument('--kv_cache_dtype', choices=layer.KV_CACHE_DTYPES,
                       help="the cache's storage (default: the config's)")
   parser.add_argument('--out', default='out/decode')
+  parser.add_argument('--markdown', help='with --layer: write the table as '
+                      f'the section "{LAYER_SECTION}" of this file')
   args = parser.parse_args()
   check_output_dir(args.out)
+  if args.layer:
+    return main_layer(args)
+  args.kv_heads = args.kv_heads or [8, 2, 1]
+  args.batches = args.batches or [1, 16, 64, 256]
+  args.contexts = args.contexts or [256, 1024, 2048]
   results = run(args.config, args.kv_heads, args.batches, args.contexts,
                 args.repeats, args.kv_cache_dtype)
   out = pathlib.Path(args.out)
@@ -88,6 +118,155 @@ def run(config_name, kv_heads, batches, contexts, repeats,
               f'{100 * row["fraction_of_roofline"]:>11.0f}%', flush=True)
   return {'bandwidth': bandwidth, 'peak_flops': peak,
           'peak_source': peak_source, 'rows': rows}
+
+
+# One attention layer against PyTorch (--layer).
+
+LAYER_SECTION = 'Decode step of one attention layer: ours against PyTorch'
+N, H, D = 16, 64, 1024  # The layer's heads, head dim and model width.
+STEPS_LEFT = 8  # Free slots after the filled prefix.
+
+
+def main_layer(args):
+  kv_heads = args.kv_heads or [16, 4, 1]
+  batches, contexts = args.batches or [16, 256], args.contexts or [2048]
+  for K in kv_heads:
+    layer.Options(num_heads=N, num_kv_heads=K)  # Refuses a bad K now.
+  if min(contexts) <= STEPS_LEFT:
+    raise UserError(f'--contexts={min(contexts)}: give more than '
+                    f'{STEPS_LEFT} positions')
+  torch = _torch()
+  rows = []
+  for batch in batches:
+    for context in contexts:
+      for K in kv_heads:
+        ours, theirs = layer_contestants(K, batch, context)
+        times = timing.median_times({'ours': ours, 'torch': theirs},
+                                    args.repeats)
+        del ours, theirs  # The caches, before the next ones are built.
+        rows.append(dict(num_kv_heads=K, batch=batch, context=context,
+                         ours_seconds=times['ours'],
+                         torch_seconds=times['torch'],
+                         ours_over_torch=times['ours'] / times['torch']))
+        print(f'K={K:>2} batch={batch:>4} context={context}: ours '
+              f'{times["ours"] * 1e3:7.2f} ms  torch '
+              f'{times["torch"] * 1e3:7.2f} ms  ours/torch '
+              f'{times["ours"] / times["torch"]:.2f}', flush=True)
+  env = {'jax': jax.__version__, 'torch': torch.__version__,
+         'torch_threads': torch.get_num_threads(),
+         'date': time.strftime('%Y-%m-%d')}
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'decode_layer.json').write_text(
+      json.dumps({'env': env, 'rows': rows}, indent=1))
+  print(f'wrote {out}/decode_layer.json')
+  if args.markdown:
+    timing.replace_section(args.markdown, LAYER_SECTION,
+                           layer_markdown(env, rows, args))
+
+
+def _torch():
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise UserError("--layer needs PyTorch: pip install -e '.[bench]'")
+  return torch
+
+
+def layer_inputs(K: int, batch: int, context: int, seed: int = 0):
+  """(options, params, cache, x [B, 1, D]): random weights, a cache of
+  `context` slots filled to context - STEPS_LEFT, one token's input."""
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H)
+  rng = np.random.default_rng(seed)
+  normal = lambda shape: rng.standard_normal(shape, np.float32)
+  params = {name: jnp.asarray(normal(shape) * shape[0] ** -0.5)
+            for name, shape in options.param_shapes(D).items()}
+  cache = {name: jnp.asarray(normal(spec.shape)) for name, spec in
+           options.cache_spec(batch, context, jnp.float32).items()
+           if name != 'cache_index'}
+  cache['cache_index'] = jnp.int32(context - STEPS_LEFT)
+  return options, params, cache, jnp.asarray(normal((batch, 1, D)))
+
+
+def layer_contestants(K: int, batch: int, context: int):
+  """(ours, torch): callables running one decode step each, on the same
+  weights and cache; each returns its output [B, 1, D]."""
+  options, params, cache, x = layer_inputs(K, batch, context)
+  theirs = torch_layer_step(options, params, cache, x)
+  return ours_layer_step(options, params, cache, x), theirs
+
+
+def ours_layer_step(options, params, cache, x_B1D):
+  """`attention.layer.apply` on a decode cache, jitted with the cache
+  donated (written in place, as `train.sample` keeps it); every call writes
+  the same slot."""
+  def step(params, cache, x_B1D):
+    out_B1D, new, _ = layer.apply(options, params, x_B1D, cache=cache)
+    return out_B1D, {**new, 'cache_index': cache['cache_index']}
+
+  run = jax.jit(step, donate_argnums=1)
+  state = {'cache': jax.tree.map(jnp.copy, cache)}
+
+  def go():
+    out_B1D, state['cache'] = run(params, state['cache'], x_B1D)
+    return out_B1D
+  return go
+
+
+def torch_layer_step(options, params, cache, x_B1D):
+  """The same step in PyTorch eager, as one would write it: [B, K, S, H]
+  caches written in place, SDPA over the filled prefix."""
+  torch = _torch()
+  F = torch.nn.functional
+  K = options.num_kv_heads
+  Z, S, _ = cache['cached_value'].shape
+  B = Z // K
+  as_t = lambda a: torch.from_numpy(np.array(a, np.float32))
+  w = {name: as_t(params[name]).reshape(D, -1) if name != 'out'
+       else as_t(params[name]).reshape(N * H, D)
+       for name in ('query', 'key', 'value', 'out')}
+  cache_k = as_t(cache['cached_key']).reshape(B, K, H, S).transpose(
+      2, 3).contiguous()
+  cache_v = as_t(cache['cached_value']).reshape(B, K, S, H)
+  x = as_t(x_B1D)
+  t = int(cache['cache_index'])
+  inv_freq = 1.0 / options.rope_base ** (torch.arange(0, H, 2).float() / H)
+  cos, sin = (t * inv_freq).cos(), (t * inv_freq).sin()
+
+  def rope(q):
+    q1, q2 = q.chunk(2, dim=-1)
+    return torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+
+  heads = lambda y, n: y.view(B, 1, n, H).transpose(1, 2)  # [B, n, 1, H]
+
+  def go():
+    with torch.inference_mode():
+      q = rope(heads(x @ w['query'], N))
+      cache_k[:, :, t:t + 1] = rope(heads(x @ w['key'], K))
+      cache_v[:, :, t:t + 1] = heads(x @ w['value'], K)
+      o = F.scaled_dot_product_attention(
+          q, cache_k[:, :, :t + 1], cache_v[:, :, :t + 1],
+          scale=options.scale, enable_gqa=K != N)
+      return o.transpose(1, 2).reshape(B, 1, N * H) @ w['out']
+  return go
+
+
+def layer_markdown(env, rows, args) -> str:
+  argv = ' '.join(sys.argv[1:])
+  lines = [
+      f'Written by `python -m scripts.bench_decode {argv}` on {env["date"]}: '
+      f'jax {env["jax"]}, torch {env["torch"]} ({env["torch_threads"]} '
+      f'threads), float32; one layer, N={N}, H={H}, D={D}, one token per '
+      'step against a cache filled to context - 8. Medians of '
+      f'{args.repeats} steps, the two taking turns in one process.', '',
+      '| K | batch | context | ours ms | PyTorch ms | ours / PyTorch |',
+      '|---|---|---|---|---|---|']
+  for r in rows:
+    lines.append(f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
+                 f'{r["ours_seconds"] * 1e3:.2f} | '
+                 f'{r["torch_seconds"] * 1e3:.2f} | '
+                 f'{r["ours_over_torch"]:.2f} |')
+  return '\n'.join(lines)
 
 
 def plot(results, path):

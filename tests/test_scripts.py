@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from attention import dot_product_attention
-from scripts import bench_attention, compare, kv_frontier, recall_sweep, timing
+from scripts import (bench_attention, bench_decode, compare, kv_frontier,
+                     recall_sweep, timing)
 from train import config_lib, loop
 from train.model import Transformer
 
@@ -56,6 +57,38 @@ def test_a_benchmark_rewrites_its_own_sections_of_benchmarks_md(tmp_path):
   assert text.count('Written by `python -m scripts.bench_attention --x`') == 2
   assert '## Training step: train.main against PyTorch\n\nkept\n' in text
   assert text.index('## Decode shapes') > text.index('## Training step')
+
+
+@pytest.mark.parametrize('K', [16, 4, 1])
+def test_the_pytorch_decode_peer_is_the_same_layer_step(K):
+  """bench_decode --layer: the PyTorch step, from the same weights and
+  cache, gives our layer's output, twice (the same slot rewritten)."""
+  ours, theirs = bench_decode.layer_contestants(K, batch=2, context=24)
+  for _ in range(2):
+    expected = np.asarray(ours())
+    np.testing.assert_allclose(theirs().numpy(), expected, rtol=1e-4,
+                               atol=1e-4)
+  assert expected.shape == (2, 1, bench_decode.D)
+  assert np.abs(expected).mean() > 0.1  # Not a vacuous agreement.
+
+
+def test_bench_decode_layer_writes_its_rows_and_its_section(tmp_path,
+                                                            monkeypatch):
+  markdown = tmp_path / 'BENCHMARKS.md'
+  markdown.write_text('# Benchmarks\n\n## Other\n\nkept\n')
+  monkeypatch.setattr(sys, 'argv', [
+      'bench_decode', '--layer', '--kv_heads=4', '--batches=1',
+      '--contexts=16', '--repeats=1', f'--out={tmp_path / "out"}',
+      f'--markdown={markdown}'])
+  bench_decode.main()
+  rows = json.loads((tmp_path / 'out' / 'decode_layer.json').read_text())[
+      'rows']
+  assert [(r['num_kv_heads'], r['batch'], r['context']) for r in rows] == [
+      (4, 1, 16)]
+  assert rows[0]['ours_seconds'] > 0 and rows[0]['torch_seconds'] > 0
+  text = markdown.read_text()
+  assert f'## {bench_decode.LAYER_SECTION}' in text and '| 4 | 1 | 16 |' in text
+  assert '## Other\n\nkept' in text
 
 
 @pytest.mark.parametrize('K', [4, 2, 1])
