@@ -31,22 +31,29 @@ from attention import numerics
 MIN_LENGTH = 256  # Below this the dense path is as fast (BENCHMARKS.md).
 
 
-def tiling(T: int, G: int) -> tuple[int, int]:
-  """(heads, block): query heads of a KV group taken together, rows per block.
+def tiling(T: int, G: int, N: int) -> tuple[int, int]:
+  """(heads, block): query heads taken together per step, rows per block.
 
   Heads sharing a KV head are multiplied together (bigger matmuls, and the
   K/V prefix read once for all of them), but at most 4096 query rows,
   heads·T, per step: XLA's CPU scheduler runs the independent blocks of a
   step concurrently, so all their temporaries can be live at once, and
-  taking all G heads let MQA's peak memory exceed MHA's.
-  Rows per block heads·block ~ 128 (256 past T = 1024), measured: blocks that
-  fit a core's L2 cache win; at most 32 blocks keep compile time short (and
-  XLA's simplifier out of trouble). block = T when no power of two divides T.
+  taking all G heads let MQA's peak memory exceed MHA's. Multi-head
+  attention (G = 1) takes up to 4 heads per step, a matmul batched over
+  their KV heads: one head per step left MHA 1.2x slower than GQA-2 at the
+  same FLOPs (T = 512, measured).
+  Rows per block heads·block ~ 128 (256 past T = 1024, or for G = 1),
+  measured: blocks that fit a core's L2 cache win; at most 32 blocks keep
+  compile time short (and XLA's simplifier out of trouble). block = T when
+  no power of two divides T.
   """
   heads = G
   while heads > 1 and (heads * T > 4096 or G % heads):
     heads -= 1
   rows = 128 if T <= 1024 else 256
+  if G == 1:  # Whole groups: the most of 4, 2 heads that N and T allow.
+    heads = next(h for h in (4, 2, 1) if N % h == 0 and h * T <= 4096)
+    rows = 256
   block = max(rows // heads, 32, T // 32)
   while block > 1 and T % block:
     block //= 2
@@ -57,11 +64,12 @@ def blockwise_attention(query, key, value, *, is_causal: bool, scale: float,
                         heads_and_block: tuple[int, int] | None = None):
   """query [B, T, N, H], key/value [B, S, K, H] -> [B, T, N, H].
 
-  heads_and_block defaults to tiling(T, N // K); heads must divide N // K and
-  block T (and T <= S when causal).
+  heads_and_block defaults to tiling(T, G, N); heads must divide G = N // K
+  or be a multiple of G that divides N, and block must divide T (and
+  T <= S when causal).
   """
   T, N = query.shape[1:3]
-  heads, block = heads_and_block or tiling(T, N // key.shape[2])
+  heads, block = heads_and_block or tiling(T, N // key.shape[2], N)
   return _attention(query, key, value, is_causal, scale, heads, block)
 
 
@@ -71,11 +79,13 @@ def _attention(query, key, value, is_causal, scale, heads, block):
 
 
 def _step(i, K, G, heads):
-  """Step i -> (batch row, KV head, first query head) of its chunk of heads."""
-  chunks = G // heads
-  row, rest = jnp.divmod(i, K * chunks)
-  k, chunk = jnp.divmod(rest, chunks)
-  return row, k, k * G + chunk * heads
+  """Step i -> (batch row, first KV head, first query head) of its chunk of
+  `heads` query heads: part of one KV head's group (heads <= G) or whole
+  groups (heads a multiple of G)."""
+  chunks = K * G // heads
+  row, chunk = jnp.divmod(i, chunks)
+  n = chunk * heads
+  return row, n // G, n
 
 
 def _heads(x, row, first, count):
@@ -101,42 +111,51 @@ def _blocks(T, S, is_causal, block):
     yield slice(start, start + block), end
 
 
-def _logits(q_gbH, k_SH, rows, end, T, S, is_causal, scale):
-  logits_gbS = jnp.einsum('gbH,SH->gbS', q_gbH, k_SH[:end],
-                          preferred_element_type=jnp.float32) * scale
+def _logits(q_kgbH, k_kSH, rows, end, T, S, is_causal, scale):
+  logits_kgbS = jnp.einsum('kgbH,kSH->kgbS', q_kgbH, k_kSH[:, :end],
+                           preferred_element_type=jnp.float32) * scale
   if is_causal:  # Only the diagonal block has masked entries.
     q_pos = S - T + jnp.arange(rows.start, rows.stop)[:, None]
-    logits_gbS = jnp.where(jnp.arange(end)[None, :] <= q_pos, logits_gbS,
-                           numerics.MASKED_LOGIT)
-  return logits_gbS
+    logits_kgbS = jnp.where(jnp.arange(end)[None, :] <= q_pos, logits_kgbS,
+                            numerics.MASKED_LOGIT)
+  return logits_kgbS
+
+
+def _split(heads, G):
+  """(KV heads, query heads per KV head) of a chunk of `heads` query heads."""
+  return (heads // G, G) if heads > G else (1, heads)
 
 
 def _forward(query, key, value, is_causal, scale, heads, block):
-  B, T, N, _ = query.shape
+  B, T, N, H = query.shape
   S, K = key.shape[1:3]
+  G = N // K
+  kc, g = _split(heads, G)
 
-  def one_chunk(q_gTH, k_SH, v_SH):
+  def one_chunk(q_kgTH, k_kSH, v_kSH):
     outs, lses = [], []
     for rows, end in _blocks(T, S, is_causal, block):
-      logits_gbS = _logits(q_gTH[:, rows], k_SH, rows, end, T, S, is_causal,
-                           scale)
-      max_gb1 = logits_gbS.max(-1, keepdims=True)
-      p_gbS = jnp.exp(logits_gbS - max_gb1)
-      sum_gb1 = p_gbS.sum(-1, keepdims=True)
-      o_gbH = jnp.einsum('gbS,SH->gbH', p_gbS.astype(v_SH.dtype), v_SH[:end],
-                         preferred_element_type=jnp.float32) / sum_gb1
-      outs.append(o_gbH.astype(q_gTH.dtype))
-      lses.append(max_gb1[..., 0] + jnp.log(sum_gb1[..., 0]))
-    return jnp.concatenate(outs, 1), jnp.concatenate(lses, 1)
+      logits_kgbS = _logits(q_kgTH[:, :, rows], k_kSH, rows, end, T, S,
+                            is_causal, scale)
+      max_kgb1 = logits_kgbS.max(-1, keepdims=True)
+      p_kgbS = jnp.exp(logits_kgbS - max_kgb1)
+      sum_kgb1 = p_kgbS.sum(-1, keepdims=True)
+      o_kgbH = jnp.einsum('kgbS,kSH->kgbH', p_kgbS.astype(v_kSH.dtype),
+                          v_kSH[:, :end],
+                          preferred_element_type=jnp.float32) / sum_kgb1
+      outs.append(o_kgbH.astype(q_kgTH.dtype))
+      lses.append(max_kgb1[..., 0] + jnp.log(sum_kgb1[..., 0]))
+    return jnp.concatenate(outs, 2), jnp.concatenate(lses, 2)
 
   def step(i, carry):
     out_BTNH, lse_BNT = carry
-    row, k, n = _step(i, K, N // K, heads)
-    o_gTH, lse_gT = one_chunk(_heads(query, row, n, heads),
-                              _heads(key, row, k, 1)[0],
-                              _heads(value, row, k, 1)[0])
-    return (_put_heads(out_BTNH, row, n, o_gTH),
-            jax.lax.dynamic_update_slice(lse_BNT, lse_gT[None], (row, n, 0)))
+    row, k, n = _step(i, K, G, heads)
+    o_kgTH, lse_kgT = one_chunk(
+        _heads(query, row, n, heads).reshape(kc, g, T, H),
+        _heads(key, row, k, kc), _heads(value, row, k, kc))
+    return (_put_heads(out_BTNH, row, n, o_kgTH.reshape(heads, T, H)),
+            jax.lax.dynamic_update_slice(
+                lse_BNT, lse_kgT.reshape(1, heads, T), (row, n, 0)))
 
   out_BTNH, lse_BNT = jax.lax.fori_loop(
       0, B * N // heads, step,
@@ -148,41 +167,45 @@ def _backward(is_causal, scale, heads, block, residuals, do_BTNH):
   query, key, value, out_BTNH, lse_BNT = residuals
   B, T, N, H = query.shape
   S, K = key.shape[1:3]
+  G = N // K
+  kc, g = _split(heads, G)
   # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax Jacobian's term.
   delta_BNT = jnp.einsum('BTNH,BTNH->BNT', do_BTNH.astype(jnp.float32),
                          out_BTNH.astype(jnp.float32))
 
-  def one_chunk(q_gTH, do_gTH, lse_gT, delta_gT, k_SH, v_SH):
-    dk_HS = dv_HS = jnp.zeros((H, S), jnp.float32)
+  def one_chunk(q_kgTH, do_kgTH, lse_kgT, delta_kgT, k_kSH, v_kSH):
+    dk_kHS = dv_kHS = jnp.zeros((kc, H, S), jnp.float32)
     dqs = []
     for rows, end in _blocks(T, S, is_causal, block):
-      q_gbH, do_gbH = q_gTH[:, rows], do_gTH[:, rows]
-      logits_gbS = _logits(q_gbH, k_SH, rows, end, T, S, is_causal, scale)
-      p_gbS = jnp.exp(logits_gbS - lse_gT[:, rows, None])
-      dp_gbS = jnp.einsum('gbH,SH->gbS', do_gbH, v_SH[:end],
-                          preferred_element_type=jnp.float32)
-      ds_gbS = p_gbS * (dp_gbS - delta_gT[:, rows, None]) * scale
-      dqs.append(jnp.einsum('gbS,SH->gbH', ds_gbS, k_SH[:end]))
+      q_kgbH, do_kgbH = q_kgTH[:, :, rows], do_kgTH[:, :, rows]
+      logits_kgbS = _logits(q_kgbH, k_kSH, rows, end, T, S, is_causal, scale)
+      p_kgbS = jnp.exp(logits_kgbS - lse_kgT[:, :, rows, None])
+      dp_kgbS = jnp.einsum('kgbH,kSH->kgbS', do_kgbH, v_kSH[:, :end],
+                           preferred_element_type=jnp.float32)
+      ds_kgbS = p_kgbS * (dp_kgbS - delta_kgT[:, :, rows, None]) * scale
+      dqs.append(jnp.einsum('kgbS,kSH->kgbH', ds_kgbS, k_kSH[:, :end]))
       # dK, dV as [H, S]: the matmuls then read ds and p in their own layout
       # (an [S, H] result would first copy each block's ds and p transposed).
-      dk_HS = dk_HS.at[:, :end].add(jnp.einsum('gbH,gbS->HS', q_gbH, ds_gbS))
-      dv_HS = dv_HS.at[:, :end].add(jnp.einsum('gbH,gbS->HS', do_gbH, p_gbS))
-    return jnp.concatenate(dqs, 1), dk_HS, dv_HS
+      dk_kHS = dk_kHS.at[:, :, :end].add(
+          jnp.einsum('kgbH,kgbS->kHS', q_kgbH, ds_kgbS))
+      dv_kHS = dv_kHS.at[:, :, :end].add(
+          jnp.einsum('kgbH,kgbS->kHS', do_kgbH, p_kgbS))
+    return jnp.concatenate(dqs, 2), dk_kHS, dv_kHS
 
   def step(i, carry):
     dq_BTNH, dk_BSKH, dv_BSKH = carry
-    row, k, n = _step(i, K, N // K, heads)
-    rows_gT = lambda x_BNT: jax.lax.dynamic_slice(x_BNT, (row, n, 0),
-                                                  (1, heads, T))[0]
-    dq_gTH, dk_HS, dv_HS = one_chunk(
-        _heads(query, row, n, heads), _heads(do_BTNH, row, n, heads),
-        rows_gT(lse_BNT), rows_gT(delta_BNT), _heads(key, row, k, 1)[0],
-        _heads(value, row, k, 1)[0])
+    row, k, n = _step(i, K, G, heads)
+    rows_kgT = lambda x_BNT: jax.lax.dynamic_slice(
+        x_BNT, (row, n, 0), (1, heads, T)).reshape(kc, g, T)
+    chunk = lambda x_BTNH: _heads(x_BTNH, row, n, heads).reshape(kc, g, T, H)
+    dq_kgTH, dk_kHS, dv_kHS = one_chunk(
+        chunk(query), chunk(do_BTNH), rows_kgT(lse_BNT), rows_kgT(delta_BNT),
+        _heads(key, row, k, kc), _heads(value, row, k, kc))
     # A KV head's gradient sums over its chunks of query heads.
-    add = lambda d_BSKH, d_HS: _put_heads(
-        d_BSKH, row, k, _heads(d_BSKH, row, k, 1) + d_HS.T[None])
-    return (_put_heads(dq_BTNH, row, n, dq_gTH), add(dk_BSKH, dk_HS),
-            add(dv_BSKH, dv_HS))
+    add = lambda d_BSKH, d_kHS: _put_heads(
+        d_BSKH, row, k, _heads(d_BSKH, row, k, kc) + d_kHS.transpose(0, 2, 1))
+    return (_put_heads(dq_BTNH, row, n, dq_kgTH.reshape(heads, T, H)),
+            add(dk_BSKH, dk_kHS), add(dv_BSKH, dv_kHS))
 
   f32_zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
   dq, dk, dv = jax.lax.fori_loop(

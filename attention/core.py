@@ -165,7 +165,7 @@ def choose(platform: str, call: _Call) -> str:
   S, K = call.key.shape[1:3]
   if platform == 'cpu':
     if (call.plain and blockwise.MIN_LENGTH <= T <= S
-        and blockwise.tiling(T, N // K)[1] < T):
+        and blockwise.tiling(T, N // K, N)[1] < T):
       return 'blockwise'
     if T <= decode.MAX_QUERIES:
       return 'short_query'  # Reads the [B, S, K, H] cache; no copy.
