@@ -62,8 +62,9 @@ def main():
   parser.add_argument('--kv_cache_dtype', choices=layer.KV_CACHE_DTYPES,
                       help="the cache's storage (default: the config's)")
   parser.add_argument('--out', default='out/decode')
-  parser.add_argument('--markdown', help='with --layer: write the table as '
-                      f'the section "{LAYER_SECTION}" of this file')
+  parser.add_argument('--markdown', help='write the table as a section of '
+                      f'this file ("{MODEL_SECTION}", or with --layer '
+                      f'"{LAYER_SECTION}")')
   args = parser.parse_args()
   check_output_dir(args.out)
   if args.layer:
@@ -78,6 +79,37 @@ def main():
   (out / 'decode.json').write_text(json.dumps(results, indent=1))
   plot(results, out / 'decode.png')
   print(f'wrote {out}/decode.json and decode.png')
+  if args.markdown:
+    timing.replace_section(args.markdown, MODEL_SECTION,
+                           model_markdown(results, args))
+
+
+MODEL_SECTION = 'Decoding with the whole model: against the roofline'
+
+
+def model_markdown(results, args) -> str:
+  """The rows at each batch and context, against the roofline: the lower
+  of the bandwidth and FLOP bounds, max(bytes / bandwidth, FLOPs / peak)."""
+  lines = [
+      f'Written by `python -m scripts.bench_decode {" ".join(sys.argv[1:])}` '
+      f'on {time.strftime("%Y-%m-%d")} (config {args.config}, float32; read '
+      f'bandwidth measured in the run: {results["bandwidth"] / 1e9:.1f} GB/s; '
+      f'peak {results["peak_flops"] / 1e9:,.0f} GFLOP/s, '
+      f'{results["peak_source"]}, the peak MFU uses). Tokens/s bounds: the '
+      'weights and the KV cache read once per step at that bandwidth, and '
+      "the step's FLOPs at the peak; the roofline is the lower of the two, "
+      'and the share is of it.', '',
+      '| K | batch | context | tokens/s | KV cache | bandwidth bound | '
+      'FLOP bound | share of the roofline |',
+      '|---|---|---|---|---|---|---|---|']
+  for r in results['rows']:
+    lines.append(
+        f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
+        f'{r["tokens_per_sec"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
+        f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
+        f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
+        f'{100 * r["fraction_of_roofline"]:.0f}% |')
+  return '\n'.join(lines)
 
 
 def run(config_name, kv_heads, batches, contexts, repeats,

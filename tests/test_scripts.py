@@ -29,6 +29,7 @@ def test_equal_params_widens_the_mlp_to_mha_size(K):
   assert equal == pytest.approx(mha, rel=0.005)
 
 
+@pytest.mark.slow
 def test_the_repeat_kv_peer_computes_the_same_attention():
   q = jax.random.normal(jax.random.key(0), (2, 16, 8, 8))
   k, v = jax.random.normal(jax.random.key(1), (2, 2, 16, 2, 8))
@@ -57,6 +58,7 @@ def test_a_benchmark_rewrites_its_own_sections_of_benchmarks_md(tmp_path):
   assert text.count('Written by `python -m scripts.bench_attention --x`') == 2
   assert '## Training step: train.main against PyTorch\n\nkept\n' in text
   assert text.index('## Decode shapes') > text.index('## Training step')
+  assert '|\n## ' not in text  # A blank line before every next section.
 
 
 @pytest.mark.parametrize('K', [16, 4, 1])
@@ -91,7 +93,31 @@ def test_bench_decode_layer_writes_its_rows_and_its_section(tmp_path,
   assert '## Other\n\nkept' in text
 
 
+@pytest.mark.slow
+def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
+                                                          monkeypatch):
+  """The roofline is max(bytes / bandwidth, FLOPs / peak) per token: the
+  share reported is of the lower of the two tokens/s bounds."""
+  markdown = tmp_path / 'BENCHMARKS.md'
+  monkeypatch.setattr(sys, 'argv', [
+      'bench_decode', '--config=tiny', '--kv_heads=4,1', '--batches=2',
+      '--contexts=16', '--repeats=1', f'--out={tmp_path / "out"}',
+      f'--markdown={markdown}'])
+  bench_decode.main()
+  results = json.loads((tmp_path / 'out' / 'decode.json').read_text())
+  for r in results['rows']:
+    bound = min(r['bandwidth_roofline_tokens_per_sec'],
+                r['compute_roofline_tokens_per_sec'])
+    assert r['fraction_of_roofline'] == pytest.approx(
+        r['tokens_per_sec'] / bound)
+  text = markdown.read_text()
+  assert f'## {bench_decode.MODEL_SECTION}' in text
+  share = round(100 * results['rows'][1]['fraction_of_roofline'])
+  assert '| 1 | 2 | 16 | ' in text and f'| {share}% |' in text
+
+
 @pytest.mark.parametrize('K', [4, 2, 1])
+@pytest.mark.slow
 def test_the_pytorch_training_peer_is_the_same_network(K):
   """bench_train's PyTorch model: our parameter count, and our logits when
   given our parameters (so the benchmark times the same computation)."""
