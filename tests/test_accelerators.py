@@ -45,6 +45,7 @@ class SplashTest(chex.TestCase):
       ('gqa_soft_cap', 2, 128, 128, dict(is_causal=True, logits_soft_cap=2.0)),
       ('mqa_full_t_below_s', 1, 128, 256, {}),
   )
+  @pytest.mark.slow
   def test_interpret_mode_matches_reference_forward_and_gradients(
       self, K, T, S, opts):
     q, k, v, ct = _inputs(K, T, S)
@@ -57,6 +58,7 @@ class SplashTest(chex.TestCase):
     chex.assert_shape(grads[0][1:], (B, S, K, H))  # dK, dV: K heads, summed.
     chex.assert_trees_all_close(grads[0], grads[1], atol=2e-4, rtol=2e-4)
 
+  @pytest.mark.slow
   def test_lengths_off_the_block_go_to_the_dense_path(self):
     q, k, v, _ = _inputs(2, 200, 200)  # 200: no block of 128 divides it.
     with self.assertRaisesRegex(ValueError, "implementation='splash' cannot "
@@ -84,6 +86,7 @@ class SplashTest(chex.TestCase):
                             implementation='splash')
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_only  # What a host without cuDNN chooses.
 def test_each_platform_chooses_its_kernel():
   def chosen(T, S, dtype=jnp.bfloat16, **opts):
@@ -136,6 +139,7 @@ def test_attention_and_gradient_lower_for_tpu_with_the_kernel_and_for_cuda(K):
   assert K == N or not any(c in cuda for c in copies)
 
 
+@pytest.mark.slow
 def test_attention_module_lowers_for_tpu_with_the_kernel():
   layer = Attention(num_heads=N, num_kv_heads=2, head_dim=H,
                     dtype=jnp.bfloat16, local_window=128)
@@ -154,6 +158,7 @@ GEMMA2_LIKE = dict(attention_pattern='LG', local_window=512, post_norms=True,
                    query_pre_attn_scalar=48.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('base, model', [
     (mha_base, {}), (gqa_base, {}), (mqa_base, {}), (gqa_base, GEMMA2_LIKE)],
     ids=['mha_base', 'gqa_base', 'mqa_base', 'gqa_base_gemma2_like'])
@@ -176,6 +181,7 @@ def test_base_train_steps_lower_for_tpu_with_the_kernel_and_for_cuda(base,
   assert KERNEL not in cuda and hlo.grouped_matmuls(cuda, K, N // K) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('options', [
     {}, dict(local_window=256), dict(kv_cache_dtype='int8'),
     dict(local_window=256, kv_cache_dtype='int8')],
@@ -211,6 +217,7 @@ def test_decode_step_lowered_for_tpu_copies_no_cache_sized_buffer(options):
                               platform='tpu'), cache_size)
 
 
+@pytest.mark.slow
 def test_model_decode_step_with_patterns_sharing_and_int8_lowers_for_tpu_in_place():
   """The whole model's decode step (local and global layers, K/V shared by
   pairs, int8 caches) copies no buffer the size of its smallest cache."""

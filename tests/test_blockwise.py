@@ -30,6 +30,7 @@ class BlockwiseTest(chex.TestCase):
       ('mha_full', 8, 64, 48, False, 2),
       ('mqa_full', 1, 32, 64, False, 2),
   )
+  @pytest.mark.slow
   def test_matches_reference_forward_and_gradients(self, K, T, S, is_causal,
                                                    heads):
     q, k, v, ct = _inputs(K, T, S)
@@ -46,6 +47,7 @@ class BlockwiseTest(chex.TestCase):
                       argnums=(0, 1, 2))(q, k, v) for f in (ours, ref)]
     chex.assert_trees_all_close(grads[0], grads[1], atol=2e-4, rtol=2e-4)
 
+  @pytest.mark.slow
   def test_bfloat16_within_tolerance_of_float32(self):
     q, k, v, _ = _inputs(2, 64, 64)
     run = lambda *a: blockwise.blockwise_attention(
@@ -57,6 +59,7 @@ class BlockwiseTest(chex.TestCase):
 
   @parameterized.parameters(8, 2, 1)
   @pytest.mark.cpu_only
+  @pytest.mark.slow
   def test_long_causal_sequences_use_it_by_default_on_cpu(self, K):
     T = 256
     q, k, v, _ = _inputs(K, T, T)
@@ -92,6 +95,7 @@ class BlockwiseTest(chex.TestCase):
     with self.assertRaisesRegex(ValueError, 'implementation='):
       dot_product_attention(q, k, v, implementation='pallas')
 
+  @pytest.mark.slow
   def test_a_length_without_power_of_two_blocks_is_one_block(self):
     q, k, v, _ = _inputs(2, 36, 36)  # 36 = 4·9: no block of 16 or more.
     self.assertEqual(blockwise.tiling(36, N // 2, N), (4, 36))

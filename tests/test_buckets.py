@@ -132,6 +132,7 @@ def test_the_holder_renews_its_lease(bucket, monkeypatch):
 
 # A run's files.
 
+@pytest.mark.slow
 def test_a_run_writes_every_file_to_the_bucket_and_reads_it_back(bucket,
                                                                  tmp_path):
   tokenizer, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)

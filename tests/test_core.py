@@ -86,6 +86,7 @@ class DotProductAttentionTest(chex.TestCase):
       ('gqa_window', 4, dict(is_causal=True, local_window=3)),
       ('gqa_mask', 2, dict(mask=True)),
   )
+  @pytest.mark.slow
   def test_matches_jax_nn_dot_product_attention(self, K, opts):
     q, k, v, _ = _inputs(K, t=S)  # jax.nn's causal mask is top-left aligned.
     ours, theirs = dict(opts), dict(opts)
@@ -112,6 +113,7 @@ class DotProductAttentionTest(chex.TestCase):
                                   np.arange(live * G, (live + 1) * G))
 
   @parameterized.parameters(8, 2, 1)
+  @pytest.mark.slow
   def test_causal_output_ignores_the_future(self, K):
     # d out[:, i] / d x[:, j] == 0 for every key position j after query i.
     q, k, v, _ = _inputs(K, t=S)
@@ -123,6 +125,7 @@ class DotProductAttentionTest(chex.TestCase):
       dv = grads[2]  # Every visible value position does matter.
       self.assertTrue(np.all(np.abs(dv[:, :i + 1]).sum(-1) > 0))
 
+  @pytest.mark.slow
   def test_causal_mask_is_bottom_right_aligned_when_t_below_s(self):
     # The last T queries against all S keys equal the last T rows of the
     # full causal pass: what decoding and chunked prefill rely on.
@@ -134,6 +137,7 @@ class DotProductAttentionTest(chex.TestCase):
           full[:, -t:], atol=1e-6)
 
   @parameterized.parameters(jnp.float32, jnp.bfloat16, jnp.float16)
+  @pytest.mark.slow
   def test_fully_masked_rows_are_zero_not_nan(self, dtype):
     q, k, v, _ = _inputs(2, dtype)
     mask = jnp.ones((B, S), bool).at[1].set(False)  # Batch 1 sees nothing.
@@ -150,6 +154,7 @@ class DotProductAttentionTest(chex.TestCase):
     np.testing.assert_array_equal(out, 0.0)
 
   @parameterized.parameters(8, 2, 1)
+  @pytest.mark.slow
   def test_bfloat16_within_tolerance_of_float32(self, K):
     q, k, v, _ = _inputs(K)
     f32 = dot_product_attention(q, k, v, is_causal=True)
@@ -193,6 +198,7 @@ def _hlo_element_counts(fn, *args):
   return hlo.element_counts(jax.jit(fn).lower(*args).compile().as_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('implementation', ['xla', 'short_query'])
 @pytest.mark.parametrize('K', [2, 1])
 @pytest.mark.parametrize('is_causal', [False, True])

@@ -89,6 +89,7 @@ def test_only_the_chief_process_takes_the_lock(tmp_path):
 
 # Failure paths that must not lose the last good state.
 
+@pytest.mark.slow
 def test_non_finite_loss_waits_for_saves_and_names_the_last_good_step(
     tmp_path):
   config = _config(train__learning_rate=1e12, train__checkpoint_every=1,
@@ -143,6 +144,7 @@ def test_the_loss_leaves_its_running_range_at_the_first_jump(losses, step,
   assert metrics_lib.left_range_at(records, step) == left
 
 
+@pytest.mark.slow
 def test_a_run_failing_before_its_first_save_leaves_config_json_alone(
     tmp_path):
   loop.train_and_evaluate(_config(train__steps=10), str(tmp_path))
@@ -235,6 +237,7 @@ def test_a_storage_fault_while_resuming_moves_nothing(
   assert not (copy / checkpoint.UNREADABLE_DIR).exists()
 
 
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_is_one_warning_line_on_stderr_and_no_traceback(
     two_checkpoints, tmp_path):
   copy = _copy(two_checkpoints, tmp_path / 'w')
@@ -478,6 +481,7 @@ def _scripts(*args):
     ('train.main', ['--config=CONFIGS/no_get_config.py'],
      'no_get_config.py defines no get_config()'),
 ])
+@pytest.mark.slow
 def test_bad_command_lines_are_one_line(tmp_path, module, args, message):
   configs = tmp_path / 'configs'
   configs.mkdir()
@@ -523,6 +527,7 @@ def test_accelerator_check_without_the_tests_says_so_and_goes_on(
   assert tests['summary'].startswith(f'skipped: no tests in {tmp_path}')
 
 
+@pytest.mark.slow
 def test_bad_workdirs_are_one_line_before_any_work(trained, tmp_path):
   a_file = tmp_path / 'a_file'
   a_file.write_text('')

@@ -87,6 +87,7 @@ def _our_logits(workdir, tokens, **changes):
                                                    jnp.asarray(tokens)))
 
 
+@pytest.mark.slow
 def test_logits_equal_transformers_at_every_position(imported):
   model, _, workdir = imported
   tokens_BT = np.random.default_rng(0).integers(0, 300, (1, 3072))
@@ -104,6 +105,7 @@ def test_logits_equal_transformers_at_every_position(imported):
     ('gemma2', dict(post_norms=False)),
     ('ministral', dict(local_window=15)),  # One key short.
 ], indirect=['imported'])
+@pytest.mark.slow
 def test_the_logit_comparison_can_tell_each_setting_missing(imported, wrong):
   """The controls: without each setting the import reads, far above 1e-4."""
   model, _, workdir = imported
@@ -112,6 +114,7 @@ def test_the_logit_comparison_can_tell_each_setting_missing(imported, wrong):
   assert np.abs(ours - _hf_logits(model, tokens_BT)).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_generate(imported):
   model, _, workdir = imported
   mc, params, _ = checkpoint.load_workdir(str(workdir))
@@ -189,6 +192,7 @@ def test_our_own_model_exports_as_gemma(trained, tmp_path):
                              _our_logits(trained, tokens_BT), atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('family, model', [
     ('gemma2', dict(post_norms=True, logits_soft_cap=5.0,
                     final_logits_soft_cap=3.0, query_pre_attn_scalar=12.0)),
@@ -230,6 +234,7 @@ def test_bf16_checkpoints_get_float32_master_weights_unless_asked(tmp_path):
       lambda x: np.asarray(x, np.float32), params), params32)
 
 
+@pytest.mark.slow
 def test_an_imported_workdir_uptrains_on_a_prepared_corpus_by_the_recipe(
     tmp_path, capsys):
   make_hf_model.make(str(tmp_path / 'hf'), **{**SMALL, 'max_len': 64,

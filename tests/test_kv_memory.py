@@ -63,8 +63,8 @@ def _decode_in_chunks(mc, params, tokens_BT, chunks):
 
 
 # One layout covers the ring buffers, sharing and scanned groups in the
-# default suite; the rest run with the slow tests.
-FAST = ('cla2_local_pairs', 'gemma3_conventions')
+# quick check (-m "not slow"); the rest run with the slow tests.
+FAST = ('cla2_local_pairs',)
 
 
 @pytest.mark.parametrize('layout', [
@@ -89,8 +89,9 @@ def test_cached_decoding_equals_the_full_pass(layout):
       generated, _greedy_by_full_passes(Transformer(mc), params, prompt, 12))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kv_cache_dtype, tolerance', [
-    pytest.param('bfloat16', 0.005, marks=pytest.mark.slow), ('int8', 0.01)])
+    ('bfloat16', 0.005), ('int8', 0.01)])
 def test_low_precision_caches_decode_within_a_stated_tolerance(
     kv_cache_dtype, tolerance):
   """bfloat16 and int8 caches (float32 model) change the logits by less
@@ -140,6 +141,7 @@ def test_kv_bytes_per_token_by_formula():
   assert bytes_of('global', kv_cache_dtype='int8') == 4 * 2 * 2 * (8 + 4)
 
 
+@pytest.mark.slow
 def test_gemma_conventions_train_and_their_loss_falls(tmp_path):
   config = _config('gemma3_conventions', num_layers=2)
   config.train.update(steps=40)
@@ -151,6 +153,7 @@ def test_gemma_conventions_train_and_their_loss_falls(tmp_path):
   assert record['eval_loss'] < np.log(256) - 1.0
 
 
+@pytest.mark.slow
 def test_train_main_writes_kv_bytes_per_token(tmp_path):
   config = _config('cla2_local_pairs', kv_cache_dtype='int8')
   config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1,

@@ -46,6 +46,7 @@ class AttentionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(*VARIANTS)
+  @pytest.mark.slow
   def test_fused_qkv_matches_separate_projections(self, K):
     separate = Attention(N, K, H)
     params = separate.init(jax.random.key(0), _x())['params']
@@ -74,6 +75,7 @@ class AttentionTest(chex.TestCase):
   @parameterized.named_parameters(
       *[(f'{v}_{rope}', k, rope) for v, k in VARIANTS
         for rope in ('rope', 'no_rope')])
+  @pytest.mark.slow
   def test_decode_equals_full_causal_pass(self, K, rope):
     m = Attention(N, K, H, use_rope=rope == 'rope')
     x = _x()
@@ -104,6 +106,7 @@ class AttentionTest(chex.TestCase):
       outs.append(out)
     chex.assert_trees_all_close(jnp.concatenate(outs, 1), full, atol=1e-5)
 
+  @pytest.mark.slow
   def test_writing_past_max_len_fails(self):
     m = Attention(N, 2, H)
     x = _x(t=4)
@@ -130,6 +133,7 @@ class AttentionTest(chex.TestCase):
 
   @parameterized.named_parameters(*VARIANTS)
   @pytest.mark.cpu_only
+  @pytest.mark.slow
   def test_decode_step_writes_the_cache_in_place(self, K):
     """The jitted step copies no cache-sized buffer: decoding reads it once."""
     m = Attention(N, K, H, decode=True)
@@ -169,6 +173,7 @@ class AttentionTest(chex.TestCase):
                                 'of num_kv_heads=3'):
       Attention(8, 3, H).init(jax.random.key(0), _x())
 
+  @pytest.mark.slow
   def test_bfloat16_compute_keeps_float32_params(self):
     m = Attention(N, 2, H, dtype=jnp.bfloat16)
     variables = m.init(jax.random.key(0), _x())

@@ -8,6 +8,7 @@ import chex
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import pytest
 
 from attention import Attention
 from attention import layer
@@ -47,6 +48,7 @@ class NnxAttentionTest(chex.TestCase):
                                                   params)
 
   @parameterized.named_parameters(*OPTIONS)
+  @pytest.mark.slow
   def test_same_outputs_and_gradients_from_the_same_parameters(self, opts):
     linen, params, layer = _pair(opts)
     chex.assert_trees_all_equal(layer(_x()),
@@ -59,6 +61,7 @@ class NnxAttentionTest(chex.TestCase):
                                 atol=1e-6)
 
   @parameterized.named_parameters(*OPTIONS[:5])
+  @pytest.mark.slow
   def test_decoding_with_a_cache_of_k_heads_equals_the_full_pass(self, opts):
     """The NNX layer fed a prefill and then single tokens through its cache
     gives, at every position, its own full causal pass's outputs."""

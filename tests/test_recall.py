@@ -56,6 +56,7 @@ def test_batches_are_pure_in_seed_and_step_and_shard_exactly():
   np.testing.assert_array_equal(np.concatenate(shards), b)
 
 
+@pytest.mark.slow
 def test_weighted_loss_and_accuracy_count_only_weighted_targets():
   config = tiny.get_config()
   model = Transformer(loop.config_lib.model_config(config))

@@ -32,6 +32,7 @@ def _greedy_by_full_passes(model, params, prompt_BP, new):
   return tokens[:, P:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_kv_heads, use_rope, learned_positions', [
     (4, True, False), (2, True, False), (1, True, False),
     (2, False, True), (2, True, True)])  # Learned positions: the index too.
@@ -64,6 +65,7 @@ def _sample(workdir, *args):
       cwd=REPO, capture_output=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_prints_only_the_text_of_an_independent_greedy_decode(trained):
   result = _sample(trained, '--prompt=def ', '--max_new_tokens=10',
                    '--temperature=0')

@@ -89,6 +89,7 @@ def test_the_schedule_is_optaxs_warmup_cosine_from_traced_arguments():
                              atol=1e-9)
 
 
+@pytest.mark.slow
 def test_runs_differing_in_schedule_share_one_program_and_equal_fresh_ones(
     tmp_path, capsys):
   """A study's runs reuse the compiled step; the result is the same as
@@ -329,6 +330,7 @@ def test_attention_flops_count_backward_as_twice_forward():
   assert flops.attention_flops(2, 8, 4, 16, backward=True) == 3 * forward
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_only
 @pytest.mark.parametrize('conventions', [
     {}, dict(post_norms=True, qk_norm=True, query_pre_attn_scalar=24.0,
@@ -423,6 +425,7 @@ def test_remat_gives_the_same_gradients():
   chex.assert_trees_all_close(grads[0], grads[1], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_large_batch():
   config = _config()
   model = Transformer(loop.config_lib.model_config(config))
