@@ -3,14 +3,15 @@
 The dense path materialises [B, N, T, S] logits; for long causal sequences
 that is both wasted work (half of it is masked) and memory traffic that
 dominates on a CPU. Here the queries of one (batch, KV-head) group, `heads`
-of its G heads at a time (see `tiling`), are split into blocks of `block`
+of its G heads at a time, or of several whole groups at once when G is
+small (multi-head attention; see `tiling`), are split into blocks of `block`
 rows; query block i only multiplies the keys up to its diagonal, a static
 prefix, so masked blocks are never computed. Each block's logits row is
 complete, so its softmax is exact (no running rescaling); its log-sum-exp is
 kept for the backward pass, which recomputes the probabilities block by
 block (FlashAttention-2's backward, Dao 2023): dQ per block, dK and dV
 accumulated over the same prefixes. A `lax.fori_loop` walks the steps, one
-chunk of heads each: a step copies its queries and its KV head out of the
+chunk of heads each: a step copies its queries and its KV heads out of the
 [B, T, N, H] and [B, S, K, H] arrays (small strided copies that stay in
 cache) and writes its results back in place, so no array is ever transposed
 whole and the step's blocks stay in cache.

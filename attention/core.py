@@ -15,7 +15,8 @@ and, where they occur (one meaning each across the codebase):
   J  a second KV head index      R  T·K·G query rows (decode)
   M  a length, T or S            P  key-value pairs (the recall task)
   X  B·T tokens as one axis      Z  B·K rows of a heads-major KV cache
-  g  query heads of one step     b  query rows of one block (blockwise)
+  k  KV heads of one step        g  query heads of one step per KV head
+  b  query rows of one block     (k, g, b: blockwise)
 
 K == N is multi-head attention, 1 < K < N grouped-query attention, K == 1
 multi-query attention. Query head n attends with KV head n // G: the order of
