@@ -49,7 +49,7 @@ from train.errors import UserError
 
 def main():
   parser = ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--config', default='gqa_small')
+  parser.add_argument('--config', help='default gqa_small (not with --layer)')
   parser.add_argument('--layer', action='store_true',
                       help='one attention layer against PyTorch')
   parser.add_argument('--kv_heads', type=int_list,
@@ -69,6 +69,7 @@ def main():
   check_output_dir(args.out)
   if args.layer:
     return main_layer(args)
+  args.config = args.config or 'gqa_small'
   args.kv_heads = args.kv_heads or [8, 2, 1]
   args.batches = args.batches or [1, 16, 64, 256]
   args.contexts = args.contexts or [256, 1024, 2048]
@@ -162,8 +163,15 @@ STEPS_LEFT = 8  # Free slots after the filled prefix.
 def main_layer(args):
   kv_heads = args.kv_heads or [16, 4, 1]
   batches, contexts = args.batches or [16, 256], args.contexts or [2048]
+  given = [f'--{name}' for name in ('config', 'kv_cache_dtype')
+           if getattr(args, name)]
+  if given:
+    raise UserError(f'{" and ".join(given)}: not used with --layer (one '
+                    f'float32 layer, N={N}, H={H}, D={D}); drop it')
   for K in kv_heads:
-    layer.Options(num_heads=N, num_kv_heads=K)  # Refuses a bad K now.
+    if N % K:
+      raise UserError(f'--kv_heads={K}: the layer has N={N} query heads; '
+                      f'give divisors of {N}')
   if min(contexts) <= STEPS_LEFT:
     raise UserError(f'--contexts={min(contexts)}: give more than '
                     f'{STEPS_LEFT} positions')
