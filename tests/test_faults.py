@@ -501,6 +501,7 @@ def test_bad_command_lines_are_one_line(tmp_path, module, args, message):
   assert not (tmp_path / 'w').exists()  # A refused run leaves no workdir.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('module, args', [
     ('scripts.bench_decode', ['--kv_heads=1', '--batches=1',
                               '--contexts=8']),

@@ -131,6 +131,7 @@ def test_greedy_generation_equals_generate(imported):
   np.testing.assert_array_equal(np.asarray(ours), expected)
 
 
+@pytest.mark.slow
 def test_import_export_import_is_bit_exact(imported, tmp_path):
   model, source, workdir = imported
   out = tmp_path / 'exported'

@@ -159,6 +159,7 @@ class AttentionTest(chex.TestCase):
         jnp.ones((B, 1, N, H)), 3), 0)
 
   @parameterized.named_parameters(*VARIANTS)
+  @pytest.mark.slow
   def test_kv_cache_bytes(self, K):
     m = Attention(N, K, H, dtype=jnp.bfloat16)
     self.assertEqual(m.kv_cache_bytes(batch=4, length=100),
