@@ -577,7 +577,7 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
     n = step + 1
     try:
       window.add(n, metrics)
-      last, stop = n == tc.steps, should_stop()
+      last, stop = n == tc.steps, _stop_agreed(should_stop, n, tc.log_every)
       if not (last or stop or n % tc.log_every == 0 or n % tc.eval_every == 0
               or n % tc.checkpoint_every == 0):
         continue
@@ -609,6 +609,22 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
       break
   run.checkpointer.wait()
   return _finish(run, tc, record, stopped_at)
+
+
+def _stop_agreed(should_stop: Callable[[], bool], n: int,
+                 log_every: int) -> bool:
+  """Whether to stop after step n. One process acts on should_stop() at
+  once. Several must stop at the same step: a signal reaches them at
+  different steps, and one saving (a collective) while another steps on
+  waits forever. So they compare their flags at the steps all of them log,
+  and stop there if any has one."""
+  if jax.process_count() == 1:
+    return should_stop()
+  if n % log_every:
+    return False
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(np.any(multihost_utils.process_allgather(
+      np.array(should_stop()))))
 
 
 def _record(run: Run, step: int, rows: list[dict], train_seconds: float

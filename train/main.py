@@ -6,7 +6,9 @@ Flags:
   --workdir=DIR        checkpoints, metrics.jsonl and TensorBoard events;
                        rerunning with the same DIR resumes
 
-SIGTERM or SIGINT (Ctrl-C) saves a checkpoint and exits (status 128 + signal).
+SIGTERM or SIGINT (Ctrl-C) saves a checkpoint and exits (status 128 + signal);
+with several processes, all of them at the next step they log
+(train.log_every), so that they stop together.
 Launched as one of several processes (a multi-host TPU slice, SLURM, Open MPI,
 or JAX_COORDINATOR_ADDRESS set), it trains in a watched child process that
 joins JAX's distributed runtime (train/peers.py: a lost peer ends the run in
@@ -52,8 +54,8 @@ def main(argv):
     signal.signal(sig, on_signal)
   record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                                    should_stop=lambda: bool(received))
-  if 'stopped_at' in record:
-    sys.exit(128 + received[0])
+  if 'stopped_at' in record:  # A peer's signal stops this process too.
+    sys.exit(128 + (received[0] if received else signal.SIGTERM))
 
 
 def _is_multiprocess(env) -> bool:
