@@ -52,6 +52,39 @@ def test_tiny_trains_and_its_loss_falls(tmp_path):
   assert list((tmp_path / 'tensorboard').iterdir())
 
 
+def test_tensorboard_events_hold_the_logged_scalars_without_importing_torch(
+    tmp_path):
+  """tensorboardX would import PyTorch, when installed, to accept its
+  tensors: a second or two of every run's start, for scalars that are
+  floats. The writer leaves it out, and torch still imports afterwards."""
+  script = (
+      'import sys\n'
+      'from train.metrics import MetricsWriter\n'
+      f'writer = MetricsWriter({str(tmp_path)!r}, 2)\n'
+      'shown = {"step_time": 0.5, "tokens_per_sec": 8.0, "mfu": 0.25}\n'
+      'writer.log(1, {"loss": 2.5, "note": "text", **shown})\n'
+      'writer.log(2, {"loss": 1.5, **shown})\n'
+      'writer.close()\n'
+      'print("torch" in sys.modules)\n'
+      'import torch\n')
+  result = subprocess.run([sys.executable, '-c', script], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split()[-1] == 'False'
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  (events_file,) = (tmp_path / 'tensorboard').iterdir()
+  data, scalars, at = events_file.read_bytes(), {}, 0
+  while at < len(data):  # TFRecords: length, its CRC, the event, its CRC.
+    length = int.from_bytes(data[at:at + 8], 'little')
+    event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+    scalars.update({(event.step, v.tag): v.simple_value
+                    for v in event.summary.value})
+    at += 12 + length + 4
+  shown = {'step_time': 0.5, 'tokens_per_sec': 8.0, 'mfu': 0.25}
+  assert scalars == {(step, tag): value for step, loss in ((1, 2.5), (2, 1.5))
+                     for tag, value in {'loss': loss, **shown}.items()}
+
+
 def _params(workdir):
   return checkpoint.restore_latest(str(workdir))[1]
 

@@ -41,8 +41,7 @@ class MetricsWriter:
     path = self._staged.folder / 'metrics.jsonl'
     _truncate_after(path, resume_step)  # Steps past the checkpoint rerun.
     self._jsonl = path.open('a')
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-    self._tb = SummaryWriter(str(self._staged.folder / 'tensorboard'))
+    self._tb = _summary_writer(self._staged.folder / 'tensorboard')
 
   def log(self, step: int, metrics: dict, *, durable: bool = False):
     """Appends a record; durable: in the workdir before this returns (a
@@ -148,6 +147,22 @@ def left_range_at(records: list[dict], step: int | None = None,
       return record['step']
     lowest = min(lowest, loss)
   return step
+
+
+def _summary_writer(folder):
+  """tensorboardX's SummaryWriter, imported without PyTorch. tensorboardX
+  imports torch, when installed, only to accept its tensors (these scalars
+  are floats), and that import took 1-2 s of every run's start: a third of
+  a test's tiny run."""
+  if 'torch' in sys.modules:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  else:
+    sys.modules['torch'] = None  # `import torch` raises ImportError.
+    try:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    finally:
+      del sys.modules['torch']
+  return SummaryWriter(str(folder))
 
 
 def _truncate_after(path: pathlib.Path, step: int):
