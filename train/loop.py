@@ -91,7 +91,11 @@ def init_params(model: Transformer, seed: int):
 
 
 def init_state(model: Transformer, tx, seed: int) -> TrainState:
-  params = nn.unbox(init_params(model, seed))
+  return fresh_state(nn.unbox(init_params(model, seed)), tx)
+
+
+def fresh_state(params, tx) -> TrainState:
+  """Step 0: `params` and a new optimizer state."""
   return TrainState(jnp.array(0, jnp.int32), params, tx.init(params))
 
 
@@ -268,11 +272,13 @@ class _Programs:
     return self._cache[key], reused
 
   def _shapes(self):
-    model, tx, seed = self.model, self.tx, 0
-    abstract = jax.eval_shape(lambda: init_state(model, tx, seed))
+    def boxed_and_state():  # One trace of the model for both.
+      boxed = init_params(self.model, 0)
+      return boxed, fresh_state(nn.unbox(boxed), self.tx)
+    boxed, abstract = jax.eval_shape(boxed_and_state)
     state_sharding = sharding.state_shardings(
-        jax.eval_shape(lambda: init_params(model, seed)), tx, abstract,
-        self.mesh, sharding.rules(model.config, self.mesh))
+        boxed, self.tx, abstract, self.mesh,
+        sharding.rules(self.model.config, self.mesh))
     return abstract, state_sharding
 
   def init(self, seed: int) -> TrainState:

@@ -293,6 +293,11 @@ def kv_bytes_per_token(config: ModelConfig) -> float:
 
 def parameter_shapes(config: ModelConfig):
   """The parameters as ShapeDtypeStructs (nothing allocated)."""
+  return jax.tree.map(lambda x: x, _parameter_shapes(config))  # A new tree.
+
+
+@functools.lru_cache(maxsize=16)  # A trace of the model each (~0.2 s).
+def _parameter_shapes(config: ModelConfig):
   tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)  # Any length will do.
   return nn.unbox(jax.eval_shape(Transformer(config).init, jax.random.key(0),
                                  tokens)['params'])
