@@ -6,7 +6,6 @@ without the hardware, and the TPU module text must contain the kernel.
 """
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -22,7 +21,7 @@ import pytest
 
 from attention import Attention, core, dot_product_attention, splash
 from configs import gqa_base, mha_base, mqa_base
-from tests import hlo, reference
+from tests import hlo, host_devices, reference
 from train import config_lib, loop, sample
 from train.model import Transformer, unroll_layers
 
@@ -280,7 +279,7 @@ def test_base_configs_train_in_bfloat16_close_to_float32(base):
 @pytest.mark.cpu_only
 def test_splash_runs_per_shard_under_a_mesh_that_splits_heads():
   """8 simulated devices: tensor divides K, and K < tensor (replicated KV)."""
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8')
+  env = host_devices.env(8)
   result = subprocess.run(
       [sys.executable, '-m', 'tests.splash_mesh_runs'], env=env,
       cwd=pathlib.Path(__file__).parent.parent, capture_output=True,

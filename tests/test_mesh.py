@@ -7,7 +7,6 @@ the single-device runs they are compared with run here.
 
 import fcntl
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
+from tests import host_devices
 from train import checkpoint, loop, sharding
 from train.errors import UserError
 
@@ -58,8 +58,7 @@ def mesh_results(tmp_path_factory):
   with open(shared / 'mesh_results.lock', 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not results.exists():
-      env = dict(os.environ,
-                 XLA_FLAGS='--xla_force_host_platform_device_count=8')
+      env = host_devices.env(8)
       result = subprocess.run(
           [sys.executable, '-m', 'tests.mesh_runs', str(shared / 'meshes')],
           cwd=pathlib.Path(__file__).parent.parent, env=env,

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests import host_devices
 from train import checkpoint
 from train.metrics import read_metrics
 
@@ -41,8 +42,7 @@ def _launch(workdir, *args, processes=2, devices=2, **env):
   port = _free_port()
   launched = []
   for i in range(processes):
-    process_env = {**os.environ, **env, 'XLA_FLAGS':
-                   f'--xla_force_host_platform_device_count={devices}'}
+    process_env = host_devices.env(devices, **env)
     if processes > 1:
       process_env.update(JAX_COORDINATOR_ADDRESS=f'localhost:{port}',
                          JAX_NUM_PROCESSES=str(processes),
