@@ -1,0 +1,166 @@
+"""The statistics every study reports with, and the provenance every results
+JSON carries: one convention, stated once (CONVENTION), used everywhere.
+
+Seeds are the unit of replication. Two arms run with the same seeds share
+their initialisation and data order, so a comparison is made on the per-seed
+differences (`paired`), not on two means; its t interval and the smallest
+difference the seeds could detect (`detectable`) come from the same sd. A
+ratio of two paired arms (a speedup, a fraction recovered) gets a paired
+bootstrap interval (`ratio`). A family of comparisons read together is
+corrected with Holm's method (`holm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import subprocess
+import sys
+from typing import Sequence
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+LEVEL = 0.95  # Two-sided confidence of every interval.
+POWER = 0.8  # The power `detectable` is computed at.
+CONVENTION = (
+    'Dispersion is the sd over seeds (n - 1 in the denominator); every '
+    'interval is a two-sided 95% t interval of a mean over seeds, and a '
+    'difference between two arms is the mean of their per-seed differences '
+    '(same seeds, same initialisation and data order). "Detectable" is the '
+    'smallest paired difference the seeds run would find with 80% power at '
+    'the 5% level; nothing smaller is claimed.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """A mean over n seeds, its sd and its 95% interval [low, high]."""
+  mean: float
+  sd: float
+  n: int
+  low: float
+  high: float
+
+  @property
+  def resolved(self) -> bool:
+    """Whether the interval excludes 0 (for a difference: a sign is known)."""
+    return self.n > 1 and (self.low > 0 or self.high < 0)
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def __format__(self, spec: str) -> str:
+    spec = spec or '.4f'
+    if self.n < 2:
+      return f'{self.mean:{spec}} (1 seed)'
+    return f'{self.mean:{spec}} [{self.low:{spec}}, {self.high:{spec}}]'
+
+
+def t_quantile(n: int, level: float = LEVEL) -> float:
+  """The two-sided `level` quantile of Student's t with n - 1 degrees."""
+  if n < 2:
+    return math.inf
+  return float(scipy_stats.t.ppf(0.5 + level / 2, n - 1))
+
+
+def mean(values: Sequence[float]) -> Estimate:
+  """Mean over seeds with its sd and t interval (infinite for one seed)."""
+  x = np.asarray(values, np.float64)
+  if x.ndim != 1 or not len(x):
+    raise ValueError(f'expected a non-empty list of per-seed values, got {x!r}')
+  if not np.all(np.isfinite(x)):
+    raise ValueError(f'non-finite per-seed values {x.tolist()}')
+  m = float(x.mean())
+  if len(x) < 2:
+    return Estimate(m, math.nan, 1, -math.inf, math.inf)
+  sd = float(x.std(ddof=1))
+  half = t_quantile(len(x)) * sd / math.sqrt(len(x))
+  return Estimate(m, sd, len(x), m - half, m + half)
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> Estimate:
+  """a - b over seeds, a[i] and b[i] from the same seed."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.shape != b.shape:
+    raise ValueError(f'paired arms need one value per seed each, got '
+                     f'{len(a)} and {len(b)}')
+  return mean(a - b)
+
+
+def detectable(sd: float, n: int, *, level: float = LEVEL,
+               power: float = POWER) -> float:
+  """The smallest true mean difference a paired t test over n seeds, with
+  per-seed differences of spread `sd`, detects with `power` at 1 - `level`:
+  (t_{1-a/2} + t_{power}) sd / sqrt(n). Infinite below 2 seeds."""
+  if n < 2 or not math.isfinite(sd):
+    return math.inf
+  t_power = float(scipy_stats.t.ppf(power, n - 1))
+  return (t_quantile(n, level) + t_power) * sd / math.sqrt(n)
+
+
+def p_value(values: Sequence[float]) -> float:
+  """Two-sided p of a one-sample t test that the mean is 0 (paired diffs)."""
+  x = np.asarray(values, np.float64)
+  if len(x) < 2:
+    return 1.0
+  if np.all(x == x[0]):
+    return 0.0 if x[0] else 1.0
+  return float(scipy_stats.ttest_1samp(x, 0.0).pvalue)
+
+
+def holm(p_values: Sequence[float], *, alpha: float = 1 - LEVEL
+         ) -> list[bool]:
+  """Which of a family of hypotheses Holm's step-down procedure rejects at
+  family-wise error `alpha` (controls it for any dependence between them)."""
+  order = np.argsort(p_values)
+  rejected = [False] * len(p_values)
+  for rank, i in enumerate(order):
+    if p_values[i] > alpha / (len(p_values) - rank):
+      break
+    rejected[i] = True
+  return rejected
+
+
+def ratio(a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000,
+          seed: int = 0) -> Estimate:
+  """mean(a) / mean(b) over paired seeds, with a percentile bootstrap
+  interval that resamples seeds (a[i] and b[i] together); sd is the
+  bootstrap's. One seed gives an infinite interval."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.shape != b.shape or a.ndim != 1 or not len(a):
+    raise ValueError(f'ratio needs paired per-seed values, got {len(a)} and '
+                     f'{len(b)}')
+  point = float(a.mean() / b.mean())
+  if len(a) < 2:
+    return Estimate(point, math.nan, 1, -math.inf, math.inf)
+  rows = np.random.default_rng(seed).integers(0, len(a), (resamples, len(a)))
+  draws = a[rows].mean(1) / b[rows].mean(1)
+  tail = (1 - LEVEL) / 2
+  low, high = np.quantile(draws, [tail, 1 - tail])
+  return Estimate(point, float(draws.std(ddof=1)), len(a), float(low),
+                  float(high))
+
+
+def commit() -> str:
+  """The repository's commit, '+dirty' when files differ from it, or
+  'unknown' outside a git checkout."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  def git(*args):
+    return subprocess.run(['git', '-C', str(root), *args], capture_output=True,
+                          text=True, timeout=30, check=True).stdout.strip()
+  try:
+    head = git('rev-parse', '--short=7', 'HEAD')
+    dirty = git('status', '--porcelain', '--untracked-files=no')
+  except (OSError, subprocess.SubprocessError):
+    return 'unknown'
+  return head + ('+dirty' if dirty else '')
+
+
+def provenance(module: str, out: str | pathlib.Path,
+               argv: Sequence[str] | None = None) -> dict:
+  """What every results JSON records of how it was made: the command as a
+  user would retype it, the commit, --out and the statistics convention."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  return {'command': ' '.join(['python -m', module, *argv]),
+          'commit': commit(), 'out': str(out), 'statistics': CONVENTION}

@@ -1,0 +1,68 @@
+"""The studies' statistics (scripts/stats.py) against scipy and simulation."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from scripts import stats
+
+
+def test_paired_is_the_t_interval_of_the_per_seed_differences():
+  a = np.array([2.31, 2.25, 2.40, 2.28])
+  b = np.array([2.20, 2.21, 2.30, 2.22])
+  d = stats.paired(a, b)
+  ci = scipy_stats.ttest_1samp(a - b, 0.0).confidence_interval(0.95)
+  np.testing.assert_allclose([d.low, d.high], [ci.low, ci.high], rtol=1e-12)
+  assert d.mean == pytest.approx(float((a - b).mean()))
+  assert d.resolved  # Every seed has a > b.
+  # Unpaired, the same arms overlap: pairing is what resolves the difference.
+  assert stats.mean(a).low < stats.mean(b).high
+
+
+def test_one_seed_claims_nothing():
+  d = stats.paired([1.0], [0.5])
+  assert d.n == 1 and not d.resolved and math.isinf(d.high)
+  assert stats.detectable(0.01, 1) == math.inf
+  assert format(d) == '0.5000 (1 seed)'
+
+
+def test_unpaired_lengths_and_non_finite_values_are_refused():
+  with pytest.raises(ValueError, match='one value per seed'):
+    stats.paired([1.0, 2.0], [1.0])
+  with pytest.raises(ValueError, match='non-finite'):
+    stats.mean([1.0, float('nan')])
+
+
+@pytest.mark.parametrize('n', [3, 5])
+def test_a_difference_of_the_detectable_size_is_found_80_percent_of_the_time(n):
+  sd = 0.02
+  effect = stats.detectable(sd, n)
+  rng = np.random.default_rng(0)
+  draws = rng.normal(effect, sd, (4000, n))
+  found = np.mean([stats.paired(d, np.zeros(n)).resolved for d in draws])
+  assert 0.75 < found < 0.88, found  # The formula approximates the noncentral t.
+  # And half the effect is found far less often: the number means something.
+  half = rng.normal(effect / 2, sd, (4000, n))
+  assert np.mean([stats.paired(d, np.zeros(n)).resolved for d in half]) < 0.45
+
+
+def test_holm_steps_down_and_stops_at_the_first_failure():
+  assert stats.holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+  assert stats.holm([0.001, 0.2]) == [True, False]
+  assert stats.holm([0.04]) == [True]
+
+
+def test_ratio_resamples_seeds_together():
+  a = np.array([2.0, 4.0, 6.0])
+  r = stats.ratio(a, a / 2)  # Every seed's ratio is 2: no spread to find.
+  assert (r.mean, r.low, r.high) == pytest.approx((2.0, 2.0, 2.0))
+  noisy = stats.ratio([1.0, 1.3, 0.8, 1.1], [1.0, 1.0, 1.0, 1.0])
+  assert noisy.low < noisy.mean < noisy.high
+
+
+def test_provenance_names_the_command_commit_and_out():
+  p = stats.provenance('scripts.compare', 'runs/x', ['--quick', '--out=runs/x'])
+  assert p['command'] == 'python -m scripts.compare --quick --out=runs/x'
+  assert p['out'] == 'runs/x' and p['commit'] and p['statistics']
