@@ -8,9 +8,11 @@ two layers of 8 query heads; narrowed to d_model 64 and MLP 128 so that the
 sweep fits 45 minutes here) for every num_kv_heads K against a difficulty
 axis, the head dimension H at fixed width (each K/V head stores a position's
 key in H numbers), with several seeds per cell. Every run is train.main's
-loop (`train.loop.train_and_evaluate`, in a temporary workdir) at a
-constant learning rate after warmup; every --eval_every steps its accuracy by
-query is measured on 512 held-out rows, and the run ends once every query is
+loop (scripts/study.py, in OUT/runs/K{K}_H{H}_s{seed}: a rerun reuses a
+finished run only if it was trained with the same settings, and resumes an
+interrupted one) at a constant learning rate after warmup; every
+--eval_every steps its accuracy by query is measured on 512 held-out rows
+(kept in the run's history.json), and the run ends once every query is
 answered at >= 0.99.
 
 OUT/report.md gets, per cell, the first-query accuracy (pure retrieval:
@@ -23,22 +25,21 @@ accuracy curves beside it (recall.png); everything as JSON (sweep.json).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
+import os
 import pathlib
 import sys
-import tempfile
 import time
 
 import jax
 import numpy as np
 
-from scripts import study
-from train import config_lib, data, loop, progress
+from scripts import stats, study
+from train import config_lib, data, progress
 from train import model as model_lib
 from train.errors import UserError
-from train.cli import exit_on_user_error, int_list, positive_int
+from train.cli import (check_output_dir, exit_on_user_error, int_list,
+                       positive_int)
 from train.model import Transformer
 
 SOLVED = 0.99  # Every query at least this: the run stops.
@@ -47,7 +48,7 @@ EVAL_ROWS = 512
 
 
 def cell_config(base: str, K: int, H: int, seed: int, steps: int,
-                d_model: int | None):
+                d_model: int | None, eval_every: int):
   config = config_lib.load(base)
   config.model.update(num_kv_heads=K, head_dim=H)
   if d_model:
@@ -56,16 +57,28 @@ def cell_config(base: str, K: int, H: int, seed: int, steps: int,
   # A constant learning rate after warmup: the step budget does not change
   # the schedule, so a longer sweep only adds steps to the same runs.
   config.train.update(steps=steps, checkpoint_every=steps,
-                      min_learning_rate_ratio=1.0,
-                      eval_every=min(config.train.eval_every, steps),
+                      min_learning_rate_ratio=1.0, eval_every=eval_every,
                       warmup_steps=min(config.train.warmup_steps, steps // 4))
   return config
 
 
-def train_cell(configs, eval_every: int, say=print) -> list[dict]:
+def run_dir(out: pathlib.Path, config) -> pathlib.Path:
+  m = config.model
+  return out / 'runs' / f'K{m.num_kv_heads}_H{m.head_dim}_s{config.seed}'
+
+
+def _write_json(path: pathlib.Path, value):
+  """Written whole or not at all: a kill leaves the previous version."""
+  temporary = path.with_suffix('.tmp')
+  temporary.write_text(json.dumps(value))
+  os.replace(temporary, path)
+
+
+def train_cell(configs, out: pathlib.Path, say=print) -> list[dict]:
   """Trains each config (one cell: the seeds of one K and H) with
-  `train.main`'s loop, each until it answers every query or runs out of
-  steps; returns per seed its history of held-out accuracy by query."""
+  `train.main`'s loop in its run_dir, each until it answers every query or
+  runs out of steps (a finished run of the same settings is reused);
+  returns per seed its history of held-out accuracy by query."""
   mc = config_lib.model_config(configs[0])
   model = Transformer(mc)
   dc = configs[0].data
@@ -77,32 +90,42 @@ def train_cell(configs, eval_every: int, say=print) -> list[dict]:
                         seq_len=dc.seq_len, stream=1)
   results = []
   for config in configs:
-    config.train.eval_every = eval_every
-    history, start = [], time.perf_counter()
+    workdir = run_dir(out, config)
+    saved = workdir / 'history.json'
+    # Evaluations of an earlier, interrupted attempt: those after the step it
+    # resumes from are dropped as this one evaluates them again.
+    history = json.loads(saved.read_text()) if saved.exists() else []
+    start = time.perf_counter()
 
-    def on_eval(step, params, record, history=history):
+    def on_eval(step, params, record, history=history, saved=saved):
       by_query = task.accuracy_by_query(predict(params, held_out[:, :-1]),
                                         held_out)
+      history[:] = [h for h in history if h['step'] < step]
       history.append(dict(step=step, loss=record['loss'],
                           first=float(by_query[0]),
                           mean=float(by_query.mean()),
                           by_query=by_query.round(4).tolist()))
+      _write_json(saved, history)  # Before final.json: a reuse finds it.
       return by_query.min() >= SOLVED
 
-    with tempfile.TemporaryDirectory() as workdir, io.StringIO() as log, (
-        contextlib.redirect_stdout(log)):
-      loop.train_and_evaluate(config, workdir, on_eval=on_eval)
+    reused = (workdir / 'final.json').exists()
+    study.train(config, workdir, workdir / 'log.txt', on_eval=on_eval)
+    if not history:
+      raise UserError(f'{workdir} holds a finished run without its '
+                      f'history.json; delete {workdir} to train it again')
     last = history[-1]
     reached = next((h['step'] for h in history if h['first'] >= REACHED), None)
-    results.append(dict(seed=config.seed, steps=last['step'],
-                        seconds=time.perf_counter() - start,
+    results.append(dict(seed=config.seed, steps=last['step'], reused=reused,
+                        seconds=None if reused else
+                        time.perf_counter() - start,
                         first=last['first'], mean=last['mean'],
                         by_query=last['by_query'], reached=reached,
                         history=history))
     say(f'K={mc.num_kv_heads} H={mc.head_dim} seed={config.seed}: '
         f'first-query accuracy {last["first"]:.3f} (all queries '
         f'{last["mean"]:.3f}) after {last["step"]} steps, '
-        f'{results[-1]["seconds"]:.0f} s', flush=True)
+        + ('reused from an earlier run' if reused else
+           f'{results[-1]["seconds"]:.0f} s'), flush=True)
   return results
 
 
@@ -236,6 +259,7 @@ def main():
                       help="model width (MLP twice it); 0: the config's")
   parser.add_argument('--eval_every', type=positive_int, default=100)
   args = parser.parse_args()
+  check_output_dir(args.out)
   out = pathlib.Path(args.out)
   if args.report_only:
     sweep = study.saved(out / 'sweep.json')
@@ -256,11 +280,13 @@ def main():
   if args.d_model < 0:
     raise UserError(f'--d_model={args.d_model}; use a width >= 1, or 0 for '
                     "the config's")
-  configs = {(K, H): [cell_config(args.config, K, H, s, steps, args.d_model)
+  configs = {(K, H): [cell_config(args.config, K, H, s, steps, args.d_model,
+                                  min(args.eval_every, steps))
                       for s in range(seeds)] for K in kvs for H in dims}
   for cell in configs.values():  # Every cell refused before any trains.
     for config in cell:
       config_lib.validate(config, batch_shards=1)
+      study.check_reusable(config, run_dir(out, config))
 
   out.mkdir(parents=True, exist_ok=True)
   start, cells = time.perf_counter(), []
@@ -268,11 +294,13 @@ def main():
       list(configs.items()), lambda c: f'cell K={c[0][0]} H={c[0][1]}, '
       f'{len(c[1])} seed(s)'):
     mc = config_lib.model_config(cell[0])
-    cells.append(dict(K=K, H=H, runs=train_cell(cell, args.eval_every),
+    cells.append(dict(K=K, H=H, runs=train_cell(cell, out),
                       kv_bytes=model_lib.kv_bytes_per_token(mc)))
   c = configs[kvs[0], dims[0]][0]
   m = c.model
-  meta = dict(argv=sys.argv[1:], minutes=(time.perf_counter() - start) / 60,
+  meta = dict(argv=sys.argv[1:],
+              provenance=stats.provenance('scripts.recall_sweep', out),
+              minutes=(time.perf_counter() - start) / 60,
               description=task_description(c), pairs=c.data.recall_pairs,
               model=(f'{m.num_layers} layers, d_model {m.d_model}, MLP '
                      f'{m.mlp_dim}, {m.num_heads} query heads'),

@@ -7,7 +7,7 @@ import contextlib
 import json
 import pathlib
 
-from train import loop
+from train import config_lib, loop
 from train.cli import ArgumentParser, int_list, positive_int
 from train.errors import UserError
 
@@ -44,13 +44,66 @@ def saved(path: pathlib.Path) -> dict:
   return json.loads(path.read_text())
 
 
-def train(config, workdir: pathlib.Path, log: pathlib.Path) -> dict:
+# Settings that cannot change a run's numbers (how often it logs and saves,
+# where tokenized data is cached): a finished run that differs from the one
+# asked for only in these is that run. Every other field must match.
+CANNOT_CHANGE_RESULTS = frozenset({
+    'train.log_every', 'train.checkpoint_every', 'train.keep_checkpoints',
+    'data.cache_dir'})
+
+
+def _flat(config) -> dict:
+  """{'section.field': value} of a config, as its JSON holds it."""
+  def walk(node, prefix):
+    if not isinstance(node, dict):
+      return {prefix: node}
+    return {k: v for key, value in node.items()
+            for k, v in walk(value, f'{prefix}.{key}' if prefix else key
+                             ).items()}
+  return walk(json.loads(config.to_json()), '')
+
+
+def differences(old, new) -> list[str]:
+  """'field old -> new' for each setting, outside CANNOT_CHANGE_RESULTS,
+  in which config `new` differs from `old`."""
+  a, b = _flat(old), _flat(new)
+  return [f'{key} {a.get(key, "(absent)")} -> {b.get(key, "(absent)")}'
+          for key in sorted(a.keys() | b.keys())
+          if key not in CANNOT_CHANGE_RESULTS and a.get(key) != b.get(key)]
+
+
+def check_reusable(config, workdir: pathlib.Path):
+  """Refuses, in one line, a finished run in WORKDIR (final.json) whose
+  config.json is not `config`: a study reusing it would report its numbers
+  under settings it was not trained with. Call it for every run before any
+  trains, so that a study is refused at its start, not hours in."""
+  if not (workdir / 'final.json').exists():
+    return  # Nothing finished: trained (or resumed) as asked.
+  written = workdir / 'config.json'
+  if not written.exists():
+    raise UserError(f'{workdir} holds a finished run without its config.json, '
+                    'so its settings are unknown; give another --out, or '
+                    f'delete {workdir} to train it again')
+  changed = differences(config_lib.from_json(written), config)
+  if changed:
+    shown = '; '.join(changed[:5]) + (
+        f'; and {len(changed) - 5} more' if len(changed) > 5 else '')
+    raise UserError(f'{workdir} holds a finished run with other settings '
+                    f'({shown}); give another --out, or delete {workdir} to '
+                    'train it again')
+
+
+def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
+          on_eval=None) -> dict:
   """`train.main`'s loop, its lines (and warnings) in LOG; a finished run
-  (WORKDIR/final.json) is reused, an interrupted one resumed."""
+  (WORKDIR/final.json) is reused if it was trained with `config`
+  (`check_reusable`, refused otherwise), an interrupted one resumed.
+  on_eval: as `loop.train_and_evaluate`'s."""
+  check_reusable(config, workdir)
   final = workdir / 'final.json'
   if final.exists():
     return json.loads(final.read_text())
   log.parent.mkdir(parents=True, exist_ok=True)
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):
-    return loop.train_and_evaluate(config, str(workdir))
+    return loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)

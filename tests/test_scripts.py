@@ -11,6 +11,7 @@ from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep, timing)
 from train import config_lib, loop
+from train.errors import UserError
 from train.model import Transformer
 
 
@@ -160,6 +161,18 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
   report = (tmp_path / 'report.md').read_text()
   assert '| 4 | ' in report and '| K=1 |' in report and '(0/2)' in report
   assert (tmp_path / 'recall.png').stat().st_size > 0
+  # Rerun: its finished runs are reused, histories and all; under other
+  # settings they are refused before anything trains (issue 39).
+  recall_sweep.main()
+  again = json.loads((tmp_path / 'sweep.json').read_text())
+  strip = lambda runs: [{k: v for k, v in r.items() if k not in (
+      'seconds', 'reused')} for r in runs]
+  assert strip(again['cells'][0]['runs']) == strip(sweep['cells'][0]['runs'])
+  assert all(r['reused'] for r in again['cells'][0]['runs'])
+  monkeypatch.setattr(sys, 'argv', [*sys.argv, '--steps=30'])
+  with pytest.raises(UserError, match=r'K1_H4_s0 holds a finished run with '
+                     r'other settings \(train.steps 20 -> 30; '):
+    recall_sweep.main()
 
 
 def test_the_frontier_keeps_the_points_no_other_beats_on_bytes_and_loss():
