@@ -3,14 +3,20 @@
   python -m scripts.compare --out=out/compare [--quick] [--kv_heads=8,2,1]
       [--seeds=1] [--equal_params] [--steps=N] [--config=gqa_small]
 
-Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed};
-then one decode step per variant is timed (batch 16, context 256, see
-scripts/timing.py). OUT/report.md gets the table (num_kv_heads,
-parameters, KV bytes per token, held-out loss and bits per byte, training and
-decode tokens/s, mean ± spread over seeds) and the plots beside it: loss
-against step and against training time, training throughput, decode
-throughput with its roofline (the lower of the bandwidth and FLOP bounds). --equal_params widens the MLP of
-variants with fewer K/V heads to MHA's parameter count (as Shazeer 2019 did).
+Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed}
+(scripts/study.py: a finished run is reused only if it was trained with these
+settings); then decoding is timed per variant as bench_decode times it
+(batch 16, context 256, scripts/timing.py: the cache donated, updated in
+place). OUT/report.md gets the table (num_kv_heads, parameters, KV bytes per
+token, held-out loss and bits per byte, training and decode tokens/s, mean ±
+sd over seeds), each variant's held-out loss by seed and its paired
+difference from MHA with the smallest difference the seeds can detect
+(scripts/stats.py), what that lets it say about the papers, and the plots
+beside it: loss against step, training throughput, decode throughput with
+its roofline (the lower of the bandwidth and FLOP bounds). OUT/results.json
+holds every per-seed value, the comparisons and the command, commit and
+--out. --equal_params widens the MLP of variants with fewer K/V heads to
+MHA's parameter count (as Shazeer 2019 did).
 --quick: 120 steps per variant (README, Results, has its run times).
 --config=recall runs the recall probe instead (see configs/recall.py); the
 table then adds each variant's first-query accuracy (pure retrieval).
@@ -19,14 +25,15 @@ table then adds each variant's first-query accuracy (pure retrieval).
 
 from __future__ import annotations
 
+import json
+import math
 import pathlib
-import sys
 
 import numpy as np
 
-from scripts import study, timing
-from train import checkpoint, config_lib, data, flops, loop, progress
-from train.cli import exit_on_user_error
+from scripts import stats, study, timing
+from train import checkpoint, config_lib, data, flops, progress
+from train.cli import check_output_dir, exit_on_user_error
 from train import model as model_lib
 from train.model import Transformer
 from train.metrics import read_metrics
@@ -57,12 +64,14 @@ def main():
   parser.add_argument('--equal_params', action='store_true')
   args = parser.parse_args()
   steps = 120 if args.quick and not args.steps else args.steps
+  check_output_dir(args.out)
   out = pathlib.Path(args.out)
   configs = {(K, seed): variant_config(args.config, K, seed, steps,
                                        args.equal_params)
              for K in args.kv_heads for seed in range(args.seeds)}
-  for config in configs.values():  # Refused before anything trains.
+  for (K, seed), config in configs.items():  # Refused before any trains.
     config_lib.validate(config, batch_shards=1)
+    study.check_reusable(config, out / f'K{K}_s{seed}')
   runs = []
   todo = list(configs.items()) if args.report_only else progress.runs(
       list(configs.items()), lambda c: f'num_kv_heads={c[0][0]} seed={c[0][1]}')
@@ -71,7 +80,9 @@ def main():
     if args.report_only:
       record = study.saved(workdir / 'final.json')
     else:
-      record = loop.train_and_evaluate(config, str(workdir))
+      record = study.train(config, workdir, workdir / 'log.txt')
+      print(f'K={K} seed={seed}: held-out loss {record["eval_loss"]:.4f} '
+            f'(log: {workdir / "log.txt"})', flush=True)
     if config.data.task == 'recall':
       record['accuracy_by_query'] = recall_accuracy_by_query(workdir)
     runs.append(dict(K=K, seed=seed, config=config, record=record,
@@ -103,6 +114,145 @@ def recall_accuracy_by_query(workdir, rows: int = 512) -> list[float]:
   return task.accuracy_by_query(logits.argmax(-1), tokens).tolist()
 
 
+# What the papers found, in held-out nats, and what this report calls "near".
+SHAZEER_MQA_COST = (0.010, 0.015)  # MQA - MHA (Shazeer 2019, Tables 1, 3).
+NEAR_MHA = 0.02  # GQA "close to MHA" (Ainslie et al. 2023), fixed in advance.
+
+
+def comparisons(runs) -> list[dict]:
+  """Each variant's held-out loss against the reference's, paired by seed.
+
+  The reference is MHA (K = num_heads) when it ran, else the variant with
+  the most K/V heads (then no paper's claim is tested). One dict per other
+  variant: K, the reference's K, both arms' per-seed losses, the paired
+  difference K - reference (a `stats.Estimate`), the smallest difference
+  its seeds detect (`stats.detectable` of the differences' sd) and the
+  verdict on the paper's claim (`verdict`).
+  """
+  kvs = sorted({r['K'] for r in runs}, reverse=True)
+  num_heads = runs[0]['config'].model.num_heads
+  reference = num_heads if num_heads in kvs else kvs[0]
+  by_seed = lambda K: {r['seed']: r['record']['eval_loss'] for r in runs
+                       if r['K'] == K}
+  base = by_seed(reference)
+  found = []
+  for K in kvs:
+    if K == reference:
+      continue
+    mine = by_seed(K)
+    seeds = sorted(mine.keys() & base.keys())
+    a, b = [mine[s] for s in seeds], [base[s] for s in seeds]
+    difference = stats.paired(a, b)
+    detectable = stats.detectable(difference.sd, difference.n)
+    found.append(dict(
+        K=K, reference_K=reference, seeds=seeds, losses=a,
+        reference_losses=b, difference=difference, detectable=detectable,
+        verdict=verdict(K, reference, num_heads, difference, detectable)))
+  return found
+
+
+def seeds_to_detect(sd: float, effect: float, most: int = 100) -> int | None:
+  """The fewest seeds whose paired test detects `effect` (80% power) at
+  this sd; None if more than `most`."""
+  return next((n for n in range(2, most + 1)
+               if stats.detectable(sd, n) <= effect), None)
+
+
+def verdict(K: int, reference: int, num_heads: int, d: stats.Estimate,
+            detectable: float) -> str:
+  """What difference d (K - MHA, nats) lets the report say of the paper
+  that made a claim about K: Shazeer's MQA cost (K = 1) or Ainslie's GQA
+  near MHA (1 < K < N, |d| <= NEAR_MHA).
+
+  A disagreement is claimed when d's interval excludes the paper's value;
+  an agreement only when the seeds could have detected a difference of the
+  paper's size (detectable <= it). Anything else is said to be unresolved,
+  with the seeds that would resolve it.
+  """
+  if reference != num_heads:
+    return (f'the reference is K={reference}, not MHA (K={num_heads}): no '
+            "paper's claim is tested")
+  if d.n < 2:
+    return ('one seed: no interval, nothing claimed (rerun with --seeds=3 '
+            'or more)')
+  more = lambda effect: (
+      f'; about {n} seeds would detect {effect:.3f}'
+      if (n := seeds_to_detect(d.sd, effect)) else '')
+  if K == 1:
+    low, high = SHAZEER_MQA_COST
+    paper = f"Shazeer's MQA cost ({low:.3f}-{high:.3f} nats)"
+    if d.low > high:
+      return f'MQA costs more than {paper}: disagrees'
+    if d.high < low:
+      return f'MQA costs less than {paper}: disagrees'
+    if detectable <= low:
+      return (f'consistent with {paper}, which these seeds would detect'
+              + (' (no cost is not excluded either)' if d.low <= 0 else ''))
+    return (f'cannot resolve {paper}: {d.n} seeds detect {detectable:.3f} '
+            f'nats or more{more(low)}')
+  paper = f'Ainslie et al.\'s GQA near MHA (within ±{NEAR_MHA} nats)'
+  if d.low > NEAR_MHA or d.high < -NEAR_MHA:
+    return f'farther from MHA than ±{NEAR_MHA} nats: disagrees with {paper}'
+  if -NEAR_MHA <= d.low and d.high <= NEAR_MHA:
+    return f'agrees with {paper}: the interval lies within it'
+  return (f'cannot resolve {paper}: the interval crosses ±{NEAR_MHA}; '
+          f'{d.n} seeds detect {detectable:.3f} nats or more'
+          + more(NEAR_MHA))
+
+
+def _finite(value):
+  """JSON has no inf or nan: an interval of one seed is written as null."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
+  """OUT/results.json: per variant its per-seed values and speeds, the
+  paired comparisons, the command, commit and --out."""
+  variants = []
+  for r in rows:
+    variants.append(dict(
+        K=r['K'], params=r['params'], mlp_dim=r['mlp'],
+        kv_bytes_per_token=r['kv'], decode_tokens_per_sec=r['decode'],
+        decode_roofline_tokens_per_sec=r['roofline'],
+        seeds=[dict(seed=run['seed'], **{
+            key: _finite(float(run['record'].get(key, math.nan)))
+            for key in ('eval_loss', 'eval_bpb', 'eval_accuracy')},
+                    train_tokens_per_sec=float(np.median(
+                        [m['tokens_per_sec'] for m in run['metrics']])))
+               for run in sorted(runs, key=lambda run: run['seed'])
+               if run['K'] == r['K']]))
+  return dict(
+      provenance=stats.provenance('scripts.compare', out, argv),
+      decode=dict(batch=DECODE_BATCH, context=DECODE_CONTEXT,
+                  read_bandwidth=bandwidth),
+      variants=variants,
+      comparisons=[dict(
+          K=c['K'], reference_K=c['reference_K'], seeds=c['seeds'],
+          losses=c['losses'], reference_losses=c['reference_losses'],
+          difference={k: _finite(v) for k, v in c['difference'].as_dict(
+              ).items()},
+          detectable=_finite(c['detectable']), verdict=c['verdict'])
+                   for c in found])
+
+
+def write_report(out, runs, decode, bandwidth, args):
+  """report.md (the command, a reading, the tables), results.json,
+  loss.png and throughput.png in OUT."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  rows = _rows(runs, decode, bandwidth)
+  found = comparisons(runs)
+  result = results(runs, rows, found, bandwidth, out)
+  (out / 'results.json').write_text(json.dumps(result, indent=1))
+  (out / 'report.md').write_text('\n'.join(
+      _report_lines(runs, rows, found, bandwidth, args,
+                    result['provenance'])))
+  _plot_loss(out / 'loss.png', runs)
+  _plot_throughput(out / 'throughput.png', rows)
+
+
 def _spread(values):
   values = np.asarray(values, float)
   if np.isnan(values).all():
@@ -110,18 +260,6 @@ def _spread(values):
   if len(values) == 1:
     return f'{values[0]:.3f}'
   return f'{values.mean():.3f} ± {values.std(ddof=1):.3f}'
-
-
-def write_report(out, runs, decode, bandwidth, args):
-  """report.md (the command, a reading, the table), loss.png and
-  throughput.png in OUT."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  rows = _rows(runs, decode, bandwidth)
-  (out / 'report.md').write_text('\n'.join(
-      _report_lines(runs, rows, bandwidth, args)))
-  _plot_loss(out / 'loss.png', runs)
-  _plot_throughput(out / 'throughput.png', rows)
 
 
 def _rows(runs, decode, bandwidth) -> list[dict]:
@@ -150,39 +288,55 @@ def _rows(runs, decode, bandwidth) -> list[dict]:
   return rows
 
 
-def _reading(rows, seeds: int) -> str:
-  """Two sentences on what the table says, from its numbers."""
-  best = min(rows, key=lambda r: r['mean_loss'])
-  worst = max(rows, key=lambda r: r['mean_loss'])
+def _reading(rows, found) -> str:
+  """What the paired differences resolve, then decoding; from the numbers."""
+  resolved = [c for c in found if c['difference'].resolved]
+  unresolved = [c for c in found if not c['difference'].resolved]
+  parts = []
+  if resolved:
+    parts.append('Resolved against K={}: '.format(found[0]['reference_K'])
+                 + '; '.join(f'K={c["K"]} {c["difference"].mean:+.3f} nats'
+                             for c in resolved) + '.')
+  if unresolved:
+    n = unresolved[0]['difference'].n
+    parts.append(
+        ('Not resolved' if n > 1 else 'Not testable with one seed')
+        + ' against K={}: '.format(unresolved[0]['reference_K'])
+        + '; '.join(f'K={c["K"]} {c["difference"].mean:+.3f} nats'
+                    + (f' (detectable: {c["detectable"]:.3f})' if n > 1
+                       else '') for c in unresolved)
+        + ('. A difference below the detectable one is not claimed.'
+           if n > 1 else '; rerun with --seeds=3 or more.'))
   fastest = max(rows, key=lambda r: r['decode'])
   slowest = min(rows, key=lambda r: r['decode'])
-  gap = worst['mean_loss'] - best['mean_loss']
-  return (f'Held-out loss is lowest for K={best["K"]} and highest for '
-          f'K={worst["K"]}, {gap:.3f} nats apart'
-          + (' (compare with the ± over seeds).' if seeds > 1 else
-             ' (one seed: rerun with --seeds=3 to see the spread).')
-          + f' Decoding is fastest with K={fastest["K"]}, '
-          f'{fastest["decode"] / slowest["decode"]:.1f}x K={slowest["K"]}.')
+  parts.append(f'Decoding is fastest with K={fastest["K"]}, '
+               f'{fastest["decode"] / slowest["decode"]:.1f}x '
+               f'K={slowest["K"]}.')
+  return ' '.join(parts)
 
 
-def _report_lines(runs, rows, bandwidth, args) -> list[str]:
+def _report_lines(runs, rows, found, bandwidth, args, provenance
+                  ) -> list[str]:
   c = runs[0]['config']
   recall = c.data.task == 'recall'
   lines = [
       '# Comparing MHA, GQA and MQA', '',
-      f'Made by `python -m scripts.compare {" ".join(sys.argv[1:])}`: '
+      f'Made by `{provenance["command"]}` at commit {provenance["commit"]}: '
       f'{c.model.num_layers} layers, d_model {c.model.d_model}, '
       f'{c.model.num_heads} query heads of {c.model.head_dim}; '
       f'{c.train.steps} steps of {c.train.batch_size} x {c.data.seq_len} '
       f'tokens each, {args.seeds} seed(s) per variant'
       + (', MLP widened to equal parameters' if args.equal_params else '')
       + f'. Compute dtype {c.model.dtype}. Decode: batch {DECODE_BATCH}, '
-      f'context {DECODE_CONTEXT}; '
-      f'read bandwidth {bandwidth / 1e9:.1f} GB/s.', '',
-      _reading(rows, args.seeds), '',
+      f'context {DECODE_CONTEXT}, the cache updated in place as '
+      'train.sample runs it (scripts/timing.py); '
+      f'read bandwidth {bandwidth / 1e9:.1f} GB/s. Every value by seed, '
+      'and the comparisons: results.json.', '',
+      _reading(rows, found), '',
       (f'Data: the recall probe, {c.data.recall_pairs} key-value pairs per '
        'row; accuracy counts the answers only.' if recall else
        f'Data: {c.data.path or "the embedded stdlib corpus"} (bytes).'), '',
+      f'Statistics: {stats.CONVENTION}', '',
       '| num_kv_heads | params | mlp_dim | KV bytes/token | held-out '
       'loss (nats) | bits/byte | next-token accuracy | '
       + ('first-query accuracy | ' if recall else '')
@@ -194,6 +348,7 @@ def _report_lines(runs, rows, bandwidth, args) -> list[str]:
                  + (f'{r["first"]} | ' if recall else '')
                  + f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '
                  f'{r["roofline"]:,.0f} |')
+  lines += ['', *_paired_lines(runs, found, args)]
   if recall:  # Later queries can be guessed by crossing out; not the first.
     lines += ['', 'Answer accuracy by query (1st ... last):', '']
     for r in rows:
@@ -202,6 +357,39 @@ def _report_lines(runs, rows, bandwidth, args) -> list[str]:
       lines.append(f'- K={r["K"]}: ' + ' '.join(f'{a:.2f}' for a in by_query))
   return lines + ['', '![loss](loss.png)', '', '![throughput](throughput.png)',
                   '']
+
+
+def _paired_lines(runs, found, args) -> list[str]:
+  """Held-out loss by seed, and each variant minus the reference: the
+  paired mean with its interval, the detectable difference, the verdict."""
+  if not found:
+    return []
+  kvs = sorted({r['K'] for r in runs}, reverse=True)
+  seeds = sorted({r['seed'] for r in runs})
+  loss = {(r['K'], r['seed']): r['record']['eval_loss'] for r in runs}
+  reference = found[0]['reference_K']
+  lines = ['Held-out loss (nats) by seed:', '',
+           '| seed | ' + ' | '.join(f'K={K}' for K in kvs) + ' |',
+           '|---' * (len(kvs) + 1) + '|']
+  for seed in seeds:
+    lines.append(f'| {seed} | ' + ' | '.join(
+        f'{loss[K, seed]:.4f}' if (K, seed) in loss else '-' for K in kvs)
+                 + ' |')
+  lines += ['', f'Paired by seed (a seed fixes the data order), each variant '
+            f'minus K={reference} (positive: worse than it); verdicts against the papers only where the '
+            'seeds can tell' + ('' if args.equal_params or reference != kvs[0]
+                                 else ' (Shazeer compared at equal '
+                                 'parameters: --equal_params)') + ':', '',
+            '| K | difference (nats) [95% interval] | sd of differences | '
+            'detectable | verdict |', '|---|---|---|---|---|']
+  for c in found:
+    d = c['difference']
+    sd = f'{d.sd:.4f}' if d.n > 1 else '-'
+    detectable = (f'{c["detectable"]:.4f}' if math.isfinite(c['detectable'])
+                  else '-')
+    lines.append(f'| {c["K"]} | {d:+.4f} | {sd} | {detectable} | '
+                 f'{c["verdict"]} |')
+  return lines
 
 
 def _plot_loss(path, runs):
@@ -219,14 +407,15 @@ def _plot_loss(path, runs):
     held = np.array([[m['eval_loss'] for m in e] for e in evals])
     for ax in (by_step, zoom):
       ax.plot(at, held.mean(0), 'o-', color=f'C{i}', label=f'K={K}')
-      if len(mine) > 1:
-        ax.fill_between(at, held.min(0), held.max(0), color=f'C{i}',
-                        alpha=0.2)
+      if len(mine) > 1:  # ± sd over seeds, the report's convention.
+        sd = held.std(0, ddof=1)
+        ax.fill_between(at, held.mean(0) - sd, held.mean(0) + sd,
+                        color=f'C{i}', alpha=0.2)
   last = max(m['step'] for r in runs for m in r['metrics'])
   zoom.set_xlim(last / 2, last * 1.02)
   zoom.autoscale(axis='y')
   by_step.set(xlabel='step', ylabel='loss (nats/token)',
-              title='train (faint) and held-out loss, band: seeds')
+              title='train (faint) and held-out loss, band: ± sd over seeds')
   zoom.set(xlabel='step', ylabel='held-out loss (nats/token)',
            title='held-out loss, second half')
   by_step.legend()

@@ -1,0 +1,90 @@
+"""scripts/study.py: a study reuses a finished run only under the settings it
+was trained with (issue 39: kv_frontier --quick, then --steps=30, reported
+"30 steps" over runs of 15)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from configs import tiny
+from scripts import compare, study
+from train.errors import UserError
+
+from tests.test_faults import REPO, _one_line_error
+
+
+def _snapshot(workdir):
+  return {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+
+
+def test_a_finished_run_is_reused_under_its_own_settings(trained, tmp_path):
+  before = _snapshot(trained)
+  record = study.train(tiny.get_config(), trained, tmp_path / 'log.txt')
+  assert record == json.loads((trained / 'final.json').read_text())
+  assert not (tmp_path / 'log.txt').exists()  # Nothing trained.
+  # How often it logs and saves cannot change its numbers: still this run.
+  config = tiny.get_config()
+  config.train.update(log_every=1, checkpoint_every=5, keep_checkpoints=1)
+  assert study.train(config, trained, tmp_path / 'log.txt') == record
+  assert _snapshot(trained) == before
+
+
+def test_a_finished_run_with_other_settings_is_refused_in_one_line(
+    trained, tmp_path):
+  before = _snapshot(trained)
+  config = tiny.get_config()
+  config.train.steps = 30
+  config.model.num_kv_heads = 1
+  with pytest.raises(UserError) as e:
+    study.train(config, trained, tmp_path / 'log.txt')
+  message = str(e.value)
+  assert '\n' not in message and str(trained) in message
+  assert 'model.num_kv_heads 2 -> 1; train.steps 20 -> 30' in message
+  assert 'another --out' in message and f'delete {trained}' in message
+  assert _snapshot(trained) == before  # Neither retrained nor touched.
+  # Its learning rate alone is enough: every field but the few that cannot
+  # change the numbers counts.
+  config = tiny.get_config()
+  config.train.learning_rate = 3e-3
+  with pytest.raises(UserError, match='train.learning_rate 0.01 -> 0.003'):
+    study.check_reusable(config, trained)
+
+
+def test_a_finished_run_without_its_config_is_refused(trained, tmp_path):
+  copy = tmp_path / 'run'
+  copy.mkdir()
+  shutil.copy(trained / 'final.json', copy)
+  with pytest.raises(UserError, match='without its config.json'):
+    study.check_reusable(tiny.get_config(), copy)
+
+
+def test_compare_out_that_is_a_file_is_named_as_out(tmp_path, monkeypatch):
+  """It was refused as an internal --workdir=OUT/K8_s0."""
+  path = tmp_path / 'results.txt'
+  path.write_text('x')
+  monkeypatch.setattr(sys, 'argv', ['compare', f'--out={path}'])
+  with pytest.raises(UserError, match=r'^--out=.*results.txt is a file; give '
+                     'a folder'):
+    compare.main()
+
+
+@pytest.mark.slow
+def test_compare_refuses_its_finished_runs_under_other_steps(tmp_path):
+  """The issue's repro through the command line: runs finished at 2 steps,
+  the study asked for 3; refused before anything trains or is timed."""
+  out = tmp_path / 'out'
+  config = compare.variant_config('tiny', 4, 0, 2, False)
+  study.train(config, out / 'K4_s0', out / 'K4_s0' / 'log.txt')
+  before = _snapshot(out / 'K4_s0')
+  result = subprocess.run(
+      [sys.executable, '-m', 'scripts.compare', f'--out={out}',
+       '--config=tiny', '--kv_heads=4', '--steps=3'], cwd=REPO,
+      capture_output=True, text=True, timeout=180)
+  _one_line_error(result, f'{out / "K4_s0"} holds a finished run with other '
+                  'settings (')
+  assert 'train.steps 2 -> 3' in result.stderr
+  assert _snapshot(out / 'K4_s0') == before
+  assert not (out / 'report.md').exists()
