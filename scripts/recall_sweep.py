@@ -16,7 +16,7 @@ interrupted one) at a constant learning rate after warmup; every
 answered at >= 0.99.
 
 OUT/report.md gets, per cell, the first-query accuracy (pure retrieval:
-crossing out answered values cannot help it) as mean ± spread over seeds, the
+crossing out answered values cannot help it) as mean ± sd over seeds, the
 steps to reach 0.95 on it, and the KV cache bytes per token; a heat map and
 accuracy curves beside it (recall.png); everything as JSON (sweep.json).
 --quick: H = 16 only, 500 steps at most (under 10 minutes here).
@@ -183,10 +183,12 @@ def _report_lines(cell, kvs, dims, meta) -> list[str]:
       f'{meta["description"]}; {meta["model"]}. At most {meta["steps"]} '
       f'steps of {meta["batch_size"]} rows per run (stopped once every query '
       f'is at ≥ {SOLVED}), {meta["seeds"]} seeds per cell, '
-      f'{meta["minutes"]:.1f} minutes in all.', '',
+      f'{meta["minutes"]:.1f} minutes in all'
+      + (f'; commit {meta["provenance"]["commit"]}' if 'provenance' in meta
+         else '') + '.', '',
       _reading(cell, kvs, dims), '',
       'First-query accuracy (retrieval alone; chance 1/P = '
-      f'{1 / meta["pairs"]:.3f}), mean ± spread over seeds; in brackets how '
+      f'{1 / meta["pairs"]:.3f}), mean ± sd over seeds; in brackets how '
       f'many seeds reached {REACHED} on it, and their median step. KV cache '
       'bytes per token (float32, all layers) in the last row.', '',
       '| head_dim H | ' + ' | '.join(f'K={K}' for K in kvs) + ' |',
@@ -224,7 +226,8 @@ def _plot(path, cell, kvs, dims):
   for i, H in enumerate(dims):
     kv_bytes = [cell[K, H]['kv_bytes'] for K in kvs]
     mean = np.array([np.mean(_first(cell[K, H])) for K in kvs])
-    sd = np.array([np.std(_first(cell[K, H])) for K in kvs])
+    sd = np.array([np.std(_first(cell[K, H]), ddof=1) if len(
+        cell[K, H]['runs']) > 1 else 0.0 for K in kvs])
     curves.errorbar(kv_bytes, mean, fmt='o-', color=f'C{i}', capsize=3,
                     label=f'H={H}', yerr=[np.minimum(sd, mean),
                                           np.minimum(sd, 1 - mean)])
