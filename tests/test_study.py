@@ -11,6 +11,7 @@ import pytest
 
 from configs import tiny
 from scripts import compare, study
+from train import config_lib
 from train.errors import UserError
 
 from tests.test_faults import REPO, _one_line_error
@@ -88,3 +89,14 @@ def test_compare_refuses_its_finished_runs_under_other_steps(tmp_path):
   assert 'train.steps 2 -> 3' in result.stderr
   assert _snapshot(out / 'K4_s0') == before
   assert not (out / 'report.md').exists()
+
+
+@pytest.mark.parametrize('name', config_lib.known_configs())
+def test_every_named_config_reads_back_from_its_json_unchanged(name,
+                                                               tmp_path):
+  """What check_reusable compares: a config against its config.json read
+  back. A spurious difference would refuse every rerun of a study."""
+  config = config_lib.load(name)
+  path = tmp_path / 'config.json'
+  path.write_text(config.to_json(indent=2))
+  assert study.differences(config_lib.from_json(path), config) == []
