@@ -24,7 +24,7 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from train import config_lib, peers
+from train import config_lib, peers, signals
 from train.errors import UserError
 from train.cli import exit_on_user_error, run_app
 
@@ -49,14 +49,9 @@ def main(argv):
           'them: GQA_LAB_COORDINATOR_TIMEOUT)', flush=True)
     jax.distributed.initialize(**setup)
   from train import loop  # pylint: disable=import-outside-toplevel
-  received = []
-
-  def on_signal(signum, _):
-    received.append(signum)
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, on_signal)
-  record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
-                                   should_stop=lambda: bool(received))
+  with signals.recorded() as received:
+    record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                     should_stop=lambda: bool(received))
   if 'stopped_at' in record:  # A peer's signal stops this process too.
     sys.exit(128 + (received[0] if received else signal.SIGTERM))
 
