@@ -7,6 +7,7 @@ random moments (SIGKILL, mid-save included) that must resume bit-identically.
 """
 
 import errno
+import gc
 import io
 import os
 import pathlib
@@ -14,6 +15,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 
 from train import (checkpoint, config_lib, convert, data, loop, peers,
-                   prepare_data, workdir)
+                   prepare_data, signals, workdir)
 from train import metrics as metrics_lib
 from train import progress
 from train.cli import check_output_dir
@@ -807,3 +809,242 @@ def test_the_watcher_turns_only_a_lost_peer_into_one_line(
   assert peers.watch('tests.fake_peer', lines, None) == status
   assert capsys.readouterr().err.splitlines() == expected
   assert signal.getsignal(signal.SIGTERM) is before  # Handlers given back.
+
+
+UNJOINED_DUMP = [
+    'F1201 20:57:22.128700 9278 client.h:80] Terminating process because the '
+    'JAX distributed service detected fatal errors. This most likely '
+    'indicates that another task died; see the other task logs for more '
+    'details. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded', '',
+    'RPC: /xla.coordination.CoordinationService/RegisterTask',
+    '*** Check failure stack trace: ***']
+
+
+@pytest.mark.parametrize('process, expected', [
+    ('1', 'error: no coordinator answered at host0:1234 within 7 s '
+     '(GQA_LAB_COORDINATOR_TIMEOUT); start process 0 (JAX_PROCESS_ID=0) on '
+     'that host, or check the address'),
+    ('0', 'error: not every process of the run joined it within 7 s '
+     '(GQA_LAB_COORDINATOR_TIMEOUT); start the same command on every host '
+     '(JAX_PROCESS_ID 1 to JAX_NUM_PROCESSES - 1 on the others), and check '
+     'that they reach host0:1234')])
+def test_processes_that_never_all_joined_are_not_called_a_lost_peer(
+    monkeypatch, capsys, process, expected):
+  """JAX's abort when registration with the coordinator timed out (its
+  dump, as process 1 printed it with no process 0) is its own line, with
+  the timeout it waited, not 'lost contact ... after 30 s'."""
+  for var, value in (('JAX_COORDINATOR_ADDRESS', 'host0:1234'),
+                     ('JAX_NUM_PROCESSES', '2'), ('JAX_PROCESS_ID', process),
+                     ('GQA_LAB_COORDINATOR_TIMEOUT', '7'),
+                     ('FAKE_PEER_EXIT', 'abort')):
+    monkeypatch.setenv(var, value)
+  monkeypatch.chdir(REPO)
+  assert peers.watch('tests.fake_peer', UNJOINED_DUMP, None) == 1
+  assert capsys.readouterr().err.splitlines() == [expected]
+
+
+ALL_THREE = {'JAX_COORDINATOR_ADDRESS': 'host0:1234', 'JAX_NUM_PROCESSES': '2',
+             'JAX_PROCESS_ID': '1'}
+SRUN = {'SLURM_JOB_ID': '7', 'SLURM_STEP_NODELIST': 'n[0-1]',
+        'SLURM_NTASKS': '2', 'SLURM_PROCID': '1', 'SLURM_LOCALID': '0'}
+
+
+@pytest.mark.parametrize('env, message', [
+    ({**ALL_THREE, 'JAX_PROCESS_ID': '5'},
+     'JAX_PROCESS_ID=5 is not below JAX_NUM_PROCESSES=2: number the processes '
+     '0 to 1'),
+    ({**ALL_THREE, 'JAX_NUM_PROCESSES': 'abc'},
+     "JAX_NUM_PROCESSES='abc' must be a whole number >= 1"),
+    ({**ALL_THREE, 'JAX_PROCESS_ID': '-1'},
+     "JAX_PROCESS_ID='-1' must be a whole number >= 0"),
+    ({'JAX_COORDINATOR_ADDRESS': 'host0:1234'},
+     'JAX_COORDINATOR_ADDRESS set without JAX_NUM_PROCESSES and '
+     'JAX_PROCESS_ID: on every process set all three'),
+    ({'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '0'},
+     'JAX_NUM_PROCESSES and JAX_PROCESS_ID set without '
+     'JAX_COORDINATOR_ADDRESS'),
+    ({**ALL_THREE, 'JAX_COORDINATOR_ADDRESS': 'host0'},
+     "JAX_COORDINATOR_ADDRESS='host0' must be HOST:PORT"),
+    ({'SLURM_NTASKS': '2'},
+     'SLURM_NTASKS=2 but this process was not started by srun (SLURM_JOB_ID, '
+     'SLURM_STEP_NODELIST, SLURM_PROCID, SLURM_LOCALID unset): launch it '
+     'with `srun python -m train.main ...`'),
+    ({**ALL_THREE, 'GQA_LAB_COORDINATOR_TIMEOUT': 'soon'},
+     "GQA_LAB_COORDINATOR_TIMEOUT='soon' must be a whole number of seconds"),
+])
+def test_each_wrong_multiprocess_variable_is_one_line_naming_it(
+    monkeypatch, env, message):
+  monkeypatch.setattr(peers.glob, 'glob', lambda _: [])  # Not a TPU VM.
+  assert peers.is_multiprocess(env)
+  with pytest.raises(UserError, match=re.escape(message)) as raised:
+    peers.distributed_args(env)
+  assert '\n' not in str(raised.value)
+
+
+@pytest.mark.parametrize('env, expected', [
+    (ALL_THREE, {'num_processes': 2, 'process_id': 1}),
+    # Under srun, jax finds the address, count and id by itself; what the
+    # JAX_* variables say still wins.
+    (SRUN, {}),
+    ({**SRUN, 'JAX_COORDINATOR_ADDRESS': 'host0:1234'}, {}),
+    ({**SRUN, 'JAX_NUM_PROCESSES': '4'}, {'num_processes': 4}),
+])
+def test_right_multiprocess_variables_pass_to_jax(monkeypatch, env, expected):
+  monkeypatch.setattr(peers.glob, 'glob', lambda _: [])
+  assert peers.distributed_args({**env, 'GQA_LAB_COORDINATOR_TIMEOUT': '9'}) == {
+      'heartbeat_timeout_seconds': 30, 'initialization_timeout': 9, **expected}
+  assert not peers.is_multiprocess({'JAX_NUM_PROCESSES': '1'})
+
+
+@pytest.mark.slow
+def test_slurm_ntasks_outside_srun_is_one_line_before_any_process_starts(
+    tmp_path):
+  """Once a 26-line traceback from inside jax.distributed.initialize."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}
+  result = subprocess.run(
+      [sys.executable, '-m', 'train.main', '--config=tiny',
+       f'--workdir={tmp_path / "w"}'], cwd=REPO, env={**env,
+       'SLURM_NTASKS': '2'}, capture_output=True, text=True, timeout=60)
+  _one_line_error(result, 'SLURM_NTASKS=2 but this process was not started '
+                  'by srun')
+  assert not (tmp_path / 'w').exists()
+
+
+@pytest.mark.slow
+def test_a_coordinator_that_never_answers_is_one_line_within_its_timeout(
+    tmp_path):
+  """Process 1 of 2, process 0 never started: one line naming the address
+  and the timeout (GQA_LAB_COORDINATOR_TIMEOUT=5), where there once were
+  309 s of silence and 'lost contact ... after 30 s'."""
+  with socket.socket() as s:  # A port nothing listens on.
+    s.bind(('localhost', 0))
+    address = f'localhost:{s.getsockname()[1]}'
+  env = {**os.environ, 'JAX_COORDINATOR_ADDRESS': address,
+         'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': '1',
+         'GQA_LAB_COORDINATOR_TIMEOUT': '5'}
+  start = time.monotonic()
+  result = subprocess.run(
+      [sys.executable, '-m', 'train.main', '--config=tiny',
+       f'--workdir={tmp_path / "w"}'], cwd=REPO, env=env, capture_output=True,
+      text=True, timeout=120)
+  # Two interpreters' imports (watcher and child) and jax's own margin
+  # around the timeout; 309 s before.
+  assert time.monotonic() - start < 5 + 55
+  _one_line_error(result, f'no coordinator answered at {address} within 5 s '
+                  '(GQA_LAB_COORDINATOR_TIMEOUT); start process 0')
+  assert 'waiting up to 5 s' in result.stdout
+
+
+def _alive(pid: int) -> bool:
+  """Whether process `pid` runs (a zombie, dead but not yet reaped by the
+  parent it was handed to, does not)."""
+  try:
+    return pathlib.Path(f'/proc/{pid}/stat').read_text().split(')')[
+        -1].split()[0] != 'Z'
+  except FileNotFoundError:
+    return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+  deadline = time.monotonic() + seconds
+  while _alive(pid) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  return not _alive(pid)
+
+
+@pytest.mark.parametrize('poll', [False, True], ids=['death_signal', 'polling'])
+def test_a_watched_child_dies_with_its_watcher_even_by_sigkill(poll):
+  """SIGKILL to the PID a scheduler launched (the watcher) cannot be passed
+  on; the child, once orphaned and training on, now dies with it: by
+  Linux's parent-death signal, or by polling where that is missing."""
+  env = {**os.environ, 'FAKE_PEER_EXIT': 'hang',
+         **({'FAKE_PEER_POLL': '1'} if poll else {})}
+  watcher = subprocess.Popen(
+      [sys.executable, '-c', 'import sys; from train import peers; '
+       'sys.exit(peers.watch("tests.fake_peer", [], None))'], cwd=REPO,
+      env=env, stdout=subprocess.PIPE, text=True)
+  try:
+    child = int(watcher.stdout.readline())  # It follows its watcher now.
+    assert _alive(child)
+    watcher.kill()
+    watcher.wait()
+    assert _gone_within(child, 10)
+  finally:
+    watcher.kill()
+
+
+def test_a_child_whose_watcher_died_before_it_followed_ends_at_once():
+  """The race: a watcher killed between starting the child and the child's
+  setting of its parent-death signal. Its parent is then another process,
+  and it ends instead of training on."""
+  env = {**os.environ, 'FAKE_PEER_EXIT': 'hang', peers.WATCHED: '1'}
+  result = subprocess.run([sys.executable, '-m', 'tests.fake_peer'], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+  assert result.returncode == -signal.SIGKILL and not result.stdout
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_during_a_garbage_collection_stops_the_run_at_a_step(
+    tmp_path):
+  """Python raises Ctrl-C's KeyboardInterrupt wherever the main thread is,
+  and JAX runs Python in every garbage collection (_xla_gc_callback), where
+  an exception is printed as 'Exception ignored' and dropped: a study's
+  first Ctrl-C was lost and the study ran on. Now a run that no caller
+  handles signals for records it, stops at its next step with a checkpoint,
+  and raises Interrupted (one line, exit status 130)."""
+  collections, before = [], signal.getsignal(signal.SIGINT)
+
+  def interrupt(phase, _):  # A Ctrl-C arriving during a collection.
+    collections.append(phase)
+    if len(collections) == 10:
+      signal.raise_signal(signal.SIGINT)
+  gc.callbacks.append(interrupt)
+  try:
+    with pytest.raises(signals.Interrupted) as raised:
+      loop.train_and_evaluate(_config(train__steps=500), str(tmp_path))
+  finally:
+    gc.callbacks.remove(interrupt)
+  assert len(collections) >= 10
+  stopped = checkpoint.restore_latest(str(tmp_path))[0]
+  assert 0 < stopped < 500
+  assert str(raised.value) == (
+      f'interrupted by SIGINT (Ctrl-C) at step {stopped}, its checkpoint saved '
+      f'in {tmp_path}; rerun the same command to go on')
+  assert raised.value.exit_status == 130
+  assert signal.getsignal(signal.SIGINT) is before  # Given back.
+
+
+@pytest.mark.slow
+def test_a_studys_first_ctrl_c_stops_it_in_one_line_keeping_its_runs(
+    tmp_path):
+  """SIGINT, as Ctrl-C sends it, to a study training its first variant:
+  the study stops there (the next variant never starts) with one line and
+  exit status 130, the interrupted run's checkpoint saved for a rerun."""
+  out = tmp_path / 'out'
+  # A test run in the background ignores SIGINT, and so would the study;
+  # a terminal's does not. (A handled signal is default in a child.)
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    study = subprocess.Popen(
+        [sys.executable, '-m', 'scripts.compare', '--config=tiny',
+         '--kv_heads=2,1', '--steps=100000', f'--out={out}'], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  finally:
+    signal.signal(signal.SIGINT, before)
+  metrics = out / 'K2_s0' / 'metrics.jsonl'
+  deadline = time.monotonic() + 240
+  while not (metrics.exists() and metrics.read_text().count('\n') >= 2):
+    assert study.poll() is None and time.monotonic() < deadline, (
+        study.communicate())
+    time.sleep(0.2)
+  study.send_signal(signal.SIGINT)
+  sent = time.monotonic()
+  _, err = study.communicate(timeout=120)
+  assert time.monotonic() - sent < 60
+  assert study.returncode == 130, err[-3000:]
+  stopped = checkpoint.restore_latest(str(out / 'K2_s0'))[0]
+  assert err.strip().splitlines()[-1] == (
+      f'error: interrupted by SIGINT (Ctrl-C) at step {stopped}, its '
+      f'checkpoint saved in {out / "K2_s0"}; rerun the same command to go on')
+  assert 'Traceback' not in err and 'Exception ignored' not in err
+  assert not (out / 'K1_s0').exists()  # The study did not run on.

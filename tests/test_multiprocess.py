@@ -187,3 +187,53 @@ def test_a_lost_peer_ends_the_survivor_in_one_line(tmp_path, lost):
   assert resumes and int(resumes.group(1)) >= 10, lines[0]
   results = _run(tmp_path, '--config.train.steps=30')
   assert f'resuming from step {resumes.group(1)}' in results[0][1]
+
+
+def _children(pid: int) -> list[int]:
+  """The PIDs whose parent is `pid` (from /proc)."""
+  found = []
+  for stat in pathlib.Path('/proc').glob('[0-9]*/stat'):
+    try:
+      fields = stat.read_text().rsplit(')', 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+      continue
+    if int(fields[1]) == pid:  # state, ppid, ...
+      found.append(int(stat.parent.name))
+  return found
+
+
+def _alive(pid: int) -> bool:
+  """Running (a zombie, dead but not yet reaped, is not)."""
+  try:
+    return (pathlib.Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1]
+            .split()[0] != 'Z')
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+
+
+def test_kill_9_of_a_launched_process_leaves_none_of_the_run_alive(tmp_path):
+  """SIGKILL to the PID a user or a scheduler sees (the watcher of process
+  1) cannot be passed on to the child that trains; that child, orphaned,
+  trained on with the other process (both still training 75 s later). Now
+  it dies with its watcher, and process 0 ends on the lost peer in one
+  line: within a minute no process of the launch is alive."""
+  launched = _launch(tmp_path, '--config.train.steps=2000',
+                     GQA_LAB_HEARTBEAT_TIMEOUT='5')
+  _wait_for_step(tmp_path, 4, launched)
+  trainers = {p.pid: _children(p.pid) for p in launched}
+  assert all(len(c) == 1 for c in trainers.values()), trainers
+  everyone = [pid for p, c in trainers.items() for pid in (p, *c)]
+  launched[1].kill()  # The launched PID only, not its process group.
+  deadline = time.monotonic() + 60
+  while any(map(_alive, everyone)) and time.monotonic() < deadline:
+    time.sleep(0.5)
+  try:
+    assert not [pid for pid in everyone if _alive(pid)]
+  finally:
+    for pid in everyone:
+      if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+  status, _, err = _wait(launched[:1])[0]
+  assert status == 1, err[-3000:]
+  assert err.rstrip().splitlines()[-1].startswith(
+      'error: process 1 of this run stopped answering'), err[-3000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -14,13 +15,17 @@ from train.errors import UserError
 
 def exit_on_user_error(fn: Callable[[], object]):
   """Runs fn(); a UserError, or a bucket that cannot be reached, becomes one
-  line on stderr and exit status 1."""
+  line on stderr and exit status 1 (an interruption's: 128 + its signal), as
+  does a Ctrl-C that no run turned into a stop at a step."""
   from train import storage  # pylint: disable=import-outside-toplevel
   try:
     fn()
   except UserError as e:
     print(f'error: {e}', file=sys.stderr)
-    sys.exit(1)
+    sys.exit(getattr(e, 'exit_status', 1))
+  except KeyboardInterrupt:
+    print('error: interrupted (Ctrl-C)', file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
   except Exception as e:  # pylint: disable=broad-except
     fault = storage.bucket_fault(e)
     if fault is None:

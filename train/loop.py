@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from train import checkpoint, config_lib, data as data_lib, flops, sharding
-from train import storage
+from train import signals, storage
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
 from train.checkpoint import Checkpointer
@@ -147,18 +147,34 @@ def eval_step(params, tokens_BT1, *, model, weights_T=None):
 
 
 def train_and_evaluate(config, workdir: str, *,
-                       should_stop: Callable[[], bool] = lambda: False,
+                       should_stop: Callable[[], bool] | None = None,
                        on_eval: Callable[[int, Any, dict], bool] | None = None
                        ) -> dict:
   """Trains per `config`, resuming from WORKDIR's checkpoints; returns the last record.
 
   Stops early, saving a checkpoint, when `should_stop()` turns true (the
   signal handlers in `train.main` use it); then the returned record has
-  'stopped_at'. `on_eval(step, params, record)`, called after each
-  evaluation (a study's own measures), ends the run there, as finished, by
-  returning True. Holds WORKDIR/lock throughout (`train.workdir`), and on
-  every way out, an error included, waits for pending checkpoint saves.
+  'stopped_at'. Without `should_stop`, SIGTERM and SIGINT (Ctrl-C) stop it
+  so, at the next step, and then raise `signals.Interrupted` (one line,
+  exit status 128 + the signal): a study's Ctrl-C stops the study, never
+  lost in a garbage collection (train/signals.py). `on_eval(step, params,
+  record)`, called after each evaluation (a study's own measures), ends the
+  run there, as finished, by returning True. Holds WORKDIR/lock throughout
+  (`train.workdir`), and on every way out, an error included, waits for
+  pending checkpoint saves.
   """
+  if should_stop is None:  # No caller handles signals: this run does.
+    with signals.recorded() as received:
+      record = train_and_evaluate(config, workdir, on_eval=on_eval,
+                                  should_stop=lambda: bool(received))
+    if received:
+      where = (f'at step {record["stopped_at"]}, its checkpoint saved in '
+               f'{workdir}' if 'stopped_at' in record else
+               f'as {workdir} finished')
+      raise signals.Interrupted(received[0], 'interrupted by '
+                                f'{signals.name(received[0])} {where}; rerun '
+                                'the same command to go on')
+    return record
   mesh = sharding.make_mesh(config.mesh)
   config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
                       jax.process_count())

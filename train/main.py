@@ -12,7 +12,9 @@ with several processes, all of them at the next step they log
 Launched as one of several processes (a multi-host TPU slice, SLURM, Open MPI,
 or JAX_COORDINATOR_ADDRESS set), it trains in a watched child process that
 joins JAX's distributed runtime (train/peers.py: a lost peer ends the run in
-one line).
+one line, the child dies with its watcher, and the multi-process variables
+are checked first, GQA_LAB_COORDINATOR_TIMEOUT bounding the wait for the
+others).
 """
 
 import os
@@ -22,7 +24,7 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from train import config_lib, peers
+from train import config_lib, peers, signals
 from train.errors import UserError
 from train.cli import exit_on_user_error, run_app
 
@@ -35,34 +37,23 @@ def main(argv):
     raise UserError(f'unexpected arguments {argv[1:]}; flags look like '
                     '--config.train.steps=100')
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
-  if _is_multiprocess(os.environ):
+  if peers.is_multiprocess(os.environ):
     import jax  # pylint: disable=import-outside-toplevel
     # TPU slices, SLURM and Open MPI are detected by jax; a hand-made cluster
     # names itself with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     # JAX_PROCESS_ID.
-    jax.distributed.initialize(
-        heartbeat_timeout_seconds=peers.heartbeat_timeout(os.environ), **{
-            arg: int(os.environ[var]) for arg, var in (
-                ('num_processes', 'JAX_NUM_PROCESSES'),
-                ('process_id', 'JAX_PROCESS_ID')) if var in os.environ})
+    setup = peers.distributed_args(os.environ)
+    print('joining the run\'s processes through '
+          f'{os.environ.get("JAX_COORDINATOR_ADDRESS", "the cluster")} '
+          f'(waiting up to {setup["initialization_timeout"]} s for all of '
+          'them: GQA_LAB_COORDINATOR_TIMEOUT)', flush=True)
+    jax.distributed.initialize(**setup)
   from train import loop  # pylint: disable=import-outside-toplevel
-  received = []
-
-  def on_signal(signum, _):
-    received.append(signum)
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(sig, on_signal)
-  record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
-                                   should_stop=lambda: bool(received))
+  with signals.recorded() as received:
+    record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                     should_stop=lambda: bool(received))
   if 'stopped_at' in record:  # A peer's signal stops this process too.
     sys.exit(128 + (received[0] if received else signal.SIGTERM))
-
-
-def _is_multiprocess(env) -> bool:
-  return ('JAX_COORDINATOR_ADDRESS' in env
-          or int(env.get('SLURM_NTASKS', '1')) > 1
-          or int(env.get('OMPI_COMM_WORLD_SIZE', '1')) > 1
-          or ',' in env.get('TPU_WORKER_HOSTNAMES', ''))
 
 
 def parse_flags(argv):
@@ -90,7 +81,9 @@ def parse_flags(argv):
 
 
 def run():
-  if _is_multiprocess(os.environ) and not os.environ.get(peers.WATCHED):
+  if os.environ.get(peers.WATCHED):
+    peers.follow_watcher(os.environ)  # Killed with its watcher, even by -9.
+  elif peers.is_multiprocess(os.environ):
     # One of several processes: train in a watched child (train/peers.py).
     workdir = next((a.split('=', 1)[1] for a in sys.argv
                     if a.startswith('--workdir=')), None)

@@ -8,23 +8,38 @@ training as its child: the watcher relays the child's stderr and passes it
 SIGTERM and SIGINT, and when the child aborts on a lost peer it prints one
 line saying what was lost and how to resume, and exits 1. Nothing half-written
 is kept: an interrupted save is a temporary folder the next run removes.
+
+The child dies with its watcher (`follow_watcher`): a scheduler or a user
+kills the PID it launched, often with SIGKILL, which cannot be passed on.
+Before any of that, the environment's multi-process variables are checked
+(`distributed_args`), each mistake one line naming the variable.
 """
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 from train import storage
+from train.errors import UserError
 
-WATCHED = 'GQA_LAB_WATCHED'  # Set in the child: it trains, not watches.
+# Set in the child, to its watcher's PID: it trains, not watches.
+WATCHED = 'GQA_LAB_WATCHED'
 # The coordination service's error, as the survivors' stderr shows it.
 _LOST = re.compile(r'coordination[_ ]service|CoordinationService|heartbeat|'
                    r'JAX distributed service detected fatal errors')
 _UNHEALTHY = re.compile(r'unhealthy \(stopped sending heartbeats\):')
+# The processes never all registered with the coordinator (at the start):
+# the fatal error's status, then the call it ended.
+_UNJOINED = (re.compile(r'DEADLINE_EXCEEDED'), re.compile(r'/RegisterTask'))
 # What makes it a lost peer rather than a warning on the way to another end.
 _FATAL = re.compile(r'detected fatal errors|stopped sending heartbeats|'
                     r'UNAVAILABLE')
@@ -33,20 +48,138 @@ _FATAL = re.compile(r'detected fatal errors|stopped sending heartbeats|'
 def heartbeat_timeout(env) -> int:
   """Seconds without a peer's heartbeat after which the run ends:
   GQA_LAB_HEARTBEAT_TIMEOUT, or 30 (JAX's own default is 100)."""
-  value = env.get('GQA_LAB_HEARTBEAT_TIMEOUT', '30')
+  return _seconds(env, 'GQA_LAB_HEARTBEAT_TIMEOUT', 30)
+
+
+def coordinator_timeout(env) -> int:
+  """Seconds a process waits for all of the run's processes to join through
+  the coordinator: GQA_LAB_COORDINATOR_TIMEOUT, or 300 (JAX's default), as
+  long as hosts started by hand may take to follow one another."""
+  return _seconds(env, 'GQA_LAB_COORDINATOR_TIMEOUT', 300)
+
+
+def _seconds(env, var: str, default: int) -> int:
+  value = env.get(var, str(default))
   if not value.isdigit() or int(value) < 1:
-    from train.errors import UserError  # pylint: disable=import-outside-toplevel
-    raise UserError(f'GQA_LAB_HEARTBEAT_TIMEOUT={value!r} must be a whole '
-                    'number of seconds >= 1')
+    raise UserError(f'{var}={value!r} must be a whole number of seconds >= 1')
   return int(value)
+
+
+# The variables by which jax.distributed finds a cluster by itself
+# (jax/_src/clusters): where one is, it fills in what JAX_* leave out.
+_SLURM = ('SLURM_JOB_ID', 'SLURM_STEP_NODELIST', 'SLURM_NTASKS',
+          'SLURM_PROCID', 'SLURM_LOCALID')
+_JAX_VARS = ('JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID')
+_COUNTS = {'JAX_NUM_PROCESSES': (1, "the number of the run's processes"),
+           'JAX_PROCESS_ID': (0, "this process's number, 0 to "
+                              'JAX_NUM_PROCESSES - 1'),
+           'SLURM_NTASKS': (1, 'set by SLURM'),
+           'OMPI_COMM_WORLD_SIZE': (1, 'set by Open MPI')}
+
+
+def is_multiprocess(env) -> bool:
+  """Whether the environment asks for several processes (a TPU slice, SLURM,
+  Open MPI, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES); whether it does
+  so correctly is `distributed_args`'s question."""
+  return ('JAX_COORDINATOR_ADDRESS' in env
+          or any(env.get(var, '1').strip() != '1' for var in (
+              'JAX_NUM_PROCESSES', 'SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE'))
+          or ',' in env.get('TPU_WORKER_HOSTNAMES', ''))
+
+
+def distributed_args(env) -> dict:
+  """`jax.distributed.initialize`'s arguments from a multi-process
+  environment, every variable checked first: a wrong or missing one is one
+  UserError naming it and what to set (jax's own checks are tracebacks)."""
+  counts = {}
+  for var, (low, meaning) in _COUNTS.items():
+    if var in env:
+      if not env[var].strip().isdigit() or int(env[var]) < low:
+        raise UserError(f'{var}={env[var]!r} must be a whole number >= {low} '
+                        f'({meaning})')
+      counts[var] = int(env[var])
+  address = env.get('JAX_COORDINATOR_ADDRESS')
+  num = counts.get('JAX_NUM_PROCESSES')
+  pid = counts.get('JAX_PROCESS_ID')
+  if num is not None and pid is not None and pid >= num:
+    raise UserError(f'JAX_PROCESS_ID={pid} is not below JAX_NUM_PROCESSES='
+                    f'{num}: number the processes 0 to {num - 1}, one each, '
+                    'with 0 on the coordinator\'s host')
+  if address is not None and not re.fullmatch(r'\S+:\d{1,5}', address):
+    raise UserError(f'JAX_COORDINATOR_ADDRESS={address!r} must be HOST:PORT '
+                    '(e.g. host0:1234): the host of process 0 and a free port')
+  unset = [var for var, value in zip(_JAX_VARS, (address, num, pid))
+           if value is None]
+  if unset and not _cluster_present(env):  # jax would find no cluster.
+    if counts.get('SLURM_NTASKS', 1) > 1:
+      absent = [var for var in _SLURM if var not in env]
+      raise UserError(
+          f'SLURM_NTASKS={counts["SLURM_NTASKS"]} but this process was not '
+          f'started by srun ({", ".join(absent)} unset): launch it with '
+          '`srun python -m train.main ...`, or unset SLURM_NTASKS to train '
+          'in one process')
+    if len(unset) < len(_JAX_VARS):
+      given = ' and '.join(v for v in _JAX_VARS if v not in unset)
+      raise UserError(
+          f'{given} set without {" and ".join(unset)}: on every process set '
+          'all three (JAX_COORDINATOR_ADDRESS=HOST:PORT of process 0, '
+          'JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=0 to N-1), or none of them to '
+          'train in one process')
+  return {'heartbeat_timeout_seconds': heartbeat_timeout(env),
+          'initialization_timeout': coordinator_timeout(env),
+          **({'num_processes': num} if num is not None else {}),
+          **({'process_id': pid} if pid is not None else {})}
+
+
+def _cluster_present(env) -> bool:
+  """Whether jax.distributed may find the run's processes by itself: under
+  srun, Open MPI, Kubernetes, or on a TPU VM (its variables, or Google's
+  chips on PCI, as jax looks for them; jax sets TPU_SKIP_MDS_QUERY where
+  there are none)."""
+  return (all(var in env for var in _SLURM)
+          or any(var.startswith(('OMPI_', 'TPU_', 'MEGASCALE_'))
+                 and var != 'TPU_SKIP_MDS_QUERY' for var in env)
+          or 'KUBERNETES_SERVICE_HOST' in env
+          or any(pathlib.Path(vendor).read_text().strip() == '0x1ae0'
+                 for vendor in glob.glob('/sys/bus/pci/devices/*/vendor')))
+
+
+def follow_watcher(env, poll_seconds: float = 1.0):
+  """Makes this process, a watched child, die with its watcher: SIGKILL on
+  the watcher's death (Linux's parent-death signal), or a thread polling
+  for it where that is missing. A watcher already gone ends this at once."""
+  watcher = int(env[WATCHED])
+  if not _parent_death_signal(signal.SIGKILL):
+    def poll():
+      while os.getppid() == watcher:
+        time.sleep(poll_seconds)
+      os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=poll, daemon=True, name='follow-watcher').start()
+  # Checked after the signal is set: a watcher that died before it (this
+  # process then has another parent) would otherwise never send it.
+  if os.getppid() != watcher:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parent_death_signal(signum: int) -> bool:
+  """prctl(PR_SET_PDEATHSIG, signum); whether it was set (Linux only)."""
+  if not sys.platform.startswith('linux'):
+    return False
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(1, signum, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG.
+  except (OSError, AttributeError):
+    return False
 
 
 def watch(module: str, args: list[str], workdir: str | None) -> int:
   """Runs `python -m MODULE ARGS` as a watched child; its exit status, or 1
-  with one line on stderr when it ended because a peer was lost."""
-  timeout = heartbeat_timeout(os.environ)  # A bad value: refused before.
+  with one line on stderr when it ended because a peer was lost or the
+  run's processes never all joined."""
+  setup = distributed_args(os.environ)  # Refused here, before any child.
+  timeout = setup['heartbeat_timeout_seconds']
   child = subprocess.Popen([sys.executable, '-m', module, *args],
-                           env={**os.environ, WATCHED: '1'},
+                           env={**os.environ, WATCHED: str(os.getpid())},
                            stderr=subprocess.PIPE, text=True, bufsize=1)
   passed_on = {sig: signal.signal(sig, lambda signum, _: child.send_signal(
       signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -64,6 +197,11 @@ def watch(module: str, args: list[str], workdir: str | None) -> int:
   finally:
     for sig, handler in passed_on.items():
       signal.signal(sig, handler)
+  if dump and status != 0 and all(any(p.search(line) for line in dump)
+                                  for p in _UNJOINED):
+    print(f'error: {_unjoined(os.environ, setup["initialization_timeout"])}',
+          file=sys.stderr, flush=True)
+    return 1
   if dump and status != 0 and any(_FATAL.search(line) for line in dump):
     print(f'error: {_what_was_lost(dump)}, so this process stopped too '
           f'(after {timeout} s without its heartbeats); '
@@ -72,6 +210,23 @@ def watch(module: str, args: list[str], workdir: str | None) -> int:
     return 1
   sys.stderr.writelines(dump or [])  # Not a lost peer: shown as it was.
   return status if status >= 0 else 128 - status
+
+
+def _unjoined(env, timeout: int) -> str:
+  """What to do when the run's processes did not all join within `timeout`:
+  from process 0 (the coordinator), start the others; from another, start
+  process 0 or check its address."""
+  address = env.get('JAX_COORDINATOR_ADDRESS', "the cluster's address")
+  pid = next((env[v] for v in ('JAX_PROCESS_ID', 'SLURM_PROCID',
+                               'OMPI_COMM_WORLD_RANK') if v in env), None)
+  within = f'within {timeout} s (GQA_LAB_COORDINATOR_TIMEOUT)'
+  if pid == '0':
+    return (f'not every process of the run joined it {within}; start the '
+            'same command on every host (JAX_PROCESS_ID 1 to '
+            'JAX_NUM_PROCESSES - 1 on the others), and check that they reach '
+            f'{address}')
+  return (f'no coordinator answered at {address} {within}; start process 0 '
+          '(JAX_PROCESS_ID=0) on that host, or check the address')
 
 
 def _what_was_lost(dump: list[str]) -> str:
