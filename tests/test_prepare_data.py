@@ -467,23 +467,30 @@ _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
                    r"\s+")
 
 
-@pytest.mark.parametrize('pattern', ['gpt2', 'llama3'])
+@pytest.mark.parametrize('pattern', ['gpt2', 'llama3', 'llama2'])
 def test_a_long_document_in_pieces_has_the_whole_documents_tokens(
     tmp_path, monkeypatch, pattern):
-  from tokenizers import (Regex, Tokenizer, decoders, models,  # pylint: disable=import-outside-toplevel
+  from tokenizers import (Regex, Tokenizer, decoders, models, normalizers,  # pylint: disable=import-outside-toplevel
                           pre_tokenizers, processors, trainers)
   text = ''.join(  # Prose, numbers, contractions, code, runs of spaces.
       f"Line {i}: it's {i * 7919 % 10007} o'clock, isn't it?\n    if x{i} =="
       f" {i}:  return 'done'  # {'a' * (i % 9)}...\n\n" for i in range(400))
   tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(
-      add_prefix_space=False) if pattern == 'gpt2' else pre_tokenizers.Sequence(
-          [pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), 'isolated'),
-           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tokenizer.pre_tokenizer = {
+      'gpt2': pre_tokenizers.ByteLevel(add_prefix_space=False),
+      'llama3': pre_tokenizers.Sequence([
+          pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), 'isolated'),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+      'llama2': pre_tokenizers.Metaspace()}[pattern]
   tokenizer.decoder = decoders.ByteLevel()
   tokenizer.train_from_iterator([text], trainers.BpeTrainer(
       vocab_size=400, special_tokens=['<|begin_of_text|>', '<|endoftext|>'],
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if pattern == 'llama2':  # Its tokenizer.json: no pre-tokenizer, but "▁"
+    # put before the text and for every space, by the normalizer.
+    tokenizer.pre_tokenizer = None
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend('▁'), normalizers.Replace(' ', '▁')])
   tokenizer.post_processor = processors.TemplateProcessing(
       single='<|begin_of_text|> $A', special_tokens=[('<|begin_of_text|>', 0)])
   tokenizer.save(str(tmp_path / 'tokenizer.json'))
@@ -556,8 +563,8 @@ def test_a_corpus_folder_without_meta_json_is_named_not_a_prepared_corpus(
   (tmp_path / 'out' / 'meta.json').unlink()
   with pytest.raises(UserError, match=(
       'out is not a prepared corpus: it holds train-00000.bin but no '
-      'meta.json, which train.prepare_data writes last; prepare the text '
-      'again')):
+      'meta.json, which train.prepare_data writes last, once complete; '
+      'prepare the text again into a new folder')):
     data.load(str(tmp_path / 'out'), val_fraction=0.1, seq_len=8)
 
 

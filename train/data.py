@@ -275,9 +275,9 @@ def _from_path(path: str, val_fraction: float) -> Dataset:
   if shards:
     raise UserError(f'{p} is not a prepared corpus: it holds {shards[0].name} '
                     f'but no {PREPARED_META}, which train.prepare_data writes '
-                    'last; prepare the text again (python -m '
-                    f'train.prepare_data --input=TEXT --tokenizer=TOKENIZER '
-                    f'--out={p}, or a new --out)')
+                    'last, once complete; prepare the text again into a new '
+                    'folder (python -m train.prepare_data --input=TEXT '
+                    '--tokenizer=TOKENIZER --out=NEW) and give that')
   if p.is_dir() and (p / 'train.bin').exists():
     if not (p / 'val.bin').exists():
       raise UserError(f'{p} has train.bin but no val.bin; add one, or point '
@@ -363,7 +363,8 @@ def _encode(tokenizer, text: str, name: str, chunk: int = 1 << 19,
   with Progress(f'tokenizing {name}', len(text), unit='M chars',
                 scale=1e6) as bar:
     for i in range(0, len(pieces), batch):
-      ids += tokenizer.encode_many(pieces[i:i + batch])
+      ids += tokenizer.encode_pieces(pieces[i:i + batch], [
+          j > 0 for j in range(i, min(i + batch, len(pieces)))])
       bar.advance(sum(map(len, pieces[i:i + batch])))
   return np.fromiter((i for piece in ids for i in piece), np.int64)
 

@@ -480,8 +480,8 @@ def _encode_batch(batch: list[Piece], tokenizer, writers, eos_id: int, ends):
   """Pieces encoded in parallel; a document's first begins with the
   post-processor's ids (a BOS, for most), its last ends in EOS."""
   before, after = ends
-  for piece, ids in zip(batch, tokenizer.encode_many(
-      [piece.text for piece in batch])):
+  for piece, ids in zip(batch, tokenizer.encode_pieces(
+      [piece.text for piece in batch], [not piece.first for piece in batch])):
     ids = (before if piece.first else []) + ids + (after if piece.last else [])
     if piece.last and (not ids or ids[-1] != eos_id):  # Unless added.
       ids.append(eos_id)

@@ -7,6 +7,7 @@ without one, a model reads UTF-8 bytes (vocabulary 256).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -71,6 +72,22 @@ class HuggingFace:
     return [e.ids for e in self._tokenizer.encode_batch(
         texts, add_special_tokens=False)]
 
+  def encode_pieces(self, texts: list[str], continued: list[bool]
+                    ) -> list[list[int]]:
+    """`pieces` of texts, without special tokens, in parallel; continued[i]:
+    texts[i] is not its text's first piece. A tokenizer that puts a space
+    before every text (Llama 2's "▁" prefix) gets such a piece without the
+    space it was cut before, which it puts back."""
+    return self.encode_many([
+        text[1:] if again and self._prefixes_space and text.startswith(' ')
+        else text for text, again in zip(texts, continued)])
+
+  @functools.cached_property
+  def _prefixes_space(self) -> bool:
+    ids = lambda text: self.encode(text, special=False).tolist()
+    return ids('a b') != ids('a') + ids(' b') and (
+        ids('a b') == ids('a') + ids('b'))
+
   def encode_documents(self, texts: list[str]) -> list[list[int]]:
     """With the special tokens the post-processor adds (a BOS, for most),
     in parallel."""
@@ -118,7 +135,8 @@ PIECE_RULE = ('a text over 2 * piece_chars characters is encoded in pieces '
               'of piece_chars to 2 * piece_chars, each cut just before a '
               'space that follows a character other than whitespace (at '
               '2 * piece_chars where there is none), its special tokens '
-              'added once')
+              'added once; a tokenizer that puts a space before every text '
+              'gets a piece after the first without that space')
 _CUT = re.compile(r'(?<=\S) ')  # A space after anything but whitespace.
 
 
@@ -126,12 +144,12 @@ def pieces(text: str, chars: int) -> Iterator[str]:
   """`text` in pieces, by PIECE_RULE (piece_chars: `chars`); a text of up
   to 2 * chars is one.
 
-  Encoded one by one, the pieces give the whole text's tokens where the
-  tokenizer's pre-tokens start at such a space: splitting at whitespace
-  (WordLevel, Metaspace) or by GPT-2's, Llama 3's or Qwen's byte-level
-  pattern. Elsewhere (a normalizer that prepends to every text, no
-  pre-tokenizer at all, a hard cut in 2 * chars without such a space) the
-  tokens near a cut may differ.
+  Encoded one by one (`HuggingFace.encode_pieces`), the pieces give the
+  whole text's tokens where the tokenizer's words start at such a space:
+  splitting at whitespace (WordLevel, Metaspace), by GPT-2's, Llama 3's or
+  Qwen's byte-level pattern, or SentencePiece's BPE whose "▁" a normalizer
+  puts before every text (Llama 2's). Elsewhere, and at a hard cut (2 * chars
+  without such a space), the tokens near a cut may differ.
   """
   start = 0
   while len(text) - start > 2 * chars:
