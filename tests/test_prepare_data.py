@@ -454,7 +454,8 @@ def test_a_long_text_is_cut_before_a_space_after_other_than_whitespace():
   text = ' '.join(f'w{i}' for i in range(2000))
   pieces = list(tokenizer_lib.pieces(text, 64))
   assert ''.join(pieces) == text and len(pieces) > 50
-  assert all(64 <= len(p) <= 128 for p in pieces[:-1]) and len(pieces[-1]) <= 128
+  assert all(64 <= len(p) <= 128 for p in pieces[:-1])
+  assert len(pieces[-1]) <= 128
   assert all(p.startswith(' ') and not q[-1].isspace()
              for q, p in zip(pieces, pieces[1:]))
   assert list(tokenizer_lib.pieces(text[:128], 64)) == [text[:128]]
