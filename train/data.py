@@ -239,7 +239,10 @@ def prepared(p: pathlib.Path) -> Dataset:
       arrays[name].append(np.memmap(path, dtype, 'r'))
   train, val = (Shards(arrays[n]) if len(arrays[n]) > 1 else arrays[n][0]
                 for n in ('train', 'val'))
-  return Dataset(train, val, meta['vocab_size'],
+  # A corpus made before the tokenizer counted gaps in its ids may hold ids
+  # past its vocab_size; its max_id says so.
+  vocab_size = max(meta['vocab_size'], meta.get('max_id', -1) + 1)
+  return Dataset(train, val, vocab_size,
                  splits['val']['bytes'] / splits['val']['tokens'],
                  f'{p} (prepared, {dtype.name})',
                  meta['tokenizer']['fingerprint'])
@@ -268,6 +271,13 @@ def _from_path(path: str, val_fraction: float) -> Dataset:
                     'finish it')
   if p.is_dir() and (p / PREPARED_META).exists():
     return prepared(p)
+  shards = sorted(p.glob('train-*.bin')) if p.is_dir() else []
+  if shards:
+    raise UserError(f'{p} is not a prepared corpus: it holds {shards[0].name} '
+                    f'but no {PREPARED_META}, which train.prepare_data writes '
+                    'last, once complete; prepare the text again into a new '
+                    'folder (python -m train.prepare_data --input=TEXT '
+                    '--tokenizer=TOKENIZER --out=NEW) and give that')
   if p.is_dir() and (p / 'train.bin').exists():
     if not (p / 'val.bin').exists():
       raise UserError(f'{p} has train.bin but no val.bin; add one, or point '
@@ -324,6 +334,7 @@ def _tokenized(data: Dataset, tokenizer, cache_dir: str) -> Dataset:
   """`data`'s text as the tokenizer's tokens, made once and cached."""
   dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
   digest = hashlib.sha256(tokenizer.fingerprint.encode())
+  digest.update(tokenizer_lib.PIECE_RULE.encode())  # Cuts move tokens.
   for split in (data.train, data.val):
     digest.update(np.asarray(split).tobytes())
   cache = pathlib.Path(cache_dir).expanduser() / f'tokens-{digest.hexdigest()[:16]}'
@@ -343,21 +354,17 @@ def _tokenized(data: Dataset, tokenizer, cache_dir: str) -> Dataset:
                  f'(tokenized by {tokenizer.name})')
 
 
-def _encode(tokenizer, text: str, name: str, chunk: int = 1 << 20,
+def _encode(tokenizer, text: str, name: str, chunk: int = 1 << 19,
             batch: int = 16) -> np.ndarray:
-  """Tokens of `text`, encoded in ~1 MB pieces cut at line ends, `batch`
-  pieces at a time in parallel, with a progress line."""
-  pieces, start = [], 0
-  while start < len(text):
-    end = text.find('\n', start + chunk)
-    end = len(text) if end < 0 else end + 1
-    pieces.append(text[start:end])
-    start = end
+  """Tokens of `text`, encoded in ~1 MB pieces (tokenizer.PIECE_RULE),
+  `batch` pieces at a time in parallel, with a progress line."""
+  pieces = list(tokenizer_lib.pieces(text, chunk))
   ids = []
   with Progress(f'tokenizing {name}', len(text), unit='M chars',
                 scale=1e6) as bar:
     for i in range(0, len(pieces), batch):
-      ids += tokenizer.encode_many(pieces[i:i + batch])
+      ids += tokenizer.encode_pieces(pieces[i:i + batch], [
+          j > 0 for j in range(i, min(i + batch, len(pieces)))])
       bar.advance(sum(map(len, pieces[i:i + batch])))
   return np.fromiter((i for piece in ids for i in piece), np.int64)
 
@@ -405,11 +412,39 @@ def _stdlib_corpus(cache_dir: str):
           np.memmap(cache / 'val.bin', np.uint8, 'r'))
 
 
+def folder_files(root: pathlib.Path, *, leave_out: pathlib.Path | None = None,
+                 say=lambda line: print(line, file=sys.stderr)
+                 ) -> list[pathlib.Path]:
+  """The files below the folder `root`, sorted by path. Hidden files and
+  folders below it are skipped (root's own path may have any); linked
+  folders are followed, but not a link back to a folder it is inside (a
+  loop: said); `leave_out` (an output folder inside root) is left out."""
+  files = []
+  real = {str(root): {os.path.realpath(root)}}  # Per folder: its chain.
+  for folder, subfolders, names in os.walk(root, followlinks=True):
+    kept = []
+    for sub in sorted(subfolders):
+      path, target = os.path.join(folder, sub), os.path.realpath(
+          os.path.join(folder, sub))
+      if sub.startswith('.') or (leave_out is not None and
+                                 target == os.path.realpath(leave_out)):
+        continue
+      if target in real[folder]:
+        say(f'note: skipping {path}, a link to {target}, which it is inside')
+        continue
+      real[path] = real[folder] | {target}
+      kept.append(sub)
+    subfolders[:] = kept
+    files += [pathlib.Path(folder, n) for n in names if not n.startswith('.')
+              and os.path.isfile(os.path.join(folder, n))]
+  return sorted(files)
+
+
+UTF8_BOM = b'\xef\xbb\xbf'  # Marks a file as UTF-8 (Windows editors); not text.
+
+
 def _text_bytes(p: pathlib.Path) -> np.ndarray:
-  # Hidden files and folders below p are skipped; p's own path may have any.
-  files = ([p] if p.is_file() else
-           sorted(f for f in p.rglob('*') if f.is_file() and not any(
-               part.startswith('.') for part in f.relative_to(p).parts)))
+  files = [p] if p.is_file() else folder_files(p)
   parts = []
   for f in files:
     if f.suffix == '.bin' and f != p:
@@ -417,7 +452,7 @@ def _text_bytes(p: pathlib.Path) -> np.ndarray:
           f'{f} is a token file inside a folder of text; data.path takes '
           'one .bin file, a folder with train.bin and val.bin (nanoGPT), or '
           'a folder of text files; move it or point data.path at it')
-    content = f.read_bytes()
+    content = f.read_bytes().removeprefix(UTF8_BOM)
     _check_text(f, content)
     parts.append(content)
   data = b'\n'.join(parts)

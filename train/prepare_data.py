@@ -19,22 +19,32 @@ document and UTF-8 byte counts, and how the held-out documents were chosen
 meta.json is not a corpus. Train on it with --config.data.path=DIR.
 
 Streaming: documents are read and encoded --batch_mb at a time by the
-`tokenizers` batch encoder, which uses every core; memory is bounded by the
-batch and the largest document, not by the corpus. Restartable: a shard is
-renamed into place when complete and then listed in DIR/progress.jsonl; a
-rerun after a kill deletes what is not listed, skips the documents the listed
-shards hold, and continues, to a result byte-identical to an uninterrupted run.
+`tokenizers` batch encoder, which uses every core; a long document is encoded
+in pieces (train.tokenizer.PIECE_RULE, recorded in meta.json), so memory is
+bounded by the batch and the largest document's text, not by the corpus.
+Folders are walked in order, links to folders followed, the output folder
+left out. Restartable: a shard is renamed into place when complete and then
+listed in DIR/progress.jsonl; a rerun after a kill (or Ctrl-C, or a full
+disk) deletes what is not listed, skips the documents the listed shards hold,
+and continues, to a result byte-identical to an uninterrupted run. That needs
+the same inputs: each input file's size and modification time is recorded at
+the start, and its content hash (blake2b) with the first shard after it is
+read; a rerun over inputs that changed is refused, naming the file, and so is
+one over a finished corpus (meta.json records them too). DIR/lock keeps a
+second run out while one writes (train.workdir).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gzip
 import hashlib
 import json
 import os
 import pathlib
 import shutil
+import signal
 import struct
 import sys
 import sysconfig
@@ -44,6 +54,7 @@ import numpy as np
 
 from train import data
 from train import tokenizer as tokenizer_lib
+from train import workdir as workdir_lib
 from train.errors import UserError
 from train.storage import refuse_url
 from train.cli import run_app
@@ -68,10 +79,14 @@ class Document:
 
 # --- Inputs ------------------------------------------------------------------
 
-def input_files(inputs: list[str]) -> list[tuple[pathlib.Path, str]]:
+def input_files(inputs: list[str], out: pathlib.Path | None = None, say=print
+                ) -> list[tuple[pathlib.Path, str]]:
   """(file, its name in the corpus) for every input; folders walked in
-  order, hidden files skipped. UserError for a missing or empty input."""
+  order (`data.folder_files`), the output folder `out` left out. UserError
+  for a missing or empty input, or one inside `out`."""
   files = []
+  inside = lambda path, folder: out is not None and pathlib.Path(
+      os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
   for given in inputs:
     if given == 'embedded':
       root = pathlib.Path(sysconfig.get_paths()['stdlib'])
@@ -82,9 +97,11 @@ def input_files(inputs: list[str]) -> list[tuple[pathlib.Path, str]]:
     if not path.exists():
       raise UserError(f'--input {given!r} does not exist; give text or .jsonl '
                       "files, folders of them, or 'embedded'")
-    found = [path] if path.is_file() else sorted(
-        f for f in path.rglob('*') if f.is_file() and not any(
-            part.startswith('.') for part in f.relative_to(path).parts))
+    if inside(path, out):
+      raise UserError(f'--input {given!r} is inside --out={out}, which this '
+                      'command writes; give an --out outside it')
+    found = [path] if path.is_file() else data.folder_files(
+        path, leave_out=out, say=say)
     if not found or all(f.stat().st_size == 0 for f in found):
       raise UserError(f'--input {given!r} is empty; give it some documents')
     files += [(f, str(pathlib.Path(path.name) / f.relative_to(path))
@@ -92,15 +109,18 @@ def input_files(inputs: list[str]) -> list[tuple[pathlib.Path, str]]:
   return files
 
 
-def documents(files, text_field: str) -> Iterator[Document]:
+def documents(files, text_field: str, begin=lambda index, path: None
+              ) -> Iterator[Document]:
   """The documents of `files` in order; the pydoc topics follow the
-  embedded corpus's files."""
-  for path, name in files:
+  embedded corpus's files. begin(index, path) is called before a file's
+  documents are read."""
+  for index, (path, name) in enumerate(files):
+    begin(index, path)
     if _is_jsonl(path):
       yield from _records(path, name, text_field)
     else:
-      raw = _open(path).read()
-      yield Document(name, 0, _decode(raw, path), path.stat().st_size)
+      text = _decode(_open(path).read(), path)  # Not the bytes too.
+      yield Document(name, 0, text, path.stat().st_size)
   if any(name.startswith('embedded/') for _, name in files):
     import pydoc_data.topics  # pylint: disable=import-outside-toplevel
     for key, text in sorted(pydoc_data.topics.topics.items()):
@@ -138,8 +158,9 @@ def _records(path: pathlib.Path, name: str, field: str) -> Iterator[Document]:
 
 
 def _decode(raw: bytes, path: pathlib.Path, line: int | None = None) -> str:
+  """UTF-8 text, a byte-order mark at its start dropped (not text)."""
   try:
-    return raw.decode('utf-8')
+    return raw.decode('utf-8').removeprefix('\ufeff')
   except UnicodeDecodeError as e:
     where = f'line {line}' if line else f'byte {e.start}'
     raise UserError(f'{path} is not UTF-8 text ({where}); convert it to UTF-8 '
@@ -160,7 +181,8 @@ def held_out(seed: int, doc: Document, fraction: float) -> bool:
 # --- The tokenizer -----------------------------------------------------------
 
 def load_tokenizer(given: str, eos_id: int | None):
-  """(tokenizer, its tokenizer.json, EOS id, BOS id or None)."""
+  """(tokenizer, its tokenizer.json, EOS id, the ids its post-processor puts
+  (before, after) a document)."""
   path = pathlib.Path(given).expanduser()
   file = path / tokenizer_lib.FILE if path.is_dir() else path
   if not file.is_file():
@@ -173,11 +195,7 @@ def load_tokenizer(given: str, eos_id: int | None):
   if not 0 <= eos_id < tokenizer.vocab_size:
     raise UserError(f'--eos_id={eos_id} is not an id of {file} (0..'
                     f'{tokenizer.vocab_size - 1})')
-  with_special = tokenizer.encode('a')
-  plain = tokenizer.encode('a', special=False)
-  bos = int(with_special[0]) if len(with_special) > len(plain) and list(
-      with_special[1:]) == list(plain) else None
-  return tokenizer, file, eos_id, bos
+  return tokenizer, file, eos_id, tokenizer.special_ends()
 
 
 def _eos_of(tokenizer, file: pathlib.Path) -> int:
@@ -191,21 +209,88 @@ def _eos_of(tokenizer, file: pathlib.Path) -> int:
   return eos[0]
 
 
+# --- What the inputs were ---------------------------------------------------
+
+def digest(path: pathlib.Path) -> str:
+  """blake2b of the file's bytes on disk."""
+  hashed = hashlib.blake2b(digest_size=16)
+  with open(path, 'rb') as f:
+    while chunk := f.read(1 << 20):
+      hashed.update(chunk)
+  return hashed.hexdigest()
+
+
+class Inputs:
+  """The input files as read: [name, size, mtime_ns, blake2b] by index in
+  `files`, hashed as each is begun, checked against what an earlier run
+  recorded, and handed to the next shard listed (`take`)."""
+
+  def __init__(self, files, recorded: dict[int, list], changed):
+    self.files, self.recorded, self._changed = files, recorded, changed
+    self.read = dict(recorded)
+    self._new = []
+
+  def begin(self, index: int, path: pathlib.Path):
+    info = path.stat()
+    state = [self.files[index][1], info.st_size, info.st_mtime_ns,
+             digest(path)]
+    if index in self.recorded and self.recorded[index][3] != state[3]:
+      raise self._changed(f'{state[0]} changed (its content)')
+    if index not in self.recorded:
+      self._new.append([index, *state])
+    self.read[index] = state
+
+  def take(self) -> list[list]:
+    """[index, name, size, mtime_ns, blake2b] of the files begun since the
+    last call: the documents of a shard listed now come from them or from
+    those recorded before."""
+    new, self._new = self._new, []
+    return new
+
+
+def changed(recorded: dict[int, list], files, *, exactly: bool) -> str | None:
+  """The inputs that differ from `recorded` ({index: [name, size, mtime_ns,
+  blake2b]}), in words, or None: a file moved in the list or gone, another
+  size, or another content where the time differs. exactly: `files` must be
+  no more than those recorded (a finished corpus), not only begin with them
+  (a partial one, which has not read the rest)."""
+  found, names = [], [name for _, name in files]
+  for index, (name, size, mtime, content) in sorted(recorded.items()):
+    if index >= len(files) or names[index] != name:
+      found.append(f'{name} is gone' if name not in names else
+                   f'files were added or removed before {name}')
+      break  # The rest moved with it.
+    now = files[index][0].stat()
+    if now.st_size != size:
+      found.append(f'{name} changed ({size:,} -> {now.st_size:,} bytes)')
+    elif now.st_mtime_ns != mtime and digest(files[index][0]) != content:
+      found.append(f'{name} changed (its content)')
+  if exactly and not found and len(files) > len(recorded):
+    found += [f'{name} is new' for name in names[len(recorded):]]
+  if not found:
+    return None
+  return found[0] + (f' and {len(found) - 1} more' if len(found) > 1 else '')
+
+
 # --- Shards ------------------------------------------------------------------
 
 class ShardWriter:
   """One split's shards: each written as it fills (a hidden .tmp file, so
   memory does not grow with the shard), renamed into place when complete,
-  then listed in progress.jsonl."""
+  then listed in progress.jsonl with the inputs begun since the last one
+  listed."""
 
   def __init__(self, out: pathlib.Path, split: str, dtype, shard_tokens: int,
-               done: list[dict]):
+               done: list[dict], inputs: Inputs):
     self.out, self.split, self.dtype = out, split, dtype
     self.shard_tokens = shard_tokens
     self.shards = list(done)
+    self.inputs = inputs
     self._file = None
 
-  def add(self, ids: list[int], nbytes: int):
+  def add(self, ids: list[int], nbytes: int, end: bool = True):
+    """A document's ids, or a piece of them; `end`: its last. A shard ends
+    only at a document's end."""
     if self._file is None:
       self._name = f'{self.split}-{len(self.shards):05d}.bin'
       self._file = open(self.out / f'.{self._name}.tmp', 'wb')
@@ -213,11 +298,12 @@ class ShardWriter:
     array = np.asarray(ids, self.dtype)
     self._file.write(array.tobytes())
     self._tokens += array.size
-    self._docs += 1
     self._bytes += nbytes
-    self._max = max(self._max, int(array.max()))
-    if self._tokens >= self.shard_tokens:
-      self.flush()
+    self._max = max(self._max, int(array.max(initial=0)))
+    if end:
+      self._docs += 1
+      if self._tokens >= self.shard_tokens:
+        self.flush()
 
   def flush(self):
     if self._file is None:
@@ -226,7 +312,8 @@ class ShardWriter:
     self._file = None
     (self.out / f'.{self._name}.tmp').replace(self.out / self._name)
     shard = dict(split=self.split, file=self._name, tokens=self._tokens,
-                 documents=self._docs, bytes=self._bytes, max_id=self._max)
+                 documents=self._docs, bytes=self._bytes, max_id=self._max,
+                 inputs=self.inputs.take())
     with open(self.out / PROGRESS, 'a') as f:  # Listed: complete.
       f.write(json.dumps(shard) + '\n')
       f.flush()
@@ -234,20 +321,24 @@ class ShardWriter:
     self.shards.append(shard)
 
 
-def start(out: pathlib.Path, settings: dict, say
-          ) -> dict[str, list[dict]] | None:
+def start(out: pathlib.Path, settings: dict, files, say
+          ) -> tuple[dict[str, list[dict]], Inputs] | None:
   """Readies OUT for `settings`; returns the shards already done per split
-  (none on a clean start), or None if OUT is that corpus, finished.
-  UserError if OUT holds anything else."""
+  (none on a clean start) and the inputs they were read from, or None if OUT
+  is that corpus, finished. UserError if OUT holds anything else, or if the
+  inputs changed since it was (partly) prepared."""
   if (out / META).exists():
     meta = json.loads((out / META).read_text())
-    if meta.get('settings') == settings:
-      return None
-    raise UserError(f'--out={out} holds another corpus (prepared with other '
-                    'inputs or settings); give a new --out')
-  if out.exists() and not out.is_dir():
-    raise UserError(f'--out={out} is a file; give a folder')
-  out.mkdir(parents=True, exist_ok=True)
+    if meta.get('settings') != settings:
+      raise UserError(f'--out={out} holds another corpus (prepared with other '
+                      'inputs or settings); give a new --out')
+    what = changed(dict(enumerate(meta.get('input_files', []))), files,
+                   exactly=True)
+    if what:
+      raise UserError(f'--out={out} was prepared from inputs that changed '
+                      f'since: {what}; give a new --out (or remove {out}) to '
+                      'prepare them as they are now')
+    return None
   listed = []
   if (out / PROGRESS).exists():
     lines = (out / PROGRESS).read_text().splitlines()
@@ -259,11 +350,20 @@ def start(out: pathlib.Path, settings: dict, say
       raise UserError(f'--out={out} holds a partial preparation of another '
                       'corpus; give a new --out, or remove it')
     listed = [json.loads(line) for line in lines[1:] if line.endswith('}')]
-  elif any(out.iterdir()):
+  elif set(os.listdir(out)) - {workdir_lib.LOCK_NAME}:
     raise UserError(f'--out={out} holds other files; give a new or empty '
                     'folder')
+  refuse = lambda what: UserError(
+      f'--out={out} holds a partial preparation of inputs that changed '
+      f'since: {what}; restore them, or give a new --out (or remove {out}) '
+      'to prepare them as they are now')
+  recorded = {r[0]: r[1:] for s in listed for r in s.get('inputs', [])}
+  what = changed(recorded, files, exactly=False)
+  if what:
+    raise refuse(what)
+  keep = {s['file'] for s in listed} | {PROGRESS, workdir_lib.LOCK_NAME}
   for stray in out.iterdir():  # Shards a kill left unlisted, or half-written.
-    if stray.name not in {s['file'] for s in listed} | {PROGRESS}:
+    if stray.name not in keep:
       stray.unlink()
   tmp = out / f'.{PROGRESS}.tmp'
   tmp.write_text(''.join(json.dumps(x) + '\n' for x in [settings, *listed]))
@@ -273,8 +373,8 @@ def start(out: pathlib.Path, settings: dict, say
         f'{sum(s["documents"] for s in listed):,} documents done')
   else:
     say(f'preparing {out} from the start')
-  return {split: [s for s in listed if s['split'] == split]
-          for split in SPLITS}
+  return ({split: [s for s in listed if s['split'] == split]
+           for split in SPLITS}, Inputs(files, recorded, refuse))
 
 
 # --- The command -------------------------------------------------------------
@@ -291,34 +391,66 @@ def prepare(inputs: list[str], tokenizer_path: str, out: str, *,
                       ('--out', [out])):
     for path in paths:
       refuse_url(path, flag)
-  tokenizer, file, eos_id, bos_id = load_tokenizer(tokenizer_path, eos_id)
-  files = input_files(inputs)
+  tokenizer, file, eos_id, ends = load_tokenizer(tokenizer_path, eos_id)
+  out = pathlib.Path(out).expanduser().absolute()
+  files = input_files(inputs, out, say)
   settings = dict(
       format=FORMAT, inputs=[str(pathlib.Path(i).absolute()) if i !=
                              'embedded' else i for i in inputs],
       tokenizer=tokenizer.fingerprint, text_field=text_field,
       val_fraction=val_fraction, seed=seed, eos_id=eos_id,
-      shard_tokens=shard_tokens)
-  out = pathlib.Path(out).expanduser()
-  done = start(out, settings, say)
-  if done is None:
+      shard_tokens=shard_tokens, piece_chars=tokenizer_lib.PIECE_CHARS)
+  if out.exists() and not out.is_dir():
+    raise UserError(f'--out={out} is a file; give a folder')
+  with workdir_lib.new_or_existing(str(out), '--out'), workdir_lib.lock(
+      out, say=say, flag='--out'):
+    try:
+      return _prepare(out, files, settings, tokenizer, file, ends,
+                      batch_mb, say)
+    except OSError as e:
+      if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        raise
+      raise UserError(
+          f'no space left on the disk of --out={out} '
+          f'({shutil.disk_usage(out).free / 1e6:,.1f} MB free); free space '
+          '(or give another --out), then rerun the same command to continue '
+          'from its complete shards') from None
+
+
+def _prepare(out, files, settings, tokenizer, file, ends, batch_mb, say):
+  """`prepare` in OUT, locked."""
+  begun = start(out, settings, files, say)
+  if begun is None:
     say(f'{out} is already prepared from these inputs; nothing to do')
     return json.loads((out / META).read_text())
+  done, inputs = begun
   dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-  writers = {split: ShardWriter(out, split, dtype, shard_tokens, done[split])
-             for split in SPLITS}
+  writers = {split: ShardWriter(out, split, dtype, settings['shard_tokens'],
+                                done[split], inputs) for split in SPLITS}
   skip = {split: sum(s['documents'] for s in done[split]) for split in SPLITS}
-  _encode_all(documents(files, text_field), tokenizer, writers, skip,
-              lambda d: held_out(seed, d, val_fraction), eos_id,
-              int(batch_mb * 1e6), input_bytes(files))
+  seed, fraction = settings['seed'], settings['val_fraction']
+  _encode_all(documents(files, settings['text_field'], inputs.begin),
+              tokenizer, writers, skip, lambda d: held_out(seed, d, fraction),
+              settings['eos_id'], ends, settings['piece_chars'],
+              int(batch_mb * 1e6),
+              input_bytes(files))
   for writer in writers.values():
     writer.flush()
-  return _finish(out, writers, tokenizer, file, eos_id, bos_id, dtype,
-                 settings)
+  return _finish(out, writers, tokenizer, file, ends, settings,
+                 [inputs.read[i] for i in range(len(files))])
 
 
-def _encode_all(docs, tokenizer, writers, skip, is_val, eos_id: int,
-                batch_bytes: int, total_bytes: int):
+@dataclasses.dataclass
+class Piece:
+  """A document's text, or a piece of it (tokenizer.pieces), to encode."""
+  split: str
+  text: str
+  first: bool
+  last: bool
+
+
+def _encode_all(docs, tokenizer, writers, skip, is_val, eos_id: int, ends,
+                piece_chars: int, batch_bytes: int, total_bytes: int):
   """Encodes `docs` a batch at a time into the writers, skipping each
   split's first `skip[split]` documents (done before an interruption)."""
   seen = dict.fromkeys(SPLITS, 0)
@@ -331,51 +463,68 @@ def _encode_all(docs, tokenizer, writers, skip, is_val, eos_id: int,
       bar.advance(doc.nbytes)
       if seen[split] <= skip[split]:
         continue
-      batch.append((split, doc.text))
-      size += len(doc.text)
-      if size >= batch_bytes:
-        _encode_batch(batch, tokenizer, writers, eos_id)
-        batch, size = [], 0
-    _encode_batch(batch, tokenizer, writers, eos_id)
+      pieces = tokenizer_lib.pieces(doc.text, piece_chars)
+      piece, first = next(pieces), True
+      while piece is not None:
+        after = next(pieces, None)
+        batch.append(Piece(split, piece, first, after is None))
+        size += len(piece)
+        if size >= batch_bytes:
+          _encode_batch(batch, tokenizer, writers, eos_id, ends)
+          batch, size = [], 0
+        piece, first = after, False
+    _encode_batch(batch, tokenizer, writers, eos_id, ends)
 
 
-def _encode_batch(batch: list[tuple[str, str]], tokenizer, writers,
-                  eos_id: int):
-  """(split, text) pairs, encoded in parallel, each ending in EOS."""
-  for (split, text), ids in zip(batch, tokenizer.encode_documents(
-      [text for _, text in batch])):
-    if not ids or ids[-1] != eos_id:  # Unless the post-processor adds it.
+def _encode_batch(batch: list[Piece], tokenizer, writers, eos_id: int, ends):
+  """Pieces encoded in parallel; a document's first begins with the
+  post-processor's ids (a BOS, for most), its last ends in EOS."""
+  before, after = ends
+  for piece, ids in zip(batch, tokenizer.encode_pieces(
+      [piece.text for piece in batch], [not piece.first for piece in batch])):
+    ids = (before if piece.first else []) + ids + (after if piece.last else [])
+    if piece.last and (not ids or ids[-1] != eos_id):  # Unless added.
       ids.append(eos_id)
-    writers[split].add(ids, len(text.encode()))
+    writers[piece.split].add(ids, len(piece.text.encode()), end=piece.last)
 
 
-def _finish(out, writers, tokenizer, file, eos_id, bos_id, dtype, settings):
+def _finish(out, writers, tokenizer, file, ends, settings, inputs):
+  shards = [s for w in writers.values() for s in w.shards]
+  if not sum(s['bytes'] for s in shards):
+    count = sum(s['documents'] for s in shards)
+    raise UserError(
+        f'--input {",".join(settings["inputs"])} holds no text ('
+        + (f'{count:,} documents, all empty' if count else 'only blank lines')
+        + '); give it documents with text')
   splits = {}
   for split, writer in writers.items():
-    shards = writer.shards
-    if not shards:
-      total = sum(s['documents'] for w in writers.values() for s in w.shards)
+    if not writer.shards:
       raise UserError(
-          f'no document went to the {split} split ({total:,} documents, '
+          f'no document went to the {split} split '
+          f'({sum(s["documents"] for s in shards):,} documents, '
           f'--val_fraction={settings["val_fraction"]}); '
           + ('raise --val_fraction, or give more, smaller documents (a text '
              'file is one document)' if split == 'val' else
              'lower --val_fraction'))
     splits[split] = dict(
-        tokens=sum(s['tokens'] for s in shards),
-        documents=sum(s['documents'] for s in shards),
-        bytes=sum(s['bytes'] for s in shards),
+        tokens=sum(s['tokens'] for s in writer.shards),
+        documents=sum(s['documents'] for s in writer.shards),
+        bytes=sum(s['bytes'] for s in writer.shards),
         shards=[{k: s[k] for k in ('file', 'tokens', 'documents', 'bytes')}
-                for s in shards])
+                for s in writer.shards])
+  before, _ = ends
   meta = dict(
-      format=FORMAT, dtype=np.dtype(dtype).name,
+      format=FORMAT, dtype=np.dtype(writers['train'].dtype).name,
       vocab_size=tokenizer.vocab_size,
-      max_id=max(s['max_id'] for w in writers.values() for s in w.shards),
+      max_id=max(s['max_id'] for s in shards),
       tokenizer=dict(fingerprint=tokenizer.fingerprint, source=str(file)),
-      eos_id=eos_id, bos_id=bos_id, splits=splits,
+      eos_id=settings['eos_id'],
+      bos_id=before[0] if len(before) == 1 else None, splits=splits,
       validation=dict(rule=HELD_OUT_RULE, fraction=settings['val_fraction'],
                       seed=settings['seed']),
-      settings=settings)
+      long_documents=dict(rule=tokenizer_lib.PIECE_RULE,
+                          piece_chars=settings['piece_chars']),
+      settings=settings, input_files=inputs)
   shutil.copyfile(file, out / tokenizer_lib.FILE)
   tmp = out / f'.{META}.tmp'
   tmp.write_text(json.dumps(meta, indent=1))
@@ -388,11 +537,16 @@ def main(argv):
   from absl import flags  # pylint: disable=import-outside-toplevel
   del argv
   f = flags.FLAGS
-  meta = prepare([i for i in f.input.split(',') if i], f.tokenizer, f.out,
-                 text_field=f.text_field, val_fraction=f.val_fraction,
-                 seed=f.seed, eos_id=None if f.eos_id < 0 else f.eos_id,
-                 shard_tokens=f.shard_tokens, batch_mb=f.batch_mb,
-                 say=lambda text: print(text, file=sys.stderr))
+  try:
+    meta = prepare([i for i in f.input.split(',') if i], f.tokenizer, f.out,
+                   text_field=f.text_field, val_fraction=f.val_fraction,
+                   seed=f.seed, eos_id=None if f.eos_id < 0 else f.eos_id,
+                   shard_tokens=f.shard_tokens, batch_mb=f.batch_mb,
+                   say=lambda text: print(text, file=sys.stderr))
+  except KeyboardInterrupt:  # Ctrl-C: the listed shards are complete.
+    print(f'\ninterrupted; {f.out} keeps its complete shards: rerun the same '
+          'command to continue', file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
   train, val = meta['splits']['train'], meta['splits']['val']
   print(f'wrote {f.out}: {train["tokens"]:,} training tokens '
         f'({train["documents"]:,} documents) and {val["tokens"]:,} held out '

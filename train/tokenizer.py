@@ -7,9 +7,12 @@ without one, a model reads UTF-8 bytes (vocabulary 256).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import re
+from typing import Iterator
 
 from etils import epath
 import numpy as np
@@ -49,7 +52,12 @@ class HuggingFace:
     except Exception as e:  # pylint: disable=broad-except
       raise UserError(f'{path} is not a Hugging Face tokenizer.json ({e}); '
                       'give the tokenizer.json of a Hugging Face model') from None
-    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    # Ids may leave gaps (a vocabulary edited by hand, added tokens placed
+    # high): the model needs a row for every id up to the largest.
+    self.vocab_size = max(
+        self._tokenizer.get_vocab_size(with_added_tokens=True),
+        1 + max(self._tokenizer.get_vocab(with_added_tokens=True).values(),
+                default=-1))
     self.name = str(path)
     self.fingerprint = hashlib.sha256(content).hexdigest()[:12]
     self.eos_ids = eos_ids
@@ -64,11 +72,39 @@ class HuggingFace:
     return [e.ids for e in self._tokenizer.encode_batch(
         texts, add_special_tokens=False)]
 
+  def encode_pieces(self, texts: list[str], continued: list[bool]
+                    ) -> list[list[int]]:
+    """`pieces` of texts, without special tokens, in parallel; continued[i]:
+    texts[i] is not its text's first piece. A tokenizer that puts a space
+    before every text (Llama 2's "▁" prefix) gets such a piece without the
+    space it was cut before, which it puts back."""
+    return self.encode_many([
+        text[1:] if again and self._prefixes_space and text.startswith(' ')
+        else text for text, again in zip(texts, continued)])
+
+  @functools.cached_property
+  def _prefixes_space(self) -> bool:
+    ids = lambda text: self.encode(text, special=False).tolist()
+    return ids('a b') != ids('a') + ids(' b') and (
+        ids('a b') == ids('a') + ids('b'))
+
   def encode_documents(self, texts: list[str]) -> list[list[int]]:
     """With the special tokens the post-processor adds (a BOS, for most),
     in parallel."""
     return [e.ids for e in self._tokenizer.encode_batch(
         texts, add_special_tokens=True)]
+
+  def special_ends(self) -> tuple[list[int], list[int]]:
+    """The ids the post-processor puts before and after a text's own
+    (([BOS], []) for most): what `encode_documents` adds to `encode_many`."""
+    full = [int(i) for i in self.encode('a')]
+    plain = [int(i) for i in self.encode('a', special=False)]
+    for i in range(len(full) - len(plain) + 1):
+      if full[i:i + len(plain)] == plain:
+        return full[:i], full[i + len(plain):]
+    raise UserError(f'{self.name}: its post-processor changes the text\'s own '
+                    'tokens, not only adding special ones around them; give '
+                    'a tokenizer.json with a template post-processor')
 
   def id_of(self, token: str) -> int | None:
     return self._tokenizer.token_to_id(token)
@@ -87,6 +123,41 @@ def load(path: str | os.PathLike | None, eos_ids: tuple[int, ...] = ()):
     raise UserError(f'tokenizer {str(path)!r} does not exist; give a '
                     "tokenizer.json, or '' for bytes")
   return HuggingFace(path, eos_ids)
+
+
+# A long text is encoded in pieces of PIECE_CHARS to 2 * PIECE_CHARS
+# characters: `tokenizers` holds ~200 bytes per character while it encodes
+# (ids, offsets, token strings), so one 60 MB line needed 12 GB at once. With
+# 2**16, a 20 MB line peaked at 354 MB of RSS (2**15: 333, 2**18: 424), about
+# that of a corpus of short documents plus three copies of the text.
+PIECE_CHARS = 1 << 16
+PIECE_RULE = ('a text over 2 * piece_chars characters is encoded in pieces '
+              'of piece_chars to 2 * piece_chars, each cut just before a '
+              'space that follows a character other than whitespace (at '
+              '2 * piece_chars where there is none), its special tokens '
+              'added once; a tokenizer that puts a space before every text '
+              'gets a piece after the first without that space')
+_CUT = re.compile(r'(?<=\S) ')  # A space after anything but whitespace.
+
+
+def pieces(text: str, chars: int) -> Iterator[str]:
+  """`text` in pieces, by PIECE_RULE (piece_chars: `chars`); a text of up
+  to 2 * chars is one.
+
+  Encoded one by one (`HuggingFace.encode_pieces`), the pieces give the
+  whole text's tokens where the tokenizer's words start at such a space:
+  splitting at whitespace (WordLevel, Metaspace), by GPT-2's, Llama 3's or
+  Qwen's byte-level pattern, or SentencePiece's BPE whose "▁" a normalizer
+  puts before every text (Llama 2's). Elsewhere, and at a hard cut (2 * chars
+  without such a space), the tokens near a cut may differ.
+  """
+  start = 0
+  while len(text) - start > 2 * chars:
+    cut = _CUT.search(text, start + chars, start + 2 * chars)
+    end = cut.start() if cut else start + 2 * chars
+    yield text[start:end]
+    start = end
+  yield text[start:]
 
 
 # End-of-sequence tokens by name, for a tokenizer.json that comes without its

@@ -95,12 +95,14 @@ def new_or_existing(workdir: str, flag: str = '--workdir'
 
 @contextlib.contextmanager
 def lock(workdir: str | os.PathLike, *, enabled: bool = True,
-         say: Callable[[str], None] = print) -> Iterator[None]:
-  """Holds WORKDIR/lock for the duration; refuses if a live run holds it."""
+         say: Callable[[str], None] = print,
+         flag: str = '--workdir') -> Iterator[None]:
+  """Holds WORKDIR/lock for the duration; refuses if a live run holds it
+  (`flag`: the folder's flag, for the message; local folders)."""
   if not enabled:
     yield
   elif storage.is_local(workdir):
-    with _file_lock(os.path.join(workdir, LOCK_NAME), workdir, say):
+    with _file_lock(os.path.join(workdir, LOCK_NAME), workdir, say, flag):
       yield
   else:
     held = _ObjectLock(str(workdir), say)
@@ -124,9 +126,9 @@ def lease_seconds(env=os.environ) -> float:
   return seconds
 
 
-def _busy(workdir, holder: str) -> UserError:
+def _busy(workdir, holder: str, flag: str = '--workdir') -> UserError:
   return UserError(f'{workdir} is in use by another run ({holder}); wait for '
-                   'it to finish or stop it, or use another --workdir')
+                   f'it to finish or stop it, or use another {flag}')
 
 
 def _taking_over(holder: str) -> str:
@@ -139,13 +141,13 @@ def _me() -> str:
 
 
 @contextlib.contextmanager
-def _file_lock(path: str, workdir, say) -> Iterator[None]:
+def _file_lock(path: str, workdir, say, flag: str) -> Iterator[None]:
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
   try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      raise _busy(workdir, _holder(fd)) from None
+      raise _busy(workdir, _holder(fd), flag) from None
     stale = _holder(fd)
     if stale:
       say(_taking_over(stale))
