@@ -20,6 +20,7 @@ import time
 
 import chex
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -101,7 +102,8 @@ def test_non_finite_loss_waits_for_saves_and_names_the_last_good_step(
   last_good = int(message.split('last good checkpoint is step ')[1].split()[0])
   diverged = tmp_path / loop.DIVERGED_DIR
   assert not _tmp_dirs(tmp_path)  # Every save completed before the move.
-  assert min(int(p.name) for p in diverged.iterdir()) == last_good + 1
+  assert min(int(p.name) for p in diverged.iterdir()
+             if p.name.isdigit()) == last_good + 1
   step, state = checkpoint.restore_latest(str(tmp_path))
   assert step == last_good
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state['params']))
@@ -113,15 +115,26 @@ def test_a_divergence_names_the_checkpoint_from_before_the_loss_left_its_range(
   """The checkpoint saved just before the non-finite step is already a dead
   model (loss ln V): the good one is the last whose loss was in range."""
   copy = _copy(two_checkpoints, tmp_path / 'w')
+  good = (copy / 'config.json').read_text()
   config = _config(train__learning_rate=1e6, train__checkpoint_every=1,
                    train__keep_checkpoints=100, train__steps=40)
   with pytest.raises(UserError) as error:
     loop.train_and_evaluate(config, str(copy))
   message = str(error.value)
   assert 'the last good checkpoint is step 20 (the ' in message, message
-  assert 'rerun to resume from it with a lower train.learning_rate' in message
-  moved = sorted(int(p.name) for p in (copy / loop.DIVERGED_DIR).iterdir())
+  assert 'with their config as config.json); rerun to resume from it with a ' \
+         'lower train.learning_rate' in message
+  diverged = copy / loop.DIVERGED_DIR
+  moved = sorted(int(p.name) for p in diverged.iterdir() if p.name.isdigit())
   assert moved and moved[0] == 21  # Kept aside, not deleted.
+  # config.json describes the checkpoints left; the failed run's config went
+  # with its checkpoints, and a conversion's recipe is the good run's.
+  assert (copy / 'config.json').read_text() == good
+  assert config_lib.from_json(
+      diverged / 'config.json').train.learning_rate == 1e6
+  convert.convert_workdir(str(copy), str(tmp_path / 'mqa'), 1, 'mean')
+  assert config_lib.from_json(tmp_path / 'mqa' / 'config.json'
+                              ).train.learning_rate == pytest.approx(1e-3)
   step, state = checkpoint.restore_latest(str(copy))
   assert step == 20
   chex.assert_trees_all_equal(
@@ -252,21 +265,64 @@ def test_a_corrupt_checkpoint_is_one_warning_line_on_stderr_and_no_traceback(
 
 def test_a_config_that_changes_the_model_is_refused_and_touches_nothing(
     two_checkpoints, tmp_path):
-  """Not "unreadable": the checkpoints are fine, the config is not theirs."""
+  """Not "unreadable": the checkpoints are fine, the config is not theirs.
+  Refused by the table of what may change on resume, whether the change
+  reshapes a parameter or not (G -> L, a window, a soft cap reshape none)."""
   copy = _copy(two_checkpoints, tmp_path / 'w')
   before = {p: p.read_bytes() for p in copy.rglob('*') if p.is_file()}
-  for change, named in ((dict(model__tie_embeddings=True),
-                         "params['unembed']['kernel'] is [32, 256] there and "
-                         'absent here'),
-                        (dict(model__num_layers=3), "['layers']"),
-                        (dict(model__mlp_dim=48), "['mlp']")):
+  for change, named in (
+      (dict(model__attention_pattern='L', model__local_window=4),
+       "model.attention_pattern 'G' -> 'L'; model.local_window None -> 4"),
+      (dict(model__attention_pattern='LG', model__local_window=4),
+       "model.attention_pattern 'G' -> 'LG'; model.local_window None -> 4"),
+      (dict(model__logits_soft_cap=50.0),
+       'model.logits_soft_cap None -> 50.0'),
+      (dict(model__rope_base=500_000.0), 'model.rope_base 10000.0 -> 500000.0'),
+      (dict(model__kv_share=2), 'model.kv_share 1 -> 2'),
+      (dict(model__post_norms=True), 'model.post_norms False -> True'),
+      (dict(model__tie_embeddings=True), 'model.tie_embeddings False -> True'),
+      (dict(model__num_kv_heads=1), 'model.num_kv_heads 2 -> 1')):
     with pytest.raises(UserError, match=re.escape(
-        f'{copy / "checkpoints"} (step 20) holds another model: ') + '.*'
-                       + re.escape(named)):
+        f'{copy} holds another model: its checkpoints have {named}, which '
+        'cannot change on resume; use a new --workdir')):
       loop.train_and_evaluate(_config(train__steps=30, **change), str(copy))
   after = {p: p.read_bytes() for p in copy.rglob('*') if p.is_file()}
   assert after == before  # metrics.jsonl, config.json, final.json included.
+  # Without config.json (a workdir from before it was written), the
+  # checkpoint's own shapes still refuse a reshaping change.
+  (copy / 'config.json').unlink()
+  with pytest.raises(UserError, match=re.escape(
+      f'{copy / "checkpoints"} (step 20) holds another model: '
+      "params['unembed']['kernel'] is [32, 256] there and absent here")):
+    loop.train_and_evaluate(_config(train__steps=30, model__tie_embeddings=True
+                                    ), str(copy))
   assert not (copy / checkpoint.UNREADABLE_DIR).exists()
+
+
+def test_resume_allows_only_the_fields_of_its_table():
+  """RESUME_MAY_CHANGE: each of its fields may change on resume; any other,
+  a field the saved config lacks included, is refused, naming it."""
+  saved = _config()
+  fields = config_lib._leaves(saved.to_dict())  # pylint: disable=protected-access
+  assert set(config_lib.RESUME_MAY_CHANGE) <= set(fields)  # No stale names.
+
+  def changed(name):
+    tree = saved.to_dict()
+    *sections, field = name.split('.')
+    target = tree
+    for section in sections:
+      target = target[section]
+    target[field] = 'other'
+    return ml_collections.ConfigDict(tree)
+  for name in config_lib.RESUME_MAY_CHANGE:
+    config_lib.check_resume(saved, changed(name), 'W')
+  for name in ('model.local_window', 'model.norm_eps', 'model.param_dtype',
+               'model.rope_scaling.factor', 'model.final_logits_soft_cap',
+               'model.query_pre_attn_scalar', 'model.scan_layers',
+               'model.qk_norm', 'data.new_field'):
+    with pytest.raises(UserError, match=re.escape(
+        f'W holds another model: its checkpoints have {name} ')):
+      config_lib.check_resume(saved, changed(name), 'W')
 
 
 def test_sample_and_convert_refuse_a_corrupt_checkpoint_in_one_line(
