@@ -497,6 +497,23 @@ def test_a_folder_reached_through_a_dotted_path_is_read(tmp_path, monkeypatch):
     assert len(loaded.train) + len(loaded.val) == 1200
 
 
+def test_a_folder_named_like_a_config_does_not_shadow_it(tmp_path,
+                                                         monkeypatch, capsys):
+  """--config=tiny is configs/tiny.py, said so when a folder tiny/ (a
+  workdir of that name) is here; --config=./tiny is the folder."""
+  (tmp_path / 'tiny').mkdir()
+  (tmp_path / 'tiny' / 'config.json').write_text('{"train": {"steps": 7}}')
+  monkeypatch.chdir(tmp_path)
+  assert config_lib.resolve(['--config=tiny']) == [
+      f'--config={config_lib.CONFIG_DIR / "tiny.py"}']
+  assert config_lib.load('tiny').train.steps == 20
+  assert capsys.readouterr().err.splitlines()[0] == (
+      'note: --config=tiny is the config configs/tiny.py, not the folder '
+      'tiny/ here (for that, --config=./tiny)')
+  assert config_lib.load('./tiny').train.steps == 7
+  assert capsys.readouterr().err == ''
+
+
 # Commands that must answer in one line.
 
 def _scripts(*args):

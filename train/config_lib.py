@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import sys
 
 import jax.numpy as jnp
 from ml_collections import config_dict
@@ -27,6 +28,20 @@ def known_configs() -> list[str]:
                 if not p.stem.startswith('_') and p.stem != 'default')
 
 
+def _is_folder(name: str) -> bool:
+  """Whether --config=NAME means a folder (a workdir): a config's name means
+  the config, even where a folder of that name is in the current directory
+  (`--config=tiny --workdir=tiny`, rerun, resumes with configs/tiny.py);
+  ./NAME is the folder."""
+  if name in known_configs():
+    if pathlib.Path(name).is_dir():
+      print(f'note: --config={name} is the config configs/{name}.py, not the '
+            f'folder {name}/ here (for that, --config=./{name})',
+            file=sys.stderr)
+    return False
+  return pathlib.Path(name).is_dir()
+
+
 def resolve(argv: list[str]) -> list[str]:
   """Rewrites `--config=NAME` to the path of configs/NAME.py; paths pass through.
 
@@ -40,7 +55,7 @@ def resolve(argv: list[str]) -> list[str]:
       refuse_url(value, '--config')
       name, _, rest = value.partition(':')
       path = pathlib.Path(name)
-      if path.is_dir() or name.endswith('.json'):
+      if _is_folder(name) or name.endswith('.json'):
         if path.is_dir():
           path = path / 'config.json'
         if not path.is_file():
@@ -89,7 +104,8 @@ def _check_config_file(path: pathlib.Path):
 def load(name: str) -> config_dict.ConfigDict:
   """The config called NAME in configs/, or the one in the .py file, the
   .json file or the workdir NAME."""
-  if pathlib.Path(name).is_dir() or name.endswith('.json'):
+  if name not in known_configs() and pathlib.Path(name).is_dir() or (
+      name.endswith('.json')):
     resolve([f'--config={name}'])  # The same checks as on the command line.
     path = pathlib.Path(name)
     return from_json(path / 'config.json' if path.is_dir() else path)
