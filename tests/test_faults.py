@@ -714,6 +714,42 @@ def test_a_full_disk_during_a_save_is_one_line_and_a_rerun_resumes(tmp_path):
   assert 'resuming from step 10' in (logs / 'out2').read_text()
 
 
+@pytest.mark.slow
+def test_a_read_only_checkpoints_folder_is_one_line_about_permission(
+    trained, tmp_path):
+  """Refused before training; and a save refused later (the folder made
+  read-only mid-run: the check bypassed here) is one line too, saying to
+  make it writable, not to free space, with no warning after it."""
+  if os.geteuid() != 0 or not shutil.which('unshare'):
+    pytest.skip('a read-only bind mount needs root and unshare')
+  work, logs = _copy(trained, tmp_path / 'w'), tmp_path / 'logs'
+  logs.mkdir()
+  args = f'--config=tiny --workdir={work} --config.train.steps=30'
+  bypass = ('import sys; from train import checkpoint, main; '
+            'checkpoint.Checkpointer._check_writable = lambda self: None; '
+            'main.run()')
+  ckpts = work / 'checkpoints'
+  script = (f'mount --bind {ckpts} {ckpts} && '
+            f'mount -o remount,bind,ro {ckpts} || exit 99; '
+            f'{sys.executable} -m train.main {args} >{logs}/out1 '
+            f'2>{logs}/err1; echo $? >{logs}/rc1; '
+            f'{sys.executable} -c "{bypass}" {args} >{logs}/out2 '
+            f'2>{logs}/err2; echo $? >{logs}/rc2')
+  run = subprocess.run(['unshare', '--mount', 'sh', '-c', script], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+  if run.returncode == 99 or not (logs / 'rc1').exists():
+    pytest.skip(f'no read-only bind mount here: {run.stderr.strip()}')
+  result = lambda n: subprocess.CompletedProcess(
+      [], int((logs / f'rc{n}').read_text()), (logs / f'out{n}').read_text(),
+      (logs / f'err{n}').read_text())
+  _one_line_error(result(1), f'{ckpts} cannot be written (Read-only file '
+                  'system); make it writable, or give another --workdir')
+  _one_line_error(result(2), f'could not write checkpoint step 30 to {ckpts}')
+  assert (f'the last complete checkpoint is step 20; make {ckpts} writable '
+          '(or give another --workdir)') in result(2).stderr
+  assert 'free' not in result(2).stderr
+
+
 # Installed, not run from the repository.
 
 @pytest.mark.slow
