@@ -79,6 +79,18 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_note(tmp_path,
   assert checkpoint.restore_latest(str(tmp_path))[0] == 5
 
 
+def test_a_bad_lock_lease_is_refused_on_a_local_workdir_too(tmp_path,
+                                                           monkeypatch):
+  """GQA_LAB_LOCK_LEASE sets a bucket lock's lease; set wrong, it is refused
+  wherever it is read, not ignored because this workdir is local."""
+  monkeypatch.setenv('GQA_LAB_LOCK_LEASE', 'abc')
+  with pytest.raises(UserError, match="GQA_LAB_LOCK_LEASE='abc' must be a "
+                     r'number of seconds > 0 \(60 by default\)'):
+    with workdir.lock(tmp_path):
+      pass
+  assert not (tmp_path / workdir.LOCK_NAME).exists()
+
+
 def test_only_the_chief_process_takes_the_lock(tmp_path):
   with workdir.lock(tmp_path):
     with workdir.lock(tmp_path, enabled=False):  # Another host of the run.

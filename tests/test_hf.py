@@ -274,7 +274,10 @@ def test_an_imported_workdir_uptrains_on_a_prepared_corpus_by_the_recipe(
     (dict(model_type='mistral', sliding_window=64, layer_types=[
         'sliding_attention', 'full_attention']),
      "transformers' Mistral ignores (model_type 'ministral' reads them)"),
-    (dict(model_type='gemma3'), "model_type 'gemma3' is Gemma 3 with vision"),
+    (dict(model_type='gemma3'), "model_type 'gemma3' is Gemma 3 with vision "
+     '(Gemma3ForConditionalGeneration), which is not supported; convert a '
+     "text-only Gemma 3 checkpoint (model_type 'gemma3_text', e.g. "
+     'google/gemma-3-1b-pt) instead'),
     (dict(model_type='gemma3_text', attn_logit_softcapping=50.0),
      "attn_logit_softcapping, which transformers' Gemma 3 does not apply"),
     (dict(model_type='gemma3_text', rope_parameters={
