@@ -508,11 +508,20 @@ def test_the_readme_workflow_runs_on_this_machine(tmp_path):
   assert len(commands) == 6
   # `python` is this interpreter, as in the environment the README activates.
   path = f'{pathlib.Path(sys.executable).parent}:{os.environ["PATH"]}'
+  # The one warning, which the README explains after the commands.
+  explained = re.search(r'and warns that\s+`(.*?)`', block, re.S).group(1)
   for command in commands:
     result = subprocess.run(command, shell=True, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600,
                             env={**os.environ, 'PATH': path})
     assert result.returncode == 0, (command, result.stderr[-2000:])
+    warnings = [line for line in result.stderr.splitlines()
+                if 'warning' in line.lower()]
+    assert warnings == ([f'warning: {" ".join(explained.split())} for this '
+                         f'converted checkpoint ({tmp_path}/runs/hf_gqa/'
+                         'convert.json); '
+                         'a from-scratch rate can undo what it learnt']
+                        if 'train.main' in command else []), command
   from train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   assert read_metrics(tmp_path / 'runs/hf_gqa')[-1]['step'] == 20
   meta = json.loads((tmp_path / 'runs/corpus/meta.json').read_text())
