@@ -39,7 +39,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention import decode
+from attention import decode, numerics
 from attention.core import as_4d_mask, attention_mask, dot_product_attention
 from attention.rope import RopeScaling, apply_rope
 
@@ -296,11 +296,8 @@ def _is_ring(options: Options, S: int) -> bool:
 
 def _rms_norm(x_BTEH, weight_H, options: Options):
   """RMSNorm over each head's H features, in float32."""
-  x = x_BTEH.astype(jnp.float32)
-  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True)
-                        + options.norm_eps)
-  scale_H = options.norm_scale_offset + weight_H.astype(jnp.float32)
-  return (x * scale_H).astype(x_BTEH.dtype)
+  return numerics.rms_norm(x_BTEH, weight_H, eps=options.norm_eps,
+                           offset=options.norm_scale_offset)
 
 
 def slot_positions(end, S: int) -> Array:
