@@ -471,6 +471,14 @@ def _evaluator(config, dataset, program: _Programs, sharded: bool = True):
   return evaluate
 
 
+def training_data(config, workdir: str) -> data_lib.Source:
+  """The data a run of `config` in WORKDIR reads, checked against its model
+  as `train.main` checks it; writes nothing (a benchmark feeds its peers
+  from it)."""
+  return _dataset(config.data, config_lib.model_config(config),
+                  storage.path(workdir), is_chief=False)
+
+
 def _dataset(dc, mc, path: epath.Path, is_chief: bool) -> data_lib.Source:
   """The run's data, checked against the model; the workdir remembers the
   tokenizer it was read with."""
