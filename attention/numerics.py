@@ -1,5 +1,6 @@
-"""The numerics every attention path shares: soft cap, masked softmax, and the
-grouped view of a mask. In float32, whatever the inputs' dtype."""
+"""The numerics every attention path and the model share: soft cap, RMSNorm,
+masked softmax, and the grouped view of a mask. In float32, whatever the
+inputs' dtype."""
 
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ MASKED_LOGIT = float(jnp.finfo(jnp.float32).min)
 def soft_cap(logits, cap: float | None):
   """cap · tanh(logits / cap) (Gemma 2's logit soft cap), or the logits."""
   return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def rms_norm(x, scale, *, eps: float, offset: float, dtype=None):
+  """x / rms(x) · (offset + scale) over the last axis, computed in float32
+  and returned in `dtype` (None: x's). scale: [last axis] (Gemma stores
+  scale - 1 with offset 1; Llama the scale, offset 0)."""
+  y = x.astype(jnp.float32)
+  y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
+  return (y * (offset + scale.astype(jnp.float32))).astype(dtype or x.dtype)
 
 
 def masked_softmax(logits, mask, axis: int = -1):

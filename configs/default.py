@@ -63,10 +63,10 @@ def model() -> config_dict.ConfigDict:
       tied_logits_scale=True,  # Tied output divides the logits by √D.
       qkv_bias=False,  # Biases on the Q/K/V projections (Qwen2).
       qk_norm=False,  # RMSNorm of each query and key head (Qwen3).
-      # RoPE frequency scaling: kind '' (none), 'linear' or 'llama3'.
       # The L layers' RoPE base, unscaled (Gemma 3: 10k); None: rope_base
       # and rope_scaling, as the G layers.
       local_rope_base=config_dict.placeholder(float),
+      # RoPE frequency scaling: kind '' (none), 'linear' or 'llama3'.
       rope_scaling=config_dict.ConfigDict(dict(
           kind='', factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
           original_max_len=8192)),

@@ -44,7 +44,7 @@ from train import config_lib, flops
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from train import model as model_lib
-from train.errors import UserError
+from train.errors import UserError, pip_install
 
 
 def main():
@@ -209,7 +209,8 @@ def _torch():
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise UserError("--layer needs PyTorch: pip install -e '.[bench]'")
+    raise UserError(f'--layer needs PyTorch: {pip_install("bench")}'
+                    ) from None
   return torch
 
 

@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from scripts import timing
-from train import config_lib, flops, loop, sharding, storage
+from train import config_lib, flops, loop, sharding
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train.errors import UserError
@@ -117,6 +117,10 @@ class TorchTransformer(tnn.Module if torch else object):
         ('use_rope=False', not mc.use_rope),
         ('learned_positions', mc.learned_positions),
         ('tied_logits_scale', mc.tie_embeddings and mc.tied_logits_scale),
+        ('kv_share', mc.kv_share != 1), ('post_norms', mc.post_norms),
+        ('final_logits_soft_cap', mc.final_logits_soft_cap),
+        ('query_pre_attn_scalar', mc.query_pre_attn_scalar not in (
+            None, mc.head_dim)),
         ('dtype', np.dtype(mc.dtype) != np.float32)) if on]
     if unsupported:
       return (f'the PyTorch peer does not build {", ".join(unsupported)}; '
@@ -270,7 +274,7 @@ def torch_worker(name: str, peer: str, steps: int):
   config = config_lib.load(name)
   mc, tc, dc = config_lib.model_config(config), config.train, config.data
   with tempfile.TemporaryDirectory() as workdir:  # Ours' data, as numpy.
-    dataset = loop._dataset(dc, mc, storage.path(workdir), is_chief=False)  # pylint: disable=protected-access
+    dataset = loop.training_data(config, workdir)
   torch.manual_seed(config.seed)
   step = torch_step(TorchTransformer(mc), tc, compile_=peer == 'torch compile')
   times = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from train.errors import UserError
+from train.errors import UserError, pip_install
 
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
 
@@ -63,7 +63,7 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
     import transformers  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise UserError(f'{e.name} is not installed; make_hf_model needs the '
-                    "test extra: pip install -e '.[test]'") from None
+                    f'test extra: {pip_install("test")}') from None
   fields = dict(
       vocab_size=vocab_size, hidden_size=d_model, intermediate_size=mlp_dim,
       num_hidden_layers=num_layers, num_attention_heads=num_heads,

@@ -9,6 +9,7 @@ credentials (the emulator needs none).
 """
 
 import json
+import re
 import os
 import signal
 import socket
@@ -24,7 +25,7 @@ from tests import gcs_emulator
 from tests.test_faults import _one_line_error, _params_and_losses, _run, REPO
 from tests.test_prepare_data import _word_tokenizer
 from tests.test_train import _config
-from train import checkpoint, loop, storage, workdir
+from train import checkpoint, errors, loop, storage, workdir
 from train.errors import UserError
 from train.metrics import read_metrics
 
@@ -270,9 +271,29 @@ def test_an_unsupported_scheme_or_a_missing_gcsfs_is_one_line(monkeypatch):
   real = storage.importlib.util.find_spec
   monkeypatch.setattr(storage.importlib.util, 'find_spec',
                       lambda name: None if name == 'gcsfs' else real(name))
-  with pytest.raises(UserError, match=r"needs gcsfs to reach buckets: pip "
-                     r"install -e '\.\[gcs\]'"):
+  with pytest.raises(UserError, match=re.escape(
+      f'needs gcsfs to reach buckets: {errors.pip_install("gcs")}')):
     storage.path('gs://b/run')
+
+
+class _Installed:
+  """An importlib.metadata distribution of gqa-lab, installed editable (from
+  a clone) or not."""
+
+  def __init__(self, direct_url):
+    self._direct_url = direct_url
+
+  def read_text(self, name):
+    return self._direct_url if name == 'direct_url.json' else None
+
+
+def test_the_install_hint_fits_how_gqa_lab_is_installed():
+  editable = _Installed('{"dir_info": {"editable": true}, '
+                        '"url": "file:///home/me/gqa%20lab"}')
+  assert errors.pip_install('gcs', editable) == (
+      "pip install -e '/home/me/gqa lab[gcs]'")
+  for wheel in (_Installed(None), _Installed('{"url": "file:///w.whl"}')):
+    assert errors.pip_install('gcs', wheel) == "pip install 'gqa-lab[gcs]'"
 
 
 def test_only_errors_of_the_bucket_libraries_read_as_an_unreachable_bucket():

@@ -22,6 +22,7 @@ import time
 
 import chex
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -80,6 +81,18 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over_with_a_note(tmp_path,
   assert checkpoint.restore_latest(str(tmp_path))[0] == 5
 
 
+def test_a_bad_lock_lease_is_refused_on_a_local_workdir_too(tmp_path,
+                                                           monkeypatch):
+  """GQA_LAB_LOCK_LEASE sets a bucket lock's lease; set wrong, it is refused
+  wherever it is read, not ignored because this workdir is local."""
+  monkeypatch.setenv('GQA_LAB_LOCK_LEASE', 'abc')
+  with pytest.raises(UserError, match="GQA_LAB_LOCK_LEASE='abc' must be a "
+                     r'number of seconds > 0 \(60 by default\)'):
+    with workdir.lock(tmp_path):
+      pass
+  assert not (tmp_path / workdir.LOCK_NAME).exists()
+
+
 def test_only_the_chief_process_takes_the_lock(tmp_path):
   with workdir.lock(tmp_path):
     with workdir.lock(tmp_path, enabled=False):  # Another host of the run.
@@ -103,7 +116,8 @@ def test_non_finite_loss_waits_for_saves_and_names_the_last_good_step(
   last_good = int(message.split('last good checkpoint is step ')[1].split()[0])
   diverged = tmp_path / loop.DIVERGED_DIR
   assert not _tmp_dirs(tmp_path)  # Every save completed before the move.
-  assert min(int(p.name) for p in diverged.iterdir()) == last_good + 1
+  assert min(int(p.name) for p in diverged.iterdir()
+             if p.name.isdigit()) == last_good + 1
   step, state = checkpoint.restore_latest(str(tmp_path))
   assert step == last_good
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state['params']))
@@ -115,15 +129,26 @@ def test_a_divergence_names_the_checkpoint_from_before_the_loss_left_its_range(
   """The checkpoint saved just before the non-finite step is already a dead
   model (loss ln V): the good one is the last whose loss was in range."""
   copy = _copy(two_checkpoints, tmp_path / 'w')
+  good = (copy / 'config.json').read_text()
   config = _config(train__learning_rate=1e6, train__checkpoint_every=1,
                    train__keep_checkpoints=100, train__steps=40)
   with pytest.raises(UserError) as error:
     loop.train_and_evaluate(config, str(copy))
   message = str(error.value)
   assert 'the last good checkpoint is step 20 (the ' in message, message
-  assert 'rerun to resume from it with a lower train.learning_rate' in message
-  moved = sorted(int(p.name) for p in (copy / loop.DIVERGED_DIR).iterdir())
+  assert 'with their config as config.json); rerun to resume from it with a ' \
+         'lower train.learning_rate' in message
+  diverged = copy / loop.DIVERGED_DIR
+  moved = sorted(int(p.name) for p in diverged.iterdir() if p.name.isdigit())
   assert moved and moved[0] == 21  # Kept aside, not deleted.
+  # config.json describes the checkpoints left; the failed run's config went
+  # with its checkpoints, and a conversion's recipe is the good run's.
+  assert (copy / 'config.json').read_text() == good
+  assert config_lib.from_json(
+      diverged / 'config.json').train.learning_rate == 1e6
+  convert.convert_workdir(str(copy), str(tmp_path / 'mqa'), 1, 'mean')
+  assert config_lib.from_json(tmp_path / 'mqa' / 'config.json'
+                              ).train.learning_rate == pytest.approx(1e-3)
   step, state = checkpoint.restore_latest(str(copy))
   assert step == 20
   chex.assert_trees_all_equal(
@@ -254,21 +279,64 @@ def test_a_corrupt_checkpoint_is_one_warning_line_on_stderr_and_no_traceback(
 
 def test_a_config_that_changes_the_model_is_refused_and_touches_nothing(
     two_checkpoints, tmp_path):
-  """Not "unreadable": the checkpoints are fine, the config is not theirs."""
+  """Not "unreadable": the checkpoints are fine, the config is not theirs.
+  Refused by the table of what may change on resume, whether the change
+  reshapes a parameter or not (G -> L, a window, a soft cap reshape none)."""
   copy = _copy(two_checkpoints, tmp_path / 'w')
   before = {p: p.read_bytes() for p in copy.rglob('*') if p.is_file()}
-  for change, named in ((dict(model__tie_embeddings=True),
-                         "params['unembed']['kernel'] is [32, 256] there and "
-                         'absent here'),
-                        (dict(model__num_layers=3), "['layers']"),
-                        (dict(model__mlp_dim=48), "['mlp']")):
+  for change, named in (
+      (dict(model__attention_pattern='L', model__local_window=4),
+       "model.attention_pattern 'G' -> 'L'; model.local_window None -> 4"),
+      (dict(model__attention_pattern='LG', model__local_window=4),
+       "model.attention_pattern 'G' -> 'LG'; model.local_window None -> 4"),
+      (dict(model__logits_soft_cap=50.0),
+       'model.logits_soft_cap None -> 50.0'),
+      (dict(model__rope_base=500_000.0), 'model.rope_base 10000.0 -> 500000.0'),
+      (dict(model__kv_share=2), 'model.kv_share 1 -> 2'),
+      (dict(model__post_norms=True), 'model.post_norms False -> True'),
+      (dict(model__tie_embeddings=True), 'model.tie_embeddings False -> True'),
+      (dict(model__num_kv_heads=1), 'model.num_kv_heads 2 -> 1')):
     with pytest.raises(UserError, match=re.escape(
-        f'{copy / "checkpoints"} (step 20) holds another model: ') + '.*'
-                       + re.escape(named)):
+        f'{copy} holds another model: its checkpoints have {named}, which '
+        'cannot change on resume; use a new --workdir')):
       loop.train_and_evaluate(_config(train__steps=30, **change), str(copy))
   after = {p: p.read_bytes() for p in copy.rglob('*') if p.is_file()}
   assert after == before  # metrics.jsonl, config.json, final.json included.
+  # Without config.json (a workdir from before it was written), the
+  # checkpoint's own shapes still refuse a reshaping change.
+  (copy / 'config.json').unlink()
+  with pytest.raises(UserError, match=re.escape(
+      f'{copy / "checkpoints"} (step 20) holds another model: '
+      "params['unembed']['kernel'] is [32, 256] there and absent here")):
+    loop.train_and_evaluate(_config(train__steps=30, model__tie_embeddings=True
+                                    ), str(copy))
   assert not (copy / checkpoint.UNREADABLE_DIR).exists()
+
+
+def test_resume_allows_only_the_fields_of_its_table():
+  """RESUME_MAY_CHANGE: each of its fields may change on resume; any other,
+  a field the saved config lacks included, is refused, naming it."""
+  saved = _config()
+  fields = config_lib._leaves(saved.to_dict())  # pylint: disable=protected-access
+  assert set(config_lib.RESUME_MAY_CHANGE) <= set(fields)  # No stale names.
+
+  def changed(name):
+    tree = saved.to_dict()
+    *sections, field = name.split('.')
+    target = tree
+    for section in sections:
+      target = target[section]
+    target[field] = 'other'
+    return ml_collections.ConfigDict(tree)
+  for name in config_lib.RESUME_MAY_CHANGE:
+    config_lib.check_resume(saved, changed(name), 'W')
+  for name in ('model.local_window', 'model.norm_eps', 'model.param_dtype',
+               'model.rope_scaling.factor', 'model.final_logits_soft_cap',
+               'model.query_pre_attn_scalar', 'model.scan_layers',
+               'model.qk_norm', 'data.new_field'):
+    with pytest.raises(UserError, match=re.escape(
+        f'W holds another model: its checkpoints have {name} ')):
+      config_lib.check_resume(saved, changed(name), 'W')
 
 
 def test_sample_and_convert_refuse_a_corrupt_checkpoint_in_one_line(
@@ -441,6 +509,23 @@ def test_a_folder_reached_through_a_dotted_path_is_read(tmp_path, monkeypatch):
   for path in (str(corpus), '../.local/corpus'):
     loaded = data.load(path, val_fraction=0.1, seq_len=32)
     assert len(loaded.train) + len(loaded.val) == 1200
+
+
+def test_a_folder_named_like_a_config_does_not_shadow_it(tmp_path,
+                                                         monkeypatch, capsys):
+  """--config=tiny is configs/tiny.py, said so when a folder tiny/ (a
+  workdir of that name) is here; --config=./tiny is the folder."""
+  (tmp_path / 'tiny').mkdir()
+  (tmp_path / 'tiny' / 'config.json').write_text('{"train": {"steps": 7}}')
+  monkeypatch.chdir(tmp_path)
+  assert config_lib.resolve(['--config=tiny']) == [
+      f'--config={config_lib.CONFIG_DIR / "tiny.py"}']
+  assert config_lib.load('tiny').train.steps == 20
+  assert capsys.readouterr().err.splitlines()[0] == (
+      'note: --config=tiny is the config configs/tiny.py, not the folder '
+      'tiny/ here (for that, --config=./tiny)')
+  assert config_lib.load('./tiny').train.steps == 7
+  assert capsys.readouterr().err == ''
 
 
 # Commands that must answer in one line.
@@ -641,6 +726,42 @@ def test_a_full_disk_during_a_save_is_one_line_and_a_rerun_resumes(tmp_path):
   assert 'the last complete checkpoint is step 10; free space' in full.stderr
   assert (logs / 'rc2').read_text().strip() == '0', (logs / 'err2').read_text()
   assert 'resuming from step 10' in (logs / 'out2').read_text()
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoints_folder_is_one_line_about_permission(
+    trained, tmp_path):
+  """Refused before training; and a save refused later (the folder made
+  read-only mid-run: the check bypassed here) is one line too, saying to
+  make it writable, not to free space, with no warning after it."""
+  if os.geteuid() != 0 or not shutil.which('unshare'):
+    pytest.skip('a read-only bind mount needs root and unshare')
+  work, logs = _copy(trained, tmp_path / 'w'), tmp_path / 'logs'
+  logs.mkdir()
+  args = f'--config=tiny --workdir={work} --config.train.steps=30'
+  bypass = ('import sys; from train import checkpoint, main; '
+            'checkpoint.Checkpointer._check_writable = lambda self: None; '
+            'main.run()')
+  ckpts = work / 'checkpoints'
+  script = (f'mount --bind {ckpts} {ckpts} && '
+            f'mount -o remount,bind,ro {ckpts} || exit 99; '
+            f'{sys.executable} -m train.main {args} >{logs}/out1 '
+            f'2>{logs}/err1; echo $? >{logs}/rc1; '
+            f'{sys.executable} -c "{bypass}" {args} >{logs}/out2 '
+            f'2>{logs}/err2; echo $? >{logs}/rc2')
+  run = subprocess.run(['unshare', '--mount', 'sh', '-c', script], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+  if run.returncode == 99 or not (logs / 'rc1').exists():
+    pytest.skip(f'no read-only bind mount here: {run.stderr.strip()}')
+  result = lambda n: subprocess.CompletedProcess(
+      [], int((logs / f'rc{n}').read_text()), (logs / f'out{n}').read_text(),
+      (logs / f'err{n}').read_text())
+  _one_line_error(result(1), f'{ckpts} cannot be written (Read-only file '
+                  'system); make it writable, or give another --workdir')
+  _one_line_error(result(2), f'could not write checkpoint step 30 to {ckpts}')
+  assert (f'the last complete checkpoint is step 20; make {ckpts} writable '
+          '(or give another --workdir)') in result(2).stderr
+  assert 'free' not in result(2).stderr
 
 
 # Installed, not run from the repository.

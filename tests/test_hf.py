@@ -274,7 +274,10 @@ def test_an_imported_workdir_uptrains_on_a_prepared_corpus_by_the_recipe(
     (dict(model_type='mistral', sliding_window=64, layer_types=[
         'sliding_attention', 'full_attention']),
      "transformers' Mistral ignores (model_type 'ministral' reads them)"),
-    (dict(model_type='gemma3'), "model_type 'gemma3' is Gemma 3 with vision"),
+    (dict(model_type='gemma3'), "model_type 'gemma3' is Gemma 3 with vision "
+     '(Gemma3ForConditionalGeneration), which is not supported; convert a '
+     "text-only Gemma 3 checkpoint (model_type 'gemma3_text', e.g. "
+     'google/gemma-3-1b-pt) instead'),
     (dict(model_type='gemma3_text', attn_logit_softcapping=50.0),
      "attn_logit_softcapping, which transformers' Gemma 3 does not apply"),
     (dict(model_type='gemma3_text', rope_parameters={
@@ -505,11 +508,20 @@ def test_the_readme_workflow_runs_on_this_machine(tmp_path):
   assert len(commands) == 6
   # `python` is this interpreter, as in the environment the README activates.
   path = f'{pathlib.Path(sys.executable).parent}:{os.environ["PATH"]}'
+  # The one warning, which the README explains after the commands.
+  explained = re.search(r'and warns that\s+`(.*?)`', block, re.S).group(1)
   for command in commands:
     result = subprocess.run(command, shell=True, cwd=tmp_path,
                             capture_output=True, text=True, timeout=600,
                             env={**os.environ, 'PATH': path})
     assert result.returncode == 0, (command, result.stderr[-2000:])
+    warnings = [line for line in result.stderr.splitlines()
+                if 'warning' in line.lower()]
+    assert warnings == ([f'warning: {" ".join(explained.split())} for this '
+                         f'converted checkpoint ({tmp_path}/runs/hf_gqa/'
+                         'convert.json); '
+                         'a from-scratch rate can undo what it learnt']
+                        if 'train.main' in command else []), command
   from train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   assert read_metrics(tmp_path / 'runs/hf_gqa')[-1]['step'] == 20
   meta = json.loads((tmp_path / 'runs/corpus/meta.json').read_text())

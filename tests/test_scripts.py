@@ -1,6 +1,7 @@
 """The scripts' own logic: fair comparisons, peers, verdicts."""
 
 import json
+import re
 import sys
 
 import jax
@@ -142,6 +143,27 @@ def test_the_pytorch_training_peer_is_the_same_network(K):
     theirs = peer(torch.from_numpy(tokens)).numpy()
   np.testing.assert_allclose(theirs, model.apply({'params': params}, tokens),
                              atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('layout, named', [
+    (dict(kv_share=2), 'kv_share'), (dict(post_norms=True), 'post_norms'),
+    (dict(final_logits_soft_cap=30.0), 'final_logits_soft_cap'),
+    (dict(query_pre_attn_scalar=16.0), 'query_pre_attn_scalar'),
+    (dict(logits_soft_cap=50.0), 'logits_soft_cap')])
+def test_the_pytorch_training_peer_refuses_what_it_does_not_mirror(layout,
+                                                                  named):
+  pytest.importorskip('torch')
+  from scripts import bench_train  # pylint: disable=import-outside-toplevel
+  config = config_lib.load('tiny')
+  assert bench_train.TorchTransformer.refusal(
+      config_lib.model_config(config)) is None
+  config.model.update(**layout)
+  refusal = bench_train.TorchTransformer.refusal(
+      config_lib.model_config(config))
+  assert refusal == (f'the PyTorch peer does not build {named}; benchmark a '
+                     'config with the default conventions')
+  with pytest.raises(UserError, match=re.escape(refusal)):
+    bench_train.TorchTransformer(config_lib.model_config(config))
 
 
 @pytest.mark.slow

@@ -16,7 +16,9 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from typing import Callable
+import warnings
 
 from etils import epath
 from flax import serialization
@@ -40,7 +42,22 @@ class Checkpointer:
     self._keep = keep
     self._saving = None  # The step of the save in flight, if any.
     _quiet_background_failures()
+    self._check_writable()
     self._manager = self._open()
+
+  def _check_writable(self):
+    """A local checkpoints folder that cannot take a save is refused before
+    any training, not at its first save."""
+    if not storage.is_local(self.directory) or not self.directory.is_dir():
+      return
+    try:
+      fd, probe = tempfile.mkstemp(prefix='.write-test-', dir=self.directory)
+      os.close(fd)
+      os.unlink(probe)
+    except OSError as e:
+      raise UserError(f'{self.directory} cannot be written ({e.strerror}); '
+                      'make it writable, or give another --workdir; nothing '
+                      'was changed') from None
 
   def _open(self):
     return ocp.CheckpointManager(
@@ -133,12 +150,17 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       failed, self._saving = self._saving, None
       kept = [s for s in self.all_steps() if s != failed]
+      # The save's other coroutines, never run, would each warn at exit.
+      warnings.filterwarnings('ignore', 'coroutine .* was never awaited',
+                              RuntimeWarning)
       cause = _cause(e)
       if 'RESOURCE_EXHAUSTED' in cause or 'No space left' in cause:
         cause = 'the disk is full'
       room, fix = '', ('check the bucket (its quota, your permissions, the '
                        'network)')
-      if storage.is_local(self.directory):
+      if _denied(e):
+        fix = f'make {self.directory} writable (or give another --workdir)'
+      elif storage.is_local(self.directory):
         disk = _mount_point(self.directory)
         room = (f'; the disk at {disk} has '
                 f'{shutil.disk_usage(disk).free / 1e6:,.1f} MB free')
@@ -249,6 +271,17 @@ def _transient(error: BaseException) -> bool:
                           InterruptedError, MemoryError)) or (
                               isinstance(error, OSError)
                               and error.errno in _TRANSIENT_ERRNOS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _denied(error: BaseException) -> bool:
+  """Whether `error`, or one it was raised from, is a refused write (no
+  permission, a read-only file system) rather than a lack of space."""
+  while error is not None:
+    if isinstance(error, PermissionError) or isinstance(error, OSError) and (
+        error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)):
       return True
     error = error.__cause__ or error.__context__
   return False

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import sys
 
 import jax.numpy as jnp
 from ml_collections import config_dict
@@ -27,6 +28,20 @@ def known_configs() -> list[str]:
                 if not p.stem.startswith('_') and p.stem != 'default')
 
 
+def _is_folder(name: str) -> bool:
+  """Whether --config=NAME means a folder (a workdir): a config's name means
+  the config, even where a folder of that name is in the current directory
+  (`--config=tiny --workdir=tiny`, rerun, resumes with configs/tiny.py);
+  ./NAME is the folder."""
+  if name in known_configs():
+    if pathlib.Path(name).is_dir():
+      print(f'note: --config={name} is the config configs/{name}.py, not the '
+            f'folder {name}/ here (for that, --config=./{name})',
+            file=sys.stderr)
+    return False
+  return pathlib.Path(name).is_dir()
+
+
 def resolve(argv: list[str]) -> list[str]:
   """Rewrites `--config=NAME` to the path of configs/NAME.py; paths pass through.
 
@@ -40,7 +55,7 @@ def resolve(argv: list[str]) -> list[str]:
       refuse_url(value, '--config')
       name, _, rest = value.partition(':')
       path = pathlib.Path(name)
-      if path.is_dir() or name.endswith('.json'):
+      if _is_folder(name) or name.endswith('.json'):
         if path.is_dir():
           path = path / 'config.json'
         if not path.is_file():
@@ -89,7 +104,8 @@ def _check_config_file(path: pathlib.Path):
 def load(name: str) -> config_dict.ConfigDict:
   """The config called NAME in configs/, or the one in the .py file, the
   .json file or the workdir NAME."""
-  if pathlib.Path(name).is_dir() or name.endswith('.json'):
+  if name not in known_configs() and pathlib.Path(name).is_dir() or (
+      name.endswith('.json')):
     resolve([f'--config={name}'])  # The same checks as on the command line.
     path = pathlib.Path(name)
     return from_json(path / 'config.json' if path.is_dir() else path)
@@ -174,6 +190,64 @@ RANGES = {
     ('train', 'b2'): _is(0, 1, high_open=True),
     ('train', 'grad_clip'): _is(0, low_open=True),
 }
+
+
+# The fields a resumed run may set otherwise than the run that wrote its
+# checkpoints: how it trains on from them, never what they compute. A closed
+# set: any other field (one added later included, until it is named here)
+# is refused on resume by `check_resume`, since pattern, window, kv_share,
+# soft caps, RoPE, norms, tying or a dimension change the function the saved
+# parameters compute (and mostly not their shapes, so nothing else notices).
+RESUME_MAY_CHANGE = {
+    **{f'train.{f}': 'the optimisation from here on' for f in (
+        'steps', 'batch_size', 'grad_accum_steps', 'learning_rate',
+        'warmup_steps', 'min_learning_rate_ratio', 'weight_decay', 'b1', 'b2',
+        'grad_clip')},
+    **{f'train.{f}': 'logging, evaluation or saving' for f in (
+        'log_every', 'eval_every', 'eval_batches', 'checkpoint_every',
+        'keep_checkpoints')},
+    **{f'data.{f}': 'what it trains on next (the workdir checks its '
+                    'tokenizer)' for f in (
+        'task', 'path', 'recall_pairs', 'seq_len', 'val_fraction',
+        'cache_dir', 'tokenizer')},
+    'seed': 'the data order from here on (the initialisation is restored)',
+    **{f'mesh.{f}': 'the devices (checkpoints restore onto any mesh)'
+       for f in ('data', 'fsdp', 'tensor')},
+    'model.dtype': 'the compute precision, not the saved parameters',
+    'model.kv_cache_dtype': 'decoding only',
+    'model.remat': 'memory against time, same values',
+    'model.scan_unroll': 'compilation, same values',
+}
+
+
+def _leaves(tree: dict, prefix: str = '') -> dict:
+  """{'model.rope_scaling.kind': value, ...} of a nested dict."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_leaves(value, f'{prefix}{key}.'))
+    else:
+      out[f'{prefix}{key}'] = value
+  return out
+
+
+def check_resume(saved: config_dict.ConfigDict,
+                 config: config_dict.ConfigDict, workdir):
+  """Raises UserError naming the fields, outside RESUME_MAY_CHANGE, in which
+  `config` differs from `saved`, the config of WORKDIR's checkpoints."""
+  old, new = _leaves(saved.to_dict()), _leaves(config.to_dict())
+  missing = object()
+  changed = [f'{k} {old.get(k, missing)!r} -> {new.get(k, missing)!r}'
+             .replace(repr(missing), 'absent')
+             for k in sorted(old.keys() | new.keys())
+             if k not in RESUME_MAY_CHANGE
+             and old.get(k, missing) != new.get(k, missing)]
+  if changed:
+    raise UserError(
+        f'{workdir} holds another model: its checkpoints have '
+        f'{"; ".join(changed)}, which cannot change on resume; use a new '
+        '--workdir (or convert into one: python -m train.convert), or the '
+        f'config that wrote them ({workdir}/config.json); nothing was changed')
 
 
 def _check_layer_kinds(m):

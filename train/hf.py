@@ -72,8 +72,9 @@ def model_fields(hf: dict) -> dict[str, Any]:
   family = hf.get('model_type')
   if family == 'gemma3':
     raise UserError("model_type 'gemma3' is Gemma 3 with vision (Gemma3For"
-                    'ConditionalGeneration), which is not supported; text-only '
-                    "Gemma 3 checkpoints (model_type 'gemma3_text') are")
+                    'ConditionalGeneration), which is not supported; convert '
+                    "a text-only Gemma 3 checkpoint (model_type 'gemma3_text',"
+                    ' e.g. google/gemma-3-1b-pt) instead')
   if family not in FAMILIES:
     raise UserError(f'model_type {family!r} is not supported; supported: '
                     f'{", ".join(FAMILIES)}')

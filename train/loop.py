@@ -208,12 +208,45 @@ class Run:
   flops_per_token: float
   peak_flops: float  # Of all devices together.
   kv_bytes_per_token: float  # Decode cache at max_len / max_len.
-  write_config: Callable[[], None]  # config.json, once it describes a save.
+  config_file: '_ConfigFile'  # WORKDIR/config.json.
+
+
+@dataclasses.dataclass
+class _ConfigFile:
+  """WORKDIR/config.json, which describes the checkpoints: the config found
+  there describes those from before this run, and this run's is written with
+  its first save (a run that fails before saving leaves the old one)."""
+  path: epath.Path
+  text: str  # This run's config.
+  found: str | None  # What config.json held when this run started.
+  enabled: bool  # Process 0 writes it.
+  written: bool = False
+
+  def write(self):
+    if self.enabled and not self.written:
+      _write_atomically(self.path, self.text)
+    self.written = True
+
+  def after_divergence(self, last_good: int | None, start: int,
+                       moved_to: epath.Path):
+    """The config of the moved checkpoints goes with them (as moved_to); if
+    none of this run's checkpoints is left, config.json is again the one
+    that wrote those that are (none left: no config.json)."""
+    if not self.enabled:
+      return
+    _write_atomically(moved_to, self.text if self.written else self.found)
+    if self.written and (last_good is None or last_good <= start):
+      if self.found is None:
+        self.path.unlink(missing_ok=True)
+      else:
+        _write_atomically(self.path, self.found)
+      self.written = False
 
 
 def setup(config, path: epath.Path, mesh, is_chief: bool) -> Run:
   """The data, model, restored or fresh state and compiled steps of a run in
   WORKDIR `path` (also what scripts/bench_train.py times)."""
+  _check_resume(config, path)
   mc = config_lib.model_config(config)
   tc = config.train
   dataset = _dataset(config.data, mc, path, is_chief)
@@ -243,15 +276,14 @@ def setup(config, path: epath.Path, mesh, is_chief: bool) -> Run:
                      f'{time.perf_counter() - t0:.1f}s')
   evaluate = _evaluator(config, dataset, program)
 
-  def write_config():
-    if is_chief:
-      _write_atomically(path / 'config.json', config.to_json(indent=2))
-
+  written = path / 'config.json'
+  config_file = _ConfigFile(written, config.to_json(indent=2), (
+      written.read_text() if written.exists() else None), is_chief)
   return Run(path, state, start, step_fn, evaluate, get_batch, schedule(tc),
              checkpointer, reporter, tc.batch_size * config.data.seq_len,
              flops.training_flops_per_token(mc, config.data.seq_len),
              flops.peak_flops()[0] * jax.device_count(),
-             model_lib.kv_bytes_per_token(mc), write_config)
+             model_lib.kv_bytes_per_token(mc), config_file)
 
 
 class _Programs:
@@ -360,6 +392,15 @@ def evaluate_workdir(workdir: str, flag: str = '--workdir', *,
   return _evaluator(config, dataset, program, sharded=False)(params)
 
 
+def _check_resume(config, path: epath.Path):
+  """Refuses, before any work, a config that changes what the workdir's
+  checkpoints compute (`config_lib.RESUME_MAY_CHANGE`)."""
+  written, saved = path / 'config.json', path / 'checkpoints'
+  if written.exists() and saved.is_dir() and any(
+      p.name.isdigit() for p in saved.iterdir()):
+    config_lib.check_resume(config_lib.from_json(written), config, path)
+
+
 def _restore_or_init(config, program: _Programs, checkpointer, warn):
   """(state, the restored step or None): the workdir's latest checkpoint,
   onto this run's mesh whatever wrote it, or a fresh state."""
@@ -446,6 +487,14 @@ def _evaluator(config, dataset, program: _Programs, sharded: bool = True):
   return evaluate
 
 
+def training_data(config, workdir: str) -> data_lib.Source:
+  """The data a run of `config` in WORKDIR reads, checked against its model
+  as `train.main` checks it; writes nothing (a benchmark feeds its peers
+  from it)."""
+  return _dataset(config.data, config_lib.model_config(config),
+                  storage.path(workdir), is_chief=False)
+
+
 def _dataset(dc, mc, path: epath.Path, is_chief: bool) -> data_lib.Source:
   """The run's data, checked against the model; the workdir remembers the
   tokenizer it was read with."""
@@ -519,7 +568,9 @@ def _diverged(run: Run, step: int, what: str) -> str:
   The last checkpoint is usually already a dead model (loss at ln V): the
   good one is the newest whose parameters' loss, logged one step after it,
   was still in its running range (`metrics.left_range_at`). Newer ones are
-  moved to WORKDIR/diverged_checkpoints, so that a rerun resumes from it.
+  moved to WORKDIR/diverged_checkpoints, so that a rerun resumes from it,
+  with the config that wrote them (diverged_checkpoints/config.json);
+  config.json is then again that of the checkpoints left.
   """
   run.checkpointer.wait()  # Every save must be complete first.
   run.reporter.sync()
@@ -530,18 +581,25 @@ def _diverged(run: Run, step: int, what: str) -> str:
   good = [s for s in run.checkpointer.all_steps() if s <= left - 2]
   last_good = max(good) if good else None
   moved = run.checkpointer.move_after(last_good, DIVERGED_DIR)
+  with_config = ''
+  if moved and (run.config_file.written or run.config_file.found):
+    config = _unused(run.workdir / DIVERGED_DIR / 'config.json')
+    run.config_file.after_divergence(last_good, run.start, config)
+    with_config = f', with their config as {config.name}'
   line = f'non-finite loss or gradient {what}; stopped'
   if left < step:
     line += f'; the loss left its running range at step {left}'
   if last_good is None:
     line += '; no checkpoint yet' if not moved else (
         f'; no checkpoint from before that (moved {len(moved)} to '
-        f'{run.workdir / DIVERGED_DIR}), so a rerun starts afresh')
+        f'{run.workdir / DIVERGED_DIR}{with_config}), so a rerun starts '
+        'afresh')
   else:
     line += f'; the last good checkpoint is step {last_good}'
     if moved:
       line += (f' (the {len(moved)} after it moved to '
-               f'{run.workdir / DIVERGED_DIR}); rerun to resume from it')
+               f'{run.workdir / DIVERGED_DIR}{with_config}); rerun to resume '
+               'from it')
   return line + ' with a lower train.learning_rate, or check the data'
 
 
@@ -593,7 +651,7 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
     return json.loads(final.read_text()) if final.exists() else {}
 
   train_seconds = 0.0  # Wall time in train steps, excluding eval and saving.
-  window, record, stopped_at, config_written = _Window(), {}, None, False
+  window, record, stopped_at = _Window(), {}, None
   for step in range(run.start, tc.steps):
     state, metrics = run.step_fn(state, run.get_batch(step))
     n = step + 1
@@ -614,11 +672,8 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
       if on_eval is not None and on_eval(n, state.params, record) and (
           not last):
         last, record['finished_early'] = True, n
-    if not config_written and (last or stop or n % tc.checkpoint_every == 0):
-      # Written with this run's first save, so that it describes the
-      # checkpoints: a run that fails before saving leaves the old one.
-      run.write_config()
-      config_written = True
+    if last or stop or n % tc.checkpoint_every == 0:
+      run.config_file.write()  # With this run's first save.
     # Logged before the save starts: a kill between the two then resumes
     # from an earlier step and logs this one again, never leaves it out.
     saving = last or stop or n % tc.checkpoint_every == 0
@@ -684,6 +739,15 @@ def _finish(run: Run, tc, record: dict, stopped_at: int | None) -> dict:
   if jax.process_index() == 0:
     _write_atomically(run.workdir / 'final.json', json.dumps(record))
   return record
+
+
+def _unused(path: epath.Path) -> epath.Path:
+  """path, or path-2, -3... if it exists (an earlier divergence's)."""
+  n, free = 1, path
+  while free.exists():
+    n += 1
+    free = path.with_name(f'{path.stem}-{n}{path.suffix}')
+  return free
 
 
 def _rounded(metrics: dict) -> dict:

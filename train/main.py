@@ -1,7 +1,9 @@
 """Trains a GQA/MHA/MQA language model: `python -m train.main --config=gqa_small`.
 
 Flags:
-  --config=NAME|PATH   a config in configs/ by name, or a path to a config file
+  --config=NAME|PATH   a config in configs/ by name (even where a folder NAME
+                       is here: ./NAME for that), or a path to a config file,
+                       a .json file or a workdir
   --config.SECTION.FIELD=VALUE   overrides, e.g. --config.model.num_kv_heads=1
   --workdir=DIR        checkpoints, metrics.jsonl and TensorBoard events;
                        rerunning with the same DIR resumes

@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from attention import Attention, layer
+from attention import Attention, layer, numerics
 from attention.rope import RopeScaling
 
 Activation = Literal['gelu_tanh', 'silu']
@@ -116,10 +116,8 @@ class RMSNorm(nn.Module):
         'scale', nn.with_logical_partitioning(
             nn.initializers.constant(1.0 - c.norm_scale_offset), ('norm',)),
         (x_BTD.shape[-1],), c.param_dtype)
-    x = x_BTD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + c.norm_eps)
-    return (x * (c.norm_scale_offset + scale_D.astype(jnp.float32))
-            ).astype(c.dtype)
+    return numerics.rms_norm(x_BTD, scale_D, eps=c.norm_eps,
+                             offset=c.norm_scale_offset, dtype=c.dtype)
 
 
 class MLP(nn.Module):
@@ -252,10 +250,7 @@ class Transformer(nn.Module):
               nn.initializers.normal(0.02), ('embed', 'vocab')),
           name='unembed')(x_XD)
     logits_BTV = logits_XV.reshape(B, T, -1).astype(jnp.float32)
-    if c.final_logits_soft_cap is not None:
-      cap = c.final_logits_soft_cap
-      logits_BTV = cap * jnp.tanh(logits_BTV / cap)
-    return logits_BTV
+    return numerics.soft_cap(logits_BTV, c.final_logits_soft_cap)
 
   def _position_embedding(self, T: int):
     """[T, D]: the learned embeddings of this call's positions (0..T-1, or

@@ -25,7 +25,7 @@ import time
 
 from etils import epath
 
-from train.errors import UserError
+from train.errors import UserError, pip_install
 
 SCHEMES = ('gs',)  # Those a workdir may have: what gcsfs and TensorStore speak.
 UPLOAD_SECONDS = 30.0
@@ -65,7 +65,7 @@ def path(given: str | os.PathLike, flag: str = '--workdir') -> epath.Path:
                     f'local folder or a {" or ".join(SCHEMES)}:// path')
   if importlib.util.find_spec('gcsfs') is None:
     raise UserError(f'{flag}={given} needs gcsfs to reach buckets: '
-                    "pip install -e '.[gcs]'")
+                    f'{pip_install("gcs")}')
   # gcsfs logs each retry and each guess at a bucket's type with a
   # traceback; what fails in the end is one line (`bucket_fault`).
   logging.getLogger('gcsfs').setLevel(logging.CRITICAL)

@@ -12,7 +12,8 @@ naming the holder's host and pid:
     renews its lease every quarter lease; a lock whose lease has expired,
     or whose holder was a process on this host that is gone, is stale and
     taken over, again under a precondition. The object is deleted at the end.
-    GQA_LAB_LOCK_LEASE sets the lease (60 s).
+    GQA_LAB_LOCK_LEASE sets the lease (60 s); a local lock has none, but
+    a value that is not a lease is refused there too.
 Multi-host runs share one workdir by design: only process 0 writes, and only
 process 0 takes the lock.
 """
@@ -99,6 +100,8 @@ def lock(workdir: str | os.PathLike, *, enabled: bool = True,
          flag: str = '--workdir') -> Iterator[None]:
   """Holds WORKDIR/lock for the duration; refuses if a live run holds it
   (`flag`: the folder's flag, for the message; local folders)."""
+  lease_seconds()  # Set wrong, refused on any workdir, though only a
+  # bucket's lock has a lease.
   if not enabled:
     yield
   elif storage.is_local(workdir):
