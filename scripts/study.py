@@ -44,13 +44,15 @@ def saved(path: pathlib.Path) -> dict:
   return json.loads(path.read_text())
 
 
-def train(config, workdir: pathlib.Path, log: pathlib.Path) -> dict:
+def train(config, workdir: pathlib.Path, log: pathlib.Path,
+          on_eval=None) -> dict:
   """`train.main`'s loop, its lines (and warnings) in LOG; a finished run
-  (WORKDIR/final.json) is reused, an interrupted one resumed."""
+  (WORKDIR/final.json) is reused, an interrupted one resumed. on_eval: the
+  loop's (returning True ends the run there, as finished)."""
   final = workdir / 'final.json'
   if final.exists():
     return json.loads(final.read_text())
   log.parent.mkdir(parents=True, exist_ok=True)
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):
-    return loop.train_and_evaluate(config, str(workdir))
+    return loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)
