@@ -300,13 +300,12 @@ def main():
   kv_heads = args.kv_heads or ([1] if args.quick else
                                sorted({max(1, N // 2), 1}, reverse=True))
   seeds = list(range(1, 1 + (args.seeds or 3)))
-  for name, n in (('--config', N), ('--recall_config',
-                                    recall.model.num_heads)):
+  for name, n in (('source', N), ('recall source', recall.model.num_heads)):
     bad = [k for k in kv_heads if k < 1 or n % k or k == n]
     if bad:
-      raise UserError(f'--kv_heads={bad[0]}: give divisors of {name}\'s {n} '
-                      f'query heads below {n} (K = N is the control, always '
-                      'run)')
+      raise UserError(f'--kv_heads={bad[0]}: give divisors of the {name}\'s '
+                      f'{n} query heads below {n} (K = N is the control, '
+                      'always run)')
   for c in (config, recall):
     config_lib.validate(c, batch_shards=1)
   out = pathlib.Path(args.out)
