@@ -133,7 +133,8 @@ def test_a_converted_workdir_uptrains_at_the_rate_its_source_ended_at(
             config.model.param_dtype) == (1, 0.1, 'float32')
 
 
-@pytest.mark.parametrize('method', ['mean', 'random'])
+@pytest.mark.parametrize('method', [
+    'mean', pytest.param('random', marks=pytest.mark.slow)])  # Inits a model.
 def test_pooled_optimizer_carries_adam_moments_pooled_like_the_weights(
     trained, tmp_path, method):
   """--optimizer=pooled: the source's Adam moments, K/V heads pooled as the
