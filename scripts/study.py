@@ -98,7 +98,7 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
   """`train.main`'s loop, its lines (and warnings) in LOG; a finished run
   (WORKDIR/final.json) is reused if it was trained with `config`
   (`check_reusable`, refused otherwise), an interrupted one resumed.
-  on_eval: as `loop.train_and_evaluate`'s."""
+  on_eval: the loop's (returning True ends the run there, as finished)."""
   check_reusable(config, workdir)
   final = workdir / 'final.json'
   if final.exists():

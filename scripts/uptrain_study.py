@@ -1,31 +1,39 @@
-"""The GQA paper's uptraining claims (Ainslie et al. 2023), tested with controls.
+"""The GQA paper's uptraining claims (Ainslie et al. 2023), tested as the
+paper states them, with controls.
 
   python -m scripts.uptrain_study --out=DIR [--quick] [--config=uptrain_source]
-      [--seeds=3] [--kv_heads=K,...] [--alphas=0,0.025,0.05,0.1,0.2]
+      [--steps=S] [--seeds=n] [--kv_heads=K,...]
+      [--recall_config=uptrain_recall] [--recall_steps=S_r]
 
-1. Trains an MHA source (the config's K is set to its N) and checks that its
-   held-out loss is flat: under 1% change over the last fifth of its steps.
-   Reused from DIR/source when present.
-2. Converts it: identity (K = N, the control: no conversion, the same
-   uptraining), and mean, first and random to each --kv_heads (default: GQA
-   with N/4 heads, or N/2 for N < 8, and MQA).
-3. Uptrains every conversion for alpha x the source's steps (its tokens), per
-   seed (the data order, and random's initialisation), by two recipes:
-   paper      the pre-training recipe re-warmed: its peak rate, warmup
-              fraction and decay, over the uptraining steps;
-   continued  what `train.convert` writes into a converted workdir: warmup 2%
-              to the rate the source's schedule ended at, cosine to 10%.
-   Every run is `train.main`'s loop (`loop.train_and_evaluate`), evaluated by
-   its evaluator on its held-out batches; alpha = 0 evaluates the conversion.
-4. Trains each --kv_heads from scratch for the source's tokens plus
-   alpha = 0.05's (the paper's compute argument).
-5. Writes DIR/report.md (the reading, tables, paired differences between
-   methods over seeds), DIR/results.json, loss_vs_alpha.png and curves.png.
+1. An MHA source (the config's K set to its N) trained S steps, seed 0.
+2. A learning-rate pilot (seed 0, recorded): mean-pooled MQA and the identity
+   control uptrained for alpha = 0.05 at the source's peak rate x 1, 1/3,
+   1/10. The rate chosen is fixed in advance: the lowest mean-pooled loss
+   among the rates whose control drifts at most NEAR from the source (else
+   the least drifting one).
+3. Conversions: identity (K = N, no conversion: the control) and mean, first,
+   random to each --kv_heads (default N/2 and 1; --quick: 1), each with a
+   fresh Adam; identity and mean also with the source's Adam moments carried
+   over and pooled like the weights (`train.convert --optimizer=pooled`).
+4. Per (conversion, seed) ONE uptraining run of alpha = 0.2 of S steps at the
+   chosen rate (warmup to it over the first alpha point, then constant, so
+   that each checkpoint is the same recipe stopped earlier), evaluated at
+   alpha = 0.0125, 0.025, 0.05, 0.1, 0.2; alpha = 0 evaluates the conversion.
+5. From-scratch compute curves: MHA and each K trained (1 + 0.2) S steps per
+   seed by the source's recipe, evaluated every S/40 steps; an uptrained loss
+   maps to the steps the seed-mean scratch curve needs to reach it.
+6. The recall arm: an MHA recall-probe source (accuracy 1.000 by
+   construction), converted as in 3 (fresh Adam) and uptrained up to 0.2 x S_r
+   steps at its peak rate; steps to regain accuracy >= 0.95 against K trained
+   from scratch (up to S_r steps) per seed; each run ends when it gets there.
+7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
+   values, stats.provenance) and plots.
 
-A rerun with the same --out reuses every finished run (DIR/runs/.../final.json)
-and resumes an interrupted one; each run keeps its workdir (about 0.4 GB in
-all by default) to sample from or inspect. --quick: a quarter of the source's
-steps, K = 1 only, alphas 0, 0.05, 0.2, 2 seeds.
+Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
+same --out reuses finished runs and resumes an interrupted one. Default: 4
+seeds, about 30 minutes on an idle 2-core machine (estimated from --quick's
+per-step times); --quick: S/4, K = 1 only, 3 seeds, about 8 minutes there
+(26 minutes measured beside seven other busy processes).
 """
 
 from __future__ import annotations
@@ -33,200 +41,280 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import shutil
 
-from scripts import study, uptrain_report
-from scripts.uptrain_report import METHODS, RECIPES, SCRATCH_ALPHA
+from scripts import stats, study, uptrain_report
 from train import config_lib, convert, loop, progress
+from train.cli import check_output_dir, exit_on_user_error, positive_int
 from train.errors import UserError
-from train.cli import check_output_dir, exit_on_user_error, float_list
 from train.metrics import read_metrics
 
-CURVE_POINTS = 8  # Evaluations along the largest alpha's runs.
+ALPHAS = (0.0125, 0.025, 0.05, 0.1, 0.2)  # Each twice the one before.
+PAPER_ALPHA = 0.05  # The paper's test point.
+NEAR = 0.02  # "Near MHA": at most this many nats above the control.
+PILOT_RATES = (1.0, 1 / 3, 1 / 10)  # x the source's peak rate.
+METHODS = ('identity', 'mean', 'first', 'random')
+RECALL_TARGET = 0.95  # Held-out recall accuracy counted as regained.
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-  """One uptraining run (alpha = 0: the conversion, evaluated)."""
-  recipe: str
+class Arm:
+  """One conversion: K/V heads by `method`, the optimizer's `start`."""
   method: str
   K: int
-  alpha: float
-  seed: int
+  start: str = 'fresh'
 
   @property
   def name(self) -> str:
-    return (f'runs/{self.recipe}/{self.method}_K{self.K}/'
-            f'a{self.alpha:g}_s{self.seed}')
+    return f'{self.start}/{self.method}_K{self.K}'
 
-  def describe(self) -> str:
-    return (f'{self.method} -> K={self.K}, {self.recipe} recipe, '
-            f'alpha={self.alpha:g}, seed {self.seed}')
+
+def unit_steps(steps: int) -> int:
+  """Steps of the smallest alpha; alpha i is this x 2^i steps."""
+  return max(1, round(ALPHAS[0] * steps))
 
 
 def source_config(name: str, steps: int | None):
   config = config_lib.load(name)
   config.model.num_kv_heads = config.model.num_heads
-  if steps:
-    config.train.steps = steps
-  steps = config.train.steps
-  config.train.update(eval_every=max(1, steps // 10), checkpoint_every=steps,
-                      log_every=max(1, steps // 10), keep_checkpoints=1)
+  tc = config.train
+  warmup = tc.warmup_steps * (steps or tc.steps) / tc.steps  # Its fraction.
+  steps = steps or tc.steps
+  config.train.update(steps=steps,
+                      warmup_steps=min(max(1, round(warmup)), steps - 1),
+                      eval_every=2 * unit_steps(steps),
+                      log_every=2 * unit_steps(steps),
+                      checkpoint_every=steps, keep_checkpoints=1)
   return config
 
 
-def recipe_config(converted: pathlib.Path, source, run: Run):
-  """The converted workdir's config, set to uptrain by `run`'s recipe."""
-  config = config_lib.load(str(converted))
-  steps = max(1, round(run.alpha * source.train.steps))
-  config.train.steps = steps
-  if run.recipe == 'paper':
-    st = source.train
-    config.train.update(
-        learning_rate=st.learning_rate,
-        warmup_steps=min(max(1, round(steps * st.warmup_steps / st.steps)),
-                         steps - 1),
-        min_learning_rate_ratio=st.min_learning_rate_ratio)
-  else:
-    convert.apply_recipe(config, convert.source_rate(converted, source))
-  config.seed = run.seed
-  config.train.update(checkpoint_every=steps, keep_checkpoints=1,
-                      log_every=steps, eval_every=steps)
-  return config
+def _reached(step, params, record) -> bool:
+  """The recall arm's runs end once they answer RECALL_TARGET of queries."""
+  del step, params
+  return record['eval_accuracy'] >= RECALL_TARGET
 
 
-def train_source(out: pathlib.Path, config) -> dict:
-  """The MHA source, trained (or reused: it must be this config's) and
-  checked for flatness."""
-  workdir = out / 'source'
-  written = workdir / 'config.json'
-  if written.exists() and (
-      config_lib.load(str(written)).to_dict() != config.to_dict()):
-    raise UserError(f'{workdir} holds a source trained with another config '
-                    f'({written}); use a new --out, or the same flags as the '
-                    'run that wrote it')
-  print(f'=== the MHA source: {config.train.steps} steps', flush=True)
-  record = study.train(config, workdir, workdir / 'log.txt')
-  curve = [(r['step'], r['eval_loss']) for r in read_metrics(workdir)
-           if 'eval_loss' in r]
-  last_fifth = [loss for step, loss in curve
-                if step >= 0.8 * config.train.steps]
-  change = (max(last_fifth) - last_fifth[-1]) / last_fifth[-1]
-  return {'loss': record['eval_loss'], 'curve': curve, 'change': change,
-          'steps': config.train.steps,
+def _trained(config, workdir: pathlib.Path, stop: bool = False
+             ) -> list[dict]:
+  """Trains (or reuses) `config` in WORKDIR; its evaluations. stop: end
+  at the recall target (`_reached`)."""
+  study.train(config, workdir, workdir / 'log.txt',
+              on_eval=_reached if stop else None)
+  return [{'step': r['step'], 'loss': r['eval_loss'],
+           'accuracy': r['eval_accuracy']}
+          for r in read_metrics(workdir) if 'eval_loss' in r]
+
+
+def train_source(workdir: pathlib.Path, config) -> dict:
+  curve = _trained(config, workdir)
+  return {'loss': curve[-1]['loss'], 'accuracy': curve[-1]['accuracy'],
+          'curve': curve, 'steps': config.train.steps,
+          'learning_rate': config.train.learning_rate,
           'tokens': config.train.steps * config.train.batch_size *
                     config.data.seq_len}
 
 
-def convert_all(out: pathlib.Path, kv_heads, seeds, num_heads: int) -> dict:
-  """{(method, K, seed): converted workdir}; random depends on the seed."""
-  done = {}
-  (out / 'converted').mkdir(parents=True, exist_ok=True)
-  targets = [('identity', num_heads)] + [
-      (m, k) for m in METHODS[1:] for k in kv_heads]
-  for method, K in targets:
-    for seed in seeds:
-      key = f'{method}_K{K}' + (f'_s{seed}' if method == 'random' else '')
-      workdir = out / 'converted' / key
-      if not (workdir / 'config.json').exists():
-        shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
-        with (out / 'converted' / 'log.txt').open('a') as f, (
-            contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
-          convert.convert_workdir(str(out / 'source'), str(workdir), K,
-                                  'mean' if method == 'identity' else method,
-                                  seed=seed)
-      done[method, K, seed] = workdir
-  return done
+def convert_one(out: pathlib.Path, source: pathlib.Path, arm: Arm,
+                seed: int) -> pathlib.Path:
+  """ARM's converted workdir (random's depends on the seed)."""
+  key = arm.name + (f'_s{seed}' if arm.method == 'random' else '')
+  workdir = out / 'converted' / key
+  if not (workdir / 'config.json').exists():
+    shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    with (out / 'converted' / 'log.txt').open('a') as f, (
+        contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
+      convert.convert_workdir(
+          str(source), str(workdir), arm.K,
+          'mean' if arm.method == 'identity' else arm.method, seed=seed,
+          optimizer=arm.start)
+  return workdir
 
 
-def uptrain(out: pathlib.Path, run: Run, converted: pathlib.Path, source,
-            curve: bool) -> dict:
-  """One run's held-out loss and (curve: evaluated along the way) its
-  learning curve."""
-  if run.alpha == 0:
-    return {'loss': loop.evaluate_workdir(str(converted))['eval_loss'],
-            'curve': []}
-  workdir = out / run.name
-  config = recipe_config(converted, source, run)
-  if curve:
-    config.train.eval_every = max(1, config.train.steps // CURVE_POINTS)
+def uptrain_config(converted: pathlib.Path, source, steps: int, rate: float,
+                   seed: int, eval_every: int):
+  """The converted workdir's config set to uptrain `steps` at `rate`: warmup
+  over the first alpha point's steps, then constant."""
+  config = config_lib.load(str(converted))
+  warmup = min(unit_steps(source.train.steps), steps - 1) if steps > 1 else 0
+  config.train.update(steps=steps, learning_rate=rate, warmup_steps=warmup,
+                      min_learning_rate_ratio=1.0, checkpoint_every=steps,
+                      keep_checkpoints=1, log_every=eval_every,
+                      eval_every=eval_every)
+  config.seed = seed
+  return config
+
+
+_AT0: dict = {}
+
+
+def uptrain(out: pathlib.Path, name: str, converted: pathlib.Path, source,
+            steps: int, rate: float, seed: int, eval_every: int,
+            stop: bool = False) -> list[dict]:
+  """The conversion's evaluation (step 0) and its uptraining curve."""
+  workdir = out / name
+  config = uptrain_config(converted, source, steps, rate, seed, eval_every)
+  if converted not in _AT0:  # Deterministic: once per conversion.
+    _AT0[converted] = loop.evaluate_workdir(str(converted))
+  at0 = _AT0[converted]
   if not workdir.exists():
     shutil.copytree(converted, workdir)
-  record = study.train(config, workdir, workdir / 'log.txt')
-  return {'loss': record['eval_loss'], 'curve': [
-      (r['step'], r['eval_loss']) for r in read_metrics(workdir)
-      if 'eval_loss' in r]}
+  curve = _trained(config, workdir, stop)
+  return [{'step': 0, 'loss': at0['eval_loss'],
+           'accuracy': at0['eval_accuracy']}, *curve]
 
 
-def scratch(out: pathlib.Path, source, K: int, seed: int) -> dict:
-  """K heads trained from scratch for the source's tokens plus alpha's."""
+def scratch(out: pathlib.Path, source, K: int, seed: int, steps: int,
+            stop: bool = False) -> list[dict]:
+  """K heads trained from scratch for `steps` by the source's recipe."""
   config = source.copy_and_resolve_references()
   config.model.num_kv_heads = K
   config.seed = seed
-  steps = round((1 + SCRATCH_ALPHA) * source.train.steps)
   config.train.update(steps=steps, checkpoint_every=steps)
-  workdir = out / 'scratch' / f'K{K}_s{seed}'
-  record = study.train(config, workdir, workdir / 'log.txt')
-  return {'K': K, 'seed': seed, 'loss': record['eval_loss']}
+  return _trained(config, out / 'scratch' / f'K{K}_s{seed}', stop)
 
 
-def run_study(out: pathlib.Path, config, kv_heads, alphas, seeds) -> dict:
-  """Every run of the plan, in order of cost; the results as one dict."""
-  source = train_source(out, config)
-  converted = convert_all(out, kv_heads, seeds, config.model.num_heads)
-  targets = [('identity', config.model.num_heads)] + [
-      (m, k) for m in METHODS[1:] for k in kv_heads]
-  plan = [Run(recipe, method, K, alpha, seed)
-          for alpha in alphas for recipe in RECIPES
-          for method, K in targets for seed in seeds
-          if alpha or recipe == RECIPES[0]]  # alpha 0 is recipe-free.
-  steps = config.train.steps
-  results = []
-  for run in progress.runs(plan, Run.describe,
-                           cost=lambda r: r.alpha * steps + 10):
-    result = uptrain(out, run, converted[run.method, run.K, run.seed],
-                     config, curve=run.alpha == alphas[-1])
-    for recipe in (RECIPES if run.alpha == 0 else [run.recipe]):
-      results.append({**dataclasses.asdict(run), 'recipe': recipe, **result})
-  scratch_runs = [(K, seed) for K in kv_heads for seed in seeds]
-  scratches = [scratch(out, config, K, seed) for K, seed in progress.runs(
-      scratch_runs, lambda c: f'K={c[0]} from scratch, seed {c[1]}')]
-  return {'source': source, 'runs': results, 'scratch': scratches,
-          'plan': {'kv_heads': kv_heads, 'alphas': alphas, 'seeds': seeds,
-                   'num_heads': config.model.num_heads,
+def pilot(out: pathlib.Path, source_dir: pathlib.Path, source, K: int,
+          unit: int) -> dict:
+  """The learning-rate pilot (seed 0, alpha = 0.05): each candidate's
+  mean-pooled and control losses, and the rate chosen by the rule fixed in
+  advance (the module docstring)."""
+  steps = round(PAPER_ALPHA / ALPHAS[0]) * unit
+  rows = []
+  for ratio in PILOT_RATES:
+    rate = source.train.learning_rate * ratio
+    row = {'rate': rate}
+    for arm in (Arm('mean', K), Arm('identity', source.model.num_heads)):
+      curve = uptrain(out, f'pilot/{rate:g}/{arm.name}',
+                      convert_one(out, source_dir, arm, 0), source, steps,
+                      rate, 0, steps)
+      row[arm.method] = curve[-1]['loss']
+    row['drift'] = row['identity'] - curve[0]['loss']
+    rows.append(row)
+  calm = [r for r in rows if abs(r['drift']) <= NEAR]
+  chosen = (min(calm, key=lambda r: r['mean']) if calm else
+            min(rows, key=lambda r: abs(r['drift'])))
+  return {'K': K, 'steps': steps, 'rows': rows, 'rate': chosen['rate']}
+
+
+def plan_arms(N: int, kv_heads: list[int]) -> list[Arm]:
+  return ([Arm('identity', N)] +
+          [Arm(m, K) for m in METHODS[1:] for K in kv_heads] +
+          [Arm('identity', N, 'pooled')] +
+          [Arm('mean', K, 'pooled') for K in kv_heads])
+
+
+def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
+  S, N = config.train.steps, config.model.num_heads
+  unit = unit_steps(S)
+  top = unit * 2 ** (len(ALPHAS) - 1)
+  source_dir = out / 'source'
+  print(f'=== the MHA source: {S} steps', flush=True)
+  source = train_source(source_dir, config)
+  print('=== the learning-rate pilot', flush=True)
+  chosen = pilot(out, source_dir, config, min(kv_heads), unit)
+  plan = [(arm, seed) for arm in plan_arms(N, kv_heads) for seed in seeds]
+  runs = []
+  for arm, seed in progress.runs(
+      plan, lambda p: f'{p[0].method} -> K={p[0].K}, {p[0].start} Adam, '
+      f'seed {p[1]}'):
+    curve = uptrain(out, f'runs/{arm.name}/s{seed}',
+                    convert_one(out, source_dir, arm, seed), config, top,
+                    chosen['rate'], seed, unit)
+    runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve})
+  scratches = []
+  for K, seed in progress.runs(
+      [(K, s) for K in [N, *kv_heads] for s in seeds],
+      lambda p: f'K={p[0]} from scratch, seed {p[1]}'):
+    scratches.append({'K': K, 'seed': seed, 'curve': scratch(
+        out, config, K, seed, S + top)})
+  return {'source': source, 'pilot': chosen, 'runs': runs,
+          'scratch': scratches,
+          'plan': {'kv_heads': kv_heads, 'seeds': seeds, 'num_heads': N,
+                   'steps': S, 'alpha_steps': [unit * 2 ** i for i in range(
+                       len(ALPHAS))], 'alphas': list(ALPHAS),
+                   'near': NEAR, 'paper_alpha': PAPER_ALPHA,
+                   'vocab_size': config.model.vocab_size,
                    'config': config.to_dict()}}
+
+
+def steps_to(curve: list[dict], target: float = RECALL_TARGET) -> int | None:
+  """The first evaluated step with accuracy >= target (None: never)."""
+  return next((p['step'] for p in curve if p['accuracy'] >= target), None)
+
+
+def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
+  S, N = config.train.steps, config.model.num_heads
+  unit = unit_steps(S)
+  budget = unit * 2 ** (len(ALPHAS) - 1)
+  source_dir = out / 'recall' / 'source'
+  print(f'=== the recall-probe MHA source: {S} steps', flush=True)
+  source = train_source(source_dir, config)
+  plan = [(Arm(m, N if m == 'identity' else K), seed) for m in METHODS
+          for K in kv_heads for seed in seeds
+          if m != 'identity' or K == kv_heads[0]]
+  runs = []
+  every = max(1, budget // 20)
+  for arm, seed in progress.runs(
+      plan, lambda p: f'recall: {p[0].method} -> K={p[0].K}, seed {p[1]}'):
+    curve = uptrain(out / 'recall', f'runs/{arm.name}/s{seed}',
+                    convert_one(out / 'recall', source_dir, arm, seed),
+                    config, budget, config.train.learning_rate, seed, every,
+                    stop=True)
+    runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve,
+                 'steps_to_target': steps_to(curve)})
+  scratches = []
+  for K, seed in progress.runs([(K, s) for K in kv_heads for s in seeds],
+                               lambda p: f'recall: K={p[0]} from scratch, '
+                               f'seed {p[1]}'):
+    curve = scratch(out / 'recall', config, K, seed, S, stop=True)
+    scratches.append({'K': K, 'seed': seed, 'curve': curve,
+                      'steps_to_target': steps_to(curve)})
+  return {'source': {**source, 'steps_to_target': steps_to(source['curve'])},
+          'runs': runs, 'scratch': scratches,
+          'plan': {'kv_heads': kv_heads, 'seeds': seeds, 'num_heads': N,
+                   'steps': S, 'budget': budget, 'target': RECALL_TARGET,
+                   'eval_every': every, 'config': config.to_dict()}}
 
 
 def main():
   parser = study.parser(
       __doc__, config='uptrain_source', helps=dict(
-          config="the source's config (K is set to its N)",
-          steps="source steps (default: the config's)",
-          kv_heads='targets (default: N/4 and 1)'))
-  parser.add_argument('--alphas', type=float_list, default=None)
+          config="the LM source's config (K is set to its N)",
+          steps="LM source steps (default: the config's; --quick: a "
+                'quarter)',
+          kv_heads='targets (default: N/2 and 1; --quick: 1)',
+          seeds='seeds per arm (default 4; --quick: 3)'))
+  parser.add_argument('--recall_config', default='uptrain_recall',
+                      help="the recall arm's source config (K set to its N)")
+  parser.add_argument('--recall_steps', type=positive_int, default=None,
+                      help="its steps (default: the config's)")
   args = parser.parse_args()
   check_output_dir(args.out)
-  quick = args.quick
   config = source_config(args.config, args.steps)
-  if quick and not args.steps:
+  if args.quick and not args.steps:
     config = source_config(args.config, config.train.steps // 4)
+  recall = source_config(args.recall_config, args.recall_steps)
+  recall.train.eval_every = max(1, recall.train.steps // 40)
   N = config.model.num_heads
-  gqa = N // 4 if N >= 8 else N // 2  # GQA with 4 (or 2) heads a group.
-  kv_heads = args.kv_heads or ([1] if quick else sorted({max(1, gqa), 1},
-                                                         reverse=True))
-  alphas = sorted(set(args.alphas or ([0, 0.05, 0.2] if quick else
-                                      [0, 0.025, 0.05, 0.1, 0.2]))
-                  | {0, SCRATCH_ALPHA})  # Always the control's and scratch's.
-  seeds = list(range(1, 1 + (args.seeds or (2 if quick else 3))))
-  bad = [k for k in kv_heads if k < 1 or N % k or k == N]
-  if bad:
-    raise UserError(f'--kv_heads={bad[0]}: give divisors of the source\'s '
-                    f'{N} query heads below {N} (K = {N} is the control, '
-                    'always run)')
-  config_lib.validate(config, batch_shards=1)
+  kv_heads = args.kv_heads or ([1] if args.quick else
+                               sorted({max(1, N // 2), 1}, reverse=True))
+  seeds = list(range(1, 1 + (args.seeds or (3 if args.quick else 4))))
+  for name, n in (('source', N), ('recall source', recall.model.num_heads)):
+    bad = [k for k in kv_heads if k < 1 or n % k or k == n]
+    if bad:
+      raise UserError(f'--kv_heads={bad[0]}: give divisors of the {name}\'s '
+                      f'{n} query heads below {n} (K = N is the control, '
+                      'always run)')
+  for c in (config, recall):
+    config_lib.validate(c, batch_shards=1)
   out = pathlib.Path(args.out)
-  results = run_study(out, config, kv_heads, alphas, seeds)
+  results = {'provenance': stats.provenance('scripts.uptrain_study', out),
+             'lm': lm_arm(out, config, kv_heads, seeds),
+             'recall': recall_arm(out, recall, kv_heads, seeds)}
+  results['summary'] = uptrain_report.summary(results)
   (out / 'results.json').write_text(json.dumps(results, indent=1))
   uptrain_report.write(out, results)
 

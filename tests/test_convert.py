@@ -14,6 +14,7 @@ import pytest
 from configs import tiny
 from train import checkpoint, config_lib, convert, data, loop
 from train.model import Transformer
+from train.errors import UserError
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -130,3 +131,49 @@ def test_a_converted_workdir_uptrains_at_the_rate_its_source_ended_at(
     assert config.train.learning_rate == pytest.approx(1e-3)
     assert (config.train.warmup_steps, config.train.min_learning_rate_ratio,
             config.model.param_dtype) == (1, 0.1, 'float32')
+
+
+@pytest.mark.parametrize('method', [
+    'mean', pytest.param('random', marks=pytest.mark.slow)])  # Inits a model.
+def test_pooled_optimizer_carries_adam_moments_pooled_like_the_weights(
+    trained, tmp_path, method):
+  """--optimizer=pooled: the source's Adam moments, K/V heads pooled as the
+  weights are (random: zeros for fresh heads), Adam's count carried and the
+  schedule's restarted."""
+  convert.convert_workdir(str(trained), str(tmp_path / 'mqa'), 1, method,
+                          optimizer='pooled')
+  _, source = checkpoint.restore_latest(str(trained))
+  step, written = checkpoint.restore_latest(str(tmp_path / 'mqa'))
+  assert step == 0
+  adam, theirs = written['opt_state'][1][0], source['opt_state'][1][0]
+  assert int(adam['count']) == int(theirs['count']) == 20
+  assert int(written['opt_state'][1][2]['count']) == 0  # The schedule's.
+  for name in ('mu', 'nu'):
+    kv = adam[name]['layers']['attention']['key']  # [L, D, K, H]
+    source_kv = theirs[name]['layers']['attention']['key']
+    expected = (source_kv.mean(-2, keepdims=True) if method == 'mean'
+                else np.zeros_like(kv))
+    np.testing.assert_allclose(kv, expected, rtol=1e-6)
+    chex.assert_trees_all_equal(adam[name]['layers']['mlp'],
+                                theirs[name]['layers']['mlp'])
+
+
+@pytest.mark.slow
+def test_the_loop_resumes_a_pooled_optimizer_rather_than_a_fresh_one(
+    trained, tmp_path):
+  convert.convert_workdir(str(trained), str(tmp_path / 'mqa'), 1, 'mean',
+                          optimizer='pooled')
+  config = config_lib.from_json(tmp_path / 'mqa' / 'config.json')
+  config.train.update(steps=2, log_every=1)
+  loop.train_and_evaluate(config, str(tmp_path / 'mqa'))
+  _, after = checkpoint.restore_latest(str(tmp_path / 'mqa'))
+  assert int(after['opt_state'][1][0]['count']) == 22  # Carried on: 20 + 2.
+  assert int(after['opt_state'][1][2]['count']) == 2
+
+
+def test_pooled_optimizer_needs_a_source_that_has_one(trained, tmp_path):
+  convert.convert_workdir(str(trained), str(tmp_path / 'gqa'), 1, 'mean')
+  with pytest.raises(UserError, match='has no optimizer state'):
+    convert.convert_workdir(str(tmp_path / 'gqa'), str(tmp_path / 'again'),
+                            1, 'mean', optimizer='pooled')
+  assert not (tmp_path / 'again' / 'config.json').exists()

@@ -2,129 +2,181 @@
 answers are known), and the whole study end to end on `tiny`."""
 
 import json
+import math
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from scripts import uptrain_report
+from scripts import uptrain_report, uptrain_study
 
 SOURCE = 2.0
+STEPS = [1, 2, 4, 8, 16]  # Uptraining steps of the alphas, S = 100.
 
 
-def _results(shift: dict, noise: float = 0.0):
-  """Results where a method's loss at alpha is `shift[(recipe, method)]`
-  plus a decay in alpha, one row per seed; `noise` scales a per-seed term
-  that differs between methods."""
+def _scratch_loss(step, K, seed):
+  """Linear in steps: E(loss) = 30 (5 - loss) on the seed-mean curve."""
+  return 5 - step / 30 + (0.01 if K == 1 else 0.0) + 0.001 * (seed - 2)
+
+
+def _results(up: dict, noise: float = 0.0, pooled_gain: float = 0.0):
+  """LM results where arm (method, start)'s loss at alpha step s is
+  up[method](s) (minus pooled_gain for pooled Adam), plus per-seed noise."""
   rng = np.random.default_rng(0)
   runs = []
-  for alpha in (0, 0.05, 0.2):
-    for recipe in uptrain_report.RECIPES:
-      for method in uptrain_report.METHODS:
-        K = 4 if method == 'identity' else 1
-        for seed in (1, 2, 3):
-          at0 = SOURCE if method == 'identity' else SOURCE + 1.0 + (
-              0.2 if method == 'random' else 0.0)
-          loss = at0 if alpha == 0 else SOURCE + shift[recipe, method] * (
-              1 - alpha) + noise * rng.normal()
-          runs.append(dict(recipe=recipe, method=method, K=K, alpha=alpha,
-                           seed=seed, loss=loss, curve=[(10, loss)]))
-  return {'source': {'loss': SOURCE, 'curve': [(100, SOURCE)], 'change': 0.004,
-                     'steps': 100, 'tokens': 100 * 16 * 128},
-          'runs': runs,
-          'scratch': [dict(K=1, seed=s, loss=SOURCE + 0.5 + 0.01 * s)
-                      for s in (1, 2, 3)],
-          'plan': {'kv_heads': [1], 'alphas': [0, 0.05, 0.2],
-                   'seeds': [1, 2, 3], 'num_heads': 4}}
+  for arm in uptrain_study.plan_arms(4, [1]):
+    for seed in (1, 2, 3):
+      curve = [{'step': 0, 'loss': up[arm.method](0), 'accuracy': 0.0}]
+      for s in STEPS:
+        loss = up[arm.method](s) + noise * rng.normal() - (
+            pooled_gain if arm.start == 'pooled' else 0.0)
+        curve.append({'step': s, 'loss': loss, 'accuracy': 0.0})
+      runs.append({'method': arm.method, 'K': arm.K, 'start': arm.start,
+                   'seed': seed, 'curve': curve})
+  scratch = [{'K': K, 'seed': seed, 'curve': [
+      {'step': s, 'loss': _scratch_loss(s, K, seed), 'accuracy': 0.0}
+      for s in range(10, 121, 10)]} for K in (4, 1) for seed in (1, 2, 3)]
+  lm = {'source': {'loss': SOURCE, 'steps': 100, 'tokens': 100 * 16 * 64,
+                   'curve': []},
+        'pilot': {'K': 1, 'steps': 4, 'rate': 1e-3, 'rows': [
+            {'rate': 1e-3, 'mean': 3.0, 'identity': 2.0, 'drift': 0.0}]},
+        'runs': runs, 'scratch': scratch,
+        'plan': {'kv_heads': [1], 'seeds': [1, 2, 3], 'num_heads': 4,
+                 'steps': 100, 'alpha_steps': STEPS,
+                 'alphas': list(uptrain_study.ALPHAS), 'near': 0.02,
+                 'paper_alpha': 0.05, 'vocab_size': 256}}
+  recall_curve = lambda hit: [{'step': 0, 'loss': 1.0, 'accuracy': 0.3},
+                              {'step': 10, 'loss': 0.1,
+                               'accuracy': 0.97 if hit else 0.5}]
+  recall = {
+      'source': {'accuracy': 1.0, 'steps_to_target': 700},
+      'runs': [{'method': 'mean', 'K': 1, 'seed': s, 'curve': recall_curve(
+          s != 3), 'steps_to_target': 10 if s != 3 else None}
+               for s in (1, 2, 3)],
+      'scratch': [{'K': 1, 'seed': s, 'curve': recall_curve(True),
+                   'steps_to_target': 600 + s} for s in (1, 2, 3)],
+      'plan': {'budget': 16, 'target': 0.95}}
+  return {'provenance': {'command': 'python -m scripts.uptrain_study --out=x',
+                         'commit': 'abc1234', 'out': 'x',
+                         'statistics': 'convention.'},
+          'lm': lm, 'recall': recall}
 
 
-SHIFTS = {('paper', 'identity'): 0.3, ('paper', 'mean'): 0.6,
-          ('paper', 'first'): 0.7, ('paper', 'random'): 0.9,
-          ('continued', 'identity'): -0.01, ('continued', 'mean'): 0.2,
-          ('continued', 'first'): 0.3, ('continued', 'random'): 0.25}
+# The control drifts 0.002 nats by alpha's last step; mean-pooled reaches
+# loss 3.0 (E = 60 scratch steps) at the paper's alpha (step 4); first
+# trails mean by 0.05, random first by 0.2.
+UP = {'identity': lambda s: SOURCE + 0.002 * s / 16,
+      'mean': lambda s: 3.0 if s == 4 else 3.5 - 0.05 * s,
+      'first': lambda s: 3.05 if s == 4 else 3.55 - 0.05 * s,
+      'random': lambda s: 3.25 if s == 4 else 3.75 - 0.05 * s}
 
 
-def test_the_sound_recipe_is_the_one_that_does_not_shock_the_control():
-  results = _results(SHIFTS)
-  assert uptrain_report.sound_recipe(results) == 'continued'
-  assert uptrain_report.control(results, 'paper')[0.2][0] == pytest.approx(
-      0.3 * 0.8)
-  assert uptrain_report.control(results, 'continued')[0.05][0] == \
-      pytest.approx(-0.01 * 0.95)
-  # Neither shocks: the one whose control ends lower.
-  calm = _results({**SHIFTS, ('paper', 'identity'): -0.05})
-  assert uptrain_report.sound_recipe(calm) == 'paper'
+def test_equivalent_steps_interpolate_the_running_minimum_and_censor():
+  steps, curve = [10, 20, 30], [4.0, 4.5, 3.0]  # A bump at 20.
+  # On the running minimum [4, 4, 3]: 3.5 is halfway from 20 to 30.
+  assert uptrain_report.equivalent_steps(3.5, steps, curve, 6.0) == 25
+  assert uptrain_report.equivalent_steps(5.0, steps, curve, 6.0) == 5
+  assert uptrain_report.equivalent_steps(7.0, steps, curve, 6.0) == 0
+  assert uptrain_report.equivalent_steps(2.9, steps, curve, 6.0) == math.inf
 
 
-def test_recovery_is_the_fraction_of_the_conversion_drop_won_back():
-  results = _results(SHIFTS)
-  # mean: 3.0 at alpha 0, 2.0 + 0.2 * 0.95 = 2.19 at 0.05: 0.81 of 1.0.
-  np.testing.assert_allclose(
-      uptrain_report.recovery(results, 'continued', 'mean', 1, 0.05),
-      [0.81] * 3)
+def test_summary_maps_uptrained_losses_to_scratch_steps_and_judges_claims():
+  results = _results(UP, noise=0.0005)
+  summ = uptrain_report.summary(results)
+  row = summ['compute'][1][2]  # The paper's alpha: 4 uptraining steps.
+  np.testing.assert_allclose(row['E'], 30 * (5 - 3.0 - 0.01), atol=1)
+  assert row['advantage']['mean'] == pytest.approx(59.7 / 4, abs=0.3)
+  assert row['retained']['mean'] == pytest.approx((59.7 - 4) / 100, abs=0.01)
+  assert uptrain_report._compute_verdict(row) == 'reproduced'
+  # The gap from scratch: K = 1 is 0.01 worse at every seed: resolved.
+  assert summ['gap'][1]['end']['mean'] == pytest.approx(0.01)
+  assert summ['gap'][1]['end']['low'] > 0
+  # Claim 2: mean < first and first < random, both resolved after Holm.
+  assert [c['holm'] for c in summ['ranking']] == [True, True]
+  assert summ['ranking'][0]['mean'] == pytest.approx(-0.05, abs=0.003)
+  # The gate: drift 0.002 at the last alpha, floor 0.008, below every
+  # claimed effect (0.01, 0.05, 0.2).
+  assert summ['gate']['floor'] == pytest.approx(0.008, abs=0.004)
+  assert summ['gate']['passes']
+  # Claim 1: 1.0 nats above the control at 0.05: not near MHA.
+  assert uptrain_report._near_verdict(summ['near'][1], 2, 0.02) == \
+      'not reproduced'
+  assert summ['recall']['arms']['mean_K1']['k'] == 2
+  assert summ['recall']['scratch'][1]['median'] == 602
 
 
-def test_paired_differences_resolve_only_beyond_the_seed_spread():
-  exact = _results(SHIFTS)
-  mean, half = uptrain_report.paired(exact, 'continued', 'mean', 'first', 1,
-                                     0.2)
-  assert mean == pytest.approx(-0.08) and half == pytest.approx(0)
-  noisy = _results(SHIFTS, noise=0.5)
-  mean, half = uptrain_report.paired(noisy, 'continued', 'mean', 'first', 1,
-                                     0.2)
-  assert not uptrain_report.resolved(mean, half)
+def test_the_gate_fails_when_the_control_drifts_by_a_claimed_effect():
+  drifting = {**UP, 'identity': lambda s: SOURCE + 0.02 * s / 16}
+  summ = uptrain_report.summary(_results(drifting, noise=0.0005))
+  assert not summ['gate']['passes']
+  assert [name for name, _ in summ['gate']['below']] == [
+      'K=1: mean - first', 'K=1 - MHA from scratch']
+  assert uptrain_report._ranking_verdict(summ['ranking'], 1,
+                                         summ['gate']['floor']) == \
+      'partly reproduced'
 
 
-def test_the_reading_states_each_claim_from_the_numbers(tmp_path, capsys):
-  results = _results(SHIFTS)
-  uptrain_report.write(tmp_path, results)
+def test_near_mha_and_the_optimizer_start_are_read_with_their_intervals():
+  near = {**UP, 'mean': lambda s: SOURCE + 0.01 if s else 3.5}
+  summ = uptrain_report.summary(_results(near, noise=0.0005,
+                                         pooled_gain=0.03))
+  assert uptrain_report._near_verdict(summ['near'][1], 2, 0.02) == \
+      'reproduced'
+  assert all(c['holm'] and c['mean'] == pytest.approx(-0.03, abs=0.003)
+             for c in summ['start'])
+  assert uptrain_report._start_recommendation(summ['start'], 0.0).startswith(
+      '**pooled** Adam wins')
+  noisy = uptrain_report.summary(_results(near, noise=0.05))
+  assert uptrain_report._start_recommendation(noisy['start'], 0.0) \
+      .startswith('no resolved difference')
+
+
+@pytest.mark.slow  # The plots: about 3 s.
+def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
+  uptrain_report.write(tmp_path, _results(UP, noise=0.0005))
   text = (tmp_path / 'report.md').read_text()
-  assert '**continued** recipe is the sound one' in text
-  assert 'mean < first: α=0.05: -0.095 (holds), α=0.2: -0.080 (holds)' in text
-  # random (0.25) beats first (0.3) under the continued recipe: reversed.
-  assert 'first < random: α=0.05: +0.048 (reversed)' in text
-  assert '81% ± 0 of the conversion\'s drop recovered' in text
-  assert '(uptraining is better)' in text  # 2.19 against 2.51-2.53.
-  # The verdicts, claim by claim.
-  assert ('continued recipe, claim 1 (α = 0.05 recovers most of MHA\'s '
-          'quality): partly reproduced.**') in text  # 81%, 0.20 nats off.
-  assert 'paper recipe, claim 2 (after uptraining, mean < first < random, ' \
-         'paired by seed): reproduced.**' in text
-  assert 'continued recipe, claim 2 (after uptraining, mean < first < ' \
-         'random, paired by seed): not reproduced.**' in text
-  assert 'continued recipe, claim 3 (uptraining beats training K from ' \
-         'scratch on the same total tokens): reproduced.**' in text
-  assert 'flat' in text and 'exact' in text
-  for plot in ('loss_vs_alpha.png', 'curves.png'):
+  assert 'Made by `python -m scripts.uptrain_study --out=x` at commit ' \
+         'abc1234' in text
+  assert 'Claim 3, K = 1 (the marginal cost' in text and \
+         'reproduced.** After 4 uptraining steps' in text
+  assert 'mean K1: 2 of 3 (median 10 steps; each: 10, 10, —)' in text
+  assert '**Control gate**' in text and 'It **passes**' in text
+  for plot in ('curves.png', 'compute.png', 'recall.png'):
     assert (tmp_path / plot).stat().st_size > 10_000
   assert '## Reading' in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
-  """On `tiny`: every run trained by train.main's loop (its metrics.jsonl),
-  the identity control exact at alpha 0, and a rerun reuses every run."""
+  """On `tiny`: one uptraining run per (conversion, seed) evaluated at
+  every alpha, the identity control exact at alpha 0, scratch curves for
+  MHA and K per seed, the recall arm, provenance; a rerun reuses it all."""
   out = tmp_path / 'study'
   command = [sys.executable, '-m', 'scripts.uptrain_study', f'--out={out}',
-             '--config=tiny', '--steps=20', '--kv_heads=1',
-             '--alphas=0,0.5', '--seeds=2']
+             '--config=tiny', '--steps=80', '--kv_heads=1', '--seeds=2',
+             '--recall_steps=40']
   first = subprocess.run(command, capture_output=True, text=True, check=True)
   results = json.loads((out / 'results.json').read_text())
-  trained = [r for r in results['runs'] if r['alpha']]
-  # alpha 0.05 (always run: scratch's) and 0.5, 2 recipes, 4 methods, 2 seeds.
-  assert len(trained) == 2 * 2 * 4 * 2
-  for run in trained:
-    workdir = (out / 'runs' / run['recipe'] / f'{run["method"]}_K{run["K"]}'
-               / f'a{run["alpha"]:g}_s{run["seed"]}')
-    assert (workdir / 'metrics.jsonl').exists()
-    assert np.isfinite(run['loss'])
-  identity = [r['loss'] for r in results['runs']
-              if r['method'] == 'identity' and r['alpha'] == 0]
-  np.testing.assert_allclose(identity, results['source']['loss'], rtol=1e-6)
-  assert len(results['scratch']) == 2
+  lm = results['lm']
+  assert lm['plan']['alpha_steps'] == [1, 2, 4, 8, 16]
+  assert len(lm['runs']) == 6 * 2  # 4 fresh + 2 pooled arms, 2 seeds.
+  for run in lm['runs']:
+    steps = [p['step'] for p in run['curve']]
+    assert set([0, *lm['plan']['alpha_steps']]) <= set(steps)
+    assert (out / 'runs' / run['start'] / f'{run["method"]}_K{run["K"]}'
+            / f's{run["seed"]}' / 'metrics.jsonl').exists()
+  identity = [r['curve'][0]['loss'] for r in lm['runs']
+              if r['method'] == 'identity']
+  np.testing.assert_allclose(identity, lm['source']['loss'], rtol=1e-6)
+  assert sorted((s['K'], s['seed']) for s in lm['scratch']) == [
+      (1, 1), (1, 2), (4, 1), (4, 2)]
+  assert all(s['curve'][-1]['step'] == 96 for s in lm['scratch'])
+  assert len(results['recall']['runs']) == 4 * 2
+  assert results['provenance']['commit'] and \
+      results['provenance']['out'] == str(out)
   assert '## Reading' in first.stdout
   again = subprocess.run(command, capture_output=True, text=True, check=True)
-  assert json.loads((out / 'results.json').read_text())['runs'] == \
-      results['runs']
-  assert 'MHA source' in again.stdout
+  assert json.loads((out / 'results.json').read_text())['lm']['runs'] == \
+      lm['runs']
+  assert 'from scratch' in again.stdout

@@ -1,7 +1,8 @@
 """Checkpoints in and out, and to fewer K/V heads (Ainslie et al. 2023).
 
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --num_kv_heads=K \
-      [--method=mean|first|random]          # our checkpoint -> fewer KV heads
+      [--method=mean|first|random] [--optimizer=fresh|pooled]
+                                            # our checkpoint -> fewer KV heads
   python -m train.convert --from_hf=HF_DIR --workdir=NEWDIR \
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
@@ -14,7 +15,9 @@ r = K_source / K (the `jnp.repeat` head order of
 `attention.dot_product_attention`). K = -1 (the default) keeps every head.
 
 NEWDIR gets config.json and a step-0 checkpoint of the parameters (the
-optimizer starts fresh); an imported one also gets the tokenizer
+optimizer starts fresh), or with --optimizer=pooled of the parameters and the
+source's Adam moments, their K/V heads pooled as the weights are (its
+schedule restarts); an imported one also gets the tokenizer
 (tokenizer.json) and the source's other small files (hf/), which export
 copies back out. Uptrain with the workdir's own config, e.g.
 
@@ -42,6 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
 from train import model as model_lib
@@ -54,6 +58,9 @@ from train.model import Transformer
 
 # How the r source heads of a group become one: [..., K, r, H] -> [..., K, H].
 Method = Literal['mean', 'first', 'random']
+# How a converted checkpoint's optimizer starts: fresh, or the source's Adam
+# moments carried over, pooled like the weights (`pool_moments`).
+Optimizer = Literal['fresh', 'pooled']
 POOLERS = {
     'mean': lambda grouped: grouped.mean(-2),  # Ainslie et al. 2023.
     'first': lambda grouped: grouped[..., 0, :],
@@ -139,12 +146,16 @@ def _target_heads(k_source: int, num_kv_heads: int) -> int:
 
 
 def convert_workdir(source: str, workdir: str, num_kv_heads: int,
-                    method: Method, seed: int = 0) -> tuple[int, int]:
-  """Writes WORKDIR: SOURCE's config and a step-0 checkpoint with K KV heads.
+                    method: Method, seed: int = 0,
+                    optimizer: Optimizer = 'fresh') -> tuple[int, int]:
+  """Writes WORKDIR: SOURCE's config and a step-0 checkpoint with K KV heads
+  (optimizer 'pooled': and the source's Adam state, `pool_moments`).
 
   Returns (K of the source, K written); num_kv_heads -1 keeps the source's.
   """
   _check_method(method)
+  if optimizer not in ('fresh', 'pooled'):
+    raise UserError(f'--optimizer={optimizer!r}; use fresh or pooled')
   with _new_workdir(workdir) as path:
     model_config, params, config = checkpoint.load_workdir(source, '--source')
     k_source = model_config.num_kv_heads
@@ -153,13 +164,50 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
     config.model.num_kv_heads = k
     source = storage.path(source, '--source')
     recipe = apply_recipe(config, source_rate(source, config))
+    opt_state = None if optimizer == 'fresh' else pool_moments(
+        source, new_params, config, k, method)
     for name in ('tokenizer.json', 'hf'):  # The tokenizer travels along.
       storage.copy(source / name, path / name)
     _write_step0(path, new_params, config, {
         'source': str(source), 'num_kv_heads': k,
         'source_num_kv_heads': k_source, 'method': method,
-        'recipe': recipe})
+        'optimizer': optimizer, 'recipe': recipe}, opt_state)
   return k_source, k
+
+
+def pool_moments(source: epath.Path, new_params, config, num_kv_heads: int,
+                 method: Method):
+  """The optimizer state of `new_params` (`config`'s AdamW) carrying
+  SOURCE's latest Adam state: its step count, and its first and second
+  moments with the K/V heads pooled as `method` pools the weights ('random':
+  zeros for the new heads). The learning-rate schedule's count starts at 0,
+  so the uptraining recipe's warmup runs; Adam's own count carries on, so
+  its bias correction stays that of moments already averaged."""
+  _, saved = checkpoint.restore_latest(source)
+  if 'opt_state' not in saved:
+    raise UserError(f'--source={source} has no optimizer state (a converted '
+                    'or imported checkpoint); use --optimizer=fresh')
+
+  def pool(path, leaf, new_leaf):
+    if not is_kv_kernel(path):
+      return jnp.asarray(leaf)
+    if method == 'random':
+      return jnp.zeros_like(new_leaf)
+    return pool_heads(jnp.asarray(leaf), num_kv_heads, method)
+
+  def carried(path, fresh):
+    if not isinstance(fresh, optax.ScaleByAdamState):
+      return fresh  # Clipping, decay mask, the schedule's count: fresh.
+    adam = saved['opt_state']
+    for key in path:  # The same place in the saved (list and dict) tree.
+      adam = adam[getattr(key, 'idx', getattr(key, 'key', None))]
+    moments = [jax.tree_util.tree_map_with_path(pool, adam[name], new_params)
+               for name in ('mu', 'nu')]
+    return optax.ScaleByAdamState(jnp.asarray(adam['count']), *moments)
+
+  fresh = loop.make_optimizer(config.train)[0].init(new_params)
+  return jax.tree_util.tree_map_with_path(
+      carried, fresh, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
 
 
 def _kv_converter(k: int, method: Method, seed: int):
@@ -321,10 +369,21 @@ def _new_workdir(workdir: str):
     raise
 
 
-def _write_step0(path: epath.Path, params, config, info: dict):
+def _write_step0(path: epath.Path, params, config, info: dict,
+                 opt_state=None):
   """The step-0 checkpoint (parameters only: `train.main` starts the
-  optimizer fresh), then config.json, which marks the workdir complete."""
-  checkpoint.save_params(path, params)
+  optimizer fresh; or with `opt_state`, a whole training state it resumes),
+  then config.json, which marks the workdir complete."""
+  if opt_state is None:
+    checkpoint.save_params(path, params)
+  else:
+    saver = checkpoint.Checkpointer(path, every=1, keep=1)
+    try:
+      saver.save(0, loop.TrainState(jnp.array(0, jnp.int32), params,
+                                    opt_state), force=True)
+      saver.wait()
+    finally:
+      saver.close()
   (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
   (path / 'config.json').write_text(config.to_json(indent=2))
 
@@ -355,7 +414,7 @@ def main(argv):
             file=sys.stderr)
     return
   k_source, k = convert_workdir(f.source, f.workdir, f.num_kv_heads, f.method,
-                                f.seed)
+                                f.seed, f.optimizer)
   print(f'wrote {f.workdir}: {_heads(k_source, k, f.method)}')
 
 
@@ -375,6 +434,9 @@ def run():
   flags.DEFINE_integer('num_kv_heads', -1, 'K; -1 keeps all')
   flags.DEFINE_enum('method', 'mean', METHODS, 'how grouped heads become one')
   flags.DEFINE_integer('seed', 0, 'seed of --method=random')
+  flags.DEFINE_enum('optimizer', 'fresh', ['fresh', 'pooled'],
+                    "a converted workdir's optimizer: fresh, or the source's "
+                    'Adam moments pooled like the weights')
   flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '': "
                       "float32 master weights (the uptraining recipe)")
   run_app(main)
