@@ -22,18 +22,25 @@ from train.cli import check_output_dir, run_app
 from train.errors import UserError
 
 
-def _task_manager(tasks: list[str], include_path: str | None):
+def _task_manager(tasks: list[str], include_path: str | None,
+                  include_defaults: bool = True):
   """lm_eval's TaskManager that knows `tasks`. Indexing lm_eval's own
-  ~15,000 tasks takes seconds, so --include_path alone is tried first."""
+  ~15,000 tasks takes seconds, so --include_path alone is tried first.
+  include_defaults: False, the tasks of --include_path only."""
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
   if include_path is not None and not pathlib.Path(include_path).is_dir():
     raise UserError(f'--include_path={include_path} is not a folder; give '
                     'the folder of your task YAMLs')
   if include_path:
     manager = TaskManager(include_path=include_path, include_defaults=False)
-    if not set(tasks) - set(manager.match_tasks(tasks)):
-      return manager
-  manager = TaskManager(include_path=include_path)
+    if not include_defaults or not (
+        set(tasks) - set(manager.match_tasks(tasks))):
+      return _check_known(manager, tasks, include_path)
+  return _check_known(TaskManager(include_path=include_path), tasks,
+                      include_path)
+
+
+def _check_known(manager, tasks: list[str], include_path: str | None):
   unknown = [t for t in tasks if not manager.match_tasks([t])]
   if unknown:
     where = ' or in ' + include_path if include_path else ''
@@ -71,9 +78,39 @@ def report(results: dict, held_out: dict | None, provenance: dict) -> str:
   return '\n'.join(lines)
 
 
+def write_results(workdir: str, tasks: list[str], out: str, *,
+                  include_path=None, limit=None, batch_size: int = 8,
+                  num_fewshot=None, seed: int = 0, data=None,
+                  argv=None) -> dict:
+  """Evaluates WORKDIR; writes OUT/results.json and OUT/report.md; returns
+  the record written. argv: the command's flags, for the provenance."""
+  from lm_eval import utils as lm_utils  # pylint: disable=import-outside-toplevel
+  from scripts import stats  # pylint: disable=import-outside-toplevel
+  from train import loop  # pylint: disable=import-outside-toplevel
+  provenance = stats.provenance('train.evaluate', out, argv)
+  results = evaluate(workdir, tasks, include_path=include_path, limit=limit,
+                     batch_size=batch_size, num_fewshot=num_fewshot,
+                     seed=seed)
+  held_out = None
+  if data:
+    held_out = {'data': data, **loop.evaluate_workdir(workdir,
+                                                      data_path=data)}
+  record = {'provenance': provenance, 'workdir': workdir, 'tasks': tasks,
+            **{k: results[k] for k in ('results', 'groups', 'configs',
+                                        'versions', 'n-shot', 'n-samples')
+               if k in results}, 'held_out': held_out}
+  path = pathlib.Path(out)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / 'results.json').write_text(json.dumps(
+      record, indent=2, default=lm_utils.handle_non_serializable))
+  (path / 'report.md').write_text(report(results, held_out, provenance))
+  return record
+
+
 def main(argv):
-  from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import flags, logging as absl_logging  # pylint: disable=import-outside-toplevel
   del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax's reads.
   f = flags.FLAGS
   tasks = [t for t in f.tasks.split(',') if t]
   if not tasks:
@@ -82,32 +119,15 @@ def main(argv):
     raise UserError('--batch_size and --limit must be >= 1')
   check_output_dir(f.out, new=True)
   try:
-    from lm_eval import utils as lm_utils  # pylint: disable=import-outside-toplevel
+    import lm_eval  # pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     raise UserError("lm_eval is not installed; pip install -e '.[eval]'"
                     ) from None
-  from scripts import stats  # pylint: disable=import-outside-toplevel
-  from train import loop  # pylint: disable=import-outside-toplevel
-  logging.getLogger('lm_eval').setLevel(logging.WARNING)
-  provenance = stats.provenance('train.evaluate', f.out)
-  results = evaluate(f.workdir, tasks, include_path=f.include_path,
-                     limit=f.limit, batch_size=f.batch_size,
-                     num_fewshot=f.num_fewshot, seed=f.seed)
-  held_out = None
-  if f.data:
-    held_out = {'data': f.data, **loop.evaluate_workdir(
-        f.workdir, data_path=f.data)}
-  out = pathlib.Path(f.out)
-  out.mkdir(parents=True, exist_ok=True)
-  record = {'provenance': provenance, 'workdir': f.workdir, 'tasks': tasks,
-            **{k: results[k] for k in ('results', 'groups', 'configs',
-                                        'versions', 'n-shot', 'n-samples')
-               if k in results}, 'held_out': held_out}
-  (out / 'results.json').write_text(json.dumps(
-      record, indent=2, default=lm_utils.handle_non_serializable))
-  text = report(results, held_out, provenance)
-  (out / 'report.md').write_text(text)
-  sys.stdout.write(text)
+  logging.getLogger('lm_eval').setLevel(logging.ERROR)
+  write_results(f.workdir, tasks, f.out, include_path=f.include_path,
+                limit=f.limit, batch_size=f.batch_size,
+                num_fewshot=f.num_fewshot, seed=f.seed, data=f.data)
+  sys.stdout.write((pathlib.Path(f.out) / 'report.md').read_text())
 
 
 def run():
