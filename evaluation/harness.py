@@ -82,7 +82,8 @@ class WorkdirLM(TemplateLM):
 
   def __init__(self, workdir: str, batch_size: int | str = 8,
                max_gen_toks: int = 256, kv_cache_dtype: str | None = None,
-               seed: int = 0, **unused):
+               seed: int = 0, device=None, max_batch_size=None, **unused):
+    del device, max_batch_size  # lm_eval's; JAX places the model itself.
     super().__init__()
     if unused:
       log.warning('%s ignores model_args %s', NAME, sorted(unused))
@@ -107,6 +108,19 @@ class WorkdirLM(TemplateLM):
     self._bos = tokenizer_lib.bos_id(self.tokenizer, workdir)
     self._eos = tuple(self.tokenizer.eos_ids)
     self._truncated = set()  # The request types already said truncated.
+
+  @classmethod
+  def create_from_arg_obj(cls, arg_dict, additional_config=None):
+    """model_args win over the command line's --batch_size and --device,
+    which lm_eval passes too (else batch_size in both would collide)."""
+    extra = {k: v for k, v in (additional_config or {}).items()
+             if v is not None and k not in arg_dict}
+    return cls(**arg_dict, **extra)
+
+  @classmethod
+  def create_from_arg_string(cls, arg_string, additional_config=None):
+    return cls.create_from_arg_obj(
+        lm_utils.simple_parse_args_string(arg_string), additional_config)
 
   # What `hf` reads from its tokenizer and config.
 

@@ -225,6 +225,16 @@ def test_train_evaluate_writes_results_for_a_trained_and_an_imported_model(
   assert held_out['eval_bpb'] > 0 and 'bits per byte' in report
 
 
+def test_gqa_lab_is_lm_evals_and_its_model_args_win(trained):
+  """lm_eval's command line passes --batch_size (default 1) beside
+  model_args: batch_size in both must not collide, and model_args win."""
+  assert lm_eval.api.registry.get_model('gqa-lab') is harness.WorkdirLM
+  model = harness.WorkdirLM.create_from_arg_string(
+      f'workdir={trained},batch_size=3',
+      {'batch_size': 1, 'max_batch_size': None, 'device': 'cpu'})
+  assert model.batch_size == 3
+
+
 def test_an_unknown_task_is_refused_naming_it():
   with pytest.raises(UserError, match=r"unknown task 'no_such_task': "):
     evaluate_lib._task_manager(['gqa_lab_choice', 'no_such_task'],  # pylint: disable=protected-access
