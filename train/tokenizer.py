@@ -133,6 +133,8 @@ def bos_id(tokenizer, workdir: str | os.PathLike) -> int | None:
   bos_token of the Hugging Face model's tokenizer_config.json, else its
   config.json's bos_token_id, else the special token the tokenizer puts
   before any text; None if none (bytes)."""
+  if tokenizer.name == 'bytes':
+    return None
   hf = epath.Path(workdir) / 'hf'
   if (hf / 'tokenizer_config.json').exists():
     bos = json.loads((hf / 'tokenizer_config.json').read_text()).get(
