@@ -87,9 +87,11 @@ class WorkdirLM(TemplateLM):
     super().__init__()
     if unused:
       log.warning('%s ignores model_args %s', NAME, sorted(unused))
-    batch_size = 8 if batch_size in ('auto', None) else int(batch_size)
-    if batch_size < 1:
-      raise UserError(f'batch_size={batch_size} must be >= 1')
+    if batch_size is None or str(batch_size).startswith('auto'):
+      batch_size = 8  # lm_eval's 'auto' probes memory; a fixed shape here.
+    if not str(batch_size).isdigit() or int(batch_size) < 1:
+      raise UserError(f'batch_size={batch_size} must be an integer >= 1')
+    batch_size = int(batch_size)
     if kv_cache_dtype not in (None, *layer.KV_CACHE_DTYPES):
       raise UserError(f'kv_cache_dtype={kv_cache_dtype!r}; use one of '
                       f'{", ".join(layer.KV_CACHE_DTYPES)}')
