@@ -21,7 +21,6 @@ os.environ.setdefault('HF_DATASETS_OFFLINE', '1')  # Before datasets loads.
 
 import flax.linen as nn  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 from etils import epath  # pylint: disable=wrong-import-position
