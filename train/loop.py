@@ -373,15 +373,20 @@ class _Programs:
 
 def evaluate_workdir(workdir: str, flag: str = '--workdir', *,
                      through_cache: bool = False,
-                     kv_cache_dtype: str | None = None) -> dict:
+                     kv_cache_dtype: str | None = None,
+                     data_path: str | None = None) -> dict:
   """The held-out metrics of WORKDIR's latest checkpoint, as `train.main`
   logs them (eval_loss, eval_accuracy[, eval_bpb]): the same evaluator on the
   same batches. through_cache: the logits that decoding gives instead
   (`model.ThroughCache`), its cache in kv_cache_dtype (None: the model's).
+  data_path: another corpus's held-out split (a prepared one, read with the
+  workdir's tokenizer) instead of the run's data.path.
   Reads WORKDIR, writes nothing."""
   mc, params, config = checkpoint.load_workdir(workdir, flag)
   if kv_cache_dtype is not None:
     mc = dataclasses.replace(mc, kv_cache_dtype=kv_cache_dtype)
+  if data_path is not None:
+    config.data.path = data_path
   mesh = sharding.make_mesh(config.mesh)
   config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
                       jax.process_count())

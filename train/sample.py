@@ -111,13 +111,7 @@ def main(argv):
                     f'{config.data.task!r}, not text; sample from a language '
                     'model')
   _check_flags(f, mc.vocab_size)
-  tokenizer = tokenizer_lib.of_workdir(f.workdir)
-  if tokenizer.name == 'bytes' and (mc.vocab_size != 256 or
-                                    config.data.path.endswith('.bin')):
-    raise UserError('this model reads token ids (data.path='
-                    f'{config.data.path!r}) and its workdir has no '
-                    f'{tokenizer_lib.FILE}; text prompts need a byte-level '
-                    'model or a tokenizer')
+  tokenizer = tokenizer_lib.for_text(f.workdir, mc, config)
   try:
     prompt = tokenizer.encode(f.prompt)
   except UnicodeEncodeError:  # Undecodable argv bytes arrive as surrogates.

@@ -33,7 +33,8 @@ class Bytes:
     del special
     return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
 
-  def decode(self, ids) -> str:
+  def decode(self, ids, *, skip_special: bool = False) -> str:
+    del skip_special
     return bytes(np.asarray(ids, np.uint8)).decode('utf-8', 'replace')
 
 
@@ -109,9 +110,9 @@ class HuggingFace:
   def id_of(self, token: str) -> int | None:
     return self._tokenizer.token_to_id(token)
 
-  def decode(self, ids) -> str:
+  def decode(self, ids, *, skip_special: bool = False) -> str:
     return self._tokenizer.decode([int(i) for i in ids],
-                                  skip_special_tokens=False)
+                                  skip_special_tokens=skip_special)
 
 
 def load(path: str | os.PathLike | None, eos_ids: tuple[int, ...] = ()):
@@ -183,6 +184,41 @@ def of_workdir(workdir: str | os.PathLike):
     tokenizer.eos_ids = named_eos(tokenizer,
                                   workdir / 'hf' / 'tokenizer_config.json')
   return tokenizer
+
+
+def for_text(workdir, mc, config):
+  """WORKDIR's tokenizer for reading and writing text (`of_workdir`);
+  UserError for a model of token ids whose workdir keeps no tokenizer."""
+  tokenizer = of_workdir(workdir)
+  if tokenizer.name == 'bytes' and (mc.vocab_size != 256 or
+                                    config.data.path.endswith('.bin')):
+    raise UserError('this model reads token ids (data.path='
+                    f'{config.data.path!r}) and its workdir has no '
+                    f'{FILE}; text needs a byte-level model or a tokenizer '
+                    f'(copy the one it was trained with to {FILE} there)')
+  return tokenizer
+
+
+def bos_id(tokenizer, workdir: str | os.PathLike) -> int | None:
+  """The beginning-of-sequence id, as `transformers` names it: the
+  bos_token of the Hugging Face model's tokenizer_config.json, else its
+  config.json's bos_token_id, else the special token the tokenizer puts
+  before any text; None if none (bytes)."""
+  if tokenizer.name == 'bytes':
+    return None
+  hf = epath.Path(workdir) / 'hf'
+  if (hf / 'tokenizer_config.json').exists():
+    bos = json.loads((hf / 'tokenizer_config.json').read_text()).get(
+        'bos_token')
+    bos = bos.get('content') if isinstance(bos, dict) else bos
+    if bos and tokenizer.id_of(bos) is not None:
+      return tokenizer.id_of(bos)
+  if (hf / 'config.json').exists():
+    bos = json.loads((hf / 'config.json').read_text()).get('bos_token_id')
+    if isinstance(bos, int):
+      return bos
+  prefix = tokenizer.encode('', special=True)
+  return int(prefix[0]) if len(prefix) == 1 else None
 
 
 def named_eos(tokenizer: HuggingFace, config: epath.Path

@@ -1,0 +1,23 @@
+"""lm_eval's own command line, with the `gqa-lab` model registered.
+
+  gqa-lab-lm-eval --model gqa-lab --model_args workdir=W,batch_size=8 \
+      --tasks hellaswag [any other lm_eval flag]
+
+lm_eval 0.4.13 finds a model only in its registry and imports no plugins
+(no entry-point group), so its `lm_eval` command cannot see a model defined
+in another package; this is that command after `evaluation.harness` has
+registered itself (installed as a console script with the project).
+"""
+
+from evaluation import harness  # pylint: disable=unused-import
+from train.cli import exit_on_user_error
+
+
+def main():
+  """A bad workdir is one line (train.errors.UserError), as in train.*."""
+  from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
+  exit_on_user_error(cli_evaluate)
+
+
+if __name__ == '__main__':
+  main()
