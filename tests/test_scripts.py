@@ -178,7 +178,7 @@ def _fake_model(K, pattern, share, nll, accuracy, nbytes,
       kl=[0.001] * len(nll))
 
 
-def _fake_grid(control_accuracy):
+def _fake_grid(control_accuracy, control_nll=3.4):
   noise = np.array([0.01, -0.02, 0.015])
   return [
       _fake_model(1, 'G', 1, 1.0 + noise, 0.9 + noise, 128),
@@ -188,7 +188,8 @@ def _fake_grid(control_accuracy):
       _fake_model(1, 'LLGG', 1, 1.0 + noise[::-1], 0.9 + noise, 80),
       # Equal bytes with local layers: no difference beyond noise.
       _fake_model(2, 'LLGG', 2, 1.0 + noise, 0.9 + noise[::-1], 80),
-      _fake_model(1, 'L', 1, 3.4 + noise, control_accuracy + noise, 32)]
+      _fake_model(1, 'L', 1, control_nll + noise[::-1],
+                  control_accuracy + noise, 32)]
 
 
 def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
@@ -198,8 +199,10 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
   assert control['reference'] == 'K1_G_share1'
   assert control['sees_attention']
   assert control['diff']['accuracy']['mean'] == pytest.approx(-0.87)
+  assert control['diff']['nll']['mean'] == pytest.approx(2.4)
   # A control that does as well as all-global: the setup is blind.
-  blind = kv_frontier.analyse(_fake_grid(control_accuracy=0.9))['control']
+  blind = kv_frontier.analyse(_fake_grid(control_accuracy=0.9,
+                                         control_nll=1.0))['control']
   assert not blind['sees_attention']
   # Equal bytes: GQA-2 with CLA2 against MQA, in each pattern, paired.
   pairs = {(e['a'], e['b']): e for e in analysis['equal_bytes']}
