@@ -35,7 +35,7 @@ Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
 DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
 --report_only rebuilds the report from DIR/frontier.json. The default: the
 recall panel's quick grid and MHA and GQA-2 (K=2, unshared) all-global,
-800 steps; the LM panel's MHA, MQA and GQA-2 with CLA2, 80 steps; 3 seeds
+600 steps; the LM panel's MHA, MQA and GQA-2 with CLA2, 80 steps; 3 seeds
 each. --quick: the recall panel only, MQA and GQA-2 with CLA2 in 'G' and
 'LLGG' and the negative control, 200 steps, 3 seeds.
 """
@@ -549,6 +549,7 @@ def plot(result: dict, path: pathlib.Path):
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
   panels = result['panels']
   fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5),
                            squeeze=False)
@@ -577,6 +578,7 @@ def plot(result: dict, path: pathlib.Path):
     ax.set(xscale='log', xlabel='KV cache bytes per token (at max_len)',
            ylabel='held-out NLL of the scored targets (nats)',
            title=f'{name}: NLL against bytes (95% intervals over seeds)')
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
