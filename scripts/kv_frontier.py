@@ -36,8 +36,11 @@ DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
 --report_only rebuilds the report from DIR/frontier.json. The default: the
 recall panel's quick grid and MHA and GQA-2 (K=2, unshared) all-global,
 600 steps; the LM panel's MHA, MQA and GQA-2 with CLA2, 80 steps; 3 seeds
-each. --quick: the recall panel only, MQA and GQA-2 with CLA2 in 'G' and
-'LLGG' and the negative control, 200 steps, 3 seeds.
+each (estimated 40 + 23 CPU-minutes here: about an hour on this 2-core
+machine when idle). --quick: the recall panel only, MQA and GQA-2 with CLA2
+in 'G' and 'LLGG' and the negative control, 200 steps, 3 seeds (at 300
+steps 15.4 CPU-minutes, measured beside other jobs, 2.7 of them the
+system's; at 200 about 10 minutes on the idle machine, estimated).
 """
 
 from __future__ import annotations
