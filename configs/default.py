@@ -78,6 +78,7 @@ def data() -> config_dict.ConfigDict:
       task='lm',  # 'lm': data.path; 'recall': the synthetic recall probe.
       path='',  # '' = the embedded stdlib corpus; else text, a folder, .bin.
       recall_pairs=0,  # task='recall': key-value pairs per row; 0 = all fit.
+      recall_gap=0,  # task='recall': filler tokens between pairs and queries.
       seq_len=256,
       val_fraction=0.05,  # Held-out tail of a single text or .bin file.
       cache_dir='',  # '' = $XDG_CACHE_HOME/gqa-lab.

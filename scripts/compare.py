@@ -107,6 +107,7 @@ def recall_accuracy_by_query(workdir, rows: int = 512) -> list[float]:
   mc, params, config = checkpoint.load_workdir(str(workdir))
   task = data.load('', val_fraction=0.1, seq_len=config.data.seq_len,
                    task='recall', recall_pairs=config.data.recall_pairs,
+                   recall_gap=config.data.recall_gap,
                    vocab_size=mc.vocab_size)
   tokens = task.batch('val', seed=0, step=0, batch_size=rows,
                       seq_len=config.data.seq_len, stream=1)

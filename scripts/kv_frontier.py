@@ -1,71 +1,130 @@
-"""The KV-memory frontier: GQA beside local layers, cross-layer sharing and
-int8 caches, compared at equal bytes.
+"""The KV-memory frontier on a task where the cache matters: GQA beside local
+layers, cross-layer sharing and int8 caches, compared at equal bytes.
 
-  python -m scripts.kv_frontier --out=DIR [--quick] [--config=gqa_small]
-      [--kv_heads=8,2,1] [--seeds=2] [--steps=60] [--window=64]
-      [--local_pattern=LLGG]
+  python -m scripts.kv_frontier --out=DIR [--quick] [--seeds=N]
+      [--panels=recall,lm] [--steps=N] [--lm_steps=N] [--report_only]
 
-Trains every combination of K/V heads (MHA, GQA, MQA), layer pattern (all
-global 'G', or --local_pattern: local and global pairs 'LLGG' with a
---window-key local attention) and K/V sharing (kv_share 1, or 2: pairs of layers share one K/V,
-CLA2) with `train.main`'s loop, per seed, into DIR/runs/. Each model is then
-read with two decode caches: float (its held-out loss, the loop's evaluator)
-and int8 (the same evaluator on the logits the int8 cache gives,
-`loop.evaluate_workdir(through_cache=True)`). Its cost is the cache's bytes
-per token of context at the decode context max_len (`model.kv_bytes_per_token`),
-and its decode speed is timed (batch 16, the cache filled to max_len - 8).
+Two panels, each a grid of layouts (Variant: K/V heads K, layer pattern,
+kv_share) trained with train.main's loop (`scripts.study.train`), one run per
+seed, into DIR/<panel>/runs/:
 
-The accuracy column is the evaluator's next-token accuracy; with
---config=recall (2 layers: --local_pattern=LG, or LL to share K/V) it is the
-recall probe's answer accuracy.
+- recall (configs/kv_recall.py): the recall probe with a gap of filler
+  tokens between the pairs and the queries, wider than a stack of local
+  layers reaches (4 layers of --window keys each: 4 (window - 1) positions).
+  Layouts: all-global 'G', 'LLGG', and all-local 'L', the negative control:
+  no key is within its reach, so it must fail where the global layouts
+  succeed, or the setup cannot see attention at all.
+- lm (configs/gqa_small.py): held-out loss on text, 'G' and 'LLGG'.
 
-Writes DIR/frontier.json, DIR/report.md (the table, the Pareto frontier:
-the points no other point beats on both bytes and loss) and DIR/frontier.png
-(loss and decode tokens/s against bytes per token). A rerun reuses finished
-runs; --report_only rebuilds the report from DIR/frontier.json. --quick: the
-MHA reference (all global, no sharing) and MQA with every pattern and
-sharing, one seed, 15 steps (6.7 minutes here).
+Every trained model is then read through its decode cache twice, float and
+int8 (`model.ThroughCache`: the logits decoding gives, each held-out row of
+the loop's evaluator prefilled into an empty cache): the NLL of the scored
+targets, their accuracy (recall: the answers, and the first query's alone,
+which crossing out cannot help) and the KL from the float cache's
+predictions to the int8 cache's. Its cost: the cache's bytes per token of
+context at max_len (`model.kv_bytes_per_token`).
+
+Comparisons are paired by seed (scripts/stats.py): the negative control
+against all-global; the equal-bytes pairs (GQA-2 with CLA2 against MQA, in
+each pattern); the main effects of the pattern, of kv_share and of K over
+the grid, Holm-corrected as one family; int8 against float for every model.
+A point is on the frontier when its NLL is resolved lower (paired interval)
+than that of every point with fewer bytes: no point is there by noise.
+
+Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
+DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
+--report_only rebuilds the report from DIR/frontier.json. The default: the
+recall panel's quick grid and MHA and GQA-2 (K=2, unshared) all-global,
+600 steps; the LM panel's MHA, MQA and GQA-2 with CLA2, 80 steps; 3 seeds
+each (estimated 40 + 23 CPU-minutes here: about an hour on this 2-core
+machine when idle). --quick: the recall panel only, MQA and GQA-2 with CLA2
+in 'G' and 'LLGG' and the negative control, 200 steps, 3 seeds (at 300
+steps 15.4 CPU-minutes, measured beside other jobs, 2.7 of them the
+system's; at 200 about 10 minutes on the idle machine, estimated).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
+import math
 import pathlib
-import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from scripts import study, timing
-from train import config_lib, loop
+from scripts import stats, study
+from train import checkpoint, config_lib, loop, storage
 from train import model as model_lib
 from train.cli import check_output_dir, exit_on_user_error, positive_int
+from train.errors import UserError
 
-SHARES = (1, 2)
 CACHES = ('float', 'int8')
-DECODE_BATCH = 16
+RETRIEVES = 0.95  # First-query accuracy read as retrieval by content.
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  K: int
-  pattern: str
-  share: int
+  K: int  # K/V heads.
+  pattern: str  # model.attention_pattern.
+  share: int  # model.kv_share.
 
   @property
   def name(self) -> str:
     return f'K{self.K}_{self.pattern}_share{self.share}'
 
 
+def _grid(kv_heads, patterns, shares) -> tuple[Variant, ...]:
+  return tuple(Variant(K, p, s) for K in kv_heads for p in patterns
+               for s in shares)
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+  """One task's grid: its config, local window, layouts and budget."""
+  config: str
+  window: int
+  variants: tuple[Variant, ...]
+  quick_variants: tuple[Variant, ...]
+  steps: int
+  quick_steps: int
+  seeds: int
+  quick_seeds: int
+
+
+# The negative control and what it must fail against: all-local and
+# all-global at the same K and sharing (MQA, in both grids).
+CONTROL, REFERENCE = Variant(1, 'L', 1), Variant(1, 'G', 1)
+# Brandon et al.'s comparison at equal bytes: GQA-2 with CLA2 against MQA.
+EQUAL_BYTES = ((2, 2), (1, 1))  # (K, kv_share) of each side.
+
+# The control, its reference and the two equal-bytes pairs.
+_QUICK = (REFERENCE, Variant(2, 'G', 2), Variant(1, 'LLGG', 1),
+          Variant(2, 'LLGG', 2), CONTROL)
+PANELS = {
+    'recall': Panel(
+        'kv_recall', window=4,
+        variants=_QUICK + (Variant(8, 'G', 1), Variant(2, 'G', 1)),
+        quick_variants=_QUICK, steps=0, quick_steps=200,  # 0: the config's.
+        seeds=3, quick_seeds=3),
+    'lm': Panel(
+        'gqa_small', window=64,
+        variants=(Variant(8, 'G', 1), REFERENCE, Variant(2, 'G', 2)),
+        quick_variants=(), steps=80, quick_steps=0, seeds=3, quick_seeds=0),
+}
+
+
 def variant_config(base: str, v: Variant, seed: int, steps: int,
                    window: int):
+  """BASE with v's layout; `steps` > 0 replaces its steps (0 keeps them)."""
   config = config_lib.load(base)
   config.model.update(num_kv_heads=v.K, attention_pattern=v.pattern,
                       local_window=window if 'L' in v.pattern else None,
                       kv_share=v.share)
   config.seed = seed
+  steps = steps or config.train.steps
   config.train.update(steps=steps, eval_every=steps, checkpoint_every=steps,
                       log_every=max(1, steps // 10),
                       warmup_steps=min(config.train.warmup_steps, steps // 4))
@@ -73,196 +132,460 @@ def variant_config(base: str, v: Variant, seed: int, steps: int,
 
 
 def main():
-  parser = study.parser(__doc__, config='gqa_small',
-                        report_only='frontier.json in --out')
-  parser.add_argument('--window', type=positive_int, default=64)
-  parser.add_argument('--local_pattern', default='LLGG',
-                      help="the pattern compared with all-global 'G'")
-  parser.add_argument('--repeats', type=positive_int, default=None,
-                      help='timed decode runs per variant (median; 3, --quick 2)')
+  parser = study.parser(
+      __doc__, config='kv_recall', report_only='frontier.json in --out',
+      helps=dict(config="the recall panel's config",
+                 kv_heads='train only the variants with these K',
+                 steps="the recall panel's steps (default: the config's)"))
+  parser.add_argument('--panels', default=None,
+                      help="comma-separated of 'recall', 'lm' (default both; "
+                      '--quick: recall)')
+  parser.add_argument('--lm_steps', type=positive_int, default=None)
   args = parser.parse_args()
   check_output_dir(args.out)
   out = pathlib.Path(args.out)
   if args.report_only:
-    result = study.saved(out / 'frontier.json')
-    write(out, result, ('G', result.get('local_pattern', 'LLGG')))
+    write(out, study.saved(out / 'frontier.json'))
     return
-  num_heads = config_lib.load(args.config).model.num_heads
-  kv_heads = args.kv_heads or (
-      [1] if args.quick else
-      sorted({num_heads, max(1, num_heads // 4), 1}, reverse=True))
-  seeds = range(1, 1 + (args.seeds or (1 if args.quick else 2)))
-  steps = args.steps or (15 if args.quick else 60)
-  patterns = ('G', args.local_pattern)
-  variants = [Variant(*v) for v in itertools.product(kv_heads, patterns,
-                                                     SHARES)]
-  if args.quick and not args.kv_heads:
-    variants.insert(0, Variant(num_heads, 'G', 1))  # The MHA reference.
-  for v in variants:  # Every bad setting refused before any training.
-    config_lib.validate(variant_config(args.config, v, 1, steps, args.window),
-                        batch_shards=1)
-  start = time.perf_counter()
-  repeats = args.repeats or (2 if args.quick else 3)
-  rows = [measure(out, args.config, v, seeds, steps, args.window, repeats)
-          for v in variants]
-  result = {'argv': sys.argv[1:], 'config': args.config, 'steps': steps,
-            'seeds': list(seeds),
-            'window': args.window, 'local_pattern': args.local_pattern,
-            'rows': rows, 'minutes': (time.perf_counter() - start) / 60}
-  write(out, result, patterns)
+  names = (args.panels.split(',') if args.panels else
+           ['recall'] if args.quick else list(PANELS))
+  if set(names) - set(PANELS):
+    raise UserError(f'--panels={args.panels}; use a comma-separated list of '
+                    f'{", ".join(PANELS)}')
+  plans = {}
+  for name in names:
+    panel = PANELS[name]
+    variants = panel.quick_variants if args.quick else panel.variants
+    if name == 'recall':
+      panel = dataclasses.replace(panel, config=args.config)
+    if args.kv_heads:
+      variants = tuple(v for v in variants if v.K in args.kv_heads)
+    steps = ((args.steps if name == 'recall' else args.lm_steps)
+             or (panel.quick_steps if args.quick else panel.steps))
+    seeds = args.seeds or (panel.quick_seeds if args.quick else panel.seeds)
+    if not variants or not seeds:
+      raise UserError(f'the {name} panel has no variant to train (its '
+                      '--quick grid is empty, or --kv_heads left none); run '
+                      'without --quick, or with other --kv_heads')
+    plans[name] = (panel, variants, steps, list(range(1, 1 + seeds)))
+    for v in variants:  # Every bad setting refused before any training.
+      config_lib.validate(variant_config(panel.config, v, 1, steps,
+                                         panel.window), batch_shards=1)
+  start, cpu = time.perf_counter(), time.process_time()
+  result = {'provenance': stats.provenance('scripts.kv_frontier', out),
+            'panels': {}}
+  for name, (panel, variants, steps, seeds) in plans.items():
+    base = variant_config(panel.config, variants[0], 1, steps, panel.window)
+    models = [measure(out / name, panel, v, seeds, steps) for v in variants]
+    result['panels'][name] = {
+        'config': panel.config, 'window': panel.window,
+        'steps': base.train.steps, 'seeds': seeds,
+        'task': (f'the recall probe, {base.data.recall_pairs} key-value '
+                 f'pairs, {base.data.recall_gap} filler tokens, then the '
+                 'queries' if base.data.task == 'recall' else
+                 'held-out text'),
+        'layers': base.model.num_layers, 'models': models}
+  result['minutes'] = (time.perf_counter() - start) / 60
+  # All threads' CPU time: on an idle machine the wall time is about this
+  # or less (less where XLA runs operations on both cores at once).
+  result['cpu_minutes'] = (time.process_time() - cpu) / 60
+  write(out, result)
   print(f'wrote {out}/report.md, frontier.json and frontier.png '
         f'({result["minutes"]:.1f} min)')
 
 
-def write(out: pathlib.Path, result: dict, patterns):
-  mark_frontier(result['rows'])
+def write(out: pathlib.Path, result: dict):
+  for panel in result['panels'].values():
+    panel['analysis'] = analyse(panel['models'])
   (out / 'frontier.json').write_text(json.dumps(result, indent=1))
   (out / 'report.md').write_text(report(result))
-  plot(result['rows'], patterns, out / 'frontier.png')
+  plot(result, out / 'frontier.png')
 
 
-def measure(out: pathlib.Path, base: str, v: Variant, seeds, steps: int,
-            window: int, repeats: int) -> list[dict]:
-  """One row per cache: loss and accuracy over seeds, bytes, decode speed."""
-  losses = {cache: [] for cache in CACHES}
-  accuracies = {cache: [] for cache in CACHES}
+def measure(out: pathlib.Path, panel: Panel, v: Variant, seeds, steps: int
+            ) -> dict:
+  """One model's per-seed values through each cache, and its bytes."""
+  per_seed = {cache: {} for cache in CACHES}
+  kl = []
   for seed in seeds:
-    config = variant_config(base, v, seed, steps, window)
+    config = variant_config(panel.config, v, seed, steps, panel.window)
     workdir = out / 'runs' / f'{v.name}_s{seed}'
     print(f'=== {v.name}, seed {seed}', flush=True)
-    record = study.train(config, workdir, workdir / 'log.txt')
-    int8 = loop.evaluate_workdir(str(workdir), through_cache=True,
-                                 kv_cache_dtype='int8')
-    for cache, r in (('float', record), ('int8', int8)):
-      losses[cache].append(r['eval_loss'])
-      accuracies[cache].append(r['eval_accuracy'])
-  rows = []
+    study.train(config, workdir, workdir / 'log.txt')
+    readout = read_through_caches(workdir)
+    for cache in CACHES:
+      for metric, value in readout[cache].items():
+        per_seed[cache].setdefault(metric, []).append(value)
+    kl.append(readout['kl'])
+  mc = config_lib.model_config(config)
+  nbytes = {cache: model_lib.kv_bytes_per_token(dataclasses.replace(
+      mc, kv_cache_dtype=None if cache == 'float' else cache))
+            for cache in CACHES}
+  print(f'{v.name}: {nbytes["float"]:,.0f} B/token, NLL float '
+        f'{np.mean(per_seed["float"]["nll"]):.4f}, int8 '
+        f'{np.mean(per_seed["int8"]["nll"]):.4f}', flush=True)
+  return dict(variant=v.name, num_kv_heads=v.K, attention_pattern=v.pattern,
+              kv_share=v.share, kv_bytes_per_token=nbytes, seeds=per_seed,
+              kl=kl)
+
+
+_READOUTS: dict = {}
+
+
+def read_through_caches(workdir: pathlib.Path) -> dict:
+  """WORKDIR's model on the held-out batches of the loop's evaluator, read
+  through a float and an int8 decode cache: per cache the mean NLL and
+  accuracy of the scored targets (`loop.eval_step`) and, for the recall
+  task, the first query's accuracy; 'kl': the mean KL(float || int8) of
+  the next-token distributions at the scored targets, nats."""
+  mc, params, config = checkpoint.load_workdir(str(workdir))
+  # The dataset as the loop reads it (and evaluate_workdir does).
+  dataset = loop._dataset(config.data, mc, storage.path(str(workdir)),  # pylint: disable=protected-access
+                          is_chief=False)
+  weights_T = dataset.loss_weights
+  if weights_T is None:
+    weights_T = np.ones(config.data.seq_len, np.float32)
+  key = repr(mc)
+  if key not in _READOUTS:
+    _READOUTS[key] = jax.jit(lambda p, b, w: _readout(mc, p, b, w))
+  sums = None
+  for i in range(config.train.eval_batches):
+    batch = dataset.batch('val', seed=0, step=i,
+                          batch_size=config.train.batch_size,
+                          seq_len=config.data.seq_len, stream=1)
+    values = jax.device_get(_READOUTS[key](params, batch, weights_T))
+    sums = values if sums is None else jax.tree.map(np.add, sums, values)
+  mean = jax.tree.map(lambda x: float(x) / config.train.eval_batches, sums)
+  if config.data.task != 'recall':
+    for cache in CACHES:
+      del mean[cache]['first']
+  return mean
+
+
+def _readout(mc, params, tokens_BT1, weights_T) -> dict:
+  """One held-out batch through both caches (see read_through_caches)."""
+  out, log_p = {}, {}
+  first = jnp.argmax(weights_T)  # The first scored target (recall: answer 1).
   for cache in CACHES:
-    mc = config_lib.model_config(config)
-    mc = dataclasses.replace(mc, kv_cache_dtype=None if cache == 'float'
-                             else cache)
-    seconds = timing.decode_step_seconds(mc, DECODE_BATCH, mc.max_len - 8,
-                                         repeats)
-    rows.append(dict(
-        variant=v.name, num_kv_heads=v.K, attention_pattern=v.pattern,
-        kv_share=v.share, cache=cache,
-        kv_bytes_per_token=model_lib.kv_bytes_per_token(mc),
-        loss=float(np.mean(losses[cache])), losses=losses[cache],
-        loss_spread=float(np.ptp(losses[cache])),
-        accuracy=float(np.mean(accuracies[cache])),
-        decode_tokens_per_sec=DECODE_BATCH / seconds))
-    print(f'{v.name} {cache}: {rows[-1]["kv_bytes_per_token"]:,.0f} B/token, '
-          f'loss {rows[-1]["loss"]:.4f}, '
-          f'{rows[-1]["decode_tokens_per_sec"]:,.0f} tokens/s', flush=True)
-  return rows
+    model = model_lib.ThroughCache(dataclasses.replace(
+        mc, kv_cache_dtype=None if cache == 'float' else cache))
+    nll, accuracy = loop.eval_step(params, tokens_BT1, model=model,
+                                   weights_T=weights_T)
+    logits_BTV = model.apply({'params': params}, tokens_BT1[:, :-1])
+    log_p[cache] = jax.nn.log_softmax(logits_BTV.astype(jnp.float32))
+    hits_B = logits_BTV[:, first].argmax(-1) == tokens_BT1[:, first + 1]
+    out[cache] = {'nll': nll, 'accuracy': accuracy, 'first': hits_B.mean()}
+  kl_BT = (jnp.exp(log_p['float'])
+           * (log_p['float'] - log_p['int8'])).sum(-1)
+  out['kl'] = (kl_BT * weights_T).sum() / (weights_T.sum() * kl_BT.shape[0])
+  return out
 
 
-def mark_frontier(rows_by_variant: list[list[dict]]):
-  """Sets 'pareto' on every row: no other row has fewer or equal bytes and
-  a lower loss (or equal loss and fewer bytes)."""
-  rows = [r for rs in rows_by_variant for r in rs]
-  for r in rows:
-    r['pareto'] = not any(
-        o is not r and o['kv_bytes_per_token'] <= r['kv_bytes_per_token']
-        and o['loss'] <= r['loss'] and (
-            o['kv_bytes_per_token'] < r['kv_bytes_per_token']
-            or o['loss'] < r['loss'])
-        for o in rows)
+# The analysis: pure functions of the per-seed values, so a test can feed it
+# made-up results.
+
+
+def points(models: list[dict]) -> list[dict]:
+  """Every model through each cache: a point of (bytes, per-seed NLL)."""
+  return [dict(name=f'{m["variant"]} {cache}', variant=m['variant'],
+               cache=cache, kv_bytes_per_token=m['kv_bytes_per_token'][cache],
+               **m['seeds'][cache]) for m in models for cache in CACHES]
+
+
+def _compare(a: dict, b: dict, cache: str = 'float') -> dict:
+  """a - b, paired by seed, for each metric both have; with the smallest
+  difference the seeds could detect."""
+  out = {}
+  for metric in a['seeds'][cache]:
+    d = stats.paired(a['seeds'][cache][metric], b['seeds'][cache][metric])
+    out[metric] = {**d.as_dict(), 'resolved': d.resolved,
+                   'detectable': stats.detectable(d.sd, d.n)}
+  return out
+
+
+def analyse(models: list[dict]) -> dict:
+  """The negative control, the equal-bytes pairs, the main effects (Holm),
+  int8 against float per model, and the frontier."""
+  by = {(m['num_kv_heads'], m['attention_pattern'], m['kv_share']): m
+        for m in models}
+  out = {'control': None, 'equal_bytes': [], 'main_effects': [], 'int8': [],
+         'frontier': frontier(points(models))}
+  control, reference = (by.get(dataclasses.astuple(v))
+                        for v in (CONTROL, REFERENCE))
+  if control and reference:
+    diff = _compare(control, reference)
+    out['control'] = dict(control=control['variant'],
+                          reference=reference['variant'], diff=diff,
+                          sees_attention=bool(
+                              diff['nll']['resolved']
+                              and diff['nll']['mean'] > 0))
+  for pattern in sorted({m['attention_pattern'] for m in models} - {'L'}):
+    (Ka, sa), (Kb, sb) = EQUAL_BYTES
+    a, b = by.get((Ka, pattern, sa)), by.get((Kb, pattern, sb))
+    if a and b:
+      if a['kv_bytes_per_token'] != b['kv_bytes_per_token']:
+        raise ValueError(f'{a["variant"]} and {b["variant"]} differ in bytes:'
+                         f' {a["kv_bytes_per_token"]}, '
+                         f'{b["kv_bytes_per_token"]}')
+      out['equal_bytes'].append(dict(a=a['variant'], b=b['variant'],
+                                     kv_bytes_per_token=a[
+                                         'kv_bytes_per_token'],
+                                     diff=_compare(a, b)))
+  out['main_effects'] = main_effects(by)
+  for m in models:
+    per_cache = m['seeds']
+    delta = {metric: stats.paired(per_cache['int8'][metric],
+                                  per_cache['float'][metric]).as_dict()
+             for metric in per_cache['float']}
+    out['int8'].append(dict(variant=m['variant'], delta=delta,
+                            kl=stats.mean(m['kl']).as_dict()))
+  return out
+
+
+def main_effects(by: dict) -> list[dict]:
+  """Each factor's effect on the float NLL and accuracy: per seed, the mean
+  of the differences over every pair of models that differ in that factor
+  alone; Holm's correction over the family (all factors' NLL effects)."""
+  factors = []
+  for name, axis, levels in (('LLGG vs G', 1, ('LLGG', 'G')),
+                             ('kv_share 2 vs 1', 2, (2, 1))):
+    factors.append((name, axis, levels))
+  kv_heads = sorted({key[0] for key in by}, reverse=True)
+  for K in kv_heads[1:]:
+    factors.append((f'K={K} vs K={kv_heads[0]}', 0, (K, kv_heads[0])))
+  effects = []
+  for name, axis, (level, base) in factors:
+    pairs = []
+    for key, m in by.items():
+      if key[axis] != level:
+        continue
+      other = by.get(key[:axis] + (base,) + key[axis + 1:])
+      if other:
+        pairs.append((m, other))
+    if not pairs:
+      continue
+    effect = {'factor': name, 'pairs': len(pairs)}
+    for metric in ('nll', 'accuracy'):
+      per_seed = np.mean([np.subtract(a['seeds']['float'][metric],
+                                      b['seeds']['float'][metric])
+                          for a, b in pairs], axis=0)
+      e = stats.mean(per_seed)
+      effect[metric] = {**e.as_dict(), 'resolved': e.resolved,
+                        'detectable': stats.detectable(e.sd, e.n),
+                        'p': stats.p_value(per_seed)}
+    effects.append(effect)
+  for effect, rejected in zip(effects, stats.holm(
+      [e['nll']['p'] for e in effects])):
+    effect['holm'] = bool(rejected)
+  return effects
+
+
+def frontier(pts: list[dict]) -> list[str]:
+  """The points (names) whose NLL is resolved lower, paired by seed, than
+  that of every point with fewer bytes per token, and not resolved higher
+  than any point with as few; cheapest first."""
+  on = []
+  for p in sorted(pts, key=lambda p: p['kv_bytes_per_token']):
+    beats = lambda o, p=p: stats.paired(o['nll'], p['nll'])
+    cheaper = [o for o in pts if o['kv_bytes_per_token']
+               < p['kv_bytes_per_token']]
+    same = [o for o in pts if o is not p
+            and o['kv_bytes_per_token'] == p['kv_bytes_per_token']]
+    if all(beats(o).resolved and beats(o).mean > 0 for o in cheaper) and (
+        not any(beats(o).resolved and beats(o).mean < 0 for o in same)):
+      on.append(p['name'])
+  return on
+
+
+# The report.
+
+
+def _ci(d: dict, fmt: str = '+.4f') -> str:
+  if d['n'] < 2:
+    return f'{d["mean"]:{fmt}} (1 seed)'
+  return f'{d["mean"]:{fmt}} [{d["low"]:{fmt}}, {d["high"]:{fmt}}]'
+
+
+def _sd(values, fmt='.4f') -> str:
+  e = stats.mean(values)
+  return (f'{e.mean:{fmt}}' if e.n < 2 else
+          f'{e.mean:{fmt}} ± {e.sd:{fmt}}')
 
 
 def report(result: dict) -> str:
-  """report.md: the command, the reading, what was measured, the table."""
-  rows = sorted((r for rs in result['rows'] for r in rs),
-                key=lambda r: r['kv_bytes_per_token'])
-  mc_line = (f'`{result["config"]}` with each variant\'s K, layer pattern '
-             f'(L: {result["window"]}-key local attention) and K/V sharing; '
-             f'{result["steps"]} steps, seeds {result["seeds"]}')
-  command = ('python -m scripts.kv_frontier ' + ' '.join(
-      result.get('argv', ['(its arguments were not saved)'])))
-  lines = ['# The KV-memory frontier', '', f'Made by `{command}`.', '',
-           *_reading(rows), '',
-           f'Models: {mc_line}. Bytes: the decode cache per token of context '
-           'at max_len (`model.kv_bytes_per_token`: every layer that owns a '
-           'cache, local layers their window, int8 with its float32 scale '
-           'per token and KV head). Loss: held-out nats/token, the training '
-           'loop\'s evaluator; for int8, on the logits the int8 cache gives. '
-           f'Decode: tokens/s at batch {DECODE_BATCH}, the cache filled to '
-           f'max_len - 8, this machine. Took {result["minutes"]:.1f} min.', '',
-           '| variant | cache | bytes/token | loss (spread) | accuracy | '
-           'decode tokens/s | frontier |', '|---|---|---|---|---|---|---|']
-  for r in rows:
-    lines.append(
-        f'| {r["variant"]} | {r["cache"]} | {r["kv_bytes_per_token"]:,.0f} | '
-        f'{r["loss"]:.4f} ({r["loss_spread"]:.4f}) | {r["accuracy"]:.3f} | '
-        f'{r["decode_tokens_per_sec"]:,.0f} | {"yes" if r["pareto"] else ""} |')
-  return '\n'.join(lines) + '\n'
+  prov = result['provenance']
+  lines = ['# The KV-memory frontier on a task where the cache matters', '',
+           f'Made by `{prov["command"]}` at commit {prov["commit"]} (--out '
+           f'{prov["out"]}): {result["minutes"]:.1f} minutes, '
+           f'{result.get("cpu_minutes", math.nan):.1f} minutes of CPU time '
+           '(what the wall time is at most on an idle machine).'
+           + (' A `--quick` run: the recall panel\'s smallest grid, at fewer '
+              'steps than the default.' if '--quick' in prov['command'].split()
+              else ''), '',
+           stats.CONVENTION, '',
+           'Bytes: the decode cache per token of context at max_len '
+           '(`model.kv_bytes_per_token`: every layer that owns a cache, local '
+           'layers their window, int8 with its float32 scale per token and '
+           'K/V head). NLL and accuracy: the scored targets of the loop\'s '
+           'held-out batches, read through the decode cache (float or int8, '
+           'the whole row prefilled); KL: from the float cache\'s next-token '
+           'distribution to the int8 cache\'s.', '']
+  for name, panel in result['panels'].items():
+    lines += _panel_lines(name, panel)
+  return '\n'.join(lines) + '\n![frontier](frontier.png)\n'
 
 
-def _reading(rows) -> list[str]:
-  """What the table says: the frontier, whether the loss separates the
-  variants, what int8 costs."""
-  frontier = [r for r in rows if r['pareto']]
-  losses = [r['loss'] for r in rows]
-  spread = float(np.mean([r['loss_spread'] for r in rows]))
-  by_key = {(r['variant'], r['cache']): r for r in rows}
-  names = sorted({r['variant'] for r in rows})
-  deltas = [by_key[n, 'int8']['loss'] - by_key[n, 'float']['loss']
-            for n in names]
-  shares = [by_key[n, 'int8']['kv_bytes_per_token']
-            / by_key[n, 'float']['kv_bytes_per_token'] for n in names]
-  return [
-      'On the frontier, from the most bytes to the fewest: '
-      + ', '.join(f'{r["variant"]} ({r["cache"]})'
-                  for r in reversed(frontier)) + '. '
-      f'All {len(rows)} points lie within {max(losses) - min(losses):.4f} '
-      f'nats of each other, against a mean spread over seeds of '
-      f'{spread:.4f}: '
-      + ('the loss does not separate the variants at this budget, so '
-         'the frontier is set by the bytes alone (a null result; more '
-         '--steps and --seeds resolve smaller differences).'
-         if max(losses) - min(losses) < 2 * spread else
-         'the differences are larger than the seeds\' spread.'),
-      '',
-      f'An int8 cache holds {min(shares):.0%}-{max(shares):.0%} of the float '
-      f'cache\'s bytes and changes the held-out loss by {min(deltas):+.4f} to '
-      f'{max(deltas):+.4f} nats (the seed spreads below say whether that is '
-      'more than noise).']
+def _panel_lines(name: str, panel: dict) -> list[str]:
+  a, models = panel['analysis'], panel['models']
+  lines = [f'## {name}: {panel["task"]}', '',
+           f'`configs/{panel["config"]}.py`, {panel["layers"]} layers, '
+           f'local layers (L) of {panel["window"]} keys; {panel["steps"]} '
+           f'steps; seeds {panel["seeds"]}.', '']
+  c = a['control']
+  if c:
+    acc, nll = c['diff']['accuracy'], c['diff']['nll']
+    ref = next(m for m in models if m['variant'] == c['reference'])
+    lines += [
+        f'**Negative control.** All-local {c["control"]} against all-global '
+        f'{c["reference"]}: NLL {_ci(nll)}, answer accuracy '
+        f'{_ci(acc, "+.3f")} (control minus reference). '
+        + ('The control is resolved worse on NLL: the setup sees attention.'
+           if c['sees_attention'] else
+           '**The control is not resolved worse: the setup is blind to '
+           'attention, and nothing below can be read as an effect of the '
+           'cache.**')]
+    if 'first' in ref['seeds']['float']:
+      first = stats.mean(ref['seeds']['float']['first'])
+      lines[-1] += (
+          f' The reference\'s first-query accuracy (retrieval by content '
+          f'alone) is {first:.3f}: '
+          + ('it retrieves by content.' if first.mean >= RETRIEVES else
+             'it has not learnt retrieval by content at this budget; what '
+             'separates it from the control is what reaching the pairs '
+             'gives (the row\'s values, and crossing out those already '
+             'asked for), which also needs the cache.'))
+    lines.append('')
+  if a['equal_bytes']:
+    lines += ['**Equal bytes** (GQA-2 with CLA2 minus MQA, paired by seed; '
+              '"detectable": the smallest NLL difference these seeds find '
+              'with 80% power):', '',
+              '| pair | bytes/token | ΔNLL | Δaccuracy | detectable ΔNLL |',
+              '|---|---|---|---|---|']
+    for e in a['equal_bytes']:
+      d = e['diff']
+      lines.append(f'| {e["a"]} − {e["b"]} | '
+                   f'{e["kv_bytes_per_token"]["float"]:,.0f} | '
+                   f'{_ci(d["nll"])}{_mark(d["nll"])} | '
+                   f'{_ci(d["accuracy"], "+.3f")} | '
+                   f'{d["nll"]["detectable"]:.4f} |')
+    lines.append('')
+  if a['main_effects']:
+    lines += ['**Main effects** (per seed, the mean difference over every '
+              'pair of models differing in that factor alone; Holm over the '
+              'family of NLL effects):', '',
+              '| factor | pairs | ΔNLL | Holm | Δaccuracy | detectable ΔNLL |',
+              '|---|---|---|---|---|---|']
+    for e in a['main_effects']:
+      lines.append(f'| {e["factor"]} | {e["pairs"]} | {_ci(e["nll"])} | '
+                   f'{"rejects 0" if e["holm"] else "-"} | '
+                   f'{_ci(e["accuracy"], "+.3f")} | '
+                   f'{e["nll"]["detectable"]:.4f} |')
+    lines.append('')
+  lines += _below_detectable(a)
+  deltas = {e['variant']: e for e in a['int8']}
+  lines += ['**int8 cache** (int8 minus float, paired by seed, for every '
+            'model; no training: the same weights read through the other '
+            'cache):', '',
+            '| model | bytes/token float → int8 | ΔNLL | KL (nats) | '
+            'Δaccuracy |', '|---|---|---|---|---|']
+  for m in models:
+    e = deltas[m['variant']]
+    nb = m['kv_bytes_per_token']
+    lines.append(f'| {m["variant"]} | {nb["float"]:,.0f} → {nb["int8"]:,.0f} '
+                 f'| {_ci(e["delta"]["nll"], "+.5f")} | '
+                 f'{_ci(e["kl"], ".2e")} | '
+                 f'{_ci(e["delta"]["accuracy"], "+.4f")} |')
+  on = set(a['frontier'])
+  lines += ['', '**Frontier** (a point whose NLL is resolved lower than every '
+            'point with fewer bytes; ties go to the fewer bytes): '
+            + ', '.join(a['frontier']) + '.', '',
+            '| model | cache | bytes/token | NLL (mean ± sd) | accuracy | '
+            + (f'first query (seeds ≥ {RETRIEVES}) | ' if 'first' in models[0]['seeds']['float']
+               else '') + 'frontier |',
+            '|---|---|---|---|---|' + ('---|' if 'first' in models[0]['seeds'][
+                'float'] else '') + '---|']
+  for p in sorted(points(models), key=lambda p: -p['kv_bytes_per_token']):
+    first = (f'{_sd(p["first"], ".3f")} ({_retrieving(p["first"])}) | '
+             if 'first' in p else '')
+    lines.append(f'| {p["variant"]} | {p["cache"]} | '
+                 f'{p["kv_bytes_per_token"]:,.0f} | {_sd(p["nll"])} | '
+                 f'{_sd(p["accuracy"], ".3f")} | {first}'
+                 f'{"yes" if p["name"] in on else ""} |')
+  return lines + ['']
 
 
-def plot(rows_by_variant, patterns, path):
+def _retrieving(first: list[float]) -> str:
+  """'k/n': how many seeds retrieve by content (all or nothing: counted)."""
+  return f'{sum(f >= RETRIEVES for f in first)}/{len(first)}'
+
+
+def _mark(d: dict) -> str:
+  return ' (resolved)' if d['resolved'] else ''
+
+
+def _below_detectable(a: dict) -> list[str]:
+  """The comparisons whose NLL difference is not resolved, and the smallest
+  difference the seeds could have found."""
+  unresolved = [(f'{e["a"]} − {e["b"]}', e['diff']['nll'])
+                for e in a['equal_bytes']] + [
+                    (e['factor'], e['nll']) for e in a['main_effects']]
+  unresolved = [(n, d) for n, d in unresolved if not d['resolved']]
+  if not unresolved:
+    return []
+  return ['Not resolved on NLL (any true difference is likely below what '
+          'these seeds detect; not claimed either way): ' + '; '.join(
+              f'{n} (detectable {d["detectable"]:.4f})'
+              for n, d in unresolved) + '.', '']
+
+
+def plot(result: dict, path: pathlib.Path):
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  rows = [r for rs in rows_by_variant for r in rs]
-  fig, (ax, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
-  colors = {kind: f'C{i}' for i, kind in enumerate(
-      itertools.product(patterns, SHARES))}
-  for r in rows:
-    color = colors[r['attention_pattern'], r['kv_share']]
-    marker = 'o' if r['cache'] == 'float' else 's'
-    face = color if r['cache'] == 'float' else 'none'
-    for axis, y in ((ax, r['loss']), (speed, r['decode_tokens_per_sec'])):
-      axis.scatter(r['kv_bytes_per_token'], y, marker=marker,
-                   facecolors=face, edgecolors=color, s=40)
-    ax.annotate(f'K{r["num_kv_heads"]}', (r['kv_bytes_per_token'], r['loss']),
-                fontsize=7, xytext=(3, 3), textcoords='offset points')
-  frontier = sorted((r for r in rows if r['pareto']),
-                    key=lambda r: r['kv_bytes_per_token'])
-  ax.plot([r['kv_bytes_per_token'] for r in frontier],
-          [r['loss'] for r in frontier], 'k--', lw=1, label='Pareto frontier')
-  for (pattern, share), color in colors.items():
-    ax.scatter([], [], color=color, label=f'{pattern}, kv_share {share}')
-  ax.scatter([], [], marker='s', facecolors='none', edgecolors='k',
-             label='int8 cache (hollow)')
-  ax.set(xscale='log', xlabel='KV cache bytes per token (at max_len)',
-         ylabel='held-out loss (nats/token)', title='quality against bytes')
-  ax.legend(fontsize=7)
-  speed.set(xscale='log', yscale='log',
-            xlabel='KV cache bytes per token (at max_len)',
-            ylabel=f'decode tokens/s (batch {DECODE_BATCH})',
-            title='decode speed against bytes')
+  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
+  panels = result['panels']
+  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5),
+                           squeeze=False)
+  for ax, (name, panel) in zip(axes[0], panels.items()):
+    pts = points(panel['models'])
+    kinds = sorted({(m['attention_pattern'], m['kv_share'])
+                    for m in panel['models']})
+    colors = {kind: f'C{i}' for i, kind in enumerate(kinds)}
+    for m, p in ((m, p) for m in panel['models'] for p in pts
+                 if p['variant'] == m['variant']):
+      e = stats.mean(p['nll'])
+      half = 0.0 if e.n < 2 else e.high - e.mean
+      color = colors[m['attention_pattern'], m['kv_share']]
+      ax.errorbar(p['kv_bytes_per_token'], e.mean, yerr=half, color=color,
+                  marker='o' if p['cache'] == 'float' else 's',
+                  mfc=color if p['cache'] == 'float' else 'none', capsize=2)
+      ax.annotate(f'K{m["num_kv_heads"]}', (p['kv_bytes_per_token'], e.mean),
+                  fontsize=7, xytext=(3, 3), textcoords='offset points')
+    on = sorted((p for p in pts if p['name'] in panel['analysis']['frontier']),
+                key=lambda p: p['kv_bytes_per_token'])
+    ax.plot([p['kv_bytes_per_token'] for p in on],
+            [np.mean(p['nll']) for p in on], 'k--', lw=1, label='frontier')
+    for (pattern, share), color in colors.items():
+      ax.plot([], [], 'o', color=color, label=f'{pattern}, kv_share {share}')
+    ax.plot([], [], 's', mfc='none', color='k', label='int8 cache (hollow)')
+    ax.set(xscale='log', xlabel='KV cache bytes per token (at max_len)',
+           ylabel='held-out NLL of the scored targets (nats)',
+           title=f'{name}: NLL against bytes (95% intervals over seeds)')
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 if __name__ == '__main__':

@@ -83,7 +83,8 @@ def train_cell(configs, out: pathlib.Path, say=print) -> list[dict]:
   model = Transformer(mc)
   dc = configs[0].data
   task = data.load('', val_fraction=0.0, seq_len=dc.seq_len, task='recall',
-                   recall_pairs=dc.recall_pairs, vocab_size=mc.vocab_size)
+                   recall_pairs=dc.recall_pairs, recall_gap=dc.recall_gap,
+                   vocab_size=mc.vocab_size)
   predict = jax.jit(lambda params, tokens: model.apply(
       {'params': params}, tokens).argmax(-1))
   held_out = task.batch('val', seed=0, step=0, batch_size=EVAL_ROWS,
@@ -317,6 +318,7 @@ def main():
 def task_description(config) -> str:
   return data.load('', val_fraction=0.0, seq_len=config.data.seq_len,
                    task='recall', recall_pairs=config.data.recall_pairs,
+                   recall_gap=config.data.recall_gap,
                    vocab_size=config.model.vocab_size).description
 
 

@@ -45,6 +45,28 @@ def test_only_the_answers_are_scored():
   assert task.loss_weights.shape == (T,) and task.loss_weights.sum() == P
 
 
+def test_a_gap_of_filler_puts_every_key_that_far_before_its_query():
+  gap = 9
+  task = data.load('', val_fraction=0.1, seq_len=T, task='recall',
+                   recall_pairs=P, recall_gap=gap, vocab_size=V)
+  rows = task.batch('train', seed=0, step=3, batch_size=16, seq_len=T)
+  q = 2 * P + gap  # The first query.
+  no_gap = _task().batch('train', seed=0, step=3, batch_size=16, seq_len=T)
+  # The same pairs and queries as without a gap, the queries moved by it.
+  np.testing.assert_array_equal(rows[:, :2 * P], no_gap[:, :2 * P])
+  np.testing.assert_array_equal(rows[:, q:q + 2 * P],
+                                no_gap[:, 2 * P:4 * P])
+  assert (rows[:, 2 * P:q] == V - 1).all()  # Filler, never a key.
+  assert not rows[:, q + 2 * P:].any()
+  scored = rows[:, 1:][:, task.loss_weights == 1]
+  np.testing.assert_array_equal(scored, rows[:, q + 1:q + 2 * P:2])
+  with pytest.raises(data.UserError, match=(
+      r'recall_pairs=6 does not fit: .* 4P <= data.seq_len \+ 1 - '
+      r'data.recall_gap 12 = 21 tokens.*use 1..5')):
+    data.load('', val_fraction=0.1, seq_len=T, task='recall', recall_pairs=P,
+              recall_gap=12, vocab_size=V)
+
+
 def test_batches_are_pure_in_seed_and_step_and_shard_exactly():
   task = _task()
   kw = dict(seed=1, step=5, batch_size=8, seq_len=T)

@@ -200,47 +200,133 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
     recall_sweep.main()
 
 
-def test_the_frontier_keeps_the_points_no_other_beats_on_bytes_and_loss():
-  row = lambda name, nbytes, loss: dict(variant=name,
-                                        kv_bytes_per_token=nbytes, loss=loss)
-  rows = [[row('mha', 100, 1.0), row('mha_int8', 30, 1.0)],
-          [row('mqa', 20, 1.5), row('worse', 50, 1.6)],
-          [row('tie', 20, 1.5)]]
-  kv_frontier.mark_frontier(rows)
-  pareto = {r['variant'] for rs in rows for r in rs if r['pareto']}
-  # mha_int8 has mha's loss for fewer bytes; equal points both stay.
-  assert pareto == {'mha_int8', 'mqa', 'tie'}
+def _fake_model(K, pattern, share, nll, accuracy, nbytes,
+                int8_shift=(0.003, -0.002, 0.002)):
+  """A model's record as kv_frontier.measure writes it, per-seed values
+  made up: float NLL and accuracy, int8 NLL higher by int8_shift (0.001
+  on average, not resolved)."""
+  seeds = lambda x: [float(v) for v in x]
+  return dict(
+      variant=kv_frontier.Variant(K, pattern, share).name, num_kv_heads=K,
+      attention_pattern=pattern, kv_share=share,
+      kv_bytes_per_token={'float': nbytes, 'int8': nbytes * 9 / 32},
+      seeds={'float': {'nll': seeds(nll), 'accuracy': seeds(accuracy)},
+             'int8': {'nll': seeds(np.add(nll, int8_shift)),
+                      'accuracy': seeds(accuracy)}},
+      kl=[0.001] * len(nll))
+
+
+def _fake_grid(control_accuracy, control_nll=3.4):
+  noise = np.array([0.01, -0.02, 0.015])
+  return [
+      _fake_model(1, 'G', 1, 1.0 + noise, 0.9 + noise, 128),
+      # Equal bytes: better than MQA by 0.1 on every seed, give or take 0.01.
+      _fake_model(2, 'G', 2, 0.9 + noise + [0.01, 0.0, -0.01], 0.95 + noise,
+                  128),
+      _fake_model(1, 'LLGG', 1, 1.0 + noise[::-1], 0.9 + noise, 80),
+      # Equal bytes with local layers: no difference beyond noise.
+      _fake_model(2, 'LLGG', 2, 1.0 + noise, 0.9 + noise[::-1], 80),
+      _fake_model(1, 'L', 1, control_nll + noise[::-1],
+                  control_accuracy + noise, 32)]
+
+
+def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
+  analysis = kv_frontier.analyse(_fake_grid(control_accuracy=0.03))
+  control = analysis['control']
+  assert control['control'] == 'K1_L_share1'
+  assert control['reference'] == 'K1_G_share1'
+  assert control['sees_attention']
+  assert control['diff']['accuracy']['mean'] == pytest.approx(-0.87)
+  assert control['diff']['nll']['mean'] == pytest.approx(2.4)
+  # A control that does as well as all-global: the setup is blind.
+  blind = kv_frontier.analyse(_fake_grid(control_accuracy=0.9,
+                                         control_nll=1.0))['control']
+  assert not blind['sees_attention']
+  # Equal bytes: GQA-2 with CLA2 against MQA, in each pattern, paired.
+  pairs = {(e['a'], e['b']): e for e in analysis['equal_bytes']}
+  assert set(pairs) == {('K2_G_share2', 'K1_G_share1'),
+                        ('K2_LLGG_share2', 'K1_LLGG_share1')}
+  g = pairs['K2_G_share2', 'K1_G_share1']['diff']['nll']
+  # The mean of per-seed differences; resolved although the two arms'
+  # seeds spread by more than the paired differences do.
+  assert g['mean'] == pytest.approx(-0.1) and g['resolved']
+  assert g['high'] < 0 < g['detectable'] < 0.1
+  local = pairs['K2_LLGG_share2', 'K1_LLGG_share1']['diff']['nll']
+  assert not local['resolved']
+  # int8 against float for every model, paired.
+  assert len(analysis['int8']) == 5
+  for e in analysis['int8']:
+    assert e['delta']['nll']['mean'] == pytest.approx(0.001)
+  # Main effects: the pattern over the two (K, share) pairs that have both.
+  (pattern,) = [e for e in analysis['main_effects']
+                if e['factor'] == 'LLGG vs G']
+  assert pattern['pairs'] == 2
+  # The frontier: the cheapest point (the control, int8 at 9 bytes), then
+  # only points resolved better than every cheaper one: not MQA at 128
+  # bytes (K2_G_share2 int8 has fewer and is resolved better), nor a float
+  # cache whose int8 ties it.
+  frontier = analysis['frontier']
+  assert frontier[0] == 'K1_L_share1 int8'
+  assert 'K2_G_share2 float' not in frontier  # Not better than its int8.
+  assert 'K1_G_share1 float' not in frontier
+  report = kv_frontier.report(dict(
+      provenance={'command': 'python -m scripts.kv_frontier --out=x',
+                  'commit': 'abc1234', 'out': 'x'}, minutes=1.0,
+      panels={'recall': dict(config='kv_recall', window=4, steps=10,
+                             seeds=[1, 2, 3], task='the recall probe',
+                             layers=4, models=_fake_grid(0.03),
+                             analysis=analysis)}))
+  assert 'Made by `python -m scripts.kv_frontier --out=x` at commit abc1234' \
+      in report
+  assert 'the setup sees attention' in report
+  assert '| K2_G_share2 − K1_G_share1 | 128 | -0.1000 [' in report
+
+
+def test_kv_frontier_refuses_unequal_bytes_as_an_equal_bytes_pair():
+  models = _fake_grid(0.03)
+  models[1]['kv_bytes_per_token'] = {'float': 256, 'int8': 72}
+  with pytest.raises(ValueError, match='differ in bytes'):
+    kv_frontier.analyse(models)
 
 
 @pytest.mark.slow
-def test_kv_frontier_trains_reads_and_reports_every_variant(tmp_path,
-                                                            monkeypatch):
-  config = tmp_path / 'four_layers.py'
-  config.write_text('from configs import tiny\n\n\ndef get_config():\n'
-                    '  config = tiny.get_config()\n'
-                    '  config.model.num_layers = 4\n  return config\n')
+def test_kv_frontier_trains_reads_and_reports_a_small_grid(tmp_path,
+                                                           monkeypatch):
+  config = tmp_path / 'small_recall.py'
+  config.write_text(
+      'from configs import kv_recall\n\n\ndef get_config():\n'
+      '  config = kv_recall.get_config()\n'
+      '  config.model.update(d_model=16, num_heads=2, head_dim=8, '
+      'mlp_dim=32)\n'
+      '  config.train.update(batch_size=8, eval_batches=1)\n'
+      '  return config\n')
   out = tmp_path / 'out'
   monkeypatch.setattr(sys, 'argv', [
-      'kv_frontier', f'--out={out}', f'--config={config}', '--kv_heads=1',
-      '--seeds=2', '--steps=4', '--window=4', '--repeats=1'])
+      'kv_frontier', f'--out={out}', f'--config={config}', '--quick',
+      '--seeds=2', '--steps=2'])
   kv_frontier.main()
   result = json.loads((out / 'frontier.json').read_text())
-  rows = [r for rs in result['rows'] for r in rs]
-  assert {(r['attention_pattern'], r['kv_share'], r['cache'])
-          for r in rows} == {(p, s, c) for p in ('G', 'LLGG')
-                             for s in (1, 2) for c in ('float', 'int8')}
-  for r in rows:
-    assert len(r['losses']) == 2 and np.isfinite(r['loss'])
-    assert r['decode_tokens_per_sec'] > 0
-  by = {(r['attention_pattern'], r['kv_share'], r['cache']): r for r in rows}
-  base = by['G', 1, 'float']['kv_bytes_per_token']
-  assert by['G', 2, 'float']['kv_bytes_per_token'] == base / 2
-  # LLGG at window 4 of max_len 32: half the layers hold 4/32 of a cache.
-  assert by['LLGG', 1, 'float']['kv_bytes_per_token'] == base * (
-      1 + 4 / 32) / 2
-  assert any(r['pareto'] for r in rows)
+  assert result['provenance']['commit'] and result['provenance'][
+      'command'].startswith('python -m scripts.kv_frontier --out=')
+  panel = result['panels']['recall']
+  assert {m['variant'] for m in panel['models']} == {
+      v.name for v in kv_frontier.PANELS['recall'].quick_variants}
+  for m in panel['models']:
+    for cache in kv_frontier.CACHES:
+      for metric in ('nll', 'accuracy', 'first'):
+        assert len(m['seeds'][cache][metric]) == 2
+    assert all(k > -1e-6 for k in m['kl'])  # A KL, up to rounding.
+  # The runs are the loop's: the float cache reads what the evaluator did.
+  final = json.loads((out / 'recall' / 'runs' / 'K1_G_share1_s1' /
+                      'final.json').read_text())
+  ref = next(m for m in panel['models'] if m['variant'] == 'K1_G_share1')
+  assert ref['seeds']['float']['nll'][0] == pytest.approx(
+      final['eval_loss'], abs=1e-4)
+  analysis = panel['analysis']
+  assert analysis['control'] is not None
+  assert len(analysis['equal_bytes']) == 2 and len(analysis['int8']) == 5
   report = (out / 'report.md').read_text()
-  assert '| K1_LLGG_share2 | int8 |' in report
+  assert 'Negative control' in report and stats.CONVENTION in report
   assert (out / 'frontier.png').stat().st_size > 0
 
 

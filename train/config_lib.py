@@ -179,6 +179,7 @@ RANGES = {
     ('data', 'seq_len'): _COUNT,
     ('data', 'val_fraction'): _is(0, 1, low_open=True, high_open=True),
     ('data', 'recall_pairs'): _is(0, integer=True),
+    ('data', 'recall_gap'): _is(0, integer=True),
     **{('train', f): _COUNT for f in (
         'steps', 'batch_size', 'grad_accum_steps', 'log_every', 'eval_every',
         'eval_batches', 'checkpoint_every', 'keep_checkpoints')},

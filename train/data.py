@@ -21,11 +21,15 @@ recall (Arora et al. 2023, "Zoology"), a probe of what attention can look up.
 Each row lists P key-value pairs, then asks for every key again in a random
 order; only the answers are scored:
 
-  k1 v1 k2 v2 ... kP vP  q1 a1 q2 a2 ... qP aP  0 ...   (qj = some ki, aj = vi)
+  k1 v1 ... kP vP  f ... f  q1 a1 ... qP aP  0 ...   (qj = some ki, aj = vi)
 
 Keys are distinct ids from the lower half of the vocabulary, values any ids
-from the upper half. A model must store every pair and retrieve by content,
-which is where fewer K/V heads (less K/V capacity per layer) can cost.
+from the upper half. `data.recall_gap` filler tokens f (the last id, a value
+id that no query can match) sit between the pairs and the queries, so that
+every key lies more than that many positions before its query: beyond a
+local layer's window (0: none, the queries follow the pairs). A model must
+store every pair and retrieve by content, which is where fewer K/V heads
+(less K/V capacity per layer) can cost.
 """
 
 from __future__ import annotations
@@ -103,18 +107,21 @@ class RecallTask:
   num_pairs: int  # P.
   vocab_size: int
   seq_len: int
+  gap: int = 0  # Filler tokens between the pairs and the queries.
   bytes_per_token = None  # Not text.
 
   @property
   def description(self) -> str:
-    return (f'associative recall: {self.num_pairs} key-value pairs, then '
-            f'{self.num_pairs} queries (vocabulary {self.vocab_size})')
+    gap = f', {self.gap} filler tokens' if self.gap else ''
+    return (f'associative recall: {self.num_pairs} key-value pairs{gap}, '
+            f'then {self.num_pairs} queries (vocabulary {self.vocab_size})')
 
   @property
   def loss_weights(self) -> np.ndarray:
     """[seq_len]: 1 where the target is an answer (target t is token t + 1)."""
     weights_T = np.zeros(self.seq_len, np.float32)
-    weights_T[2 * self.num_pairs:4 * self.num_pairs:2] = 1.0
+    first = 2 * self.num_pairs + self.gap  # The first query's position.
+    weights_T[first:first + 2 * self.num_pairs:2] = 1.0
     return weights_T
 
   def summary(self) -> str:
@@ -136,6 +143,7 @@ class RecallTask:
     held-out batches differ by `stream` (1), as for text."""
     del split
     P, half = self.num_pairs, self.vocab_size // 2
+    q = 2 * P + self.gap  # The first query's position.
     per_shard = batch_size // num_shards
     tokens = np.zeros((per_shard, seq_len + 1), np.int32)
     for i, row in enumerate(range(shard * per_shard, (shard + 1) * per_shard)):
@@ -144,29 +152,34 @@ class RecallTask:
       values_P = rng.integers(half, self.vocab_size, P)
       order_P = rng.permutation(P)
       tokens[i, 0:2 * P:2], tokens[i, 1:2 * P:2] = keys_P, values_P
-      tokens[i, 2 * P:4 * P:2] = keys_P[order_P]
-      tokens[i, 2 * P + 1:4 * P:2] = values_P[order_P]
+      tokens[i, 2 * P:q] = self.vocab_size - 1  # The gap's filler.
+      tokens[i, q:q + 2 * P:2] = keys_P[order_P]
+      tokens[i, q + 1:q + 2 * P:2] = values_P[order_P]
     return tokens
 
 
 def load(path: str, *, val_fraction: float, seq_len: int,
          cache_dir: str | None = None, task: Task = 'lm', recall_pairs: int = 0,
-         vocab_size: int = 256, tokenizer=None) -> Source:
+         recall_gap: int = 0, vocab_size: int = 256, tokenizer=None
+         ) -> Source:
   """Loads the data named by `path`; raises UserError if it cannot be used.
 
   For task='recall', `path` is ignored and `recall_pairs` (0: as many as fit,
-  (seq_len + 1) // 4) and `vocab_size` shape the task. `tokenizer` (a
-  `train.tokenizer` one; None or bytes: bytes) tokenizes text.
+  (seq_len + 1 - recall_gap) // 4), `recall_gap` and `vocab_size` shape the
+  task. `tokenizer` (a `train.tokenizer` one; None or bytes: bytes)
+  tokenizes text.
   """
   if task == 'recall':
-    pairs = recall_pairs or (seq_len + 1) // 4
-    if not 1 <= pairs <= min((seq_len + 1) // 4, vocab_size // 2):
+    room = seq_len + 1 - recall_gap  # For P pairs and P queries: 4P.
+    pairs = recall_pairs or room // 4
+    if not 1 <= pairs <= min(room // 4, vocab_size // 2):
+      gap = f' - data.recall_gap {recall_gap}' if recall_gap else ''
       raise UserError(
           f'data.recall_pairs={pairs} does not fit: P pairs and P queries take '
-          f'4P <= data.seq_len + 1 = {seq_len + 1} tokens, and keys are '
+          f'4P <= data.seq_len + 1{gap} = {room} tokens, and keys are '
           f'distinct ids below model.vocab_size / 2 = {vocab_size // 2}; use '
-          f'1..{min((seq_len + 1) // 4, vocab_size // 2)}')
-    return RecallTask(pairs, vocab_size, seq_len)
+          f'1..{min(room // 4, vocab_size // 2)}')
+    return RecallTask(pairs, vocab_size, seq_len, recall_gap)
   if task != 'lm':
     raise UserError(f"data.task={task!r}; use 'lm' (text or tokens from "
                     "data.path) or 'recall' (the synthetic recall probe)")

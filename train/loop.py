@@ -507,6 +507,7 @@ def _dataset(dc, mc, path: epath.Path, is_chief: bool) -> data_lib.Source:
   dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
                           seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
                           task=dc.task, recall_pairs=dc.recall_pairs,
+                          recall_gap=dc.recall_gap,
                           vocab_size=mc.vocab_size, tokenizer=tokenizer)
   as_bytes = tokenizer is not None and tokenizer.name == 'bytes' and (
       dataset.bytes_per_token == 1.0)
