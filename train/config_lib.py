@@ -250,6 +250,10 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
         f'model.num_heads={m.num_heads} is not divisible by model.num_kv_heads'
         f'={m.num_kv_heads}; use num_kv_heads in {divisors}')
   _check_layer_kinds(m)
+  try:  # The attention's own checks (multi-head latent attention's).
+    model_config(config).attention(0)
+  except ValueError as e:
+    raise UserError(f'model.{e}') from None
   if m.head_dim % 2:
     raise UserError(f'model.head_dim={m.head_dim} must be even for RoPE')
   if d.seq_len > m.max_len:
