@@ -22,8 +22,9 @@ from attention.rope import apply_rope
 from configs import tiny
 from tests import hlo, reference
 from tests.test_kv_memory import _decode_in_chunks
-from tests.test_sample import _greedy_by_full_passes
-from train import config_lib, flops, loop, sample
+from tests.test_faults import _run
+from tests.test_sample import _greedy_by_full_passes, _sample
+from train import config_lib, flops, loop, sample, to_mla
 from train import model as model_lib
 from train.errors import UserError
 from train.model import Transformer, unroll_layers
@@ -247,3 +248,89 @@ def test_kv_lora_rank_zero_is_not_mla():
   mc = config_lib.model_config(_config(kv_lora_rank=0, num_kv_heads=2))
   assert mc.attention(0).kv_lora_rank is None
   assert 'key' in model_lib.parameter_shapes(mc)['layers']['attention']
+
+
+# --- Conversion into MLA (train.to_mla, train.convert --to_mla) -----------
+
+def _nope_gqa(**model):
+  """A tiny GQA model without RoPE: K = 2, H = 8, so 2·K·H = 32 = D."""
+  config = tiny.get_config()
+  config.model.update(use_rope=False, **model)
+  config_lib.validate(config, batch_shards=1)
+  return config
+
+
+@pytest.mark.parametrize('model', [{}, dict(num_layers=4, kv_share=2)],
+                         ids=['gqa', 'gqa_cla2'])
+def test_a_nope_gqa_model_converted_at_full_rank_keeps_its_logits(model):
+  """The identity control: at kv_lora_rank = 2·K·H the latent keeps every
+  K/V direction (energy 1) and the logits stay within 1e-4; at a lower rank
+  they move and the energy kept is below 1."""
+  mc = config_lib.model_config(_nope_gqa(**model))
+  params = nn.unbox(loop.init_params(Transformer(mc), seed=3))
+  tokens = jax.random.randint(jax.random.key(4), (2, 24), 0, mc.vocab_size)
+  source = Transformer(mc).apply({'params': params}, tokens)
+  full = 2 * mc.num_kv_heads * mc.head_dim
+  converted, new_mc, energy = to_mla.convert_params(params, mc, full)
+  assert new_mc.kv_lora_rank == full and not new_mc.latent_norm
+  assert model_lib.kv_bytes_per_token(new_mc) == model_lib.kv_bytes_per_token(
+      mc)  # 2·K·H either way, at full rank.
+  np.testing.assert_allclose([e for e in energy if e is not None], 1.0,
+                             rtol=1e-9)
+  assert (energy[1] is None) == ('kv_share' in model)
+  logits = Transformer(new_mc).apply({'params': converted}, tokens)
+  chex.assert_trees_all_close(logits, source, atol=1e-4)
+  low, low_mc, low_energy = to_mla.convert_params(params, mc, full // 4)
+  assert all(e < 1 for e in low_energy if e is not None)
+  assert float(jnp.max(jnp.abs(Transformer(low_mc).apply(
+      {'params': low}, tokens) - source))) > 1e-2
+
+
+@pytest.mark.parametrize('model, flags, message', [
+    ({}, ['--kv_lora_rank=8'], '--to_mla converts models without RoPE'),
+    (dict(use_rope=False), ['--kv_lora_rank=33'],
+     '--kv_lora_rank=33: give 1 to 32'),
+    (dict(use_rope=False, qk_norm=True), ['--kv_lora_rank=8'],
+     'the source has model.qk_norm=True'),
+])
+def test_to_mla_refuses_what_it_cannot_convert_in_one_line(model, flags,
+                                                           message):
+  config = tiny.get_config()
+  config.model.update(**model)
+  mc = config_lib.model_config(config)
+  rank = int(flags[0].split('=')[1])
+  with pytest.raises(UserError, match=message):
+    to_mla.check_source(mc, rank, 0)
+
+
+@pytest.mark.slow
+def test_a_reduced_rank_conversion_of_a_trained_model_trains_and_samples(
+    tmp_path):
+  """train.convert --to_mla at half rank on a trained NoPE GQA workdir:
+  convert.json records the energy kept per layer and the held-out loss
+  before uptraining (worse than the source's, finite); the workdir trains on
+  with its recipe and decodes with train.sample."""
+  source, target = tmp_path / 'gqa', tmp_path / 'mla'
+  config = _nope_gqa()
+  config.train.update(steps=30, eval_every=30, checkpoint_every=30)
+  loop.train_and_evaluate(config, str(source))
+  result = _run('train.convert', f'--source={source}', f'--workdir={target}',
+                '--to_mla', '--kv_lora_rank=16')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'before uptraining' in result.stdout
+  info = json.loads((target / 'convert.json').read_text())
+  assert len(info['energy_kept']) == 2
+  assert all(0 < e < 1 for e in info['energy_kept'])
+  assert info['kv_bytes_per_token'] == 16 * 2 * 4
+  assert info['source_kv_bytes_per_token'] == 2 * 2 * 8 * 2 * 4
+  assert (info['source_eval_loss'] < info['eval_loss_before_uptraining']
+          < np.log(256))
+  uptrain = config_lib.load(str(target))
+  assert uptrain.model.kv_lora_rank == 16
+  uptrain.train.update(steps=6, eval_every=6, checkpoint_every=6,
+                       warmup_steps=1)
+  record = loop.train_and_evaluate(uptrain, str(target))
+  assert np.isfinite(record['eval_loss'])
+  result = _sample(target, '--prompt=def ', '--max_new_tokens=8',
+                   '--temperature=0')
+  assert result.returncode == 0, result.stderr.decode()[-3000:]

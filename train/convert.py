@@ -5,6 +5,8 @@
   python -m train.convert --from_hf=HF_DIR --workdir=NEWDIR \
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
+  python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
+      --kv_lora_rank=A [--qk_rope_head_dim=0]   # into latent attention
 
 `mean` averages the key and value projection heads of each group (the
 paper's method), `first` keeps the first of them, `random` re-initialises the
@@ -20,6 +22,11 @@ copies back out. Uptrain with the workdir's own config, e.g.
 
   python -m train.main --config=NEWDIR --workdir=NEWDIR \
       --config.train.steps=36 --config.train.learning_rate=1e-4
+
+--to_mla factorises each layer's K/V projections into multi-head latent
+attention (`train.to_mla`: a joint SVD of [W_K | W_V], the energy kept per
+layer and the held-out loss before any uptraining in NEWDIR/convert.json and
+on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
 
 Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3 and Gemma
 (`train.hf`); it streams the safetensors tensor by tensor, so the peak memory
@@ -44,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
+from train import to_mla
 from train import model as model_lib
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
@@ -82,6 +90,10 @@ def convert_params(params, model_config, num_kv_heads: int, method: Method,
                    seed: int = 0):
   """Params of `model_config` with K/V projections for `num_kv_heads` heads."""
   new_config = dataclasses.replace(model_config, num_kv_heads=num_kv_heads)
+  if model_config.kv_lora_rank:
+    raise UserError('--num_kv_heads pools K/V heads, which an MLA model '
+                    f'(model.kv_lora_rank={model_config.kv_lora_rank}) has '
+                    'not; convert its source, or train a smaller latent')
   if model_config.fused_qkv:
     raise UserError('convert works on separate query/key/value kernels; '
                     'train with model.fused_qkv=False')
@@ -160,6 +172,39 @@ def convert_workdir(source: str, workdir: str, num_kv_heads: int,
         'source_num_kv_heads': k_source, 'method': method,
         'recipe': recipe})
   return k_source, k
+
+
+def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
+                   qk_rope_head_dim: int = 0) -> dict:
+  """Writes WORKDIR: SOURCE's model as multi-head latent attention
+  (`train.to_mla`), with the uptraining recipe; returns convert.json's
+  record (energy kept per layer, held-out loss of the source and of the
+  converted model before uptraining)."""
+  with _new_workdir(workdir) as path:
+    model_config, params, config = checkpoint.load_workdir(source, '--source')
+    new_params, _, energies = to_mla.convert_params(
+        params, model_config, kv_lora_rank, qk_rope_head_dim)
+    config.model.update(to_mla.target_config(
+        model_config, kv_lora_rank, qk_rope_head_dim)[1])
+    source = storage.path(source, '--source')
+    recipe = apply_recipe(config, source_rate(source, config))
+    for name in ('tokenizer.json', 'hf'):
+      storage.copy(source / name, path / name)
+    info = {'source': str(source), 'to_mla': True,
+            'kv_lora_rank': kv_lora_rank,
+            'qk_rope_head_dim': qk_rope_head_dim,
+            'source_num_kv_heads': model_config.num_kv_heads,
+            'energy_kept': energies,
+            'kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                config_lib.model_config(config)),
+            'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                model_config), 'recipe': recipe}
+    _write_step0(path, new_params, config, info)
+    info['source_eval_loss'] = loop.evaluate_workdir(str(source))['eval_loss']
+    info['eval_loss_before_uptraining'] = loop.evaluate_workdir(
+        str(path))['eval_loss']
+    (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
+  return info
 
 
 def _kv_converter(k: int, method: Method, seed: int):
@@ -340,6 +385,11 @@ def main(argv):
   if bool(f.workdir) == bool(f.to_hf) or (f.from_hf and f.to_hf):
     raise UserError('give --workdir (to write a workdir) or, with --source, '
                     '--to_hf (to write a Hugging Face folder)')
+  if f.to_mla and not (f.source and f.workdir):
+    raise UserError('--to_mla converts --source=WORKDIR into a new --workdir')
+  if f.to_mla and f.kv_lora_rank is None:
+    raise UserError('--to_mla needs --kv_lora_rank=A, the latent\'s width '
+                    '(2·K·H of the source keeps every K/V direction)')
   if f.to_hf:
     family = export_hf(f.source, f.to_hf)
     print(f'wrote {f.to_hf}: a {family} checkpoint (Hugging Face format)')
@@ -353,6 +403,16 @@ def main(argv):
             f'{f.workdir} can train only on token ids (.bin files); to train '
             f'on text, copy the model\'s {tokenizer_lib.FILE} into both',
             file=sys.stderr)
+    return
+  if f.to_mla:
+    info = convert_to_mla(f.source, f.workdir, f.kv_lora_rank,
+                          f.qk_rope_head_dim)
+    energy = [round(e, 4) for e in info['energy_kept'] if e is not None]
+    print(f'wrote {f.workdir}: MLA, kv_lora_rank={f.kv_lora_rank}, '
+          f"{info['source_kv_bytes_per_token']:g} -> "
+          f"{info['kv_bytes_per_token']:g} KV bytes/token; energy kept per "
+          f'layer {energy}; held-out loss {info["source_eval_loss"]:.4f} -> '
+          f'{info["eval_loss_before_uptraining"]:.4f} before uptraining')
     return
   k_source, k = convert_workdir(f.source, f.workdir, f.num_kv_heads, f.method,
                                 f.seed)
@@ -375,6 +435,10 @@ def run():
   flags.DEFINE_integer('num_kv_heads', -1, 'K; -1 keeps all')
   flags.DEFINE_enum('method', 'mean', METHODS, 'how grouped heads become one')
   flags.DEFINE_integer('seed', 0, 'seed of --method=random')
+  flags.DEFINE_bool('to_mla', False, 'convert --source into multi-head '
+                    'latent attention (train.to_mla)')
+  flags.DEFINE_integer('kv_lora_rank', None, '--to_mla: the latent\'s width')
+  flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept')
   flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '': "
                       "float32 master weights (the uptraining recipe)")
   run_app(main)
