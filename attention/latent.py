@@ -9,8 +9,9 @@ kv_lora_rank. Letters (with those of `attention.core`: B, T, S, N, D):
   U  v_head_dim
 
   params  kv_down [D, A + Y] (the latent and the RoPE key, DeepSeek's
-          kv_a_proj_with_mqa), kv_norm [A] (latent_norm), key_up [A, N, I],
-          value_up [A, N, U] (kv_b_proj), out [N, U, D]; the query: query
+          kv_a_proj_with_mqa), kv_norm [A] (latent_norm), kv_up [A, N, I + U]
+          (DeepSeek's kv_b_proj: head n's key_up [A, I], then its
+          value_up [A, U]), out [N, U, D]; the query: query
           [D, N, I + Y], or query_down [D, Q], query_down_norm [Q] and
           query_up [Q, N, I + Y]. A layer sharing another's K/V (kv_share)
           reads that layer's latent: it has no kv_down or kv_norm.
@@ -129,8 +130,7 @@ def param_shapes(options, d_model: int, *, shared_kv: bool = False
     shapes |= {'kv_down': (D, A + Y)}
     if options.latent_norm:
       shapes |= {'kv_norm': (A,)}
-  return {**shapes, 'key_up': (A, N, I), 'value_up': (A, N, U),
-          'out': (N, U, D)}
+  return {**shapes, 'kv_up': (A, N, I + U), 'out': (N, U, D)}
 
 
 def cache_spec(options, batch: int, max_len: int, dtype: Any
@@ -187,8 +187,9 @@ def apply(options, params: dict[str, Array], x_BTD: Array, *,
                                    kv.value, mask)
   else:
     visible = layer.cached_visibility(options, kv, pos_T, mask, B)
+    key_up_ANI, value_up_ANU = split_up(w['kv_up'], options.qk_nope_head_dim)
     out_BTNU = absorbed_attention(
-        q_BTNI, q_BTNY, w['key_up'], w['value_up'], kv.key, kv.value,
+        q_BTNI, q_BTNY, key_up_ANI, value_up_ANU, kv.key, kv.value,
         visible, scale=options.scale, logits_soft_cap=options.logits_soft_cap,
         latent_scale_BS=kv.key_scale, rope_key_scale_BS=kv.value_scale)
     # As `layer`'s: an overflowing write under jit shows as NaN.
@@ -223,6 +224,11 @@ def _latent(options, params, w, x_XD, B: int, T: int) -> tuple[Array, Array]:
   return c_XA.reshape(B, T, A), k_XY.reshape(B, T, -1)
 
 
+def split_up(kv_up_ANE, I: int) -> tuple[Array, Array]:
+  """(key_up [A, N, I], value_up [A, N, U]) of kv_up [A, N, I + U]."""
+  return kv_up_ANE[..., :I], kv_up_ANE[..., I:]
+
+
 def expand(key_up_ANI, value_up_ANU, c_BSA, k_BSY
            ) -> tuple[Array, Array]:
   """Per-head keys [B, S, N, I + Y] ([c·key_up[:, n], k_rope]) and values
@@ -242,7 +248,8 @@ def _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSA, k_BSY, mask):
   """[B, T, N, U]: the queries against the keys and values expanded from
   the latent, by `dot_product_attention` (keys and values zero-padded to
   one width, which changes no logit and no output feature)."""
-  k_BSNH, v_BSNU = expand(w['key_up'], w['value_up'], c_BSA, k_BSY)
+  k_BSNH, v_BSNU = expand(*split_up(w['kv_up'], options.qk_nope_head_dim),
+                          c_BSA, k_BSY)
   q_BTNH = jnp.concatenate([q_BTNI, q_BTNY.astype(q_BTNI.dtype)], axis=-1)
   H, U = q_BTNH.shape[-1], v_BSNU.shape[-1]
   pad = lambda x, width: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])

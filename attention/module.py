@@ -44,8 +44,7 @@ LOGICAL_AXES = {
     'query_up': ('q_lora', 'q_heads', 'head_dim'),
     'kv_down': ('embed', 'kv_lora'),
     'kv_norm': ('norm',),
-    'key_up': ('kv_lora', 'q_heads', 'head_dim'),
-    'value_up': ('kv_lora', 'q_heads', 'head_dim'),
+    'kv_up': ('kv_lora', 'q_heads', 'head_dim'),
 }
 
 

@@ -111,9 +111,10 @@ def test_the_layer_matches_an_independent_reference():
   k_rope = apply_rope(ck[..., A:][:, :, None], jnp.arange(T))
   q = jnp.einsum('BTD,DNH->BTNH', x, params['query'])
   q = jnp.concatenate([q[..., :I], apply_rope(q[..., I:], jnp.arange(T))], -1)
-  k = jnp.concatenate([jnp.einsum('BTA,ANI->BTNI', c, params['key_up']),
+  key_up, value_up = params['kv_up'][..., :I], params['kv_up'][..., I:]
+  k = jnp.concatenate([jnp.einsum('BTA,ANI->BTNI', c, key_up),
                        jnp.repeat(k_rope, N, 2)], -1)
-  v = jnp.einsum('BTA,ANU->BTNU', c, params['value_up'])
+  v = jnp.einsum('BTA,ANU->BTNU', c, value_up)
   logits = jnp.einsum('BTNH,BSNH->BNTS', q, k) / np.sqrt(I + Y)
   logits = jnp.where(jnp.tril(jnp.ones((T, T), bool)), logits, -jnp.inf)
   o = jnp.einsum('BNTS,BSNU->BTNU', jax.nn.softmax(logits, -1), v)

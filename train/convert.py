@@ -28,8 +28,8 @@ attention (`train.to_mla`: a joint SVD of [W_K | W_V], the energy kept per
 layer and the held-out loss before any uptraining in NEWDIR/convert.json and
 on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
 
-Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3 and Gemma
-(`train.hf`); it streams the safetensors tensor by tensor, so the peak memory
+Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma
+and DeepSeek-V2/V3 with dense MLPs (`train.hf`, `train.hf_deepseek`); it streams the safetensors tensor by tensor, so the peak memory
 is about one copy of the parameters.
 """
 
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
-from train import to_mla
+from train import hf_deepseek, to_mla
 from train import model as model_lib
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
@@ -262,7 +262,10 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
   convert_kv = _kv_converter(k, method, seed) if (
       k != k_source or method == 'random') else None
   with _new_workdir(workdir) as path:
-    params = hf.read_weights(files, shapes, mc, convert_kv)
+    params = hf.read_weights(
+        files, shapes, mc, convert_kv,
+        interleaved=hf_deepseek.interleaved(hf_config) if mc.kv_lora_rank
+        else True)
     (path / 'hf').mkdir(exist_ok=True)
     (path / 'hf' / 'config.json').write_text(json.dumps(hf_config, indent=2))
     for name in hf.TOKENIZER_FILES:

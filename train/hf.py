@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from train import hf_deepseek
 from train import model as model_lib
 from train import safetensors_io
 from train.errors import UserError
@@ -44,7 +45,8 @@ FAMILIES = {  # model_type -> architecture class.
     'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
     'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
     'ministral': 'MinistralForCausalLM', 'gemma': 'GemmaForCausalLM',
-    'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM'}
+    'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM',
+    **hf_deepseek.FAMILIES}  # Multi-head latent attention, dense MLPs.
 GEMMAS = ('gemma', 'gemma2', 'gemma3_text')
 SANDWICHED = ('gemma2', 'gemma3_text')  # Post-norms, query scale, soft caps.
 # What transformers' config classes assume for a key config.json leaves out
@@ -79,6 +81,8 @@ def model_fields(hf: dict) -> dict[str, Any]:
                     f'{", ".join(FAMILIES)}')
   hf = {**CONFIG_DEFAULTS.get(family, {}), **hf}
   _check_types(hf)
+  if family in hf_deepseek.FAMILIES:
+    return hf_deepseek.model_fields(hf, _rope)
   get = lambda key, default=None: (hf[key] if hf.get(key) is not None
                                    else default)
   problems = []
@@ -249,6 +253,13 @@ def _default_kind(hf: dict, family: str, i: int) -> str:
 
 def family_of(mc, remembered: str | None = None) -> str:
   """The Hugging Face model_type that computes what `mc` computes."""
+  if mc.kv_lora_rank:
+    problems = hf_deepseek.family_problems(mc)
+    if problems:
+      raise UserError(f'no Hugging Face architecture computes '
+                      f'{"; ".join(problems)}; MLA exports as deepseek_v3')
+    return remembered if remembered in hf_deepseek.FAMILIES else (
+        'deepseek_v3')
   problems = []
   if not mc.use_rope:
     problems.append('model.use_rope=False')
@@ -338,6 +349,8 @@ def hf_config(mc, family: str, base: dict | None = None) -> dict:
     sliding = mc.local_window is not None
     config.update(use_sliding_window=sliding, sliding_window=mc.local_window,
                   max_window_layers=0 if sliding else L)
+  if family in hf_deepseek.FAMILIES:
+    config.update(hf_deepseek.hf_config(mc, family))
   if family in SANDWICHED:
     scalar = mc.query_pre_attn_scalar or mc.head_dim
     config.update(
@@ -436,16 +449,20 @@ GLOBAL_WEIGHTS = {
 KV_NAMES = ('key', 'value', 'key_bias', 'value_bias')
 
 
-def weight_plan(params_shapes: dict, mc
+def weight_plan(params_shapes: dict, mc, interleaved: bool = True
                 ) -> dict[str, tuple[tuple, int | None, Callable, Callable]]:
   """HF name -> (our path, index on its stacked layer axis or None, to ours,
   to HF), for the parameters the model has (biases and norms only where
-  configured)."""
+  configured); interleaved: a DeepSeek checkpoint's RoPE layout."""
   plan = {}
   for name, (path, to_ours, to_hf) in GLOBAL_WEIGHTS.items():
     if _has(params_shapes, path):
       plan[name] = (path, None, to_ours, to_hf)
   names = LAYER_WEIGHTS | (POST_NORM_WEIGHTS if mc.post_norms else {})
+  if mc.kv_lora_rank:  # DeepSeek's attention in place of Llama's.
+    names = {name: value for name, value in names.items()
+             if not name.startswith('self_attn.')}
+    names |= hf_deepseek.layer_weights(mc, interleaved)
   for i in range(mc.num_layers):
     prefix, index = model_lib.layer_slot(mc, i)
     for name, (path, to_ours, to_hf) in names.items():
@@ -471,14 +488,14 @@ def _get(tree, path):
 
 def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
                  convert_kv: Callable[[np.ndarray, str], np.ndarray] | None
-                 = None) -> dict:
+                 = None, interleaved: bool = True) -> dict:
   """The parameters (stacked layers) filled from the safetensors `files`.
 
   shapes: the target parameters' ShapeDtypeStructs; convert_kv(array, name)
   turns a source key/value weight [D, K_source, H] or bias [K_source, H] into
   the target's K heads. Checks every name and shape before reading any.
   """
-  plan = weight_plan(shapes, mc)
+  plan = weight_plan(shapes, mc, interleaved)
   where = {}
   ignored = ('rotary_emb.inv_freq',)
   unexpected = []

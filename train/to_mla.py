@@ -4,7 +4,7 @@ As TransMLA and MHA2MLA (Meng et al. 2025, Ji et al. 2025) do, each layer's
 key and value projections are factorised jointly: W = [W_K | W_V]
 [D, 2·K·H] = U Σ Vᵀ (SVD, float64), kept to the kv_lora_rank A largest
 singular values, so that kv_down = U_A Σ_A [D, A] makes the cached latent and
-Vᵀ_A [A, 2·K·H] splits into key_up and value_up, whose KV head k serves the
+Vᵀ_A [A, 2·K·H] splits into key_up and value_up (kv_up [A, N, 2H]), whose KV head k serves the
 query heads of its group [k·G, (k+1)·G) (each query head gets its group's
 columns). `energy` is Σ_A² / Σ², the share of the projections' squared
 Frobenius norm kept; at full rank A = 2·K·H (or D, when smaller) the product
@@ -63,7 +63,7 @@ def target_config(mc, kv_lora_rank: int, qk_rope_head_dim: int):
 
 def factorise(key_DKH: np.ndarray, value_DKH: np.ndarray, rank: int,
               group: int) -> tuple[dict[str, np.ndarray], float]:
-  """({kv_down [D, A], key_up [A, N, H], value_up [A, N, H]}, energy kept)
+  """({kv_down [D, A], kv_up [A, N, 2H]: key_up then value_up}, energy kept)
   of one layer's key and value kernels [D, K, H]; group: G."""
   D, K, H = key_DKH.shape
   W = np.concatenate([key_DKH.reshape(D, K * H), value_DKH.reshape(D, K * H)],
@@ -74,8 +74,9 @@ def factorise(key_DKH: np.ndarray, value_DKH: np.ndarray, rank: int,
   per_query = lambda x_AKH: np.repeat(x_AKH, group, axis=1)  # [A, N, H]
   dtype = key_DKH.dtype
   return {'kv_down': (u[:, :rank] * s[:rank]).astype(dtype),
-          'key_up': per_query(up_AKH[:, 0]).astype(dtype),
-          'value_up': per_query(up_AKH[:, 1]).astype(dtype)}, energy
+          'kv_up': np.concatenate([per_query(up_AKH[:, 0]),
+                                   per_query(up_AKH[:, 1])], -1).astype(dtype)
+          }, energy
 
 
 def convert_params(params, mc, kv_lora_rank: int, qk_rope_head_dim: int = 0
@@ -97,7 +98,7 @@ def convert_params(params, mc, kv_lora_rank: int, qk_rope_head_dim: int = 0
       energies.append(energy)
     else:
       energies.append(None)
-    attention |= {'key_up': owner['key_up'], 'value_up': owner['value_up']}
+    attention['kv_up'] = owner['kv_up']
     tree['attention'] = attention
     layers.append(tree)
   return _with_layers(params, new_mc, layers), new_mc, energies
