@@ -335,3 +335,46 @@ def test_a_reduced_rank_conversion_of_a_trained_model_trains_and_samples(
   result = _sample(target, '--prompt=def ', '--max_new_tokens=8',
                    '--temperature=0')
   assert result.returncode == 0, result.stderr.decode()[-3000:]
+
+
+# --- Accelerators ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_mla_train_and_decode_steps_lower_for_tpu_and_cuda():
+  """jax.export lowers a bfloat16 MLA model's train step and decode step
+  (int8 latent too) for TPU and CUDA on this host; for TPU the decode step
+  transposes, broadcasts, copies or converts nothing of the latent cache's
+  size: its operands are read in place. (JAX's CUDA lowering converts an
+  int8 operand of a mixed-dtype matmul to float32, as for K/V caches.)"""
+  config = _config(q_lora_rank=12, dtype='bfloat16', param_dtype='bfloat16',
+                   max_len=1024)
+  config.data.seq_len = 128
+  mc = config_lib.model_config(config)
+  model = Transformer(mc)
+  tx, _ = loop.make_optimizer(config.train)
+  state = jax.eval_shape(lambda: loop.init_state(model, tx, 0))
+  tokens = jax.ShapeDtypeStruct((4, config.data.seq_len + 1), jnp.int32)
+  step = lambda s, b: loop.train_step(s, b, model=model, tx=tx,
+                                      accum_steps=1)
+  for platform in ('tpu', 'cuda'):
+    assert 'dot_general' in hlo.lowered(step, state, tokens,
+                                        platform=platform)
+  batch = 4
+  for kv_cache_dtype in (None, 'int8'):
+    mc_ = dataclasses.replace(mc, kv_cache_dtype=kv_cache_dtype)
+    decoder, params = unroll_layers(
+        Transformer(mc_, decode=True),
+        nn.unbox(loop.init_params(Transformer(mc_), 0)))
+    cache = sample.empty_cache(decoder, batch)
+    decode = lambda params, cache, token: decoder.apply(
+        {'params': params, 'cache': cache}, token, mutable=['cache'])
+    token = jnp.zeros((batch, 1), jnp.int32)
+    assert 'dot_general' in hlo.lowered(decode, params, cache, token,
+                                        platform='cuda')
+    text = hlo.lowered(decode, params, cache, token, platform='tpu')
+    assert not hlo.big_shapes(text, batch * mc.max_len * A)
+  # The control: a converted (dequantized) copy of the latent is caught.
+  assert hlo.big_shapes(hlo.lowered(
+      lambda c: c.astype(jnp.bfloat16) * 2,
+      jnp.zeros((batch, mc.max_len, A), jnp.int8), platform='tpu'),
+                        batch * mc.max_len * A)

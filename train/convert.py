@@ -29,7 +29,8 @@ layer and the held-out loss before any uptraining in NEWDIR/convert.json and
 on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
 
 Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma
-and DeepSeek-V2/V3 with dense MLPs (`train.hf`, `train.hf_deepseek`); it streams the safetensors tensor by tensor, so the peak memory
+and DeepSeek-V2/V3 with dense MLPs (`train.hf`, `train.hf_deepseek`); it
+streams the safetensors tensor by tensor, so the peak memory
 is about one copy of the parameters.
 """
 
