@@ -34,10 +34,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention import layer, numerics
 from attention.core import dot_product_attention
-from attention.rope import apply_rope
+from attention.rope import apply_rope, inverse_frequencies
 
 Array = jax.Array
 # The cache's arrays, in the order of `layer.KV`'s fields (key: the latent,
@@ -58,6 +59,9 @@ def resolve(options) -> None:
     raise ValueError(f'kv_lora_rank={rank!r} must be an integer >= 1, or '
                      '0/None (not MLA)')
   if not rank:
+    if options.rope_pairs is not None:
+      raise ValueError('rope_pairs is set, but kv_lora_rank is not: the '
+                       'pairs are an MLA RoPE key\'s; unset rope_pairs')
     if rank not in (None, 0):
       raise ValueError(f'kv_lora_rank={options.kv_lora_rank!r} must be an '
                        'integer >= 1, or 0/None (not MLA)')
@@ -104,7 +108,22 @@ def _problem(o) -> str | None:
   if not o.use_rope and Y:
     return (f'qk_rope_head_dim={Y} with use_rope=False: nothing turns the '
             'RoPE key; set qk_rope_head_dim=0, or use_rope=True')
+  pairs = o.rope_pairs
+  if pairs is not None and (len(pairs) != Y // 2 or not all(
+      isinstance(p, int) and 0 <= p < o.head_dim // 2 for p in pairs)):
+    return (f'rope_pairs={list(pairs)} must list qk_rope_head_dim / 2 = '
+            f'{Y // 2} frequency indices from 0 to head_dim / 2 - 1 = '
+            f'{o.head_dim // 2 - 1}; leave it to train.convert --to_mla')
   return None
+
+
+def rope_frequencies(options) -> np.ndarray | None:
+  """[Y/2] radians per position of the RoPE key's pairs: rope_pairs' of a
+  head_dim-wide RoPE, or None (a qk_rope_head_dim-wide RoPE's own)."""
+  if options.rope_pairs is None:
+    return None
+  return inverse_frequencies(options.head_dim, options.rope_base,
+                             options.rope_scaling)[list(options.rope_pairs)]
 
 
 def scale(options) -> float:
@@ -169,7 +188,8 @@ def apply(options, params: dict[str, Array], x_BTD: Array, *,
     start = 0 if cache is None else cache['cache_index']
   pos_T = start + jnp.arange(T)
   rope = lambda x: apply_rope(x, pos_T, base=options.rope_base,
-                              scaling=options.rope_scaling)
+                              scaling=options.rope_scaling,
+                              frequencies=rope_frequencies(options))
   if options.qk_rope_head_dim:
     q_BTNY = rope(q_BTNY)
   if shared is not None:

@@ -66,7 +66,8 @@ def inverse_frequencies(head_dim: int, base: float,
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0,
-               scaling: RopeScaling | None = None) -> jax.Array:
+               scaling: RopeScaling | None = None,
+               frequencies: np.ndarray | None = None) -> jax.Array:
   """Rotates feature pairs (i, i + H/2) of each head by position-dependent angles.
 
   Args:
@@ -75,6 +76,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0,
     base: wavelength base; pair i turns at 1 / base**(2i / H) radians per
       position.
     scaling: optional frequency scaling for long contexts (`RopeScaling`).
+    frequencies: [H/2] radians per position of each pair, in place of
+      base's and scaling's (a subset of a wider RoPE's, `attention.latent`).
 
   Returns:
     [B, T, N, H] in x's dtype, computed in float32. The dot product of a rotated
@@ -83,7 +86,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0,
   H = x.shape[-1]
   if H % 2:
     raise ValueError(f'RoPE needs an even head dim, got H={H}')
-  freq_h = jnp.asarray(inverse_frequencies(H, base, scaling))  # [H/2]
+  freq_h = jnp.asarray(inverse_frequencies(H, base, scaling)
+                       if frequencies is None else frequencies)  # [H/2]
   angle_BTh = jnp.asarray(positions, jnp.float32)[..., None] * freq_h
   angle_BT1h = angle_BTh[..., None, :]  # Broadcast over heads.
   sin, cos = jnp.sin(angle_BT1h), jnp.cos(angle_BT1h)

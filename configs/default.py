@@ -58,6 +58,9 @@ def model() -> config_dict.ConfigDict:
       qk_nope_head_dim=config_dict.placeholder(int),
       v_head_dim=config_dict.placeholder(int),
       latent_norm=True,
+      # Set by train.convert --to_mla from a RoPE model: the frequency index
+      # (of a head_dim-wide RoPE) each pair of the RoPE key turns at.
+      rope_pairs=config_dict.placeholder(list),
       logits_soft_cap=config_dict.placeholder(float),  # Attention's (Gemma 2).
       final_logits_soft_cap=config_dict.placeholder(float),  # Output's.
       # Attention logits are q·k x query_pre_attn_scalar ** -0.5 (None:

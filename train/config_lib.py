@@ -123,6 +123,8 @@ def model_config(config: config_dict.ConfigDict) -> ModelConfig:
   fields['param_dtype'] = DTYPES[fields['param_dtype']]
   scaling = fields['rope_scaling']
   fields['rope_scaling'] = RopeScaling(**scaling) if scaling['kind'] else None
+  if fields['rope_pairs'] is not None:  # Hashable, as the config must be.
+    fields['rope_pairs'] = tuple(fields['rope_pairs'])
   return ModelConfig(**fields)
 
 

@@ -6,7 +6,7 @@
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
-      --kv_lora_rank=A [--qk_rope_head_dim=0]   # into latent attention
+      --kv_lora_rank=A --qk_rope_head_dim=Y     # into latent attention
 
 `mean` averages the key and value projection heads of each group (the
 paper's method), `first` keeps the first of them, `random` re-initialises the
@@ -24,7 +24,8 @@ copies back out. Uptrain with the workdir's own config, e.g.
       --config.train.steps=36 --config.train.learning_rate=1e-4
 
 --to_mla factorises each layer's K/V projections into multi-head latent
-attention (`train.to_mla`: a joint SVD of [W_K | W_V], the energy kept per
+attention (`train.to_mla`: partial RoPE on the best qk_rope_head_dim / (2K)
+frequency pairs per KV head, a joint SVD of the rest of [W_K | W_V], the energy kept per
 layer and the held-out loss before any uptraining in NEWDIR/convert.json and
 on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
 
@@ -183,11 +184,22 @@ def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
   converted model before uptraining)."""
   with _new_workdir(workdir) as path:
     model_config, params, config = checkpoint.load_workdir(source, '--source')
-    new_params, _, energies = to_mla.convert_params(
-        params, model_config, kv_lora_rank, qk_rope_head_dim)
-    config.model.update(to_mla.target_config(
-        model_config, kv_lora_rank, qk_rope_head_dim)[1])
+    to_mla.check_source(model_config, kv_lora_rank, qk_rope_head_dim)
     source = storage.path(source, '--source')
+    scores, calibration = None, None
+    if model_config.use_rope:  # Calibration: training windows of the data.
+      dataset = loop._dataset(config.data, model_config, source,  # pylint: disable=protected-access
+                              is_chief=False)
+      tokens = dataset.batch('train', seed=0, step=0, batch_size=8,
+                             seq_len=config.data.seq_len)[:, :-1]
+      scores = to_mla.calibration_scores(model_config, params, tokens)
+      calibration = f'{tokens.shape[0]} x {tokens.shape[1]} training tokens'
+    new_params, new_mc, energies = to_mla.convert_params(
+        params, model_config, kv_lora_rank, qk_rope_head_dim, scores)
+    config.model.update(to_mla.target_config(
+        model_config, kv_lora_rank, qk_rope_head_dim,
+        None if scores is None else to_mla.select_pairs(
+            scores, qk_rope_head_dim))[1])
     recipe = apply_recipe(config, source_rate(source, config))
     for name in ('tokenizer.json', 'hf'):
       storage.copy(source / name, path / name)
@@ -195,7 +207,8 @@ def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
             'kv_lora_rank': kv_lora_rank,
             'qk_rope_head_dim': qk_rope_head_dim,
             'source_num_kv_heads': model_config.num_kv_heads,
-            'energy_kept': energies,
+            'energy_kept': energies, 'rope_pairs': new_mc.rope_pairs,
+            'calibration': calibration,
             'kv_bytes_per_token': model_lib.kv_bytes_per_token(
                 config_lib.model_config(config)),
             'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
@@ -442,7 +455,7 @@ def run():
   flags.DEFINE_bool('to_mla', False, 'convert --source into multi-head '
                     'latent attention (train.to_mla)')
   flags.DEFINE_integer('kv_lora_rank', None, '--to_mla: the latent\'s width')
-  flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept')
+  flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept, 2·r·K (r pairs per KV head); 0 without RoPE')
   flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '': "
                       "float32 master weights (the uptraining recipe)")
   run_app(main)

@@ -111,6 +111,7 @@ def family_problems(mc) -> list[str]:
            'final_logits_soft_cap': mc.final_logits_soft_cap,
            'query_pre_attn_scalar': mc.query_pre_attn_scalar,
            'learned_positions': mc.learned_positions,
+           'rope_pairs (a converted RoPE key)': mc.rope_pairs is not None,
            "Gemma's conventions (DeepSeek's are Llama's: silu, "
            'norm_scale_offset=0, embed_scale=False)': not (
                mc.mlp_activation == 'silu' and mc.norm_scale_offset == 0.0

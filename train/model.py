@@ -91,6 +91,7 @@ class ModelConfig:
   qk_nope_head_dim: int | None
   v_head_dim: int | None
   latent_norm: bool
+  rope_pairs: tuple[int, ...] | None  # Converted MLA's RoPE frequencies.
 
   def attention(self, i: int) -> layer.Options:
     """Layer i's attention options (a causal LM), passed whole to
