@@ -128,9 +128,12 @@ def rope_frequencies(options) -> np.ndarray | None:
 
 def scale(options) -> float:
   """DeepSeek's softmax scale: query_pre_attn_scalar (None: the query's
-  qk_nope_head_dim + qk_rope_head_dim) ** -0.5."""
+  qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times YaRN's mscale squared
+  when the RoPE scaling is YaRN's with mscale_all_dim."""
   width = options.qk_nope_head_dim + options.qk_rope_head_dim
-  return (options.query_pre_attn_scalar or width) ** -0.5
+  mscale = (options.rope_scaling.softmax_mscale
+            if options.rope_scaling is not None else 1.0)
+  return (options.query_pre_attn_scalar or width) ** -0.5 * mscale * mscale
 
 
 def param_shapes(options, d_model: int, *, shared_kv: bool = False
@@ -237,16 +240,16 @@ def _latent(options, params, w, x_XD, B: int, T: int) -> tuple[Array, Array]:
   """(the normed latent c [B, T, A], the RoPE key, not yet turned,
   [B, T, Y]) of the tokens."""
   A = options.kv_lora_rank
-  ck_XE = x_XD @ w['kv_down']  # E = A + Y.
-  c_XA, k_XY = ck_XE[:, :A], ck_XE[:, A:]
+  ck_X = x_XD @ w['kv_down']  # [B·T, A + Y].
+  c_XA, k_XY = ck_X[:, :A], ck_X[:, A:]
   if options.latent_norm:
     c_XA = layer._rms_norm(c_XA, params['kv_norm'], options)
   return c_XA.reshape(B, T, A), k_XY.reshape(B, T, -1)
 
 
-def split_up(kv_up_ANE, I: int) -> tuple[Array, Array]:
+def split_up(kv_up, I: int) -> tuple[Array, Array]:
   """(key_up [A, N, I], value_up [A, N, U]) of kv_up [A, N, I + U]."""
-  return kv_up_ANE[..., :I], kv_up_ANE[..., I:]
+  return kv_up[..., :I], kv_up[..., I:]
 
 
 def expand(key_up_ANI, value_up_ANU, c_BSA, k_BSY

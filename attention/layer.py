@@ -12,6 +12,8 @@ shared by both (D model width; the letters of `attention.core`):
   cache   cached_key [B·K, H, S], cached_value [B·K, S, H]; cache_index
           int32; kv_cache_dtype='int8': key_scale and value_scale [B·K, S]
           float32. S = max_len, or the window w for causal local attention.
+          Multi-head latent attention (kv_lora_rank set) has its own
+          parameters and a latent cache: `attention.latent`.
 
 The cache is heads-major (Z = B·K rows, one per batch row and KV head, as
 MaxText's and the TPU kernels' [B, K, S, H] with its first two axes as one):

@@ -79,13 +79,15 @@ def model() -> config_dict.ConfigDict:
       tied_logits_scale=True,  # Tied output divides the logits by √D.
       qkv_bias=False,  # Biases on the Q/K/V projections (Qwen2).
       qk_norm=False,  # RMSNorm of each query and key head (Qwen3).
-      # RoPE frequency scaling: kind '' (none), 'linear' or 'llama3'.
+      # RoPE frequency scaling: kind '' (none), 'linear', 'llama3' or 'yarn'.
       # The L layers' RoPE base, unscaled (Gemma 3: 10k); None: rope_base
       # and rope_scaling, as the G layers.
       local_rope_base=config_dict.placeholder(float),
       rope_scaling=config_dict.ConfigDict(dict(
           kind='', factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
-          original_max_len=8192)),
+          original_max_len=8192,
+          # 'yarn' (DeepSeek): its ramp's bounds and mscales (0: absent).
+          beta_fast=32.0, beta_slow=1.0, mscale=0.0, mscale_all_dim=0.0)),
   ))
 
 

@@ -32,11 +32,19 @@ DEEPSEEK = dict(family='deepseek_v3', d_model=32, num_layers=2, num_heads=4,
                 topk_group=1)
 
 
-@pytest.fixture(scope='module', params=[None, 10], ids=['no_q_lora',
-                                                         'q_lora'])
+# DeepSeek-V3's own RoPE scaling, YaRN, with a factor the 512 positions
+# reach past and mscales that move both the rotated features and the
+# softmax scale.
+YARN = dict(rope_type='yarn', factor=4.0, original_max_position_embeddings=64,
+            beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0)
+VARIANTS = {'no_q_lora': dict(q_lora_rank=None), 'q_lora': dict(q_lora_rank=10),
+            'yarn': dict(q_lora_rank=None, rope_scaling=YARN)}
+
+
+@pytest.fixture(scope='module', params=VARIANTS)
 def imported(request, tmp_path_factory):
   root = tmp_path_factory.mktemp('deepseek')
-  model = make_hf_model.make(str(root / 'hf'), q_lora_rank=request.param,
+  model = make_hf_model.make(str(root / 'hf'), **VARIANTS[request.param],
                              **DEEPSEEK)
   convert.import_hf(str(root / 'hf'), str(root / 'ours'))
   return model, root
@@ -63,6 +71,12 @@ def test_imported_logits_and_greedy_tokens_equal_transformers(imported):
                               atol=1e-4, rtol=0)
   mc, params, _ = checkpoint.load_workdir(str(root / 'ours'))
   assert mc.kv_lora_rank == 12 and mc.latent_norm
+  if mc.rope_scaling is not None:  # The control: YaRN's mscales matter.
+    assert mc.rope_scaling.kind == 'yarn'
+    unscaled = dataclasses.replace(mc.rope_scaling, mscale=0.0,
+                                   mscale_all_dim=0.0)
+    assert np.abs(_ours(root / 'ours', tokens, rope_scaling=unscaled)
+                  - expected).max() > 1e-2
   prompt = np.random.default_rng(1).integers(2, 300, (2, 7))
   with torch.no_grad():
     greedy = model.generate(torch.tensor(prompt), max_new_tokens=12,

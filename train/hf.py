@@ -196,10 +196,22 @@ def _one_rope(params: dict, hf: dict, problems: list[str]):
     problems.append('partial_rotary_factor < 1')
   if kind == 'default':
     return base, {'kind': ''}
-  if kind not in ('linear', 'llama3'):
-    problems.append(f'rope scaling {kind!r} (supported: linear, llama3)')
+  if kind not in ('linear', 'llama3', 'yarn'):
+    problems.append(f'rope scaling {kind!r} (supported: linear, llama3, '
+                    'yarn)')
     return base, {'kind': ''}
   fields = {'kind': kind, 'factor': float(scaling['factor'])}
+  if kind == 'yarn':
+    if scaling.get('attention_factor') is not None or not scaling.get(
+        'truncate', True):
+      problems.append('yarn with attention_factor or truncate=false')
+    fields.update(
+        original_max_len=int(scaling['original_max_position_embeddings']),
+        **{ours: float(scaling.get(theirs) or default) for ours, theirs,
+           default in (('beta_fast', 'beta_fast', 32.0),
+                       ('beta_slow', 'beta_slow', 1.0),
+                       ('mscale', 'mscale', 0.0),
+                       ('mscale_all_dim', 'mscale_all_dim', 0.0))})
   if kind == 'llama3':
     fields.update(
         low_freq_factor=float(scaling['low_freq_factor']),
@@ -377,6 +389,12 @@ def _rope_parameters(mc) -> dict:
       rope.update(low_freq_factor=s.low_freq_factor,
                   high_freq_factor=s.high_freq_factor,
                   original_max_position_embeddings=s.original_max_len)
+    if s.kind == 'yarn':
+      rope.update(original_max_position_embeddings=s.original_max_len,
+                  beta_fast=s.beta_fast, beta_slow=s.beta_slow)
+      rope.update({k: v for k, v in (('mscale', s.mscale),
+                                     ('mscale_all_dim', s.mscale_all_dim))
+                   if v})
   return rope
 
 

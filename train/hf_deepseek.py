@@ -15,8 +15,9 @@ interleaved pairs (x0, x1), (x2, x3), ... (V2 always, V3 unless
 rope_interleave is false); `attention.rope` turns (i, i + Y/2): the RoPE rows
 of the query and of the RoPE key are permuted on the way in (evens, then
 odds), which changes no logit as query and key move alike, and back out.
-Mixture-of-experts layers (first_k_dense_replace < num_hidden_layers) and
-YaRN's RoPE scaling (with its softmax mscale) are refused.
+YaRN's RoPE scaling (DeepSeek-V3's) is read with its attention factor and
+its softmax mscale (`attention.rope.RopeScaling`). Mixture-of-experts layers
+(first_k_dense_replace < num_hidden_layers) are refused.
 """
 
 from __future__ import annotations
