@@ -240,6 +240,12 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
     raise UserError(f'model.rope_scaling={scaling.to_dict()} needs factor >= '
                     '1, 0 < low_freq_factor < high_freq_factor and '
                     'original_max_len >= 1')
+  if scaling.kind == 'yarn' and not (
+      scaling.beta_fast > scaling.beta_slow > 0 and scaling.mscale >= 0
+      and scaling.mscale_all_dim >= 0):
+    raise UserError(f'model.rope_scaling={scaling.to_dict()}: yarn needs '
+                    'beta_fast > beta_slow > 0 and mscale, mscale_all_dim '
+                    '>= 0 (0: absent)')
   if not isinstance(config.seed, int) or config.seed < 0:
     raise UserError(f'seed={config.seed!r} must be an integer >= 0')
   for (section, name), (check, what) in RANGES.items():

@@ -206,7 +206,9 @@ def _one_rope(params: dict, hf: dict, problems: list[str]):
         'truncate', True):
       problems.append('yarn with attention_factor or truncate=false')
     fields.update(
-        original_max_len=int(scaling['original_max_position_embeddings']),
+        original_max_len=int(scaling.get(
+            'original_max_position_embeddings',
+            hf.get('max_position_embeddings', 8192))),
         **{ours: float(scaling.get(theirs) or default) for ours, theirs,
            default in (('beta_fast', 'beta_fast', 32.0),
                        ('beta_slow', 'beta_slow', 1.0),
