@@ -79,7 +79,8 @@ def test_cached_decoding_from_the_latent_equals_the_full_pass(layout):
 @pytest.mark.slow
 def test_an_int8_latent_cache_decodes_within_a_stated_tolerance():
   """int8 latents and RoPE keys (a float32 scale per token each) change the
-  logits by less than 1% of their spread (measured: 0.1%)."""
+  logits by less than 1% of their spread (measured: 0.19%, every greedy
+  prediction kept)."""
   mc, params = _model(kv_cache_dtype='int8')
   tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, mc.vocab_size)
   full = Transformer(mc).apply({'params': params}, tokens)
