@@ -17,6 +17,9 @@ and, where they occur (one meaning each across the codebase):
   X  B·T tokens as one axis      Z  B·K rows of a heads-major KV cache
   k  KV heads of one step        g  query heads of one step per KV head
   b  query rows of one block     (k, g, b: blockwise)
+  A  MLA's latent (kv_lora_rank) Q  MLA's query latent (q_lora_rank)
+  I, Y, U  MLA's per-head key features without RoPE, RoPE key features,
+           value features (attention.latent)
 
 K == N is multi-head attention, 1 < K < N grouped-query attention, K == 1
 multi-query attention. Query head n attends with KV head n // G: the order of

@@ -12,6 +12,8 @@ shared by both (D model width; the letters of `attention.core`):
   cache   cached_key [B·K, H, S], cached_value [B·K, S, H]; cache_index
           int32; kv_cache_dtype='int8': key_scale and value_scale [B·K, S]
           float32. S = max_len, or the window w for causal local attention.
+          Multi-head latent attention (kv_lora_rank set) has its own
+          parameters and a latent cache: `attention.latent`.
 
 The cache is heads-major (Z = B·K rows, one per batch row and KV head, as
 MaxText's and the TPU kernels' [B, K, S, H] with its first two axes as one):
@@ -40,7 +42,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from attention import decode, numerics
+from attention import decode, latent, numerics
 from attention.core import as_4d_mask, attention_mask, dot_product_attention
 from attention.rope import RopeScaling, apply_rope
 
@@ -48,6 +50,9 @@ Array = jax.Array
 KVCacheDtype = Literal['float32', 'bfloat16', 'int8']
 KV_CACHE_DTYPES = KVCacheDtype.__args__
 CACHE_NAMES = ('cached_key', 'cached_value', 'key_scale', 'value_scale',
+               # Multi-head latent attention's (`attention.latent`).
+               'cached_latent', 'cached_rope_key', 'latent_scale',
+               'rope_key_scale',
                'cache_index')  # The scales: int8 caches only.
 
 
@@ -81,6 +86,23 @@ class Options:
   # 'float32', 'bfloat16', or 'int8' (a float32 scale per token and KV
   # head); a decode-time choice, the full pass is unaffected.
   kv_cache_dtype: KVCacheDtype | None = None
+  # Multi-head latent attention (DeepSeek-V2/V3, `attention.latent`), named
+  # as DeepSeek's configs: a kv_lora_rank-wide latent (0 or None: not MLA),
+  # an optional q_lora_rank query latent, a qk_rope_head_dim RoPE key shared
+  # by the heads, per-head qk_nope_head_dim keys and v_head_dim values (None:
+  # head_dim; RoPE dims None: head_dim / 2 with use_rope, else 0).
+  kv_lora_rank: int | None = None
+  q_lora_rank: int | None = None
+  qk_rope_head_dim: int | None = None
+  qk_nope_head_dim: int | None = None
+  v_head_dim: int | None = None
+  # MLA's RMSNorm of the latent (DeepSeek's kv_a_layernorm); a checkpoint
+  # converted into MLA has none (an RMSNorm is not linear).
+  latent_norm: bool = True
+  # MLA converted from a RoPE model (train.to_mla): RoPE pair j of the
+  # RoPE key and queries turns at frequency rope_pairs[j] of a head_dim-wide
+  # RoPE (pairs kept from the source's); None: a qk_rope_head_dim-wide RoPE.
+  rope_pairs: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.num_kv_heads is None:  # As for the modules: None means N (MHA).
@@ -93,6 +115,7 @@ class Options:
     if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
       raise ValueError(f'kv_cache_dtype={self.kv_cache_dtype!r}; use None '
                        f'(the compute dtype) or one of {KV_CACHE_DTYPES}')
+    latent.resolve(self)
 
   @classmethod
   def of(cls, source, **given) -> 'Options':
@@ -109,13 +132,18 @@ class Options:
 
   @property
   def scale(self) -> float:
-    """The logits' multiplier: query_pre_attn_scalar (or H) ** -0.5."""
+    """The logits' multiplier: query_pre_attn_scalar (or H; MLA: the
+    query's qk_nope_head_dim + qk_rope_head_dim) ** -0.5."""
+    if self.kv_lora_rank:
+      return latent.scale(self)
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   def param_shapes(self, d_model: int, *, shared_kv: bool = False
                    ) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape; shared_kv: the layer reads another layer's
     K/V (cross-layer sharing) and has only the query's and output's."""
+    if self.kv_lora_rank:
+      return latent.param_shapes(self, d_model, shared_kv=shared_kv)
     D, N, K, H = d_model, self.num_heads, self.num_kv_heads, self.head_dim
     if shared_kv:
       heads = {'query': N}
@@ -152,6 +180,8 @@ class Options:
                  ) -> dict[str, jax.ShapeDtypeStruct]:
     """The cache's arrays for `batch` sequences of up to max_len tokens;
     dtype: the compute dtype (stored unless kv_cache_dtype says otherwise)."""
+    if self.kv_lora_rank:
+      return latent.cache_spec(self, batch, max_len, dtype)
     Z, H, S = batch * self.num_kv_heads, self.head_dim, self.cache_length(
         max_len)
     stored = jnp.dtype(self.kv_cache_dtype or dtype)
@@ -197,6 +227,9 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   mask: True = attend, a key-padding [B, S] or anything broadcastable to
   [B, N, T, S] (S = T, or max_len with a cache).
   """
+  if options.kv_lora_rank:
+    return latent.apply(options, params, x_BTD, mask=mask, cache=cache,
+                        shared=shared, dtype=dtype)
   N, H = options.num_heads, options.head_dim
   B, T, D = x_BTD.shape
   w = {name: p.astype(dtype) for name, p in params.items()}
@@ -265,7 +298,20 @@ def _project(options: Options, params: dict[str, Array], w: dict[str, Array],
 
 def _attend_cached(options: Options, q_BTNH, kv: KV, pos_T, mask):
   """The T queries at positions pos_T against the cached slots of `kv`."""
-  B, T = q_BTNH.shape[:2]
+  visible = cached_visibility(options, kv, pos_T, mask, q_BTNH.shape[0])
+  out_BTNH = decode.heads_major_attention(
+      q_BTNH, kv.key, kv.value, visible, scale=options.scale,
+      logits_soft_cap=options.logits_soft_cap, key_scale_ZS=kv.key_scale,
+      value_scale_ZS=kv.value_scale)
+  # Under jit an overflowing write is clamped onto the last slots; make that
+  # visible as NaN rather than silently attending to the wrong tokens.
+  return jnp.where(kv.overflow, jnp.nan, out_BTNH)
+
+
+def cached_visibility(options: Options, kv: KV, pos_T, mask, B: int):
+  """[B or 1, 1 or N, T, S]: which cached slots of `kv` each of the T
+  queries at positions pos_T sees (True = attend)."""
+  T = pos_T.shape[0]
   S = kv.positions_S.shape[0]
   k_pos_S = kv.positions_S
   # Positions decide what each query sees; empty slots are hidden.
@@ -281,13 +327,7 @@ def _attend_cached(options: Options, q_BTNH, kv: KV, pos_T, mask):
     if mask.shape[-1] > 1:
       mask = jnp.take(mask, jnp.maximum(k_pos_S, 0), axis=-1)
     visible = mask & visible
-  out_BTNH = decode.heads_major_attention(
-      q_BTNH, kv.key, kv.value, visible, scale=options.scale,
-      logits_soft_cap=options.logits_soft_cap, key_scale_ZS=kv.key_scale,
-      value_scale_ZS=kv.value_scale)
-  # Under jit an overflowing write is clamped onto the last slots; make that
-  # visible as NaN rather than silently attending to the wrong tokens.
-  return jnp.where(kv.overflow, jnp.nan, out_BTNH)
+  return visible
 
 
 def _is_ring(options: Options, S: int) -> bool:
@@ -314,7 +354,6 @@ def _write_cache(options: Options, cache, k_BTKH, v_BTKH
   """(the cache with T positions written at its index, in place; what the
   new tokens attend to)."""
   B, T, K, H = k_BTKH.shape
-  start = cache['cache_index']
   S = cache['cached_value'].shape[1]
   shapes = {name: cache[name].shape for name in ('cached_key', 'cached_value')}
   if shapes != {'cached_key': (B * K, H, S), 'cached_value': (B * K, S, H)}:
@@ -323,35 +362,47 @@ def _write_cache(options: Options, cache, k_BTKH, v_BTKH
         f"{shapes['cached_key']} = [B·K, H, S] and values "
         f"{shapes['cached_value']} = [B·K, S, H]; init the cache with "
         'the same batch size and heads')
+  new = _stored(cache, k_BTKH.transpose(0, 2, 3, 1).reshape(B * K, H, T),
+                v_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H))
+  return write_slots(options, cache, new, _AXES)
+
+
+def write_slots(options: Options, cache, new: dict[str, Array],
+                axes: dict[str, int]) -> tuple[dict[str, Array], KV]:
+  """(the cache with the T new positions of each array in `new` written at
+  its index along that array's position axis (`axes`, whose names are in the
+  order of KV's fields), in place; what the new tokens attend to)."""
+  first = next(iter(axes))
+  start = cache['cache_index']
+  S = cache[first].shape[axes[first]]
+  T = new[first].shape[axes[first]]
   ring = _is_ring(options, S)
   if not ring:
     _check_capacity(start, T, S)
   overflow = False if ring else start + T > S
-  new = _stored(cache, k_BTKH.transpose(0, 2, 3, 1).reshape(B * K, H, T),
-                v_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H))
   if ring and T > 1:
     # Later tokens of the chunk would overwrite keys its earlier queries
     # still see: they attend to the old slots and the chunk, then the last
     # min(T, S) tokens are written.
     kv = KV(*(jnp.concatenate([cache[name], new[name]], axis=axis)
               if name in cache else None
-              for name, axis in _AXES.items()),
+              for name, axis in axes.items()),
             positions_S=jnp.concatenate([slot_positions(start, S),
                                          start + jnp.arange(T)]),
             start=start, overflow=overflow)
     keep = min(T, S)
     slots = jnp.mod(start + T - keep + jnp.arange(keep), S)
     written = {name: _scatter(cache[name], new[name], slots, axis)
-               for name, axis in _AXES.items() if name in cache}
+               for name, axis in axes.items() if name in cache}
   else:
     at = jnp.mod(start, S) if ring else start  # T == 1 in a ring.
     written = {name: jax.lax.dynamic_update_slice_in_dim(
         cache[name], new[name], at, axis)
-               for name, axis in _AXES.items() if name in cache}
+               for name, axis in axes.items() if name in cache}
     kv = None
   cache = {**written, 'cache_index': start + T}
   if kv is None:
-    kv = KV(*(cache.get(name) for name in _AXES),
+    kv = KV(*(cache.get(name) for name in axes),
             positions_S=slot_positions(start + T, S), start=start,
             overflow=overflow)
   return cache, kv

@@ -38,6 +38,13 @@ LOGICAL_AXES = {
     'qkv_bias': (None, 'head_dim'),
     'query_norm': ('norm',),
     'key_norm': ('norm',),
+    # Multi-head latent attention's (attention.latent).
+    'query_down': ('embed', 'q_lora'),
+    'query_down_norm': ('norm',),
+    'query_up': ('q_lora', 'q_heads', 'head_dim'),
+    'kv_down': ('embed', 'kv_lora'),
+    'kv_norm': ('norm',),
+    'kv_up': ('kv_lora', 'q_heads', 'head_dim'),
 }
 
 

@@ -45,6 +45,22 @@ def model() -> config_dict.ConfigDict:
       # How decoding caches K and V: None (dtype), 'bfloat16' or 'int8' (a
       # scale per token and KV head). Training is unaffected.
       kv_cache_dtype=config_dict.placeholder(str),
+      # Multi-head latent attention (DeepSeek-V2/V3; docs/kv_memory.md): a
+      # kv_lora_rank-wide latent cached per token with a qk_rope_head_dim
+      # RoPE key shared by the heads (kv_lora_rank None or 0: not MLA; it
+      # needs num_kv_heads = num_heads). None: qk_nope_head_dim and
+      # v_head_dim head_dim, qk_rope_head_dim head_dim / 2 (0 without RoPE);
+      # q_lora_rank None: no query latent. latent_norm: the latent's RMSNorm
+      # (converted checkpoints have none).
+      kv_lora_rank=config_dict.placeholder(int),
+      q_lora_rank=config_dict.placeholder(int),
+      qk_rope_head_dim=config_dict.placeholder(int),
+      qk_nope_head_dim=config_dict.placeholder(int),
+      v_head_dim=config_dict.placeholder(int),
+      latent_norm=True,
+      # Set by train.convert --to_mla from a RoPE model: the frequency index
+      # (of a head_dim-wide RoPE) each pair of the RoPE key turns at.
+      rope_pairs=config_dict.placeholder(list),
       logits_soft_cap=config_dict.placeholder(float),  # Attention's (Gemma 2).
       final_logits_soft_cap=config_dict.placeholder(float),  # Output's.
       # Attention logits are q·k x query_pre_attn_scalar ** -0.5 (None:
@@ -66,10 +82,12 @@ def model() -> config_dict.ConfigDict:
       # The L layers' RoPE base, unscaled (Gemma 3: 10k); None: rope_base
       # and rope_scaling, as the G layers.
       local_rope_base=config_dict.placeholder(float),
-      # RoPE frequency scaling: kind '' (none), 'linear' or 'llama3'.
+      # RoPE frequency scaling: kind '' (none), 'linear', 'llama3' or 'yarn'.
       rope_scaling=config_dict.ConfigDict(dict(
           kind='', factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
-          original_max_len=8192)),
+          original_max_len=8192,
+          # 'yarn' (DeepSeek): its ramp's bounds and mscales (0: absent).
+          beta_fast=32.0, beta_slow=1.0, mscale=0.0, mscale_all_dim=0.0)),
   ))
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import pathlib
 import shutil
 

@@ -265,8 +265,8 @@ def test_an_imported_workdir_uptrains_on_a_prepared_corpus_by_the_recipe(
 
 @pytest.mark.parametrize('changes, message', [
     (dict(model_type='falcon'), "model_type 'falcon' is not supported"),
-    (dict(rope_parameters={'rope_type': 'yarn', 'rope_theta': 1e4,
-                           'factor': 4.0}), "rope scaling 'yarn'"),
+    (dict(rope_parameters={'rope_type': 'dynamic', 'rope_theta': 1e4,
+                           'factor': 4.0}), "rope scaling 'dynamic'"),
     (dict(layer_types=['sliding_attention', 'bidirectional'],
           use_sliding_window=True, sliding_window=64),
      "layer_types ['sliding_attention', 'bidirectional'] (one of "

@@ -139,6 +139,8 @@ def model_config(config: config_dict.ConfigDict) -> ModelConfig:
   fields['param_dtype'] = DTYPES[fields['param_dtype']]
   scaling = fields['rope_scaling']
   fields['rope_scaling'] = RopeScaling(**scaling) if scaling['kind'] else None
+  if fields['rope_pairs'] is not None:  # Hashable, as the config must be.
+    fields['rope_pairs'] = tuple(fields['rope_pairs'])
   return ModelConfig(**fields)
 
 
@@ -313,6 +315,12 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
     raise UserError(f'model.rope_scaling={scaling.to_dict()} needs factor >= '
                     '1, 0 < low_freq_factor < high_freq_factor and '
                     'original_max_len >= 1')
+  if scaling.kind == 'yarn' and not (
+      scaling.beta_fast > scaling.beta_slow > 0 and scaling.mscale >= 0
+      and scaling.mscale_all_dim >= 0):
+    raise UserError(f'model.rope_scaling={scaling.to_dict()}: yarn needs '
+                    'beta_fast > beta_slow > 0 and mscale, mscale_all_dim '
+                    '>= 0 (0: absent)')
   if not isinstance(config.seed, int) or config.seed < 0:
     raise UserError(f'seed={config.seed!r} must be an integer >= 0')
   for (section, name), (check, what) in RANGES.items():
@@ -325,6 +333,10 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
         f'model.num_heads={m.num_heads} is not divisible by model.num_kv_heads'
         f'={m.num_kv_heads}; use num_kv_heads in {divisors}')
   _check_layer_kinds(m)
+  try:  # The attention's own checks (multi-head latent attention's).
+    model_config(config).attention(0)
+  except ValueError as e:
+    raise UserError(f'model.{e}') from None
   if m.head_dim % 2:
     raise UserError(f'model.head_dim={m.head_dim} must be even for RoPE')
   if d.seq_len > m.max_len:

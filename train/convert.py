@@ -6,6 +6,8 @@
   python -m train.convert --from_hf=HF_DIR --workdir=NEWDIR \
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
+  python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
+      --kv_lora_rank=A --qk_rope_head_dim=Y     # into latent attention
 
 `mean` averages the key and value projection heads of each group (the
 paper's method), `first` keeps the first of them, `random` re-initialises the
@@ -24,8 +26,15 @@ copies back out. Uptrain with the workdir's own config, e.g.
   python -m train.main --config=NEWDIR --workdir=NEWDIR \
       --config.train.steps=36 --config.train.learning_rate=1e-4
 
-Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3 and Gemma
-(`train.hf`); it streams the safetensors tensor by tensor, so the peak memory
+--to_mla factorises each layer's K/V projections into multi-head latent
+attention (`train.to_mla`: partial RoPE on the best qk_rope_head_dim / (2K)
+frequency pairs per KV head, a joint SVD of the rest of [W_K | W_V], the energy kept per
+layer and the held-out loss before any uptraining in NEWDIR/convert.json and
+on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
+
+Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma
+and DeepSeek-V2/V3 with dense MLPs (`train.hf`, `train.hf_deepseek`); it
+streams the safetensors tensor by tensor, so the peak memory
 is about one copy of the parameters.
 """
 
@@ -48,6 +57,7 @@ import numpy as np
 import optax
 
 from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
+from train import hf_deepseek, to_mla
 from train import model as model_lib
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
@@ -89,6 +99,10 @@ def convert_params(params, model_config, num_kv_heads: int, method: Method,
                    seed: int = 0):
   """Params of `model_config` with K/V projections for `num_kv_heads` heads."""
   new_config = dataclasses.replace(model_config, num_kv_heads=num_kv_heads)
+  if model_config.kv_lora_rank:
+    raise UserError('--num_kv_heads pools K/V heads, which an MLA model '
+                    f'(model.kv_lora_rank={model_config.kv_lora_rank}) has '
+                    'not; convert its source, or train a smaller latent')
   if model_config.fused_qkv:
     raise UserError('convert works on separate query/key/value kernels; '
                     'train with model.fused_qkv=False')
@@ -210,6 +224,50 @@ def pool_moments(source: epath.Path, new_params, config, num_kv_heads: int,
       carried, fresh, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
 
 
+def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
+                   qk_rope_head_dim: int = 0) -> dict:
+  """Writes WORKDIR: SOURCE's model as multi-head latent attention
+  (`train.to_mla`), with the uptraining recipe; returns convert.json's
+  record (energy kept per layer, held-out loss of the source and of the
+  converted model before uptraining)."""
+  with _new_workdir(workdir) as path:
+    model_config, params, config = checkpoint.load_workdir(source, '--source')
+    to_mla.check_source(model_config, kv_lora_rank, qk_rope_head_dim)
+    source = storage.path(source, '--source')
+    scores, calibration = None, None
+    if model_config.use_rope:  # Calibration: training windows of the data.
+      dataset = loop.training_data(config, str(source))
+      tokens = dataset.batch('train', seed=0, step=0, batch_size=8,
+                             seq_len=config.data.seq_len)[:, :-1]
+      scores = to_mla.calibration_scores(model_config, params, tokens)
+      calibration = f'{tokens.shape[0]} x {tokens.shape[1]} training tokens'
+    new_params, new_mc, energies = to_mla.convert_params(
+        params, model_config, kv_lora_rank, qk_rope_head_dim, scores)
+    config.model.update(to_mla.target_config(
+        model_config, kv_lora_rank, qk_rope_head_dim,
+        None if scores is None else to_mla.select_pairs(
+            scores, qk_rope_head_dim))[1])
+    recipe = apply_recipe(config, source_rate(source, config))
+    for name in ('tokenizer.json', 'hf'):
+      storage.copy(source / name, path / name)
+    info = {'source': str(source), 'to_mla': True,
+            'kv_lora_rank': kv_lora_rank,
+            'qk_rope_head_dim': qk_rope_head_dim,
+            'source_num_kv_heads': model_config.num_kv_heads,
+            'energy_kept': energies, 'rope_pairs': new_mc.rope_pairs,
+            'calibration': calibration,
+            'kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                config_lib.model_config(config)),
+            'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                model_config), 'recipe': recipe}
+    _write_step0(path, new_params, config, info)
+    info['source_eval_loss'] = loop.evaluate_workdir(str(source))['eval_loss']
+    info['eval_loss_before_uptraining'] = loop.evaluate_workdir(
+        str(path))['eval_loss']
+    (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
+  return info
+
+
 def _kv_converter(k: int, method: Method, seed: int):
   """(a source K/V weight [D, K_source, H] or bias [K_source, H], its HF
   name) -> the same with k heads, by `method`."""
@@ -265,7 +323,10 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
   convert_kv = _kv_converter(k, method, seed) if (
       k != k_source or method == 'random') else None
   with _new_workdir(workdir) as path:
-    params = hf.read_weights(files, shapes, mc, convert_kv)
+    params = hf.read_weights(
+        files, shapes, mc, convert_kv,
+        interleaved=hf_deepseek.interleaved(hf_config) if mc.kv_lora_rank
+        else True)
     (path / 'hf').mkdir(exist_ok=True)
     (path / 'hf' / 'config.json').write_text(json.dumps(hf_config, indent=2))
     for name in hf.TOKENIZER_FILES:
@@ -399,6 +460,11 @@ def main(argv):
   if bool(f.workdir) == bool(f.to_hf) or (f.from_hf and f.to_hf):
     raise UserError('give --workdir (to write a workdir) or, with --source, '
                     '--to_hf (to write a Hugging Face folder)')
+  if f.to_mla and not (f.source and f.workdir):
+    raise UserError('--to_mla converts --source=WORKDIR into a new --workdir')
+  if f.to_mla and f.kv_lora_rank is None:
+    raise UserError('--to_mla needs --kv_lora_rank=A, the latent\'s width '
+                    '(2·K·H of the source keeps every K/V direction)')
   if f.to_hf:
     family = export_hf(f.source, f.to_hf)
     print(f'wrote {f.to_hf}: a {family} checkpoint (Hugging Face format)')
@@ -412,6 +478,16 @@ def main(argv):
             f'{f.workdir} can train only on token ids (.bin files); to train '
             f'on text, copy the model\'s {tokenizer_lib.FILE} into both',
             file=sys.stderr)
+    return
+  if f.to_mla:
+    info = convert_to_mla(f.source, f.workdir, f.kv_lora_rank,
+                          f.qk_rope_head_dim)
+    energy = [round(e, 4) for e in info['energy_kept'] if e is not None]
+    print(f'wrote {f.workdir}: MLA, kv_lora_rank={f.kv_lora_rank}, '
+          f"{info['source_kv_bytes_per_token']:g} -> "
+          f"{info['kv_bytes_per_token']:g} KV bytes/token; energy kept per "
+          f'layer {energy}; held-out loss {info["source_eval_loss"]:.4f} -> '
+          f'{info["eval_loss_before_uptraining"]:.4f} before uptraining')
     return
   k_source, k = convert_workdir(f.source, f.workdir, f.num_kv_heads, f.method,
                                 f.seed, f.optimizer)
@@ -437,6 +513,12 @@ def run():
   flags.DEFINE_enum('optimizer', 'fresh', ['fresh', 'pooled'],
                     "a converted workdir's optimizer: fresh, or the source's "
                     'Adam moments pooled like the weights')
+
+
+  flags.DEFINE_bool('to_mla', False, 'convert --source into multi-head '
+                    'latent attention (train.to_mla)')
+  flags.DEFINE_integer('kv_lora_rank', None, '--to_mla: the latent\'s width')
+  flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept, 2·r·K (r pairs per KV head); 0 without RoPE')
   flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '': "
                       "float32 master weights (the uptraining recipe)")
   run_app(main)

@@ -9,7 +9,17 @@ K key/value heads, H head dim, F MLP hidden, V vocabulary:
                                                       a layer sharing K/V
   attention scores and mix   2·2·N·H·C              C = mean keys a query sees
   gated MLP                  3·2·D·F
-and once per token the output logits, 2·D·V. For causal attention over a
+and once per token the output logits, 2·D·V. A multi-head latent attention
+layer (attention.latent: A latent, Q query latent, I + Y query/key and U
+value features per head) counts instead
+  query                      2·D·N·(I+Y), or 2·D·Q + 2·Q·N·(I+Y) with Q
+  latent and RoPE key        2·D·(A+Y)              <- none when sharing K/V
+  keys and values from it    2·A·N·(I+U)
+  scores and mix             2·N·(I+Y)·C + 2·N·U·C
+  output projection          2·N·U·D
+and decoding, which absorbs the up-projections (no per-head K/V), the
+queries' 2·N·I·A and the outputs' 2·N·A·U for the keys and values from the
+latent, and 2·N·(A+Y)·C + 2·N·A·C for the scores and mix. For causal attention over a
 length-T sequence C = (T + 1) / 2 (masked blocks are not counted as work),
 capped in local layers by their window w: C = mean over i of min(i + 1, w). Norms, soft caps
 and the query scale are elementwise and not counted. Training costs
@@ -55,20 +65,40 @@ def decode_flops_per_token(config, context: int) -> float:
   """FLOPs to decode one token after `context` cached ones (C = context + 1
   keys, capped by a local layer's window)."""
   return _forward_flops(config, lambda window: min(context + 1,
-                                                   window or context + 1))
+                                                   window or context + 1),
+                        absorbed=True)
 
 
-def _forward_flops(config, context) -> float:
-  """context(local_window or None) -> C, the keys a query sees."""
+def _forward_flops(config, context, absorbed: bool = False) -> float:
+  """context(local_window or None) -> C, the keys a query sees; absorbed:
+  MLA layers as decoding computes them."""
   D, N, K = config.d_model, config.num_heads, config.num_kv_heads
   H, F = config.head_dim, config.mlp_dim
   total = 2 * D * config.vocab_size
   for i in range(config.num_layers):
-    C = context(config.attention(i).local_window)
-    kv = 0 if config.shares_kv(i) else 2 * 2 * D * K * H
-    total += (2 * D * N * H + 2 * N * H * D + kv + 2 * 2 * N * H * C
-              + 3 * 2 * D * F)
+    options = config.attention(i)
+    C = context(options.local_window)
+    if options.kv_lora_rank:
+      total += _latent_flops(options, D, C, config.shares_kv(i), absorbed)
+    else:
+      kv = 0 if config.shares_kv(i) else 2 * 2 * D * K * H
+      total += 2 * D * N * H + 2 * N * H * D + kv + 2 * 2 * N * H * C
+    total += 3 * 2 * D * F
   return total
+
+
+def _latent_flops(o, D: int, C: float, shares_kv: bool,
+                  absorbed: bool) -> float:
+  """One MLA layer's attention FLOPs per token (the module docstring)."""
+  N, A, Q = o.num_heads, o.kv_lora_rank, o.q_lora_rank
+  I, Y, U = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
+  query = 2 * D * Q + 2 * Q * N * (I + Y) if Q else 2 * D * N * (I + Y)
+  latent = 0 if shares_kv else 2 * D * (A + Y)
+  if absorbed:
+    attend = 2 * N * I * A + 2 * N * A * U + 2 * N * (A + Y) * C + 2 * N * A * C
+  else:
+    attend = 2 * A * N * (I + U) + 2 * N * (I + Y) * C + 2 * N * U * C
+  return query + latent + attend + 2 * N * U * D
 
 
 def training_flops_per_token(config, seq_len: int) -> float:

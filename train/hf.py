@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from train import hf_deepseek
 from train import model as model_lib
 from train import safetensors_io
 from train.errors import UserError
@@ -44,7 +45,8 @@ FAMILIES = {  # model_type -> architecture class.
     'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
     'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
     'ministral': 'MinistralForCausalLM', 'gemma': 'GemmaForCausalLM',
-    'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM'}
+    'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM',
+    **hf_deepseek.FAMILIES}  # Multi-head latent attention, dense MLPs.
 GEMMAS = ('gemma', 'gemma2', 'gemma3_text')
 SANDWICHED = ('gemma2', 'gemma3_text')  # Post-norms, query scale, soft caps.
 # What transformers' config classes assume for a key config.json leaves out
@@ -80,6 +82,8 @@ def model_fields(hf: dict) -> dict[str, Any]:
                     f'{", ".join(FAMILIES)}')
   hf = {**CONFIG_DEFAULTS.get(family, {}), **hf}
   _check_types(hf)
+  if family in hf_deepseek.FAMILIES:
+    return hf_deepseek.model_fields(hf, _rope)
   get = lambda key, default=None: (hf[key] if hf.get(key) is not None
                                    else default)
   problems = []
@@ -193,10 +197,24 @@ def _one_rope(params: dict, hf: dict, problems: list[str]):
     problems.append('partial_rotary_factor < 1')
   if kind == 'default':
     return base, {'kind': ''}
-  if kind not in ('linear', 'llama3'):
-    problems.append(f'rope scaling {kind!r} (supported: linear, llama3)')
+  if kind not in ('linear', 'llama3', 'yarn'):
+    problems.append(f'rope scaling {kind!r} (supported: linear, llama3, '
+                    'yarn)')
     return base, {'kind': ''}
   fields = {'kind': kind, 'factor': float(scaling['factor'])}
+  if kind == 'yarn':
+    if scaling.get('attention_factor') is not None or not scaling.get(
+        'truncate', True):
+      problems.append('yarn with attention_factor or truncate=false')
+    fields.update(
+        original_max_len=int(scaling.get(
+            'original_max_position_embeddings',
+            hf.get('max_position_embeddings', 8192))),
+        **{ours: float(scaling.get(theirs) or default) for ours, theirs,
+           default in (('beta_fast', 'beta_fast', 32.0),
+                       ('beta_slow', 'beta_slow', 1.0),
+                       ('mscale', 'mscale', 0.0),
+                       ('mscale_all_dim', 'mscale_all_dim', 0.0))})
   if kind == 'llama3':
     fields.update(
         low_freq_factor=float(scaling['low_freq_factor']),
@@ -250,6 +268,13 @@ def _default_kind(hf: dict, family: str, i: int) -> str:
 
 def family_of(mc, remembered: str | None = None) -> str:
   """The Hugging Face model_type that computes what `mc` computes."""
+  if mc.kv_lora_rank:
+    problems = hf_deepseek.family_problems(mc)
+    if problems:
+      raise UserError(f'no Hugging Face architecture computes '
+                      f'{"; ".join(problems)}; MLA exports as deepseek_v3')
+    return remembered if remembered in hf_deepseek.FAMILIES else (
+        'deepseek_v3')
   problems = []
   if not mc.use_rope:
     problems.append('model.use_rope=False')
@@ -339,6 +364,8 @@ def hf_config(mc, family: str, base: dict | None = None) -> dict:
     sliding = mc.local_window is not None
     config.update(use_sliding_window=sliding, sliding_window=mc.local_window,
                   max_window_layers=0 if sliding else L)
+  if family in hf_deepseek.FAMILIES:
+    config.update(hf_deepseek.hf_config(mc, family))
   if family in SANDWICHED:
     scalar = mc.query_pre_attn_scalar or mc.head_dim
     config.update(
@@ -365,6 +392,12 @@ def _rope_parameters(mc) -> dict:
       rope.update(low_freq_factor=s.low_freq_factor,
                   high_freq_factor=s.high_freq_factor,
                   original_max_position_embeddings=s.original_max_len)
+    if s.kind == 'yarn':
+      rope.update(original_max_position_embeddings=s.original_max_len,
+                  beta_fast=s.beta_fast, beta_slow=s.beta_slow)
+      rope.update({k: v for k, v in (('mscale', s.mscale),
+                                     ('mscale_all_dim', s.mscale_all_dim))
+                   if v})
   return rope
 
 
@@ -437,16 +470,20 @@ GLOBAL_WEIGHTS = {
 KV_NAMES = ('key', 'value', 'key_bias', 'value_bias')
 
 
-def weight_plan(params_shapes: dict, mc
+def weight_plan(params_shapes: dict, mc, interleaved: bool = True
                 ) -> dict[str, tuple[tuple, int | None, Callable, Callable]]:
   """HF name -> (our path, index on its stacked layer axis or None, to ours,
   to HF), for the parameters the model has (biases and norms only where
-  configured)."""
+  configured); interleaved: a DeepSeek checkpoint's RoPE layout."""
   plan = {}
   for name, (path, to_ours, to_hf) in GLOBAL_WEIGHTS.items():
     if _has(params_shapes, path):
       plan[name] = (path, None, to_ours, to_hf)
   names = LAYER_WEIGHTS | (POST_NORM_WEIGHTS if mc.post_norms else {})
+  if mc.kv_lora_rank:  # DeepSeek's attention in place of Llama's.
+    names = {name: value for name, value in names.items()
+             if not name.startswith('self_attn.')}
+    names |= hf_deepseek.layer_weights(mc, interleaved)
   for i in range(mc.num_layers):
     prefix, index = model_lib.layer_slot(mc, i)
     for name, (path, to_ours, to_hf) in names.items():
@@ -472,14 +509,14 @@ def _get(tree, path):
 
 def read_weights(files: list[safetensors_io.File], shapes: dict, mc,
                  convert_kv: Callable[[np.ndarray, str], np.ndarray] | None
-                 = None) -> dict:
+                 = None, interleaved: bool = True) -> dict:
   """The parameters (stacked layers) filled from the safetensors `files`.
 
   shapes: the target parameters' ShapeDtypeStructs; convert_kv(array, name)
   turns a source key/value weight [D, K_source, H] or bias [K_source, H] into
   the target's K heads. Checks every name and shape before reading any.
   """
-  plan = weight_plan(shapes, mc)
+  plan = weight_plan(shapes, mc, interleaved)
   where = {}
   ignored = ('rotary_emb.inv_freq',)
   unexpected = []

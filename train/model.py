@@ -83,6 +83,15 @@ class ModelConfig:
   attention_pattern: str
   kv_share: int  # Consecutive layers sharing one K/V projection and cache.
   kv_cache_dtype: layer.KVCacheDtype | None  # Decoding's; None: dtype.
+  # Multi-head latent attention (attention.latent; DeepSeek's names):
+  # kv_lora_rank None or 0 is not MLA.
+  kv_lora_rank: int | None
+  q_lora_rank: int | None
+  qk_rope_head_dim: int | None
+  qk_nope_head_dim: int | None
+  v_head_dim: int | None
+  latent_norm: bool
+  rope_pairs: tuple[int, ...] | None  # Converted MLA's RoPE frequencies.
 
   def attention(self, i: int) -> layer.Options:
     """Layer i's attention options (a causal LM), passed whole to

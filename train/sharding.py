@@ -32,6 +32,8 @@ RULES = (
     ('kv_heads', 'tensor'),
     ('mlp', 'tensor'),
     ('head_dim', None),
+    ('kv_lora', None),  # MLA's latents: small, whole on every shard.
+    ('q_lora', None),
     ('layers', None),
     ('position', None),
     ('norm', None),

@@ -1,0 +1,357 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) as pure functions.
+
+`attention.layer.apply` hands a layer here when its options set
+kv_lora_rank. Letters (with those of `attention.core`: B, T, S, N, D):
+
+  A  kv_lora_rank, the latent's width    Q  q_lora_rank (optional)
+  I  qk_nope_head_dim, a head's key      Y  qk_rope_head_dim, the RoPE key
+     features without position              shared by the heads
+  U  v_head_dim
+
+  params  kv_down [D, A + Y] (the latent and the RoPE key, DeepSeek's
+          kv_a_proj_with_mqa), kv_norm [A] (latent_norm), kv_up [A, N, I + U]
+          (DeepSeek's kv_b_proj: head n's key_up [A, I], then its
+          value_up [A, U]), out [N, U, D]; the query: query
+          [D, N, I + Y], or query_down [D, Q], query_down_norm [Q] and
+          query_up [Q, N, I + Y]. A layer sharing another's K/V (kv_share)
+          reads that layer's latent: it has no kv_down or kv_norm.
+  cache   cached_latent [B, S, A], cached_rope_key [B, S, Y] (none when
+          Y = 0); int8: latent_scale and rope_key_scale [B, S] float32.
+
+Head n's key is [c·key_up[:, n], RoPE(k_rope)] and its value c·value_up[:, n]
+for the normed latent c. The full pass (training, and any pass without a
+cache) builds them and runs `dot_product_attention`. Decoding never does
+("absorbed", as DeepSeek's inference code): the query absorbs key_up,
+q_lat = q_nope·key_upᵀ [B, T, N, A], so a logit is q_lat·c + q_rope·k_rope
+against the cache as it lies, and value_up is applied after the weighted sum
+of the latents, o = (Σ_s p_s c_s)·value_up. The cache holds A + Y numbers per
+token and layer (N·(I + U) for a per-head K/V of the same heads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention import layer, numerics
+from attention.core import dot_product_attention
+from attention.rope import apply_rope, inverse_frequencies
+
+Array = jax.Array
+# The cache's arrays, in the order of `layer.KV`'s fields (key: the latent,
+# value: the RoPE key), and their position axis.
+_AXES = {'cached_latent': 1, 'cached_rope_key': 1, 'latent_scale': 1,
+         'rope_key_scale': 1}
+
+
+def resolve(options) -> None:
+  """Fills the MLA fields left None (qk_nope_head_dim and v_head_dim:
+  head_dim; qk_rope_head_dim: head_dim / 2 with use_rope, else 0) and
+  raises ValueError, naming the field and the fix, for a combination MLA
+  cannot take. kv_lora_rank 0 means None (not MLA)."""
+  set_ = lambda name, value: object.__setattr__(options, name, value)
+  rank = options.kv_lora_rank
+  if rank is not None and (isinstance(rank, bool) or not isinstance(
+      rank, int) or rank < 0):
+    raise ValueError(f'kv_lora_rank={rank!r} must be an integer >= 1, or '
+                     '0/None (not MLA)')
+  if not rank:
+    if options.rope_pairs is not None:
+      raise ValueError('rope_pairs is set, but kv_lora_rank is not: the '
+                       'pairs are an MLA RoPE key\'s; unset rope_pairs')
+    if rank not in (None, 0):
+      raise ValueError(f'kv_lora_rank={options.kv_lora_rank!r} must be an '
+                       'integer >= 1, or 0/None (not MLA)')
+    set_('kv_lora_rank', None)
+    return
+  H = options.head_dim
+  for name, default in (('qk_nope_head_dim', H), ('v_head_dim', H),
+                        ('qk_rope_head_dim', H // 2 if options.use_rope
+                         else 0)):
+    if getattr(options, name) is None:
+      set_(name, default)
+  problem = _problem(options)
+  if problem:
+    raise ValueError(problem)
+
+
+def _problem(o) -> str | None:
+  """What MLA cannot take in options `o`, and what to do, or None."""
+  A, Q, Y = o.kv_lora_rank, o.q_lora_rank, o.qk_rope_head_dim
+  is_int = lambda v, low: isinstance(v, int) and not isinstance(
+      v, bool) and v >= low
+  for name, value, low in (('kv_lora_rank', A, 1), ('qk_rope_head_dim', Y, 0),
+                           ('qk_nope_head_dim', o.qk_nope_head_dim, 0),
+                           ('v_head_dim', o.v_head_dim, 1)):
+    if not is_int(value, low):
+      return f'{name}={value!r} must be an integer >= {low} with kv_lora_rank'
+  if Q is not None and not is_int(Q, 1):
+    return f'q_lora_rank={Q!r} must be an integer >= 1, or None (no query latent)'
+  if o.qk_nope_head_dim + Y == 0:
+    return ('qk_nope_head_dim=0 and qk_rope_head_dim=0 leave the keys '
+            'empty; give one of them > 0')
+  for name in ('qk_norm', 'qkv_bias', 'fused_qkv'):
+    if getattr(o, name):
+      return (f'{name}=True with kv_lora_rank={A}: multi-head latent '
+              f'attention has its own projections; set {name}=False')
+  if o.num_kv_heads != o.num_heads:
+    return (f'num_kv_heads={o.num_kv_heads} with kv_lora_rank={A}: MLA '
+            'rebuilds every query head\'s key and value from the latent; set '
+            f'num_kv_heads={o.num_heads} (num_heads)')
+  if o.use_rope and (Y == 0 or Y % 2):
+    return (f'qk_rope_head_dim={Y} with use_rope=True: MLA turns a shared '
+            'RoPE key of qk_rope_head_dim features, which must be even and '
+            '> 0; set it, or use_rope=False with qk_rope_head_dim=0')
+  if not o.use_rope and Y:
+    return (f'qk_rope_head_dim={Y} with use_rope=False: nothing turns the '
+            'RoPE key; set qk_rope_head_dim=0, or use_rope=True')
+  pairs = o.rope_pairs
+  if pairs is not None and (len(pairs) != Y // 2 or not all(
+      isinstance(p, int) and 0 <= p < o.head_dim // 2 for p in pairs)):
+    return (f'rope_pairs={list(pairs)} must list qk_rope_head_dim / 2 = '
+            f'{Y // 2} frequency indices from 0 to head_dim / 2 - 1 = '
+            f'{o.head_dim // 2 - 1}; leave it to train.convert --to_mla')
+  return None
+
+
+def rope_frequencies(options) -> np.ndarray | None:
+  """[Y/2] radians per position of the RoPE key's pairs: rope_pairs' of a
+  head_dim-wide RoPE, or None (a qk_rope_head_dim-wide RoPE's own)."""
+  if options.rope_pairs is None:
+    return None
+  return inverse_frequencies(options.head_dim, options.rope_base,
+                             options.rope_scaling)[list(options.rope_pairs)]
+
+
+def scale(options) -> float:
+  """DeepSeek's softmax scale: query_pre_attn_scalar (None: the query's
+  qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times YaRN's mscale squared
+  when the RoPE scaling is YaRN's with mscale_all_dim."""
+  width = options.qk_nope_head_dim + options.qk_rope_head_dim
+  mscale = (options.rope_scaling.softmax_mscale
+            if options.rope_scaling is not None else 1.0)
+  return (options.query_pre_attn_scalar or width) ** -0.5 * mscale * mscale
+
+
+def param_shapes(options, d_model: int, *, shared_kv: bool = False
+                 ) -> dict[str, tuple[int, ...]]:
+  """Parameter name -> shape (the module docstring's table)."""
+  D, N, A, Q = (d_model, options.num_heads, options.kv_lora_rank,
+                options.q_lora_rank)
+  I, Y, U = (options.qk_nope_head_dim, options.qk_rope_head_dim,
+             options.v_head_dim)
+  if Q:
+    shapes = {'query_down': (D, Q), 'query_down_norm': (Q,),
+              'query_up': (Q, N, I + Y)}
+  else:
+    shapes = {'query': (D, N, I + Y)}
+  if not shared_kv:
+    shapes |= {'kv_down': (D, A + Y)}
+    if options.latent_norm:
+      shapes |= {'kv_norm': (A,)}
+  return {**shapes, 'kv_up': (A, N, I + U), 'out': (N, U, D)}
+
+
+def cache_spec(options, batch: int, max_len: int, dtype: Any
+               ) -> dict[str, jax.ShapeDtypeStruct]:
+  """The latent cache's arrays (the module docstring's table)."""
+  B, S = batch, options.cache_length(max_len)
+  A, Y = options.kv_lora_rank, options.qk_rope_head_dim
+  stored = jnp.dtype(options.kv_cache_dtype or dtype)
+  spec = {'cached_latent': ((B, S, A), stored)}
+  if Y:
+    spec['cached_rope_key'] = ((B, S, Y), stored)
+  if options.kv_cache_dtype == 'int8':
+    spec['latent_scale'] = ((B, S), jnp.float32)
+    if Y:
+      spec['rope_key_scale'] = ((B, S), jnp.float32)
+  spec['cache_index'] = ((), jnp.int32)
+  return {name: jax.ShapeDtypeStruct(shape, kind)
+          for name, (shape, kind) in spec.items()}
+
+
+def apply(options, params: dict[str, Array], x_BTD: Array, *,
+          mask: Array | None = None, cache: dict[str, Array] | None = None,
+          shared: layer.KV | None = None, dtype: Any = jnp.float32
+          ) -> tuple[Array, dict[str, Array] | None, layer.KV]:
+  """`attention.layer.apply` for an MLA layer: (out [B, T, D], the updated
+  cache, the latent attended to as a `layer.KV`: key the normed latent
+  [B, S, A], value the RoPE key [B, S, Y], or the cache's arrays)."""
+  N, U = options.num_heads, options.v_head_dim
+  B, T, D = x_BTD.shape
+  w = {name: p.astype(dtype) for name, p in params.items()}
+  x_XD = x_BTD.astype(dtype).reshape(B * T, D)
+  q_BTNI, q_BTNY = _queries(options, params, w, x_XD, B, T)
+  if shared is not None:
+    start = shared.start
+  else:
+    start = 0 if cache is None else cache['cache_index']
+  pos_T = start + jnp.arange(T)
+  rope = lambda x: apply_rope(x, pos_T, base=options.rope_base,
+                              scaling=options.rope_scaling,
+                              frequencies=rope_frequencies(options))
+  if options.qk_rope_head_dim:
+    q_BTNY = rope(q_BTNY)
+  if shared is not None:
+    kv = shared
+  else:
+    c_BTA, k_BTY = _latent(options, params, w, x_XD, B, T)
+    if options.qk_rope_head_dim:
+      k_BTY = rope(k_BTY[:, :, None])[:, :, 0]  # One head, shared.
+    if cache is None:
+      kv = layer.KV(c_BTA, k_BTY)
+    else:
+      cache, kv = _write_cache(options, cache, c_BTA, k_BTY)
+  if kv.positions_S is None:  # A full pass: per-head K/V, built.
+    out_BTNU = _expanded_attention(options, w, q_BTNI, q_BTNY, kv.key,
+                                   kv.value, mask)
+  else:
+    visible = layer.cached_visibility(options, kv, pos_T, mask, B)
+    key_up_ANI, value_up_ANU = split_up(w['kv_up'], options.qk_nope_head_dim)
+    out_BTNU = absorbed_attention(
+        q_BTNI, q_BTNY, key_up_ANI, value_up_ANU, kv.key, kv.value,
+        visible, scale=options.scale, logits_soft_cap=options.logits_soft_cap,
+        latent_scale_BS=kv.key_scale, rope_key_scale_BS=kv.value_scale)
+    # As `layer`'s: an overflowing write under jit shows as NaN.
+    out_BTNU = jnp.where(kv.overflow, jnp.nan, out_BTNU)
+  out_XD = out_BTNU.reshape(B * T, N * U) @ w['out'].reshape(N * U, D)
+  return out_XD.reshape(B, T, D), cache, kv
+
+
+def _queries(options, params, w, x_XD, B: int, T: int
+             ) -> tuple[Array, Array]:
+  """(q_nope [B, T, N, I], q_rope [B, T, N, Y]): through the query latent
+  (query_down, its RMSNorm, query_up) when q_lora_rank is set."""
+  N, I = options.num_heads, options.qk_nope_head_dim
+  if options.q_lora_rank:
+    q_XQ = layer._rms_norm(x_XD @ w['query_down'], params['query_down_norm'],
+                           options)
+    kernel = w['query_up']
+  else:
+    q_XQ, kernel = x_XD, w['query']
+  q_BTNH = (q_XQ @ kernel.reshape(kernel.shape[0], -1)).reshape(B, T, N, -1)
+  return q_BTNH[..., :I], q_BTNH[..., I:]
+
+
+def _latent(options, params, w, x_XD, B: int, T: int) -> tuple[Array, Array]:
+  """(the normed latent c [B, T, A], the RoPE key, not yet turned,
+  [B, T, Y]) of the tokens."""
+  A = options.kv_lora_rank
+  ck_X = x_XD @ w['kv_down']  # [B·T, A + Y].
+  c_XA, k_XY = ck_X[:, :A], ck_X[:, A:]
+  if options.latent_norm:
+    c_XA = layer._rms_norm(c_XA, params['kv_norm'], options)
+  return c_XA.reshape(B, T, A), k_XY.reshape(B, T, -1)
+
+
+def split_up(kv_up, I: int) -> tuple[Array, Array]:
+  """(key_up [A, N, I], value_up [A, N, U]) of kv_up [A, N, I + U]."""
+  return kv_up[..., :I], kv_up[..., I:]
+
+
+def expand(key_up_ANI, value_up_ANU, c_BSA, k_BSY
+           ) -> tuple[Array, Array]:
+  """Per-head keys [B, S, N, I + Y] ([c·key_up[:, n], k_rope]) and values
+  [B, S, N, U] (c·value_up[:, n]) from the latent and the RoPE key: what the
+  full pass attends to, and what decoding never builds."""
+  A, N, I = key_up_ANI.shape
+  B, S, _ = c_BSA.shape
+  c_XA = c_BSA.reshape(B * S, A)  # Plain 2-D matmuls (see layer._project).
+  k_BSNI = (c_XA @ key_up_ANI.reshape(A, -1)).reshape(B, S, N, I)
+  v_BSNU = (c_XA @ value_up_ANU.reshape(A, -1)).reshape(B, S, N, -1)
+  k_BSNY = jnp.broadcast_to(k_BSY[:, :, None].astype(k_BSNI.dtype),
+                            (B, S, N, k_BSY.shape[-1]))
+  return jnp.concatenate([k_BSNI, k_BSNY], axis=-1), v_BSNU
+
+
+def _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSA, k_BSY, mask):
+  """[B, T, N, U]: the queries against the keys and values expanded from
+  the latent, by `dot_product_attention` (keys and values zero-padded to
+  one width, which changes no logit and no output feature)."""
+  k_BSNH, v_BSNU = expand(*split_up(w['kv_up'], options.qk_nope_head_dim),
+                          c_BSA, k_BSY)
+  q_BTNH = jnp.concatenate([q_BTNI, q_BTNY.astype(q_BTNI.dtype)], axis=-1)
+  H, U = q_BTNH.shape[-1], v_BSNU.shape[-1]
+  pad = lambda x, width: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+  width = max(H, U)
+  out_BTNH = dot_product_attention(
+      pad(q_BTNH, width), pad(k_BSNH, width), pad(v_BSNU, width), mask=mask,
+      is_causal=options.is_causal, scale=options.scale,
+      local_window=options.local_window,
+      logits_soft_cap=options.logits_soft_cap)
+  return out_BTNH[..., :U]
+
+
+def absorbed_attention(q_BTNI, q_BTNY, key_up_ANI, value_up_ANU, latent_BSA,
+                       rope_key_BSY, visible, *, scale: float,
+                       logits_soft_cap: float | None,
+                       latent_scale_BS=None, rope_key_scale_BS=None):
+  """[B, T, N, U]: T queries against S cached latents, with the key
+  up-projection absorbed into the query and the value up-projection applied
+  after the weighted sum, so no per-head key or value is formed.
+
+  latent [B, S, A] and rope_key [B, S, Y] (None when Y = 0) are read as
+  stored (int8 with their [B, S] float32 scales, which multiply the [.., S]
+  logits and probabilities); visible: boolean broadcastable to [B, N, T, S]
+  (True = attend).
+  """
+  B, T, N, I = q_BTNI.shape
+  A = latent_BSA.shape[-1]
+  # W_UK absorbed: q_lat[n] = q_nope[n]·key_up[:, n]ᵀ, [B, T·N, A].
+  q_BRA = jnp.einsum('BTNI,ANI->BTNA', q_BTNI, key_up_ANI).reshape(
+      B, T * N, A)  # R = T·N query rows, one matmul per batch row.
+  logits_BRS = _matmul(q_BRA, latent_BSA, contract=2)
+  if latent_scale_BS is not None:
+    logits_BRS = logits_BRS * latent_scale_BS[:, None, :]
+  if rope_key_BSY is not None:
+    rope_BRS = _matmul(q_BTNY.reshape(B, T * N, -1).astype(q_BTNI.dtype),
+                       rope_key_BSY, contract=2)
+    if rope_key_scale_BS is not None:
+      rope_BRS = rope_BRS * rope_key_scale_BS[:, None, :]
+    logits_BRS = logits_BRS + rope_BRS
+  S = logits_BRS.shape[-1]
+  logits_BTNS = numerics.soft_cap(logits_BRS * scale, logits_soft_cap
+                                  ).reshape(B, T, N, S)
+  mask_BTNS = None if visible is None else jnp.swapaxes(visible, 1, 2)
+  probs_BTNS = numerics.masked_softmax(logits_BTNS, mask_BTNS)
+  probs_BRS = probs_BTNS.reshape(B, T * N, S)
+  if latent_scale_BS is not None:
+    probs_BRS = probs_BRS * latent_scale_BS[:, None, :]
+  # The latents' weighted sum, then W_UV: [B, T, N, A] -> [B, T, N, U].
+  o_BRA = _matmul(probs_BRS.astype(q_BTNI.dtype), latent_BSA, contract=1)
+  out_BTNU = jnp.einsum('BTNA,ANU->BTNU',
+                        o_BRA.reshape(B, T, N, A).astype(q_BTNI.dtype),
+                        value_up_ANU)
+  return out_BTNU.astype(q_BTNI.dtype)
+
+
+def _matmul(a_BRC, b_BSC, contract: int):
+  """Per batch row, [R, C] x the cache [S, C] as stored: contract=2, its
+  features (-> [B, R, S]), or [R, S] x [S, C], contract=1, its slots (->
+  [B, R, C]); float32, the cache in its own dtype (as decode's)."""
+  return jax.lax.dot_general(a_BRC, b_BSC, (((2,), (contract,)), ((0,), (0,))),
+                             preferred_element_type=jnp.float32)
+
+
+def _write_cache(options, cache, c_BTA, k_BTY
+                 ) -> tuple[dict[str, Array], layer.KV]:
+  """(the cache with the T tokens' latents and RoPE keys written at its
+  index, in place; what the new tokens attend to)."""
+  B, T, A = c_BTA.shape
+  held = cache['cached_latent'].shape
+  if held[0] != B or held[2] != A:
+    raise ValueError(f'decode step gives latents {(B, T, A)} but the cache '
+                     f'holds {held} = [B, S, A]; init the cache with the '
+                     'same batch size')
+  new = {'cached_latent': c_BTA, 'cached_rope_key': k_BTY}
+  if 'latent_scale' in cache:
+    new['cached_latent'], new['latent_scale'] = layer.quantize(c_BTA, axis=2)
+    if 'rope_key_scale' in cache:
+      new['cached_rope_key'], new['rope_key_scale'] = layer.quantize(k_BTY,
+                                                                     axis=2)
+  new = {name: x.astype(cache[name].dtype) for name, x in new.items()
+         if name in cache}
+  return layer.write_slots(options, cache, new, _AXES)

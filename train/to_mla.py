@@ -1,0 +1,236 @@
+"""Converting MHA/GQA parameters into multi-head latent attention (MLA).
+
+As TransMLA and MHA2MLA (Meng et al. 2025, Ji et al. 2025) do, each layer's
+key and value projections are factorised jointly: W = [W_K | W_V]
+[D, 2·K·H] = U Σ Vᵀ (SVD, float64), kept to the kv_lora_rank A largest
+singular values, so that kv_down = U_A Σ_A [D, A] makes the cached latent and
+Vᵀ_A [A, 2·K·H] splits into key_up and value_up (kv_up [A, N, 2H]), whose KV head k serves the
+query heads of its group [k·G, (k+1)·G) (each query head gets its group's
+columns). `energy` is Σ_A² / Σ², the share of the projections' squared
+Frobenius norm kept; at full rank A = 2·K·H (or D, when smaller) the product
+is W itself. The latent has no RMSNorm (latent_norm=False: a norm is not
+linear, and would change the function).
+
+A model with RoPE keeps it on part of its frequencies, as MHA2MLA's partial
+RoPE: per KV head, the r = Y / (2K) frequency pairs with the largest 2-norm
+score (mean ‖q_i‖ · mean ‖k_i‖ over calibration tokens, summed over the
+group's query heads: the attention mass a pair can carry), pooled over the
+layers (one `rope_pairs` for the model, so the layers still scan). Their key
+features become the shared RoPE key (Y = 2·r·K slots, KV head k's in block
+k, turned at their source frequencies, `rope_pairs`); each query head fills
+its KV head's block and is zero in the others', so a kept pair's logit term
+is the source's exactly. The other 2·(H/2 - r) features of each key lose
+RoPE and join the latent's factorisation (I = H - 2r per head). The scale
+stays the source's (query_pre_attn_scalar). Queries, outputs and every other
+parameter are copied. At full rank, a model without RoPE, or one keeping
+every pair (Y = K·H), converts exactly (the identity controls).
+
+Letters: D model width, N query heads, K KV heads, G = N // K, H head dim,
+A kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from train import model as model_lib
+from train.errors import UserError
+
+
+def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+  """UserError, in one line, for a source or target we cannot convert."""
+  if mc.kv_lora_rank:
+    raise UserError(f'--source already is MLA (model.kv_lora_rank='
+                    f'{mc.kv_lora_rank}); --to_mla converts MHA/GQA models')
+  for name in ('qk_norm', 'qkv_bias', 'fused_qkv'):
+    if getattr(mc, name):
+      raise UserError(f'--to_mla: the source has model.{name}=True, which '
+                      'MLA cannot take; convert a model without it')
+  K, H, Y = mc.num_kv_heads, mc.head_dim, qk_rope_head_dim
+  if not mc.use_rope and Y:
+    raise UserError(f'--qk_rope_head_dim={Y}: the source has no RoPE '
+                    '(model.use_rope=False); give 0')
+  if mc.use_rope and not (Y > 0 and Y % (2 * K) == 0 and Y <= K * H):
+    raise UserError(
+        f'--qk_rope_head_dim={Y}: the source turns RoPE, so give the RoPE '
+        f'dims kept, 2·r·K for r pairs per KV head (K={K}): a multiple of '
+        f'{2 * K} from {2 * K} to K·H = {K * H}')
+  nope = K * (H - Y // K) if mc.use_rope else K * H
+  full = min(mc.d_model, nope + K * H)
+  if not 1 <= kv_lora_rank <= full:
+    raise UserError(f'--kv_lora_rank={kv_lora_rank}: give 1 to {full} '
+                    f'(min(d_model, the {nope + K * H} key and value '
+                    'features left to the latent), the full rank)')
+
+
+def select_pairs(scores_KP: np.ndarray, qk_rope_head_dim: int) -> np.ndarray:
+  """[K, r]: per KV head, the r = Y / (2K) frequency pairs of the largest
+  score (MHA2MLA's 2-norm criterion: the attention mass a pair can carry),
+  in frequency order."""
+  K = scores_KP.shape[0]
+  r = qk_rope_head_dim // (2 * K)
+  return np.sort(np.argsort(-scores_KP, axis=1, kind='stable')[:, :r], axis=1)
+
+
+def pair_scores(q_XNH: np.ndarray, k_XKH: np.ndarray) -> np.ndarray:
+  """[K, H/2]: each KV head's frequency pairs scored over calibration
+  tokens, mean ‖q_i‖ · mean ‖k_i‖ summed over the group's query heads (pair
+  i: features i and i + H/2; RoPE turns a pair, keeping its norm)."""
+  X, N, H = q_XNH.shape
+  K = k_XKH.shape[1]
+  norm = lambda x: np.sqrt(x[..., :H // 2] ** 2 + x[..., H // 2:] ** 2
+                           ).mean(0)  # [E, H/2]
+  q_NP, k_KP = norm(q_XNH), norm(k_XKH)
+  return (q_NP.reshape(K, N // K, H // 2) * k_KP[:, None]).sum(1)
+
+
+def target_config(mc, kv_lora_rank: int, qk_rope_head_dim: int,
+                  pairs_Kr: np.ndarray | None = None):
+  """The converted model's ModelConfig; as dotted config fields too. With
+  RoPE, each KV head's r kept pairs leave its key I = H - 2r features
+  without position, and the scale stays the source's."""
+  H = mc.head_dim
+  fields = dict(num_kv_heads=mc.num_heads, kv_lora_rank=kv_lora_rank,
+                q_lora_rank=None, qk_rope_head_dim=qk_rope_head_dim,
+                qk_nope_head_dim=H, v_head_dim=H, latent_norm=False,
+                rope_pairs=None)
+  if pairs_Kr is not None:
+    fields.update(qk_nope_head_dim=H - 2 * pairs_Kr.shape[1],
+                  rope_pairs=[int(p) for p in pairs_Kr.reshape(-1)],
+                  query_pre_attn_scalar=float(mc.query_pre_attn_scalar or H))
+  config_fields = dict(fields)
+  fields['rope_pairs'] = (None if fields['rope_pairs'] is None
+                          else tuple(fields['rope_pairs']))
+  return dataclasses.replace(mc, **fields), config_fields
+
+
+def _rope_split(kernel_DEH: np.ndarray, pairs_Kr: np.ndarray, kv_head
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """(features without RoPE [D, E, H - 2r], each head's RoPE features laid
+  out in the shared key's Y slots [D, E, Y]) of a query or key kernel
+  [D, E, H]; kv_head(e): the KV head whose pairs head e keeps. Slot
+  j = k·r + m (and j + Y/2) holds pair pairs_Kr[k, m] of KV head k; a head
+  is zero in the other heads' slots."""
+  D, E, H = kernel_DEH.shape
+  K, r = pairs_Kr.shape
+  half, Y = H // 2, 2 * K * r
+  nope = np.empty((D, E, H - 2 * r), kernel_DEH.dtype)
+  rope = np.zeros((D, E, Y), kernel_DEH.dtype)
+  for e in range(E):
+    k = kv_head(e)
+    turned = np.concatenate([pairs_Kr[k], pairs_Kr[k] + half])
+    nope[:, e] = np.delete(kernel_DEH[:, e], turned, axis=-1)
+    rope[:, e, k * r:(k + 1) * r] = kernel_DEH[:, e, pairs_Kr[k]]
+    rope[:, e, Y // 2 + k * r:Y // 2 + (k + 1) * r] = kernel_DEH[
+        :, e, pairs_Kr[k] + half]
+  return nope, rope
+
+
+def factorise(key_DKI: np.ndarray, value_DKH: np.ndarray, rank: int,
+              group: int) -> tuple[dict[str, np.ndarray], float]:
+  """({kv_down [D, A], kv_up [A, N, I + H]: key_up then value_up}, energy
+  kept) of one layer's key (without RoPE) [D, K, I] and value [D, K, H]
+  kernels; group: G."""
+  D, K, I = key_DKI.shape
+  H = value_DKH.shape[-1]
+  W = np.concatenate([key_DKI.reshape(D, K * I), value_DKH.reshape(D, K * H)],
+                     axis=1).astype(np.float64)
+  u, s, vt = np.linalg.svd(W, full_matrices=False)
+  energy = float(np.sum(s[:rank] ** 2) / max(np.sum(s ** 2), 1e-300))
+  up_K = vt[:rank, :K * I].reshape(rank, K, I)
+  up_V = vt[:rank, K * I:].reshape(rank, K, H)
+  per_query = lambda x_AKW: np.repeat(x_AKW, group, axis=1)  # [A, N, W]
+  dtype = value_DKH.dtype
+  return {'kv_down': (u[:, :rank] * s[:rank]).astype(dtype),
+          'kv_up': np.concatenate([per_query(up_K), per_query(up_V)],
+                                  -1).astype(dtype)}, energy
+
+
+def convert_params(params, mc, kv_lora_rank: int, qk_rope_head_dim: int = 0,
+                   pair_scores_KP: np.ndarray | None = None
+                   ) -> tuple[dict, object, list[float | None]]:
+  """(the MLA parameters, their ModelConfig, the energy kept per layer:
+  None for a layer reading another's K/V, kv_share). A RoPE source needs
+  pair_scores_KP [K, H/2] (`pair_scores`, pooled over the layers): the RoPE
+  key keeps each KV head's best qk_rope_head_dim / (2K) pairs."""
+  check_source(mc, kv_lora_rank, qk_rope_head_dim)
+  pairs_Kr = (select_pairs(pair_scores_KP, qk_rope_head_dim)
+              if mc.use_rope else None)
+  new_mc, _ = target_config(mc, kv_lora_rank, qk_rope_head_dim, pairs_Kr)
+  G = mc.num_heads // mc.num_kv_heads
+  layers, energies, owner = [], [], None
+  for i, tree in enumerate(model_lib.layer_subtrees(mc, params)):
+    tree = {name: (dict(sub) if isinstance(sub, dict) else sub)
+            for name, sub in tree.items()}
+    attention = {k: np.asarray(v) for k, v in tree['attention'].items()}
+    key = value = None
+    if not mc.shares_kv(i):
+      key, value = attention.pop('key'), attention.pop('value')
+    if pairs_Kr is not None:
+      q_nope, q_rope = _rope_split(attention['query'], pairs_Kr,
+                                   lambda n: n // G)
+      attention['query'] = np.concatenate([q_nope, q_rope], axis=-1)
+      if key is not None:
+        key, k_rope = _rope_split(key, pairs_Kr, lambda k: k)
+        k_rope = k_rope.sum(1)  # [D, Y]: each slot from its own KV head.
+    if key is not None:
+      owner, energy = factorise(key, value, kv_lora_rank, G)
+      attention['kv_down'] = owner['kv_down'] if pairs_Kr is None else (
+          np.concatenate([owner['kv_down'], k_rope], axis=-1))
+      energies.append(energy)
+    else:
+      energies.append(None)
+    attention['kv_up'] = owner['kv_up']
+    tree['attention'] = attention
+    layers.append(tree)
+  return _with_layers(params, new_mc, layers), new_mc, energies
+
+
+def _with_layers(params, mc, layers: list) -> dict:
+  """params with its layers replaced by `layers` (one subtree per layer),
+  stacked as `mc` stores them (model.layer_slot)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  out = {k: v for k, v in params.items()
+         if k != 'layers' and not k.startswith('layers_')}
+  slots: dict[tuple, list] = {}
+  for i, tree in enumerate(layers):
+    path, index = model_lib.layer_slot(mc, i)
+    if index is None:
+      out[path[0]] = tree
+    else:
+      slots.setdefault(path, []).append(tree)
+  for path, trees in slots.items():
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *trees)
+    target = out
+    for key in path[:-1]:
+      target = target.setdefault(key, {})
+    target[path[-1]] = stacked
+  return out
+
+
+def calibration_scores(mc, params, tokens_BT) -> np.ndarray:
+  """[K, H/2]: `pair_scores` of each layer owning K/V on the calibration
+  tokens [B, T] (its queries and keys from the layer's actual inputs),
+  each layer's normalised to sum 1, summed over the layers."""
+  from train.model import RMSNorm, Transformer, unroll_layers  # pylint: disable=import-outside-toplevel
+  model, unrolled = unroll_layers(Transformer(mc), params)
+  _, state = model.apply(
+      {'params': unrolled}, tokens_BT, mutable=['intermediates'],
+      capture_intermediates=lambda m, _: (isinstance(m, RMSNorm)
+                                          and m.name == 'attention_norm'))
+  total = 0.0
+  for i, tree in enumerate(model_lib.layer_subtrees(mc, params)):
+    if mc.shares_kv(i):
+      continue
+    x_BTD = np.asarray(state['intermediates'][f'layers_{i}'][
+        'attention_norm']['__call__'][0], np.float32)
+    x_XD = x_BTD.reshape(-1, x_BTD.shape[-1])
+    attention = tree['attention']
+    project = lambda w: np.einsum('XD,DEH->XEH', x_XD,
+                                  np.asarray(w, np.float32))
+    scores = pair_scores(project(attention['query']),
+                         project(attention['key']))
+    total = total + scores / scores.sum()
+  return total
