@@ -174,3 +174,28 @@ def test_a_pool_too_small_for_any_sequence_is_one_line(trained, tmp_path):
                 f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
                 '--kv_memory=lots')
   _one_line_error(result, "--kv_memory='lots' is not a size")
+
+
+@pytest.mark.slow
+def test_bench_serve_reports_each_k_beside_one_at_a_time(tmp_path):
+  result = _run('scripts.bench_serve', '--config=tiny', '--kv_heads=4,1',
+                '--requests=3', '--slots=2', '--kv_memory=24KiB',
+                '--page_size=8', '--prompt_len=2,9', '--output_len=3,6',
+                f'--out={tmp_path}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads((tmp_path / 'serve.json').read_text())['rows']
+  assert [r['num_kv_heads'] for r in rows] == [4, 1]
+  # A quarter of the bytes per page: four times the pages in the same memory.
+  assert rows[1]['page_bytes'] * 4 == rows[0]['page_bytes']
+  assert rows[1]['usable_pages'] + 1 == 4 * (rows[0]['usable_pages'] + 1)
+  assert all(r['tokens_per_sec'] > 0 and r['alone_tokens_per_sec'] > 0
+             and r['mean_in_flight'] >= 1 for r in rows)
+  assert (tmp_path / 'serve.png').exists()
+  assert '| 4 | 4,096 |' in (tmp_path / 'report.md').read_text()
+
+
+@pytest.mark.slow
+def test_bench_serve_refuses_a_trace_past_max_len_in_one_line(tmp_path):
+  result = _run('scripts.bench_serve', '--config=tiny', '--prompt_len=8,30',
+                '--output_len=4,8', f'--out={tmp_path}')
+  _one_line_error(result, 'past model.max_len (32); lower their highs')
