@@ -3,6 +3,7 @@ each request's greedy output equals `train.sample`'s for its prompt alone,
 whatever shares the batch, for every cache layout; pages are reused; bad input
 is one line and the other requests go on."""
 
+import argparse
 import dataclasses
 import json
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
+from scripts import bench_serve
 from serve import cli, engine, paged, pages
 from tests.test_faults import _one_line_error, _run
 from train import checkpoint, config_lib, loop, model as model_lib, sample
@@ -177,25 +179,28 @@ def test_a_pool_too_small_for_any_sequence_is_one_line(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_serve_reports_each_k_beside_one_at_a_time(tmp_path):
-  result = _run('scripts.bench_serve', '--config=tiny', '--kv_heads=4,1',
-                '--requests=3', '--slots=2', '--kv_memory=24KiB',
-                '--page_size=8', '--prompt_len=2,9', '--output_len=3,6',
-                f'--out={tmp_path}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  rows = json.loads((tmp_path / 'serve.json').read_text())['rows']
-  assert [r['num_kv_heads'] for r in rows] == [4, 1]
-  # A quarter of the bytes per page: four times the pages in the same memory.
-  assert rows[1]['page_bytes'] * 4 == rows[0]['page_bytes']
-  assert rows[1]['usable_pages'] + 1 == 4 * (rows[0]['usable_pages'] + 1)
-  assert all(r['tokens_per_sec'] > 0 and r['alone_tokens_per_sec'] > 0
-             and r['mean_in_flight'] >= 1 for r in rows)
-  assert (tmp_path / 'serve.png').exists()
-  assert '| 4 | 4,096 |' in (tmp_path / 'report.md').read_text()
+def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
+  args = argparse.Namespace(requests=3, prompt_len=[2, 9], output_len=[3, 6],
+                            seed=0, slots=2, page_size=8, kv_memory='24KiB')
+  trace = bench_serve.make_trace(args, 256, 32)
+  assert [len(p) for p, _ in trace] == [
+      len(p) for p, _ in bench_serve.make_trace(args, 256, 32)]  # Seeded.
+  mc, params = _random_model(num_kv_heads=1)
+  row = bench_serve.serve(mc, params, trace, 24 * 2**10, args)
+  row |= bench_serve.one_at_a_time(mc, params, trace)
+  assert row['tokens'] == sum(new for _, new in trace)
+  assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
+  assert row['tokens_per_sec'] > 0 and row['alone_tokens_per_sec'] > 0
+  assert 1 <= row['mean_in_flight'] <= 2
+  row['batching_speedup'] = 1.0
+  bench_serve.plot([row], tmp_path / 'serve.png')
+  assert '| 1 | 1,024 |' in bench_serve.report({'command': 'c', 'date': 'd',
+                                                'rows': [row]}, args)
 
 
-@pytest.mark.slow
-def test_bench_serve_refuses_a_trace_past_max_len_in_one_line(tmp_path):
-  result = _run('scripts.bench_serve', '--config=tiny', '--prompt_len=8,30',
-                '--output_len=4,8', f'--out={tmp_path}')
-  _one_line_error(result, 'past model.max_len (32); lower their highs')
+def test_bench_serve_refuses_a_trace_past_max_len_in_one_line():
+  args = argparse.Namespace(requests=3, prompt_len=[8, 30],
+                            output_len=[4, 8], seed=0)
+  with pytest.raises(UserError, match=r'past model.max_len \(32\); lower '
+                     'their highs$'):
+    bench_serve.make_trace(args, 256, 32)
