@@ -69,7 +69,8 @@ def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int):
       refusals.append({'id': entry['id'], 'error': 'the prompt is not valid '
                        'UTF-8 text (a lone surrogate); fix its escapes'})
       continue
-    requests.append(engine_lib.Request(entry['id'], tokens, new))
+    requests.append(engine_lib.Request(entry['id'], tokens, new,
+                                       sample_index=n))
   return requests, refusals
 
 

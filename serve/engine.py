@@ -11,8 +11,9 @@ them wait, in order, and one that could never fit (more pages than the pool
 has, or past the model's max_len) is refused with a one-line error while
 the others go on.
 
-Each request samples with its own keys (the seed, its index and the token's
-position), so its output does not depend on what shares the batch; greedy
+Each request samples with its own keys (the seed, its `sample_index` and the
+token's position), so its output does not depend on what shares the batch;
+greedy
 decoding (temperature 0) is `train.sample`'s argmax.
 """
 
@@ -41,6 +42,9 @@ class Request:
   prompt: np.ndarray  # [T] int32.
   max_new_tokens: int
   arrival: float | None = None  # perf_counter time; None: the run's start.
+  # Its sampling keys' index (e.g. its line in a file, the same on a rerun);
+  # None: its place in the run.
+  sample_index: int | None = None
 
 
 @dataclasses.dataclass
@@ -142,6 +146,8 @@ class Engine:
           if pages is None:
             break  # It waits for a sequence to end.
           waiting.popleft()
+          if request.sample_index is not None:
+            index = request.sample_index
           slots[i] = self._prefill(request, index, pages, start)
           done = self._finished(slots[i])
           if done:

@@ -118,6 +118,21 @@ def test_every_cache_layout_decodes_as_train_sample_does(model):
   assert result.tokens == _alone(mc, params, prompt, 12)
 
 
+@pytest.mark.slow
+def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=8, slots=2,
+                         temperature=1.0, top_k=20, seed=3)
+  prompts = [np.array([3, 1, 4], np.int32), np.array([1, 5, 9, 2], np.int32),
+             np.array([6, 5], np.int32)]
+  requests = [engine.Request(i, p, 9, sample_index=i)
+              for i, p in enumerate(prompts)]
+  mixed = {r.id: r.tokens for r in served.run(requests)}
+  [alone] = served.run(requests[1:2])
+  assert alone.tokens == mixed[1]
+  assert mixed[0] != mixed[2]  # Keys differ per request.
+
+
 def _write_lines(path, lines):
   path.write_text(''.join(
       (line if isinstance(line, str) else json.dumps(line)) + '\n'
