@@ -15,7 +15,7 @@ fewer K/V heads a page holds more tokens' worth of memory, so more sequences
 fit in flight. Reported per K: tokens/s, sequences in flight (mean over the
 decode steps), the pool's high-water mark, and each request's time to first
 token and per-token latency (medians). Compiling is done before timing
-(a warm-up pass over one prompt of each page count).
+(a warm-up pass over the same trace).
 
 The peer, in the same run and process, taking turns by K: the same requests
 one at a time through `train.sample.generate` (its prefill and `lax.scan`
@@ -114,12 +114,10 @@ def serve(mc, params, trace, kv_memory: int, args) -> dict:
   """The trace through the engine (compiled first): its numbers."""
   served = engine_lib.Engine(mc, params, kv_memory=kv_memory,
                              page_size=args.page_size, slots=args.slots)
-  counts = sorted({pages.pages_for(len(p), args.page_size) for p, _ in trace})
-  list(served.run([engine_lib.Request(i, np.zeros(n * args.page_size,
-                                                  np.int32), 2)
-                   for i, n in enumerate(counts)]))  # Compile.
-  results = list(served.run([engine_lib.Request(i, p, new)
-                             for i, (p, new) in enumerate(trace)]))
+  requests = [engine_lib.Request(i, p, new) for i, (p, new) in
+              enumerate(trace)]
+  list(served.run(requests))  # Compiles every prefill and batch size used.
+  results = list(served.run(requests))
   s = served.stats
   refused = [r.error for r in results if r.error]
   if refused:

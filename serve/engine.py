@@ -203,23 +203,29 @@ class Engine:
     return table
 
   def _step_all(self, slots: list[_Slot | None]) -> Iterator[Result]:
-    """One decoded token for every busy slot; yields those that finish."""
-    busy = [s for s in slots if s is not None]
-    table = self._table([s.pages if s else [] for s in slots])
-    lengths = np.array([s.length if s else 0 for s in slots], np.int32)
-    last = np.array([s.tokens[-1] if s else 0 for s in slots], np.int32)
-    index = np.array([s.index if s else 0 for s in slots], np.int32)
-    step = np.array([len(s.tokens) if s else 0 for s in slots], np.int32)
+    """One decoded token for every busy slot; yields those that finish.
+
+    The busy slots are decoded as the first rows of a batch of the next
+    power of two (at most `slots`), so that a pool holding few sequences
+    does not pay for idle rows (one compiled step per batch size).
+    """
+    busy = [i for i, s in enumerate(slots) if s is not None]
+    B = min(self.slots, 1 << (len(busy) - 1).bit_length())
+    rows = [slots[i] for i in busy] + [None] * (B - len(busy))
+    table = self._table([s.pages if s else [] for s in rows])
+    lengths = np.array([s.length if s else 0 for s in rows], np.int32)
+    last = np.array([s.tokens[-1] if s else 0 for s in rows], np.int32)
+    index = np.array([s.index if s else 0 for s in rows], np.int32)
+    step = np.array([len(s.tokens) if s else 0 for s in rows], np.int32)
     next_B, self._pool = self._decode(self.params, self._pool, last, table,
                                       lengths, self._key, index, step)
     next_B = np.asarray(next_B)
     self.stats.steps += 1
     self.stats.in_flight += len(busy)
-    for i, s in enumerate(slots):
-      if s is None:
-        continue
+    for row, i in enumerate(busy):
+      s = slots[i]
       s.length += 1
-      s.tokens.append(int(next_B[i]))
+      s.tokens.append(int(next_B[row]))
       done = self._finished(s)
       if done:
         slots[i] = None
