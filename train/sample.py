@@ -83,7 +83,19 @@ def generate(params, prompt_BT, rng, *, model: Transformer,
   return jnp.concatenate([first_B[:, None], rest], axis=1)
 
 
-def _check_flags(f, vocab_size: int):
+def load_language_model(workdir: str):
+  """(ModelConfig, params, tokenizer) of a WORKDIR trained on text, or a
+  UserError saying why its model cannot take text prompts."""
+  mc, params, config = checkpoint.load_workdir(workdir)
+  if config.data.get('task', 'lm') != 'lm':
+    raise UserError(f'this model was trained on data.task='
+                    f'{config.data.task!r}, not text; sample from a language '
+                    'model')
+  tokenizer = tokenizer_lib.for_text(workdir, mc, config)
+  return mc, params, tokenizer
+
+
+def check_flags(f, vocab_size: int):
   """Every sampling flag in its range, before the model is compiled."""
   if not (math.isfinite(f.temperature) and f.temperature >= 0):
     raise UserError(f'--temperature={f.temperature} must be a number >= 0 '
@@ -105,13 +117,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  mc, params, config = checkpoint.load_workdir(f.workdir)
-  if config.data.get('task', 'lm') != 'lm':
-    raise UserError(f'this model was trained on data.task='
-                    f'{config.data.task!r}, not text; sample from a language '
-                    'model')
-  _check_flags(f, mc.vocab_size)
-  tokenizer = tokenizer_lib.for_text(f.workdir, mc, config)
+  mc, params, tokenizer = load_language_model(f.workdir)
+  check_flags(f, mc.vocab_size)
   try:
     prompt = tokenizer.encode(f.prompt)
   except UnicodeEncodeError:  # Undecodable argv bytes arrive as surrogates.

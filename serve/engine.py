@@ -1,0 +1,279 @@
+"""Continuous batching over the paged cache.
+
+A fixed number of decode slots; each step decodes one token for every busy
+slot at once. When a sequence ends (max_new_tokens, or an end-of-sequence
+token) its pages go back to the pool and its slot takes the next request:
+the prompt is prefilled into freshly allocated pages, then the request
+decodes with the others, so the batch stays full. A request is given all
+the pages it can need (prompt + max_new_tokens) when admitted, so a running
+sequence never waits for memory (no preemption); requests that cannot get
+them wait, in order, and one that could never fit (more pages than the pool
+has, or past the model's max_len) is refused with a one-line error while
+the others go on.
+
+Each request samples with its own keys (the seed, its `sample_index` and the
+token's position), so its output does not depend on what shares the batch;
+greedy
+decoding (temperature 0) is `train.sample`'s argmax.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serve import paged, pages as pages_lib
+from train import model as model_lib
+from train import sample
+from train.errors import UserError
+
+
+@dataclasses.dataclass
+class Request:
+  """A prompt to continue: its token ids and how many tokens to add."""
+  id: object
+  prompt: np.ndarray  # [T] int32.
+  max_new_tokens: int
+  arrival: float | None = None  # perf_counter time; None: the run's start.
+  # Its sampling keys' index (e.g. its line in a file, the same on a rerun);
+  # None: its place in the run.
+  sample_index: int | None = None
+
+
+@dataclasses.dataclass
+class Result:
+  """A finished request: its tokens (the end-of-sequence token not
+  included) and timings in seconds, or the one-line error refusing it."""
+  id: object
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  time_to_first_token_s: float | None = None  # From arrival, queue included.
+  per_token_s: float | None = None  # Mean between later tokens.
+  error: str | None = None
+
+
+@dataclasses.dataclass
+class Stats:
+  """What a run did: tokens generated, decode steps, busy slots summed
+  over steps (sequences in flight = in_flight / steps), the pool's
+  high-water mark in pages, and its size."""
+  tokens: int = 0
+  steps: int = 0
+  in_flight: int = 0
+  high_water_pages: int = 0
+  usable_pages: int = 0
+  page_bytes: int = 0
+  seconds: float = 0.0
+
+  @property
+  def mean_in_flight(self) -> float:
+    return self.in_flight / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass
+class _Slot:
+  request: Request
+  index: int  # The request's place in the run: its sampling keys.
+  pages: list[int]
+  length: int  # Positions written to the cache.
+  tokens: list[int]
+  first_at: float
+  arrival: float
+
+
+class Engine:
+  """Decodes requests in `slots` slots over a pool of `kv_memory` bytes of
+  pages of `page_size` tokens."""
+
+  def __init__(self, config: model_lib.ModelConfig, params, *,
+               kv_memory: int, page_size: int = 16, slots: int = 8,
+               temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+               eos_ids: tuple[int, ...] = (), kv_cache_dtype=None):
+    if config.learned_positions:
+      raise UserError('this model adds a learned position table, which the '
+                      'paged cache does not index per sequence; decode it '
+                      'with train.sample')
+    if page_size < 1 or slots < 1:
+      raise UserError(f'--page_size={page_size} and --slots={slots} must be '
+                      '>= 1')
+    self.model, self.params = paged.serving_model(config, params,
+                                                  kv_cache_dtype)
+    self.config = self.model.config
+    self.page_size, self.slots = page_size, slots
+    self.page_bytes = paged.page_bytes(self.config, page_size)
+    num_pages = kv_memory // self.page_bytes
+    self.max_pages = pages_lib.pages_for(self.config.max_len, page_size)
+    if num_pages < 2:  # The scratch page and one for a sequence.
+      raise UserError(
+          f'the KV memory ({kv_memory:,} bytes) holds {num_pages} page(s) of '
+          f'{self.page_bytes:,} bytes ({page_size} tokens, every layer), '
+          'too few for any sequence; give at least '
+          f'{2 * self.page_bytes:,} (a scratch page and one to hold a '
+          'sequence), or a smaller --page_size')
+    self.allocator = pages_lib.Allocator(num_pages)
+    self.eos_ids = tuple(eos_ids)
+    self._pool = paged.empty_pool(self.config, num_pages, page_size)
+    self._sampling = dict(temperature=temperature, top_k=top_k)
+    self._decode = jax.jit(functools.partial(_step, self.model,
+                                             **self._sampling),
+                           donate_argnums=1)
+    self._key = jax.random.key(seed)
+
+  def run(self, requests: Iterable[Request]) -> Iterator[Result]:
+    """Yields each request's Result as it finishes (refusals at once);
+    `self.stats` holds the run's counts when the iterator is exhausted."""
+    start = self.started = time.perf_counter()
+    self.stats = Stats(usable_pages=self.allocator.usable,
+                       page_bytes=self.page_bytes)
+    waiting = collections.deque(enumerate(requests))
+    slots: list[_Slot | None] = [None] * self.slots
+    while waiting or any(slots):
+      for i in range(self.slots):
+        while slots[i] is None and waiting:
+          index, request = waiting[0]
+          refusal = self._refusal(request)
+          if refusal:
+            waiting.popleft()
+            yield Result(request.id, error=refusal)
+            continue
+          pages = self.allocator.allocate(self._pages_needed(request))
+          if pages is None:
+            break  # It waits for a sequence to end.
+          waiting.popleft()
+          if request.sample_index is not None:
+            index = request.sample_index
+          slots[i] = self._prefill(request, index, pages, start)
+          done = self._finished(slots[i])
+          if done:
+            slots[i] = None
+            yield done
+      if not any(slots):
+        continue
+      yield from self._step_all(slots)
+    self.stats.high_water_pages = self.allocator.high_water
+    self.stats.seconds = time.perf_counter() - start
+
+  def _pages_needed(self, request: Request) -> int:
+    return pages_lib.pages_for(len(request.prompt) + request.max_new_tokens,
+                               self.page_size)
+
+  def _refusal(self, request: Request) -> str | None:
+    """Why the request can never run, in one line, or None."""
+    P, new, max_len = (len(request.prompt), request.max_new_tokens,
+                       self.config.max_len)
+    if P < 1:
+      return 'empty prompt; give at least one token of text'
+    if new < 1 or P + new > max_len:
+      return (f'prompt ({P} tokens) + max_new_tokens ({new}) must be within '
+              f'1..model.max_len ({max_len}); shorten one')
+    need = self._pages_needed(request)
+    if need > self.allocator.usable:
+      return (f'needs {need} pages of {self.page_size} tokens '
+              f'({need * self.page_bytes:,} bytes) but the KV memory holds '
+              f'{self.allocator.usable}; raise --kv_memory or shorten it')
+    return None
+
+  def _prefill(self, request: Request, index: int, pages: list[int],
+               start: float) -> _Slot:
+    """Writes the prompt into its pages; the slot holding its first token."""
+    P = len(request.prompt)
+    # Padded to whole pages: one compiled prefill per page count.
+    T = min(pages_lib.pages_for(P, self.page_size) * self.page_size,
+            self.max_pages * self.page_size)
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, :P] = request.prompt
+    first, self._pool = _prefill(self.model, self.params, self._pool,
+                                 tokens, self._table([pages]), P,
+                                 self._key, index, **self._sampling)
+    arrival = start if request.arrival is None else request.arrival
+    return _Slot(request, index, pages, P, [int(first)],
+                 time.perf_counter(), arrival)
+
+  def _table(self, page_lists) -> np.ndarray:
+    """[len(page_lists), M] page tables, 0 (scratch) where none."""
+    table = np.zeros((len(page_lists), self.max_pages), np.int32)
+    for row, pages in enumerate(page_lists):
+      table[row, :len(pages)] = pages
+    return table
+
+  def _step_all(self, slots: list[_Slot | None]) -> Iterator[Result]:
+    """One decoded token for every busy slot; yields those that finish.
+
+    The busy slots are decoded as the first rows of a batch of the next
+    power of two (at most `slots`), so that a pool holding few sequences
+    does not pay for idle rows (one compiled step per batch size).
+    """
+    busy = [i for i, s in enumerate(slots) if s is not None]
+    B = min(self.slots, 1 << (len(busy) - 1).bit_length())
+    rows = [slots[i] for i in busy] + [None] * (B - len(busy))
+    table = self._table([s.pages if s else [] for s in rows])
+    lengths = np.array([s.length if s else 0 for s in rows], np.int32)
+    last = np.array([s.tokens[-1] if s else 0 for s in rows], np.int32)
+    index = np.array([s.index if s else 0 for s in rows], np.int32)
+    step = np.array([len(s.tokens) if s else 0 for s in rows], np.int32)
+    next_B, self._pool = self._decode(self.params, self._pool, last, table,
+                                      lengths, self._key, index, step)
+    next_B = np.asarray(next_B)
+    self.stats.steps += 1
+    self.stats.in_flight += len(busy)
+    for row, i in enumerate(busy):
+      s = slots[i]
+      s.length += 1
+      s.tokens.append(int(next_B[row]))
+      done = self._finished(s)
+      if done:
+        slots[i] = None
+        yield done
+
+  def _finished(self, s: _Slot) -> Result | None:
+    """The slot's Result, its pages released, if it has ended."""
+    ended = s.tokens[-1] in self.eos_ids
+    if not ended and len(s.tokens) < s.request.max_new_tokens:
+      return None
+    now = time.perf_counter()
+    self.allocator.release(s.pages)
+    tokens = s.tokens[:-1] if ended else s.tokens
+    self.stats.tokens += len(s.tokens)
+    n = len(s.tokens)
+    return Result(s.request.id, tokens,
+                  time_to_first_token_s=s.first_at - s.arrival,
+                  per_token_s=(now - s.first_at) / (n - 1) if n > 1 else None)
+
+
+def _sample_rows(logits_BV, key, index_B, step_B, *, temperature, top_k):
+  """A token per row, row b with the key of (its request, its position)."""
+  keys_B = jax.vmap(lambda i, t: jax.random.fold_in(
+      jax.random.fold_in(key, i), t))(index_B, step_B)
+  return jax.vmap(lambda k, logits_V: sample.sample_logits(
+      k, logits_V[None], temperature, top_k)[0])(keys_B, logits_BV)
+
+
+def _step(model, params, pool, last_B, table_BM, lengths_B, key, index_B,
+          step_B, *, temperature, top_k):
+  """Every slot's last token written at its length; (its next token [B],
+  the pool)."""
+  logits_B1V, pool = paged.forward(model, params, pool, last_B[:, None],
+                                   table_BM, lengths_B)
+  return _sample_rows(logits_B1V[:, 0], key, index_B, step_B,
+                      temperature=temperature, top_k=top_k), pool
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'temperature', 'top_k'),
+                   donate_argnums=2)
+def _prefill(model, params, pool, tokens_1T, table_1M, length, key, index, *,
+             temperature, top_k):
+  """A prompt (padded to tokens_1T, `length` real tokens) written into its
+  pages; (its first generated token, the pool)."""
+  logits_1TV, pool = paged.forward(model, params, pool, tokens_1T, table_1M,
+                                   jnp.zeros((1,), jnp.int32))
+  logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV[0], length - 1, 0)
+  first = _sample_rows(logits_1V, key, jnp.reshape(index, (1,)),
+                       jnp.zeros((1,), jnp.int32), temperature=temperature,
+                       top_k=top_k)
+  return first[0], pool

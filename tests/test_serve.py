@@ -1,0 +1,221 @@
+"""Specification of serving over a paged KV cache (`serve/`, `train.generate`):
+each request's greedy output equals `train.sample`'s for its prompt alone,
+whatever shares the batch, for every cache layout; pages are reused; bad input
+is one line and the other requests go on."""
+
+import argparse
+import dataclasses
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import tiny
+from scripts import bench_serve
+from serve import cli, engine, paged, pages
+from tests.test_faults import _one_line_error, _run
+from train import checkpoint, config_lib, loop, model as model_lib, sample
+from train.errors import UserError
+from train.model import Transformer
+
+
+def _alone(mc, params, prompt, new):
+  """train.sample's greedy tokens for one prompt decoded by itself."""
+  mc = dataclasses.replace(mc, max_len=len(prompt) + new)
+  out = sample.generate(params, jnp.asarray(prompt)[None], jax.random.key(0),
+                        model=Transformer(mc, decode=True),
+                        max_new_tokens=new, temperature=0.0, top_k=0)
+  return np.asarray(out[0]).tolist()
+
+
+def _config(**model):
+  config = tiny.get_config()
+  config.model.update(**model)
+  return config_lib.model_config(config)
+
+
+def _random_model(**model):
+  """A random tiny model (its greedy tokens vary, unlike a 20-step one's)."""
+  mc = _config(**model)
+  return mc, nn.unbox(loop.init_params(Transformer(mc), seed=1))
+
+
+def test_sizes_parse_with_units_and_a_bad_one_is_one_line():
+  assert pages.parse_bytes('256MiB') == 256 * 2**20
+  assert pages.parse_bytes('1.5kb') == 1500
+  assert pages.parse_bytes('4096') == 4096
+  for bad in ('lots', '12 parsecs', '0', ''):
+    with pytest.raises(UserError, match=r'^--kv_memory=.* (is not a size|'
+                       r'must be at least)'):
+      pages.parse_bytes(bad)
+
+
+def test_the_allocator_reuses_returned_pages_and_never_hands_out_page_0():
+  allocator = pages.Allocator(5)  # Pages 1-4; 0 is the scratch page.
+  a = allocator.allocate(3)
+  assert 0 not in a and allocator.allocate(2) is None  # Nothing taken.
+  allocator.release(a)
+  b = allocator.allocate(4)
+  assert sorted(b) == [1, 2, 3, 4] and allocator.high_water == 4
+  allocator.release(b)
+  assert allocator.in_use == 0
+
+
+@pytest.mark.parametrize('model', [
+    dict(num_kv_heads=4), dict(num_kv_heads=1, kv_cache_dtype='int8'),
+    dict(num_layers=4, attention_pattern='LLGG', local_window=4, kv_share=2,
+         kv_cache_dtype='bfloat16')])
+def test_a_page_holds_the_bytes_the_models_kv_count_gives(model):
+  mc = _config(**model)
+  pool = paged.empty_pool(mc, 3, 8)
+  every_global = dataclasses.replace(mc, attention_pattern='G',
+                                     local_window=None)
+  assert sum(x.nbytes for x in jax.tree.leaves(pool)) == 3 * paged.page_bytes(
+      mc, 8) == 3 * model_lib.kv_cache_bytes(every_global, 1, 8)
+
+
+# Prompt lengths mixed across page boundaries (page 8): one token, one page,
+# several pages; with the model's max_len 32.
+MIXED = [(3, 10), (9, 5), (1, 14), (17, 12), (12, 8)]
+
+
+@pytest.mark.slow
+def test_more_prompts_than_slots_in_a_small_pool_each_equal_to_decoding_alone():
+  mc, params = _random_model()
+  rng = np.random.default_rng(0)
+  requests = [engine.Request(i, rng.integers(0, 256, P).astype(np.int32), new)
+              for i, (P, new) in enumerate(MIXED)]
+  need = sum(pages.pages_for(P + new, 8) for P, new in MIXED)  # 13 pages.
+  served = engine.Engine(mc, params, kv_memory=9 * paged.page_bytes(mc, 8),
+                         page_size=8, slots=2)
+  results = {r.id: r for r in served.run(requests)}
+  assert served.stats.usable_pages == 8 < need
+  assert 0 < served.stats.high_water_pages <= 8
+  assert served.allocator.in_use == 0  # Every page returned.
+  assert served.stats.mean_in_flight > 1.5  # The batch was kept full.
+  for r in requests:
+    assert results[r.id].error is None
+    assert results[r.id].tokens == _alone(mc, params, r.prompt,
+                                          r.max_new_tokens), r.id
+    assert results[r.id].time_to_first_token_s > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model', [
+    dict(num_kv_heads=4, kv_cache_dtype='bfloat16'),  # MHA.
+    dict(num_kv_heads=1, num_layers=4, attention_pattern='LG',
+         local_window=4),  # MQA, local layers: windows inside a page.
+    dict(num_kv_heads=2, num_layers=4, attention_pattern='LLGG',
+         local_window=6, kv_share=2, kv_cache_dtype='int8')])
+def test_every_cache_layout_decodes_as_train_sample_does(model):
+  mc, params = _random_model(**model)
+  prompt = np.arange(1, 12, dtype=np.int32) * 7
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2)
+  [result] = served.run([engine.Request(0, prompt, 12)])  # A slot idle.
+  assert result.tokens == _alone(mc, params, prompt, 12)
+
+
+@pytest.mark.slow
+def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=8, slots=2,
+                         temperature=1.0, top_k=20, seed=3)
+  prompts = [np.array([3, 1, 4], np.int32), np.array([1, 5, 9, 2], np.int32),
+             np.array([6, 5], np.int32)]
+  requests = [engine.Request(i, p, 9, sample_index=i)
+              for i, p in enumerate(prompts)]
+  mixed = {r.id: r.tokens for r in served.run(requests)}
+  [alone] = served.run(requests[1:2])
+  assert alone.tokens == mixed[1]
+  assert mixed[0] != mixed[2]  # Keys differ per request.
+
+
+def _write_lines(path, lines):
+  path.write_text(''.join(
+      (line if isinstance(line, str) else json.dumps(line)) + '\n'
+      for line in lines))
+
+
+@pytest.mark.slow
+def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
+    trained, tmp_path):
+  prompts, out = tmp_path / 'prompts.jsonl', tmp_path / 'out.jsonl'
+  _write_lines(prompts, [
+      {'id': 'a', 'prompt': 'def '}, 'not json', {'id': 'empty', 'prompt': ''},
+      {'id': 'long', 'prompt': 'x' * 30}, {'id': 'a', 'prompt': 'again'},
+      {'id': 'big', 'prompt': 'y' * 20, 'max_new_tokens': 12},
+      {'id': 7, 'prompt': 'import', 'max_new_tokens': 4}])
+  mc, params, _ = checkpoint.load_workdir(str(trained))
+  # 3 usable pages of 8 tokens: 'big' (32 tokens, 4 pages) can never fit.
+  memory = str(4 * paged.page_bytes(mc, 8))
+  run = lambda: cli.generate_file(str(trained), str(prompts), str(out),
+                                  kv_memory=memory, max_new_tokens=10,
+                                  page_size=8, slots=1)
+  stats = run()
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  by_key = {(e['id'], e.get('line')): e for e in lines}
+  assert len(lines) == 7 and stats.high_water_pages <= 3
+  assert by_key[(None, 2)]['error'].startswith('line 2: not JSON')
+  assert by_key[(None, 5)]['error'].startswith('line 5: id "a" appears')
+  assert by_key[('empty', None)]['error'].startswith('empty prompt')
+  assert 'model.max_len (32)' in by_key[('long', None)]['error']
+  assert 'needs 4 pages' in by_key[('big', None)]['error']
+  for key, prompt, new in [('a', b'def ', 10), (7, b'import', 4)]:
+    expected = _alone(mc, params, np.frombuffer(prompt, np.uint8), new)
+    assert by_key[(key, None)]['tokens'] == expected
+    assert by_key[(key, None)]['text'] == bytes(expected).decode()
+  assert all('\n' not in e.get('error', '') for e in lines)
+  # A rerun into the same OUT has nothing left to do; a cut-short last line
+  # (a kill mid-write) is redone.
+  assert run() is None and len(out.read_text().splitlines()) == 7
+  out.write_text(out.read_text()[:-5])
+  run()
+  again = [json.loads(line) for line in out.read_text().splitlines()]
+  fields = lambda e: str([e['id'], e.get('line'), e.get('tokens'),
+                          e.get('error')])
+  assert sorted(map(fields, again)) == sorted(map(fields, lines))
+
+
+@pytest.mark.slow
+def test_a_pool_too_small_for_any_sequence_is_one_line(trained, tmp_path):
+  prompts = tmp_path / 'prompts.jsonl'
+  _write_lines(prompts, [{'id': 1, 'prompt': 'def '}])
+  result = _run('train.generate', f'--workdir={trained}',
+                f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
+                '--kv_memory=1KiB')
+  _one_line_error(result, 'too few for any sequence; give at least')
+  result = _run('train.generate', f'--workdir={trained}',
+                f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
+                '--kv_memory=lots')
+  _one_line_error(result, "--kv_memory='lots' is not a size")
+
+
+@pytest.mark.slow
+def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
+  args = argparse.Namespace(requests=3, prompt_len=[2, 9], output_len=[3, 6],
+                            seed=0, slots=2, page_size=8, kv_memory='24KiB')
+  trace = bench_serve.make_trace(args, 256, 32)
+  assert [len(p) for p, _ in trace] == [
+      len(p) for p, _ in bench_serve.make_trace(args, 256, 32)]  # Seeded.
+  mc, params = _random_model(num_kv_heads=1)
+  row = bench_serve.serve(mc, params, trace, 24 * 2**10, args)
+  row |= bench_serve.one_at_a_time(mc, params, trace)
+  assert row['tokens'] == sum(new for _, new in trace)
+  assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
+  assert row['tokens_per_sec'] > 0 and row['alone_tokens_per_sec'] > 0
+  assert 1 <= row['mean_in_flight'] <= 2
+  row['batching_speedup'] = 1.0
+  bench_serve.plot([row], tmp_path / 'serve.png')
+  assert '| 1 | 1,024 |' in bench_serve.report({'command': 'c', 'date': 'd',
+                                                'rows': [row]}, args)
+
+
+def test_bench_serve_refuses_a_trace_past_max_len_in_one_line():
+  args = argparse.Namespace(requests=3, prompt_len=[8, 30],
+                            output_len=[4, 8], seed=0)
+  with pytest.raises(UserError, match=r'past model.max_len \(32\); lower '
+                     'their highs$'):
+    bench_serve.make_trace(args, 256, 32)
