@@ -424,6 +424,40 @@ def test_the_output_folder_inside_an_input_folder_is_left_out(
     prepare_data.prepare([str(tmp_path / 'texts')], str(path), str(tmp_path))
 
 
+def test_outputs_inside_an_input_folder_are_skipped_with_one_note(
+    tmp_path, monkeypatch):
+  from train import workdir  # pylint: disable=import-outside-toplevel
+  path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
+  _corpus(tmp_path)
+  texts = tmp_path / 'texts'
+  run = lambda out, said=None: prepare_data.prepare(
+      [str(texts)], str(path), str(out), val_fraction=0.3, shard_tokens=40,
+      batch_mb=1e-4, say=(said.append if said is not None else
+                          lambda _: None))
+  first = run(texts / 'out')  # A corpus made inside its input, then ...
+  _interrupted(monkeypatch, after=1)
+  with pytest.raises(KeyboardInterrupt):
+    run(texts / 'partial')  # ... one half made, ...
+  (texts / 'run' / 'checkpoints').mkdir(parents=True)  # ... a workdir ...
+  (texts / 'run' / 'config.json').write_text('{}')
+  (texts / 'run' / 'notes.txt').write_text('w1 w2')
+  (texts / 'locked').mkdir()  # ... and a workdir a run holds.
+  with workdir.lock(texts / 'locked'):
+    said = []
+    second = run(texts / 'out2', said)
+  assert [name for name, *_ in second['input_files']] == [
+      name for name, *_ in first['input_files']]
+  assert second['splits'] == first['splits']
+  notes = [line for line in said if 'skipping' in line]
+  assert notes == [
+      f'note: skipping 4 folders of outputs, not inputs: {texts}/locked (a '
+      f'workdir), {texts}/out (a prepared corpus), {texts}/'
+      f'partial (a partial prepared corpus), {texts}/run (a workdir)']
+  with pytest.raises(UserError, match=r"--input '.*out' is a prepared corpus, "
+                     'not text; give the text it was made from'):
+    prepare_data.prepare([str(texts / 'out')], str(path), str(tmp_path / 'x'))
+
+
 def test_a_full_disk_or_ctrl_c_keeps_the_shards_and_a_rerun_finishes(
     tmp_path, monkeypatch):
   path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)

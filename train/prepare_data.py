@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import struct
@@ -100,13 +101,41 @@ def input_files(inputs: list[str], out: pathlib.Path | None = None, say=print
     if inside(path, out):
       raise UserError(f'--input {given!r} is inside --out={out}, which this '
                       'command writes; give an --out outside it')
+    if path.is_dir() and (what := output_folder(path)):
+      raise UserError(f'--input {given!r} is {what}, not text; give the '
+                      'text it was made from')
     found = [path] if path.is_file() else data.folder_files(
-        path, leave_out=out, say=say)
+        path, leave_out=out, say=say, skip_folder=output_folder)
     if not found or all(f.stat().st_size == 0 for f in found):
       raise UserError(f'--input {given!r} is empty; give it some documents')
     files += [(f, str(pathlib.Path(path.name) / f.relative_to(path))
                if f != path else path.name) for f in found]
   return files
+
+
+def output_folder(path: pathlib.Path) -> str | None:
+  """What the folder is, if an output of this project and not text: a
+  prepared corpus (finished or partial) or a workdir (a config.json and
+  checkpoints, or a train.workdir lock); else None."""
+  def first_json(file: pathlib.Path):
+    try:
+      with open(file, 'rb') as f:
+        return json.loads(f.readline() if file.suffix == '.jsonl' else
+                          f.read(1 << 20))
+    except (OSError, ValueError):
+      return None
+  for name in (META, PROGRESS):
+    record = first_json(path / name) if (path / name).is_file() else None
+    if isinstance(record, dict) and record.get('format') == FORMAT:
+      return 'a prepared corpus' if name == META else (
+          'a partial prepared corpus')
+  if (path / 'config.json').is_file() and (path / 'checkpoints').is_dir():
+    return 'a workdir'
+  lock = path / workdir_lib.LOCK_NAME
+  if lock.is_file() and lock.stat().st_size < 200 and re.fullmatch(
+      rb'(host \S+ pid \d+)?\s*', lock.read_bytes()):
+    return 'a workdir'
+  return None
 
 
 def documents(files, text_field: str, begin=lambda index, path: None
