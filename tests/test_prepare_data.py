@@ -458,6 +458,40 @@ def test_outputs_inside_an_input_folder_are_skipped_with_one_note(
     prepare_data.prepare([str(texts / 'out')], str(path), str(tmp_path / 'x'))
 
 
+def test_the_advised_rerun_works_and_a_refusal_names_the_settings(
+    tmp_path, monkeypatch):
+  path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
+  (tmp_path / 'docs').mkdir()
+  for i in range(3):
+    (tmp_path / 'docs' / f'{i}.txt').write_text(f'w{i} w9')
+  run = lambda out, **kw: prepare_data.prepare(
+      [str(tmp_path / 'docs')], str(path), str(tmp_path / out),
+      say=lambda _: None, **kw)
+  (tmp_path / 'given').mkdir()
+  for out in ('new', 'given'):  # A folder it made goes; one given is emptied.
+    with pytest.raises(UserError, match=(
+        r'no document went to the val split \(3 documents, --val_fraction='
+        r'0.005\); nothing was kept in --out=.*; raise --val_fraction')):
+      run(out)
+    meta = run(out, val_fraction=0.5)  # As advised.
+    assert meta['splits']['val']['documents'] >= 1
+  with pytest.raises(UserError, match=r'\(1 document, --val_fraction'):
+    prepare_data.prepare([str(tmp_path / 'docs' / '0.txt')], str(path),
+                         str(tmp_path / 'one'), say=lambda _: None)
+  # A partial preparation with other settings: the refusal names them.
+  _interrupted(monkeypatch, after=1)
+  with pytest.raises(KeyboardInterrupt):
+    run('partial', val_fraction=0.5, shard_tokens=2)
+  with pytest.raises(UserError, match=(
+      r'holds a partial preparation of another corpus \(--val_fraction 0.5 '
+      r'-> 0.4, --seed 0 -> 1\); give a new --out, or remove .*partial to '
+      'prepare this one instead')):
+    run('partial', val_fraction=0.4, seed=1, shard_tokens=2)
+  with pytest.raises(UserError, match=(
+      r'holds another corpus \(--val_fraction 0.5 -> 0.4\); give a new')):
+    run('new', val_fraction=0.4)
+
+
 def test_a_full_disk_or_ctrl_c_keeps_the_shards_and_a_rerun_finishes(
     tmp_path, monkeypatch):
   path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)

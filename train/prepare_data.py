@@ -350,6 +350,16 @@ class ShardWriter:
     self.shards.append(shard)
 
 
+def _differences(before, now: dict) -> str:
+  """' (--flag old -> new, ...)': the settings that differ, or ''."""
+  if not isinstance(before, dict):
+    return ''
+  flags = dict(inputs='--input', tokenizer='--tokenizer')
+  found = [f'{flags.get(key, "--" + key)} {before.get(key)} -> {now.get(key)}'
+           for key in now if before.get(key) != now.get(key)]
+  return f' ({", ".join(found)})' if found else ''
+
+
 def start(out: pathlib.Path, settings: dict, files, say
           ) -> tuple[dict[str, list[dict]], Inputs] | None:
   """Readies OUT for `settings`; returns the shards already done per split
@@ -359,8 +369,9 @@ def start(out: pathlib.Path, settings: dict, files, say
   if (out / META).exists():
     meta = json.loads((out / META).read_text())
     if meta.get('settings') != settings:
-      raise UserError(f'--out={out} holds another corpus (prepared with other '
-                      'inputs or settings); give a new --out')
+      raise UserError(f'--out={out} holds another corpus'
+                      f'{_differences(meta.get("settings"), settings)}; give a '
+                      'new --out')
     what = changed(dict(enumerate(meta.get('input_files', []))), files,
                    exactly=True)
     if what:
@@ -377,7 +388,8 @@ def start(out: pathlib.Path, settings: dict, files, say
       header = None
     if header != settings:
       raise UserError(f'--out={out} holds a partial preparation of another '
-                      'corpus; give a new --out, or remove it')
+                      f'corpus{_differences(header, settings)}; give a new '
+                      f'--out, or remove {out} to prepare this one instead')
     listed = [json.loads(line) for line in lines[1:] if line.endswith('}')]
   elif set(os.listdir(out)) - {workdir_lib.LOCK_NAME}:
     raise UserError(f'--out={out} holds other files; give a new or empty '
@@ -517,21 +529,39 @@ def _encode_batch(batch: list[Piece], tokenizer, writers, eos_id: int, ends):
     writers[piece.split].add(ids, len(piece.text.encode()), end=piece.last)
 
 
+def _documents(count: int) -> str:
+  return f'{count:,} document{"" if count == 1 else "s"}'
+
+
+def _discard(out: pathlib.Path, shards: list[dict]):
+  """Removes a preparation that can never finish with its settings (its
+  shards and progress.jsonl: no rerun could continue it), so that the rerun
+  the error advises, with other settings, is not refused as another corpus's
+  partial preparation; a folder this run created goes too
+  (workdir.new_or_existing)."""
+  for shard in shards:
+    (out / shard['file']).unlink(missing_ok=True)
+  (out / PROGRESS).unlink(missing_ok=True)
+
+
 def _finish(out, writers, tokenizer, file, ends, settings, inputs):
   shards = [s for w in writers.values() for s in w.shards]
+  kept = f'; nothing was kept in --out={out}'
   if not sum(s['bytes'] for s in shards):
     count = sum(s['documents'] for s in shards)
+    _discard(out, shards)
     raise UserError(
         f'--input {",".join(settings["inputs"])} holds no text ('
-        + (f'{count:,} documents, all empty' if count else 'only blank lines')
-        + '); give it documents with text')
+        + (f'{_documents(count)}, all empty' if count else 'only blank lines')
+        + ')' + kept + '; give it documents with text')
   splits = {}
   for split, writer in writers.items():
     if not writer.shards:
+      _discard(out, shards)
       raise UserError(
           f'no document went to the {split} split '
-          f'({sum(s["documents"] for s in shards):,} documents, '
-          f'--val_fraction={settings["val_fraction"]}); '
+          f'({_documents(sum(s["documents"] for s in shards))}, '
+          f'--val_fraction={settings["val_fraction"]})' + kept + '; '
           + ('raise --val_fraction, or give more, smaller documents (a text '
              'file is one document)' if split == 'val' else
              'lower --val_fraction'))
@@ -578,8 +608,8 @@ def main(argv):
     sys.exit(128 + signal.SIGINT)
   train, val = meta['splits']['train'], meta['splits']['val']
   print(f'wrote {f.out}: {train["tokens"]:,} training tokens '
-        f'({train["documents"]:,} documents) and {val["tokens"]:,} held out '
-        f'({val["documents"]:,}), {meta["dtype"]}, vocabulary '
+        f'({_documents(train["documents"])}) and {val["tokens"]:,} held '
+        f'out ({val["documents"]:,}), {meta["dtype"]}, vocabulary '
         f'{meta["vocab_size"]:,}')
 
 
