@@ -643,10 +643,11 @@ def test_inputs_without_text_are_named_so(tmp_path):
   for name, what in (('blank.jsonl', 'only blank lines'),
                      ('empty.jsonl', '20 documents, all empty')):
     with pytest.raises(UserError, match=(
-        f'--input .*{name} holds no text \\({what}\\); give it documents '
-        'with text')):
+        f'--input .*{name} holds no text \\({what}\\); nothing was kept in '
+        '--out=.*; give it documents with text')):
       _bad(tmp_path, inputs=[str(tmp_path / name)],
            out=str(tmp_path / f'out_{name}'))
+    assert not (tmp_path / f'out_{name}').exists()  # Made, then removed.
 
 
 def test_a_byte_order_mark_is_not_text(tmp_path):

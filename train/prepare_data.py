@@ -23,15 +23,18 @@ Streaming: documents are read and encoded --batch_mb at a time by the
 in pieces (train.tokenizer.PIECE_RULE, recorded in meta.json), so memory is
 bounded by the batch and the largest document's text, not by the corpus.
 Folders are walked in order, links to folders followed, the output folder
-left out. Restartable: a shard is renamed into place when complete and then
+left out, and so are prepared corpora and workdirs inside them (in a note).
+Restartable: a shard is renamed into place when complete and then
 listed in DIR/progress.jsonl; a rerun after a kill (or Ctrl-C, or a full
 disk) deletes what is not listed, skips the documents the listed shards hold,
 and continues, to a result byte-identical to an uninterrupted run. That needs
 the same inputs: each input file's size and modification time is recorded at
 the start, and its content hash (blake2b) with the first shard after it is
 read; a rerun over inputs that changed is refused, naming the file, and so is
-one over a finished corpus (meta.json records them too). DIR/lock keeps a
-second run out while one writes (train.workdir).
+one over a finished corpus (meta.json records them too). A run that ends
+with no text or an empty split removes what it wrote: it could never finish,
+and the rerun with other settings starts clean. DIR/lock keeps a second run
+out while one writes (train.workdir).
 """
 
 from __future__ import annotations
