@@ -313,8 +313,8 @@ def test_partial_rope_keeps_each_kv_heads_highest_scoring_pairs():
     (dict(use_rope=False), [33, 0], r'--kv_lora_rank=33: give 1 to 32, the '
      r'full rank: min\(d_model = 32, 2·K·H - --qk_rope_head_dim = 32 - 0\)'),
     ({}, [29, 4], r'--kv_lora_rank=29: give 1 to 28, the full rank: min\('
-     r'd_model = 32, 2·K·H - --qk_rope_head_dim = 32 - 4\), the key and value '
-     'features left to the latent'),
+     r'd_model = 32, 2·K·H - --qk_rope_head_dim = 32 - 4\), the key and '
+     'value features left to the latent'),
     (dict(use_rope=False, qk_norm=True), [8, 0],
      'the source has model.qk_norm=True'),
 ])
