@@ -22,7 +22,7 @@ from attention.rope import apply_rope
 from configs import tiny
 from tests import hlo, reference
 from tests.test_kv_memory import _decode_in_chunks
-from tests.test_faults import _run
+from tests.test_faults import _one_line_error, _run
 from tests.test_sample import _greedy_by_full_passes, _sample
 from train import config_lib, flops, loop, sample, to_mla
 from train import model as model_lib
@@ -304,13 +304,17 @@ def test_partial_rope_keeps_each_kv_heads_highest_scoring_pairs():
 
 
 @pytest.mark.parametrize('model, flags, message', [
-    ({}, [8, 0], r'--qk_rope_head_dim=0: the source turns RoPE, so give the '
+    ({}, [8, 0], r'--qk_rope_head_dim=0: the source uses RoPE, so give the '
      r'RoPE dims kept, 2·r·K for r pairs per KV head \(K=2\): a multiple of '
      '4 from 4 to K·H = 16'),
-    ({}, [8, 6], '--qk_rope_head_dim=6: the source turns RoPE'),
+    ({}, [8, 6], '--qk_rope_head_dim=6: the source uses RoPE'),
     (dict(use_rope=False), [8, 4], '--qk_rope_head_dim=4: the source has no '
      'RoPE'),
-    (dict(use_rope=False), [33, 0], '--kv_lora_rank=33: give 1 to 32'),
+    (dict(use_rope=False), [33, 0], r'--kv_lora_rank=33: give 1 to 32, the '
+     r'full rank: min\(d_model = 32, 2·K·H - --qk_rope_head_dim = 32 - 0\)'),
+    ({}, [29, 4], r'--kv_lora_rank=29: give 1 to 28, the full rank: min\('
+     r'd_model = 32, 2·K·H - --qk_rope_head_dim = 32 - 4\), the key and '
+     'value features left to the latent'),
     (dict(use_rope=False, qk_norm=True), [8, 0],
      'the source has model.qk_norm=True'),
 ])
@@ -321,6 +325,27 @@ def test_to_mla_refuses_what_it_cannot_convert_in_one_line(model, flags,
   mc = config_lib.model_config(config)
   with pytest.raises(UserError, match=message):
     to_mla.check_source(mc, *flags)
+
+
+@pytest.mark.slow  # A subprocess: 2-5 s.
+def test_to_mla_refuses_the_flags_it_does_not_use_in_one_line(tmp_path):
+  """--num_kv_heads, --method, --seed, --optimizer, --param_dtype belong to
+  a GQA conversion or an import: given with --to_mla they would be ignored,
+  so they are refused before anything is read."""
+  result = _run('train.convert', f'--source={tmp_path / "src"}',
+                f'--workdir={tmp_path / "new"}', '--to_mla',
+                '--kv_lora_rank=8', '--num_kv_heads=1', '--method=mean',
+                '--optimizer=pooled')
+  _one_line_error(result, '--to_mla takes no --num_kv_heads, --method, '
+                  "--optimizer (a GQA conversion's or an import's); leave "
+                  'them out')
+  assert not (tmp_path / 'new').exists()
+
+
+def test_an_unknown_config_names_every_kind_of_config_taken():
+  with pytest.raises(UserError, match=r"unknown config 'nope'; known: .* \(or "
+                     r'a path to a .py or .json file, or a workdir\)'):
+    config_lib.resolve(['--config=nope'])
 
 
 @pytest.mark.slow

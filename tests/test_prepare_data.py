@@ -424,6 +424,74 @@ def test_the_output_folder_inside_an_input_folder_is_left_out(
     prepare_data.prepare([str(tmp_path / 'texts')], str(path), str(tmp_path))
 
 
+def test_outputs_inside_an_input_folder_are_skipped_with_one_note(
+    tmp_path, monkeypatch):
+  from train import workdir  # pylint: disable=import-outside-toplevel
+  path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
+  _corpus(tmp_path)
+  texts = tmp_path / 'texts'
+  run = lambda out, said=None: prepare_data.prepare(
+      [str(texts)], str(path), str(out), val_fraction=0.3, shard_tokens=40,
+      batch_mb=1e-4, say=(said.append if said is not None else
+                          lambda _: None))
+  first = run(texts / 'out')  # A corpus made inside its input, then ...
+  _interrupted(monkeypatch, after=1)
+  with pytest.raises(KeyboardInterrupt):
+    run(texts / 'partial')  # ... one half made, ...
+  (texts / 'run' / 'checkpoints').mkdir(parents=True)  # ... a workdir ...
+  (texts / 'run' / 'config.json').write_text('{}')
+  (texts / 'run' / 'notes.txt').write_text('w1 w2')
+  (texts / 'locked').mkdir()  # ... and a workdir a run holds.
+  with workdir.lock(texts / 'locked'):
+    said = []
+    second = run(texts / 'out2', said)
+  assert [name for name, *_ in second['input_files']] == [
+      name for name, *_ in first['input_files']]
+  assert second['splits'] == first['splits']
+  notes = [line for line in said if 'skipping' in line]
+  assert notes == [
+      f'note: skipping 4 folders of outputs, not inputs: {texts}/locked (a '
+      f'workdir), {texts}/out (a prepared corpus), {texts}/'
+      f'partial (a partial prepared corpus), {texts}/run (a workdir)']
+  with pytest.raises(UserError, match=r"--input '.*out' is a prepared corpus, "
+                     'not text; give the text it was made from'):
+    prepare_data.prepare([str(texts / 'out')], str(path), str(tmp_path / 'x'))
+
+
+def test_the_advised_rerun_works_and_a_refusal_names_the_settings(
+    tmp_path, monkeypatch):
+  path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
+  (tmp_path / 'docs').mkdir()
+  for i in range(3):
+    (tmp_path / 'docs' / f'{i}.txt').write_text(f'w{i} w9')
+  run = lambda out, **kw: prepare_data.prepare(
+      [str(tmp_path / 'docs')], str(path), str(tmp_path / out),
+      say=lambda _: None, **kw)
+  (tmp_path / 'given').mkdir()
+  for out in ('new', 'given'):  # A folder it made goes; one given is emptied.
+    with pytest.raises(UserError, match=(
+        r'no document went to the val split \(3 documents, --val_fraction='
+        r'0.005\); nothing was kept in --out=.*; raise --val_fraction')):
+      run(out)
+    meta = run(out, val_fraction=0.5)  # As advised.
+    assert meta['splits']['val']['documents'] >= 1
+  with pytest.raises(UserError, match=r'\(1 document, --val_fraction'):
+    prepare_data.prepare([str(tmp_path / 'docs' / '0.txt')], str(path),
+                         str(tmp_path / 'one'), say=lambda _: None)
+  # A partial preparation with other settings: the refusal names them.
+  _interrupted(monkeypatch, after=1)
+  with pytest.raises(KeyboardInterrupt):
+    run('partial', val_fraction=0.5, shard_tokens=2)
+  with pytest.raises(UserError, match=(
+      r'holds a partial preparation of another corpus \(--val_fraction 0.5 '
+      r'-> 0.4, --seed 0 -> 1\); give a new --out, or remove .*partial to '
+      'prepare this one instead')):
+    run('partial', val_fraction=0.4, seed=1, shard_tokens=2)
+  with pytest.raises(UserError, match=(
+      r'holds another corpus \(--val_fraction 0.5 -> 0.4\); give a new')):
+    run('new', val_fraction=0.4)
+
+
 def test_a_full_disk_or_ctrl_c_keeps_the_shards_and_a_rerun_finishes(
     tmp_path, monkeypatch):
   path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
@@ -575,10 +643,11 @@ def test_inputs_without_text_are_named_so(tmp_path):
   for name, what in (('blank.jsonl', 'only blank lines'),
                      ('empty.jsonl', '20 documents, all empty')):
     with pytest.raises(UserError, match=(
-        f'--input .*{name} holds no text \\({what}\\); give it documents '
-        'with text')):
+        f'--input .*{name} holds no text \\({what}\\); nothing was kept in '
+        '--out=.*; give it documents with text')):
       _bad(tmp_path, inputs=[str(tmp_path / name)],
            out=str(tmp_path / f'out_{name}'))
+    assert not (tmp_path / f'out_{name}').exists()  # Made, then removed.
 
 
 def test_a_byte_order_mark_is_not_text(tmp_path):

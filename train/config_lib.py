@@ -66,7 +66,8 @@ def resolve(argv: list[str]) -> list[str]:
       elif not name.endswith('.py') and '/' not in name:
         if name not in known_configs():
           raise UserError(f'unknown config {name!r}; known: '
-                          f'{", ".join(known_configs())} (or a path to a .py)')
+                          f'{", ".join(known_configs())} (or a path to a .py '
+                          'or .json file, or a workdir)')
         value = str(CONFIG_DIR / f'{name}.py') + (f':{rest}' if rest else '')
       elif not pathlib.Path(name).is_file():
         raise UserError(f'config file {name!r} does not exist')

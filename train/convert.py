@@ -462,9 +462,17 @@ def main(argv):
                     '--to_hf (to write a Hugging Face folder)')
   if f.to_mla and not (f.source and f.workdir):
     raise UserError('--to_mla converts --source=WORKDIR into a new --workdir')
+  ignored = [f'--{name}' for name in ('num_kv_heads', 'method', 'seed',
+                                      'optimizer', 'param_dtype')
+             if f.to_mla and f[name].present]
+  if ignored:  # Those of a GQA conversion or an import: not used here.
+    raise UserError(f'--to_mla takes no {", ".join(ignored)} (a GQA '
+                    'conversion\'s or an import\'s); leave them out')
   if f.to_mla and f.kv_lora_rank is None:
     raise UserError('--to_mla needs --kv_lora_rank=A, the latent\'s width '
-                    '(2·K·H of the source keeps every K/V direction)')
+                    '(at most min(d_model, 2·K·H - --qk_rope_head_dim) for K '
+                    'KV heads of H dims: the full rank, every K/V direction '
+                    'kept)')
   if f.to_hf:
     family = export_hf(f.source, f.to_hf)
     print(f'wrote {f.to_hf}: a {family} checkpoint (Hugging Face format)')

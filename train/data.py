@@ -426,13 +426,15 @@ def _stdlib_corpus(cache_dir: str):
 
 
 def folder_files(root: pathlib.Path, *, leave_out: pathlib.Path | None = None,
-                 say=lambda line: print(line, file=sys.stderr)
-                 ) -> list[pathlib.Path]:
+                 say=lambda line: print(line, file=sys.stderr),
+                 skip_folder=lambda path: None) -> list[pathlib.Path]:
   """The files below the folder `root`, sorted by path. Hidden files and
   folders below it are skipped (root's own path may have any); linked
   folders are followed, but not a link back to a folder it is inside (a
-  loop: said); `leave_out` (an output folder inside root) is left out."""
-  files = []
+  loop: said); `leave_out` (an output folder inside root) is left out, and
+  so is a folder for which skip_folder(path) gives a reason (what it is:
+  said in one note for them all)."""
+  files, skipped = [], []
   real = {str(root): {os.path.realpath(root)}}  # Per folder: its chain.
   for folder, subfolders, names in os.walk(root, followlinks=True):
     kept = []
@@ -445,11 +447,19 @@ def folder_files(root: pathlib.Path, *, leave_out: pathlib.Path | None = None,
       if target in real[folder]:
         say(f'note: skipping {path}, a link to {target}, which it is inside')
         continue
+      reason = skip_folder(pathlib.Path(path))
+      if reason:
+        skipped.append(f'{path} ({reason})')
+        continue
       real[path] = real[folder] | {target}
       kept.append(sub)
     subfolders[:] = kept
     files += [pathlib.Path(folder, n) for n in names if not n.startswith('.')
               and os.path.isfile(os.path.join(folder, n))]
+  if skipped:
+    say(f'note: skipping {len(skipped)} folder'
+        f'{"s" if len(skipped) > 1 else ""} of outputs, not inputs: '
+        + ', '.join(skipped))
   return sorted(files)
 
 

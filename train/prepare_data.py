@@ -23,15 +23,18 @@ Streaming: documents are read and encoded --batch_mb at a time by the
 in pieces (train.tokenizer.PIECE_RULE, recorded in meta.json), so memory is
 bounded by the batch and the largest document's text, not by the corpus.
 Folders are walked in order, links to folders followed, the output folder
-left out. Restartable: a shard is renamed into place when complete and then
+left out, and so are prepared corpora and workdirs inside them (in a note).
+Restartable: a shard is renamed into place when complete and then
 listed in DIR/progress.jsonl; a rerun after a kill (or Ctrl-C, or a full
 disk) deletes what is not listed, skips the documents the listed shards hold,
 and continues, to a result byte-identical to an uninterrupted run. That needs
 the same inputs: each input file's size and modification time is recorded at
 the start, and its content hash (blake2b) with the first shard after it is
 read; a rerun over inputs that changed is refused, naming the file, and so is
-one over a finished corpus (meta.json records them too). DIR/lock keeps a
-second run out while one writes (train.workdir).
+one over a finished corpus (meta.json records them too). A run that ends
+with no text or an empty split removes what it wrote: it could never finish,
+and the rerun with other settings starts clean. DIR/lock keeps a second run
+out while one writes (train.workdir).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import struct
@@ -100,13 +104,41 @@ def input_files(inputs: list[str], out: pathlib.Path | None = None, say=print
     if inside(path, out):
       raise UserError(f'--input {given!r} is inside --out={out}, which this '
                       'command writes; give an --out outside it')
+    if path.is_dir() and (what := output_folder(path)):
+      raise UserError(f'--input {given!r} is {what}, not text; give the '
+                      'text it was made from')
     found = [path] if path.is_file() else data.folder_files(
-        path, leave_out=out, say=say)
+        path, leave_out=out, say=say, skip_folder=output_folder)
     if not found or all(f.stat().st_size == 0 for f in found):
       raise UserError(f'--input {given!r} is empty; give it some documents')
     files += [(f, str(pathlib.Path(path.name) / f.relative_to(path))
                if f != path else path.name) for f in found]
   return files
+
+
+def output_folder(path: pathlib.Path) -> str | None:
+  """What the folder is, if an output of this project and not text: a
+  prepared corpus (finished or partial) or a workdir (a config.json and
+  checkpoints, or a train.workdir lock); else None."""
+  def first_json(file: pathlib.Path):
+    try:
+      with open(file, 'rb') as f:
+        return json.loads(f.readline() if file.suffix == '.jsonl' else
+                          f.read(1 << 20))
+    except (OSError, ValueError):
+      return None
+  for name in (META, PROGRESS):
+    record = first_json(path / name) if (path / name).is_file() else None
+    if isinstance(record, dict) and record.get('format') == FORMAT:
+      return 'a prepared corpus' if name == META else (
+          'a partial prepared corpus')
+  if (path / 'config.json').is_file() and (path / 'checkpoints').is_dir():
+    return 'a workdir'
+  lock = path / workdir_lib.LOCK_NAME
+  if lock.is_file() and lock.stat().st_size < 200 and re.fullmatch(
+      rb'(host \S+ pid \d+)?\s*', lock.read_bytes()):
+    return 'a workdir'
+  return None
 
 
 def documents(files, text_field: str, begin=lambda index, path: None
@@ -321,6 +353,16 @@ class ShardWriter:
     self.shards.append(shard)
 
 
+def _differences(before, now: dict) -> str:
+  """' (--flag old -> new, ...)': the settings that differ, or ''."""
+  if not isinstance(before, dict):
+    return ''
+  flags = dict(inputs='--input', tokenizer='--tokenizer')
+  found = [f'{flags.get(key, "--" + key)} {before.get(key)} -> {now.get(key)}'
+           for key in now if before.get(key) != now.get(key)]
+  return f' ({", ".join(found)})' if found else ''
+
+
 def start(out: pathlib.Path, settings: dict, files, say
           ) -> tuple[dict[str, list[dict]], Inputs] | None:
   """Readies OUT for `settings`; returns the shards already done per split
@@ -330,8 +372,9 @@ def start(out: pathlib.Path, settings: dict, files, say
   if (out / META).exists():
     meta = json.loads((out / META).read_text())
     if meta.get('settings') != settings:
-      raise UserError(f'--out={out} holds another corpus (prepared with other '
-                      'inputs or settings); give a new --out')
+      raise UserError(f'--out={out} holds another corpus'
+                      f'{_differences(meta.get("settings"), settings)}; give a '
+                      'new --out')
     what = changed(dict(enumerate(meta.get('input_files', []))), files,
                    exactly=True)
     if what:
@@ -348,7 +391,8 @@ def start(out: pathlib.Path, settings: dict, files, say
       header = None
     if header != settings:
       raise UserError(f'--out={out} holds a partial preparation of another '
-                      'corpus; give a new --out, or remove it')
+                      f'corpus{_differences(header, settings)}; give a new '
+                      f'--out, or remove {out} to prepare this one instead')
     listed = [json.loads(line) for line in lines[1:] if line.endswith('}')]
   elif set(os.listdir(out)) - {workdir_lib.LOCK_NAME}:
     raise UserError(f'--out={out} holds other files; give a new or empty '
@@ -488,21 +532,39 @@ def _encode_batch(batch: list[Piece], tokenizer, writers, eos_id: int, ends):
     writers[piece.split].add(ids, len(piece.text.encode()), end=piece.last)
 
 
+def _documents(count: int) -> str:
+  return f'{count:,} document{"" if count == 1 else "s"}'
+
+
+def _discard(out: pathlib.Path, shards: list[dict]):
+  """Removes a preparation that can never finish with its settings (its
+  shards and progress.jsonl: no rerun could continue it), so that the rerun
+  the error advises, with other settings, is not refused as another corpus's
+  partial preparation; a folder this run created goes too
+  (workdir.new_or_existing)."""
+  for shard in shards:
+    (out / shard['file']).unlink(missing_ok=True)
+  (out / PROGRESS).unlink(missing_ok=True)
+
+
 def _finish(out, writers, tokenizer, file, ends, settings, inputs):
   shards = [s for w in writers.values() for s in w.shards]
+  kept = f'; nothing was kept in --out={out}'
   if not sum(s['bytes'] for s in shards):
     count = sum(s['documents'] for s in shards)
+    _discard(out, shards)
     raise UserError(
         f'--input {",".join(settings["inputs"])} holds no text ('
-        + (f'{count:,} documents, all empty' if count else 'only blank lines')
-        + '); give it documents with text')
+        + (f'{_documents(count)}, all empty' if count else 'only blank lines')
+        + ')' + kept + '; give it documents with text')
   splits = {}
   for split, writer in writers.items():
     if not writer.shards:
+      _discard(out, shards)
       raise UserError(
           f'no document went to the {split} split '
-          f'({sum(s["documents"] for s in shards):,} documents, '
-          f'--val_fraction={settings["val_fraction"]}); '
+          f'({_documents(sum(s["documents"] for s in shards))}, '
+          f'--val_fraction={settings["val_fraction"]})' + kept + '; '
           + ('raise --val_fraction, or give more, smaller documents (a text '
              'file is one document)' if split == 'val' else
              'lower --val_fraction'))
@@ -549,8 +611,8 @@ def main(argv):
     sys.exit(128 + signal.SIGINT)
   train, val = meta['splits']['train'], meta['splits']['val']
   print(f'wrote {f.out}: {train["tokens"]:,} training tokens '
-        f'({train["documents"]:,} documents) and {val["tokens"]:,} held out '
-        f'({val["documents"]:,}), {meta["dtype"]}, vocabulary '
+        f'({_documents(train["documents"])}) and {val["tokens"]:,} held '
+        f'out ({val["documents"]:,}), {meta["dtype"]}, vocabulary '
         f'{meta["vocab_size"]:,}')
 
 

@@ -54,15 +54,19 @@ def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
                     '(model.use_rope=False); give 0')
   if mc.use_rope and not (Y > 0 and Y % (2 * K) == 0 and Y <= K * H):
     raise UserError(
-        f'--qk_rope_head_dim={Y}: the source turns RoPE, so give the RoPE '
+        f'--qk_rope_head_dim={Y}: the source uses RoPE, so give the RoPE '
         f'dims kept, 2·r·K for r pairs per KV head (K={K}): a multiple of '
         f'{2 * K} from {2 * K} to K·H = {K * H}')
-  nope = K * (H - Y // K) if mc.use_rope else K * H
-  full = min(mc.d_model, nope + K * H)
+  # The latent holds the keys' dims without RoPE and all the values':
+  # K·(H - Y/K) + K·H = 2·K·H - Y features (Y = 0 without RoPE).
+  features = 2 * K * H - (Y if mc.use_rope else 0)
+  full = min(mc.d_model, features)
   if not 1 <= kv_lora_rank <= full:
-    raise UserError(f'--kv_lora_rank={kv_lora_rank}: give 1 to {full} '
-                    f'(min(d_model, the {nope + K * H} key and value '
-                    'features left to the latent), the full rank)')
+    raise UserError(f'--kv_lora_rank={kv_lora_rank}: give 1 to {full}, the '
+                    f'full rank: min(d_model = {mc.d_model}, 2·K·H - '
+                    f'--qk_rope_head_dim = {2 * K * H} - '
+                    f'{Y if mc.use_rope else 0}), the key and value features '
+                    'left to the latent')
 
 
 def select_pairs(scores_KP: np.ndarray, qk_rope_head_dim: int) -> np.ndarray:
