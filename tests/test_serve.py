@@ -133,6 +133,14 @@ def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
   assert mixed[0] != mixed[2]  # Keys differ per request.
 
 
+def test_an_mla_model_is_refused_in_one_line():
+  mc = _config(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4)
+  with pytest.raises(UserError, match=r'^train.generate does not serve '
+                     r'multi-head latent attention \(model.kv_lora_rank=8\) '
+                     'yet; use train.sample$'):
+    engine.Engine(mc, None, kv_memory=2**20)  # On the config, before params.
+
+
 def _write_lines(path, lines):
   path.write_text(''.join(
       (line if isinstance(line, str) else json.dumps(line)) + '\n'
