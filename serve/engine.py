@@ -60,9 +60,11 @@ class Result:
 
 @dataclasses.dataclass
 class Stats:
-  """What a run did: tokens generated, decode steps, busy slots summed
-  over steps (sequences in flight = in_flight / steps), the pool's
-  high-water mark in pages, and its size."""
+  """What a run did: requests done and refused, tokens generated, decode
+  steps, busy slots summed over steps (sequences in flight = in_flight /
+  steps), the pool's high-water mark in pages, and its size."""
+  done: int = 0
+  refused: int = 0
   tokens: int = 0
   steps: int = 0
   in_flight: int = 0
@@ -144,6 +146,7 @@ class Engine:
           refusal = self._refusal(request)
           if refusal:
             waiting.popleft()
+            self.stats.refused += 1
             yield Result(request.id, error=refusal)
             continue
           pages = self.allocator.allocate(self._pages_needed(request))
@@ -244,6 +247,7 @@ class Engine:
     self.allocator.release(s.pages)
     tokens = s.tokens[:-1] if ended else s.tokens
     self.stats.tokens += len(s.tokens)
+    self.stats.done += 1
     n = len(s.tokens)
     return Result(s.request.id, tokens,
                   time_to_first_token_s=s.first_at - s.arrival,
