@@ -137,12 +137,12 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
   kept, done = read_out(out_path)
   requests = [r for r in requests if json.dumps(r.id) not in done]
   refusals = [r for r in refusals if _key(r) not in done]
-  check_max_new_tokens(max_new_tokens, mc.max_len, [
-      r.id for r in requests if json.dumps(r.id) in defaulted])
   engine = engine_lib.Engine(
       mc, params, kv_memory=memory, page_size=page_size, slots=slots,
       temperature=temperature, top_k=top_k, seed=seed,
       eos_ids=tokenizer.eos_ids, kv_cache_dtype=kv_cache_dtype)
+  check_max_new_tokens(max_new_tokens, mc.max_len, [
+      r.id for r in requests if json.dumps(r.id) in defaulted])
   if out_path.exists() and kept != out_path.read_text(encoding='utf-8'):
     rewrite(out_path, kept)  # Errors dropped: they are retried below.
   total = len(requests) + len(refusals)
