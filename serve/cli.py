@@ -11,14 +11,16 @@ each result line, appended to OUT as its request finishes, is {"id", "text"
 "per_token_s"}, or {"id", "error"} (one line) for a request refused: a
 malformed line (then "id" is null and "line" its number), an empty prompt,
 one past the model's max_len, one needing more pages than --kv_memory holds.
-The other requests go on. A rerun into the same OUT skips the requests it
-already holds. Progress (requests done, tokens/s, sequences in flight, pages)
-goes to stderr.
+The other requests go on, and the run exits 1 when any was refused. A rerun
+into the same OUT skips the requests it holds results for and retries those
+it holds errors for (their old lines are dropped first). Progress (requests
+done, tokens/s, sequences in flight, pages) goes to stderr.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import time
@@ -30,9 +32,11 @@ from train.errors import UserError
 
 
 def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int):
-  """(requests, refusals): the prompt file's lines as engine Requests, and a
-  result line for each malformed one; keys are ids, or ('line', n)."""
-  requests, refusals, seen = [], [], set()
+  """(requests, refusals, defaulted): the prompt file's lines as engine
+  Requests, a result line for each malformed one (keyed by id, or by its line
+  when it has none), and the ids (as JSON) of the requests taking
+  max_new_tokens rather than a "max_new_tokens" of their own."""
+  requests, refusals, seen, defaulted = [], [], set(), set()
   try:
     lines = path.read_text(encoding='utf-8').splitlines()
   except (OSError, UnicodeDecodeError) as e:
@@ -69,29 +73,43 @@ def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int):
       refusals.append({'id': entry['id'], 'error': 'the prompt is not valid '
                        'UTF-8 text (a lone surrogate); fix its escapes'})
       continue
+    if 'max_new_tokens' not in entry:
+      defaulted.add(key)
     requests.append(engine_lib.Request(entry['id'], tokens, new,
                                        sample_index=n))
-  return requests, refusals
+  return requests, refusals, defaulted
 
 
-def done_keys(out: pathlib.Path) -> set[str]:
-  """The requests OUT already holds (ids as JSON, or 'line n'); a last line
-  cut short by a kill is dropped from the file, so it is redone."""
+def read_out(out: pathlib.Path) -> tuple[str, set[str]]:
+  """(the text OUT keeps on a rerun, the requests it holds results for: ids
+  as JSON). A request whose line is an error is not done: its line is not
+  kept, so that the rerun retries it and OUT ends with one line per request.
+  A last line cut short by a kill is not kept either, so it is redone."""
   if not out.exists():
-    return set()
+    return '', set()
   text = out.read_text(encoding='utf-8')
-  if text and not text.endswith('\n'):
-    text = text[:text.rfind('\n') + 1]
-    out.write_text(text, encoding='utf-8')
-  keys = set()
-  for line in text.splitlines():
+  kept, keys = [], set()
+  for line in text.splitlines(keepends=True):
+    if not line.endswith('\n'):
+      break  # Cut short.
     try:
       entry = json.loads(line)
     except json.JSONDecodeError:
+      entry = None
+    if isinstance(entry, dict) and 'error' in entry:
       continue
+    kept.append(line)
     if isinstance(entry, dict):
       keys.add(_key(entry))
-  return keys
+  return ''.join(kept), keys
+
+
+def rewrite(out: pathlib.Path, text: str):
+  """OUT replaced by `text` at once (a temporary file renamed over it), so a
+  kill leaves either the old file or the new one."""
+  tmp = out.with_name(f'.{out.name}.tmp')
+  tmp.write_text(text, encoding='utf-8')
+  os.replace(tmp, out)
 
 
 def _key(entry: dict) -> str:
@@ -105,27 +123,33 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
                   page_size: int = 16, kv_cache_dtype=None,
                   progress_every: float = 10.0,
                   check=lambda config: None) -> engine_lib.Stats | None:
-  """Runs every request of PROMPTS not yet in OUT, appending its line; the
-  run's Stats (None when nothing was left to do). check(model config):
-  raises a UserError for flags the model cannot take."""
+  """Runs every request of PROMPTS without a result in OUT, appending its
+  line; the run's Stats (None when nothing was left to do), `refused`
+  counting the malformed lines too. check(model config): raises a UserError
+  for flags the model cannot take. Every check is made before OUT is
+  touched."""
   memory = pages.parse_bytes(kv_memory)
   mc, params, tokenizer = sample.load_language_model(workdir)
   check(mc)
   out_path = pathlib.Path(out)
-  requests, refusals = read_prompts(pathlib.Path(prompts), tokenizer,
-                                    max_new_tokens)
-  done = done_keys(out_path)
+  requests, refusals, defaulted = read_prompts(pathlib.Path(prompts),
+                                               tokenizer, max_new_tokens)
+  kept, done = read_out(out_path)
   requests = [r for r in requests if json.dumps(r.id) not in done]
   refusals = [r for r in refusals if _key(r) not in done]
   engine = engine_lib.Engine(
       mc, params, kv_memory=memory, page_size=page_size, slots=slots,
       temperature=temperature, top_k=top_k, seed=seed,
       eos_ids=tokenizer.eos_ids, kv_cache_dtype=kv_cache_dtype)
-  out_path.parent.mkdir(parents=True, exist_ok=True)
+  check_max_new_tokens(max_new_tokens, mc.max_len, [
+      r.id for r in requests if json.dumps(r.id) in defaulted])
+  if out_path.exists() and kept != out_path.read_text(encoding='utf-8'):
+    rewrite(out_path, kept)  # Errors dropped: they are retried below.
   total = len(requests) + len(refusals)
   if not total:
     print(f'generate: all requests are already in {out}', file=sys.stderr)
     return None
+  out_path.parent.mkdir(parents=True, exist_ok=True)
   with out_path.open('a', encoding='utf-8') as f:
     write = lambda entry: (f.write(json.dumps(entry) + '\n'), f.flush())
     for entry in refusals:
@@ -137,7 +161,20 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
       if time.perf_counter() - last >= progress_every or count == total:
         last = time.perf_counter()
         print(_progress(count, total, engine), file=sys.stderr, flush=True)
+  engine.stats.refused += len(refusals)
   return engine.stats
+
+
+def check_max_new_tokens(max_new_tokens: int, max_len: int, ids: list):
+  """A UserError, before any work, when --max_new_tokens leaves no room in
+  the model's max_len for even a one-token prompt and some requests (ids)
+  take it rather than a "max_new_tokens" of their own."""
+  if ids and max_new_tokens > max_len - 1:
+    raise UserError(
+        f'--max_new_tokens={max_new_tokens} leaves no room for a prompt in '
+        f'model.max_len ({max_len}), so {len(ids)} request(s) taking it '
+        f'(id {json.dumps(ids[0])} first) could never run; give at most '
+        f'{max_len - 1}, or a "max_new_tokens" on their lines')
 
 
 def _entry(result: engine_lib.Result, tokenizer) -> dict:
@@ -170,13 +207,21 @@ def main(argv):
       top_k=f.top_k, seed=f.seed, slots=f.slots, page_size=f.page_size,
       kv_cache_dtype=f.kv_cache_dtype,
       check=lambda mc: sample.check_flags(f, mc.vocab_size))
-  if stats:
-    print(f'generate: {stats.tokens:,} tokens in {stats.seconds:.1f}s '
-          f'({stats.tokens / stats.seconds:,.1f} tokens/s, compiling '
-          f'included), {stats.mean_in_flight:.1f} sequences in flight on '
-          f'average, pool high-water {stats.high_water_pages} of '
-          f'{stats.usable_pages} pages of {stats.page_bytes:,} bytes',
-          file=sys.stderr)
+  return report(stats, f.out) if stats else 0  # app.run's exit status.
+
+
+def report(stats: engine_lib.Stats, out: str) -> int:
+  """Prints the run's summary to stderr; the exit status: 1 when a request
+  was refused (a rerun retries it, once its line or the flags are fixed)."""
+  print(f'generate: {stats.tokens:,} tokens in {stats.seconds:.1f}s '
+        f'({stats.tokens / max(stats.seconds, 1e-9):,.1f} tokens/s, '
+        f'compiling included), {stats.mean_in_flight:.1f} sequences in '
+        f'flight on average, pool high-water {stats.high_water_pages} of '
+        f'{stats.usable_pages} pages of {stats.page_bytes:,} bytes',
+        file=sys.stderr)
+  print(f'generate: {stats.done} done, {stats.refused} refused (see {out})',
+        file=sys.stderr)
+  return 1 if stats.refused else 0
 
 
 def run():

@@ -60,9 +60,11 @@ class Result:
 
 @dataclasses.dataclass
 class Stats:
-  """What a run did: tokens generated, decode steps, busy slots summed
-  over steps (sequences in flight = in_flight / steps), the pool's
-  high-water mark in pages, and its size."""
+  """What a run did: requests done and refused, tokens generated, decode
+  steps, busy slots summed over steps (sequences in flight = in_flight /
+  steps), the pool's high-water mark in pages, and its size."""
+  done: int = 0
+  refused: int = 0
   tokens: int = 0
   steps: int = 0
   in_flight: int = 0
@@ -95,6 +97,10 @@ class Engine:
                kv_memory: int, page_size: int = 16, slots: int = 8,
                temperature: float = 0.0, top_k: int = 0, seed: int = 0,
                eos_ids: tuple[int, ...] = (), kv_cache_dtype=None):
+    if config.kv_lora_rank:  # Its cache holds latents, not K/V pages.
+      raise UserError('train.generate does not serve multi-head latent '
+                      f'attention (model.kv_lora_rank={config.kv_lora_rank})'
+                      ' yet; use train.sample')
     if config.learned_positions:
       raise UserError('this model adds a learned position table, which the '
                       'paged cache does not index per sequence; decode it '
@@ -140,6 +146,7 @@ class Engine:
           refusal = self._refusal(request)
           if refusal:
             waiting.popleft()
+            self.stats.refused += 1
             yield Result(request.id, error=refusal)
             continue
           pages = self.allocator.allocate(self._pages_needed(request))
@@ -240,6 +247,7 @@ class Engine:
     self.allocator.release(s.pages)
     tokens = s.tokens[:-1] if ended else s.tokens
     self.stats.tokens += len(s.tokens)
+    self.stats.done += 1
     n = len(s.tokens)
     return Result(s.request.id, tokens,
                   time_to_first_token_s=s.first_at - s.arrival,

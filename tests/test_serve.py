@@ -133,6 +133,59 @@ def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
   assert mixed[0] != mixed[2]  # Keys differ per request.
 
 
+def test_an_mla_model_is_refused_in_one_line():
+  mc = _config(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4)
+  with pytest.raises(UserError, match=r'^train.generate does not serve '
+                     r'multi-head latent attention \(model.kv_lora_rank=8\) '
+                     'yet; use train.sample$'):
+    engine.Engine(mc, None, kv_memory=2**20)  # On the config, before params.
+
+
+def test_a_rerun_keeps_results_and_retries_errors_and_a_cut_short_line(
+    tmp_path):
+  out = tmp_path / 'out.jsonl'
+  results = [{'id': 'a', 'text': 'x', 'tokens': [120]},
+             {'id': 7, 'text': '', 'tokens': []}]
+  _write_lines(out, [results[0], {'id': 'b', 'error': 'empty prompt; ...'},
+                     {'id': None, 'line': 3, 'error': 'line 3: not JSON'},
+                     results[1]])
+  out.write_text(out.read_text() + '{"id": "c", "te')  # Killed mid-write.
+  kept, done = cli.read_out(out)
+  assert done == {'"a"', '7'}  # 'b', line 3 and 'c' are run again.
+  cli.rewrite(out, kept)
+  assert [json.loads(line) for line in out.read_text().splitlines()] == (
+      results)
+  assert [p.name for p in tmp_path.iterdir()] == ['out.jsonl']
+
+
+class _Bytes:
+  encode = staticmethod(lambda text: np.frombuffer(text.encode(), np.uint8))
+
+
+def test_a_max_new_tokens_leaving_no_room_is_one_line_unless_lines_give_theirs(
+    tmp_path):
+  prompts = tmp_path / 'prompts.jsonl'
+  _write_lines(prompts, [{'id': 'own', 'prompt': 'ab', 'max_new_tokens': 4},
+                         {'id': 'flag', 'prompt': 'c'}])
+  requests, _, defaulted = cli.read_prompts(prompts, _Bytes, 32)
+  assert [r.max_new_tokens for r in requests] == [4, 32]
+  assert defaulted == {'"flag"'}
+  with pytest.raises(UserError, match=r'^--max_new_tokens=32 leaves no room '
+                     r'for a prompt in model.max_len \(32\), so 1 request'):
+    cli.check_max_new_tokens(32, 32, ['flag'])
+  cli.check_max_new_tokens(31, 32, ['flag'])  # A one-token prompt fits.
+  cli.check_max_new_tokens(32, 32, [])  # Every line gives its own.
+
+
+def test_the_summary_counts_refusals_and_exits_1_when_any(capsys):
+  stats = engine.Stats(done=4, refused=2, tokens=40, steps=10, in_flight=20,
+                       seconds=2.0)
+  assert cli.report(stats, 'out.jsonl') == 1
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      'generate: 4 done, 2 refused (see out.jsonl)')
+  assert cli.report(dataclasses.replace(stats, refused=0), 'out.jsonl') == 0
+
+
 def _write_lines(path, lines):
   path.write_text(''.join(
       (line if isinstance(line, str) else json.dumps(line)) + '\n'
@@ -158,6 +211,7 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   by_key = {(e['id'], e.get('line')): e for e in lines}
   assert len(lines) == 7 and stats.high_water_pages <= 3
+  assert (stats.done, stats.refused) == (2, 5)
   assert by_key[(None, 2)]['error'].startswith('line 2: not JSON')
   assert by_key[(None, 5)]['error'].startswith('line 5: id "a" appears')
   assert by_key[('empty', None)]['error'].startswith('empty prompt')
@@ -168,15 +222,32 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
     assert by_key[(key, None)]['tokens'] == expected
     assert by_key[(key, None)]['text'] == bytes(expected).decode()
   assert all('\n' not in e.get('error', '') for e in lines)
-  # A rerun into the same OUT has nothing left to do; a cut-short last line
-  # (a kill mid-write) is redone.
-  assert run() is None and len(out.read_text().splitlines()) == 7
-  out.write_text(out.read_text()[:-5])
-  run()
-  again = [json.loads(line) for line in out.read_text().splitlines()]
+  # A rerun into the same OUT retries only the refused (refused again, their
+  # lines replaced, not repeated); a cut-short last line (a kill mid-write)
+  # is redone.
   fields = lambda e: str([e['id'], e.get('line'), e.get('tokens'),
                           e.get('error')])
-  assert sorted(map(fields, again)) == sorted(map(fields, lines))
+  read = lambda: sorted(map(fields, map(json.loads,
+                                        out.read_text().splitlines())))
+  stats = run()
+  assert (stats.done, stats.refused) == (0, 5)
+  assert read() == sorted(map(fields, lines))
+  out.write_text(out.read_text()[:-5])
+  run()
+  assert read() == sorted(map(fields, lines))
+  # Once its line is fixed, a refused request is served and its error gone.
+  text = prompts.read_text().replace('"prompt": ""', '"prompt": "def "')
+  prompts.write_text(text)
+  stats = run()
+  assert (stats.done, stats.refused) == (1, 4)
+  fixed = {e['id']: e for e in map(json.loads, out.read_text().splitlines())}
+  assert len(out.read_text().splitlines()) == 7
+  assert fixed['empty']['tokens'] == by_key[('a', None)]['tokens']
+  # --max_new_tokens leaving no room for a prompt: one line before any work.
+  with pytest.raises(UserError, match='^--max_new_tokens=32 leaves no room'):
+    cli.generate_file(str(trained), str(prompts), str(out), kv_memory=memory,
+                      max_new_tokens=32)
+  assert len(out.read_text().splitlines()) == 7
 
 
 @pytest.mark.slow
