@@ -618,7 +618,10 @@ def write(out: pathlib.Path, results: dict):
       '# Uptraining MHA to GQA/MQA (Ainslie et al. 2023): claims as the '
       'paper states them, with controls', '',
       f'Made by `{prov["command"]}` at commit {prov["commit"]} (--out '
-      f'{prov["out"]}). LM source {plan["steps"]} steps; targets K = '
+      f'{prov["out"]})' + (
+          f'; statistics and reading rebuilt by `{prov["rebuilt"]["command"]}`'
+          f' at commit {prov["rebuilt"]["commit"]}' if 'rebuilt' in prov
+          else '') + f'. LM source {plan["steps"]} steps; targets K = '
       f'{", ".join(map(str, plan["kv_heads"]))}; seeds '
       f'{", ".join(map(str, plan["seeds"]))}; uptraining evaluated at α = '
       + ', '.join(f'{s / plan["steps"]:g}' for s in plan['alpha_steps'])

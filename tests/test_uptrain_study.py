@@ -230,3 +230,20 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   assert json.loads((out / 'results.json').read_text())['lm']['runs'] == \
       lm['runs']
   assert 'from scratch' in again.stdout
+
+
+@pytest.mark.slow  # The plots: about 3 s.
+def test_report_only_rebuilds_the_reading_from_saved_results(tmp_path,
+                                                             monkeypatch):
+  results = _results(UP, noise=0.0005)
+  results['summary'] = {'stale': True}
+  (tmp_path / 'results.json').write_text(json.dumps(results))
+  monkeypatch.setattr(sys, 'argv', ['uptrain_study', f'--out={tmp_path}',
+                                    '--report_only'])
+  uptrain_study.main()  # Nothing to train: it would fail on made-up runs.
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  assert 'stale' not in saved['summary'] and saved['summary']['compute']
+  assert saved['provenance']['commit'] == 'abc1234'  # Who trained them.
+  assert saved['provenance']['rebuilt']['command'].endswith('--report_only')
+  text = (tmp_path / 'report.md').read_text()
+  assert 'at commit abc1234' in text and 'rebuilt by `python -m' in text
