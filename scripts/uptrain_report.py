@@ -452,7 +452,8 @@ def _median(c: dict, budget: str) -> str:
     return ''
   median = (f'> {budget}' if math.isinf(c['median']) else
             f'{c["median"]:.0f} steps')
-  return f' (median {median}, — counted beyond the budget; each: ' + ', '.join(
+  censored = ', — counted beyond the budget' if c['k'] < len(c['steps']) else ''
+  return f' (median {median}{censored}; each: ' + ', '.join(
       '—' if s is None else str(s) for s in c['steps']) + ')'
 
 

@@ -158,6 +158,8 @@ def test_claim_2_tells_unresolved_from_contradicted():
 def test_recall_median_counts_censored_seeds_beyond_every_observed_one():
   assert uptrain_report.censored_median([500, None, 575]) == 575
   assert uptrain_report.censored_median([500, None, None]) == math.inf
+  assert uptrain_report._median({'k': 3, 'median': 6.0, 'steps': [5, 6, 7]},
+                                '192 steps') == ' (median 6 steps; each: 5, 6, 7)'
   assert uptrain_report._median({'k': 1, 'median': math.inf,
                                  'steps': [500, None, None]},
                                 '192 steps').startswith(' (median > 192 steps')
