@@ -406,9 +406,8 @@ def frontier(pts: list[dict]) -> list[str]:
 
 
 def _ci(d: dict, fmt: str = '+.4f') -> str:
-  if d['n'] < 2:
-    return f'{d["mean"]:{fmt}} (1 seed)'
-  return f'{d["mean"]:{fmt}} [{d["low"]:{fmt}}, {d["high"]:{fmt}}]'
+  return format(stats.Estimate(d['mean'], d['sd'], d['n'], d['low'],
+                              d['high']), fmt)
 
 
 def _sd(values, fmt='.4f') -> str:

@@ -290,6 +290,9 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
   assert ('K2_LLGG_share2 − K1_LLGG_share1: the interval allows differences '
           'up to 0.') in report and 'with 80% power' in report
   assert 'likely below' not in report and 'ties' not in report
+  # A difference equal on every seed has no interval, not [-inf, +inf].
+  assert kv_frontier._ci(stats.paired([0.5] * 3, [0.5] * 3).as_dict()) == \
+      '+0.0000 (deterministic: equal on all 3 seeds)'
 
 
 def test_kv_frontier_refuses_unequal_bytes_as_an_equal_bytes_pair():
