@@ -65,7 +65,7 @@ def scratch_seeds(lm: dict, K: int) -> list[int]:
 
 def equivalent_steps(loss: float, steps, mean_curve, start_loss: float
                      ) -> float:
-  """The steps a (seed-mean) scratch curve needs to reach `loss`; inf when
+  """The steps a scratch curve (one seed's) needs to reach `loss`; inf when
   it never does (censored), interpolated linearly on its running minimum,
   with (0, start_loss) prepended."""
   x = np.concatenate([[0.0], np.asarray(steps, float)])
@@ -480,9 +480,9 @@ def tables(results: dict, summ: dict) -> list[str]:
     for name, est in summ['ranking_by_alpha'][K].items():
       lines.append(f'| {name.replace("-", " − ")} | ' + ' | '.join(
           _f(e) for e in est) + ' |')
-    lines += ['', f'Scratch-equivalent steps of mean-pooled K = {K} (seed-mean '
-              'K-from-scratch curve) and the cost advantage E / uptraining '
-              'steps:', '', '| α (steps) | E per seed | E | advantage | ρ |',
+    lines += ['', f'Scratch-equivalent steps of mean-pooled K = {K} (each '
+              'seed on its own K-from-scratch curve) and the cost advantage '
+              'E / uptraining steps:', '', '| α (steps) | E per seed | E | advantage | ρ |',
               '|---|---|---|---|---|']
     for r in summ['compute'][K]:
       lines.append(f'| {r["alpha_steps"] / S:g} ({r["alpha_steps"]}) | '
