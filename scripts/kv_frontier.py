@@ -29,7 +29,8 @@ against all-global; the equal-bytes pairs (GQA-2 with CLA2 against MQA, in
 each pattern); the main effects of the pattern, of kv_share and of K over
 the grid, Holm-corrected as one family; int8 against float for every model.
 A point is on the frontier when its NLL is resolved lower (paired interval)
-than that of every point with fewer bytes: no point is there by noise.
+than that of every point with fewer bytes: no point is there by noise. The
+negative control is a control, not a design: it is left out of the frontier.
 
 Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
 DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
@@ -308,8 +309,12 @@ def analyse(models: list[dict]) -> dict:
   int8 against float per model, and the frontier."""
   by = {(m['num_kv_heads'], m['attention_pattern'], m['kv_share']): m
         for m in models}
+  # The negative control is not a design anyone would choose: it is left
+  # out of the frontier (neither on it nor a point the others must beat).
   out = {'control': None, 'equal_bytes': [], 'main_effects': [], 'int8': [],
-         'frontier': frontier(points(models))}
+         'frontier': frontier(points([m for m in models
+                                      if m['variant'] != CONTROL.name])),
+         'frontier_excludes': CONTROL.name}
   control, reference = (by.get(dataclasses.astuple(v))
                         for v in (CONTROL, REFERENCE))
   if control and reference:
@@ -401,9 +406,8 @@ def frontier(pts: list[dict]) -> list[str]:
 
 
 def _ci(d: dict, fmt: str = '+.4f') -> str:
-  if d['n'] < 2:
-    return f'{d["mean"]:{fmt}} (1 seed)'
-  return f'{d["mean"]:{fmt}} [{d["low"]:{fmt}}, {d["high"]:{fmt}}]'
+  return format(stats.Estimate(d['mean'], d['sd'], d['n'], d['low'],
+                              d['high']), fmt)
 
 
 def _sd(values, fmt='.4f') -> str:
@@ -480,14 +484,18 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
                    f'{d["nll"]["detectable"]:.4f} |')
     lines.append('')
   if a['main_effects']:
+    family = len(a['main_effects'])
     lines += ['**Main effects** (per seed, the mean difference over every '
-              'pair of models differing in that factor alone; Holm over the '
-              'family of NLL effects):', '',
-              '| factor | pairs | ΔNLL | Holm | Δaccuracy | detectable ΔNLL |',
+              'pair of models differing in that factor alone; '
+              + (f'Holm over the family of {family} NLL effects; H0: no '
+                 'effect' if family > 1 else
+                 'a family of 1, uncorrected; H0: no effect') + '):', '',
+              f'| factor | pairs | ΔNLL | {"Holm" if family > 1 else "test"} '
+              '| Δaccuracy | detectable ΔNLL |',
               '|---|---|---|---|---|---|']
     for e in a['main_effects']:
       lines.append(f'| {e["factor"]} | {e["pairs"]} | {_ci(e["nll"])} | '
-                   f'{"rejects 0" if e["holm"] else "-"} | '
+                   f'{"rejects H0" if e["holm"] else "does not reject H0"} | '
                    f'{_ci(e["accuracy"], "+.3f")} | '
                    f'{e["nll"]["detectable"]:.4f} |')
     lines.append('')
@@ -506,8 +514,12 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
                  f'{_ci(e["kl"], ".2e")} | '
                  f'{_ci(e["delta"]["accuracy"], "+.4f")} |')
   on = set(a['frontier'])
+  excluded = a.get('frontier_excludes')
   lines += ['', '**Frontier** (a point whose NLL is resolved lower than every '
-            'point with fewer bytes; ties go to the fewer bytes): '
+            'point with fewer bytes; one not resolved lower than a cheaper '
+            'point is off it' + (
+                f'; the negative control {excluded} is left out, as a '
+                'control, not a design' if excluded else '') + '): '
             + ', '.join(a['frontier']) + '.', '',
             '| model | cache | bytes/token | NLL (mean ± sd) | accuracy | '
             + (f'first query (seeds ≥ {RETRIEVES}) | ' if 'first' in models[0]['seeds']['float']
@@ -542,10 +554,11 @@ def _below_detectable(a: dict) -> list[str]:
   unresolved = [(n, d) for n, d in unresolved if not d['resolved']]
   if not unresolved:
     return []
-  return ['Not resolved on NLL (any true difference is likely below what '
-          'these seeds detect; not claimed either way): ' + '; '.join(
-              f'{n} (detectable {d["detectable"]:.4f})'
-              for n, d in unresolved) + '.', '']
+  return ['Not resolved on NLL (not claimed either way): ' + '; '.join(
+      f'{n}: the interval allows differences up to '
+      f'{max(abs(d["low"]), abs(d["high"])):.4f}; these seeds detect '
+      f'{d["detectable"]:.4f} with 80% power' for n, d in unresolved)
+          + '.', '']
 
 
 def plot(result: dict, path: pathlib.Path):

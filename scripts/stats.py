@@ -6,7 +6,9 @@ their initialisation and data order, so a comparison is made on the per-seed
 differences (`paired`), not on two means; its t interval and the smallest
 difference the seeds could detect (`detectable`) come from the same sd. A
 ratio of two paired arms (a speedup, a fraction recovered) gets a paired
-bootstrap interval (`ratio`). A family of comparisons read together is
+bootstrap interval (`ratio`). Per-seed values that are all equal (a
+quantity the seeds do not vary, such as a conversion of one source) are one
+measurement, not a replicated one: no interval, never resolved. A family of comparisons read together is
 corrected with Holm's method (`holm`).
 """
 
@@ -26,11 +28,14 @@ LEVEL = 0.95  # Two-sided confidence of every interval.
 POWER = 0.8  # The power `detectable` is computed at.
 CONVENTION = (
     'Dispersion is the sd over seeds (n - 1 in the denominator); every '
-    'interval is a two-sided 95% t interval of a mean over seeds, and a '
+    'interval is a two-sided 95% t interval of a mean over seeds (a ratio\'s '
+    'is a percentile bootstrap over seeds), and a '
     'difference between two arms is the mean of their per-seed differences '
     '(same seeds, same initialisation and data order). "Detectable" is the '
     'smallest paired difference the seeds run would find with 80% power at '
-    'the 5% level; nothing smaller is claimed.')
+    'the 5% level; nothing smaller is claimed. A value equal on every seed '
+    '(the seeds do not vary it) is "deterministic": one measurement, no '
+    'interval, not a replicated result.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +48,16 @@ class Estimate:
   high: float
 
   @property
+  def deterministic(self) -> bool:
+    """Whether every seed gave the same value: nothing was replicated."""
+    return self.n > 1 and self.sd == 0
+
+  @property
   def resolved(self) -> bool:
-    """Whether the interval excludes 0 (for a difference: a sign is known)."""
-    return self.n > 1 and (self.low > 0 or self.high < 0)
+    """Whether the interval excludes 0 (for a difference: a sign is known);
+    never for one seed or a deterministic value (no interval)."""
+    return (self.n > 1 and not self.deterministic
+            and (self.low > 0 or self.high < 0))
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -54,6 +66,8 @@ class Estimate:
     spec = spec or '.4f'
     if self.n < 2:
       return f'{self.mean:{spec}} (1 seed)'
+    if self.deterministic:
+      return f'{self.mean:{spec}} (deterministic: equal on all {self.n} seeds)'
     return f'{self.mean:{spec}} [{self.low:{spec}}, {self.high:{spec}}]'
 
 
@@ -65,7 +79,8 @@ def t_quantile(n: int, level: float = LEVEL) -> float:
 
 
 def mean(values: Sequence[float]) -> Estimate:
-  """Mean over seeds with its sd and t interval (infinite for one seed)."""
+  """Mean over seeds with its sd and t interval (infinite for one seed, and
+  for values equal on every seed: sd 0, one measurement, no interval)."""
   x = np.asarray(values, np.float64)
   if x.ndim != 1 or not len(x):
     raise ValueError(f'expected a non-empty list of per-seed values, got {x!r}')
@@ -74,6 +89,8 @@ def mean(values: Sequence[float]) -> Estimate:
   m = float(x.mean())
   if len(x) < 2:
     return Estimate(m, math.nan, 1, -math.inf, math.inf)
+  if np.all(x == x[0]):  # Not x.std(): rounding can leave it at 1e-17.
+    return Estimate(float(x[0]), 0.0, len(x), -math.inf, math.inf)
   sd = float(x.std(ddof=1))
   half = t_quantile(len(x)) * sd / math.sqrt(len(x))
   return Estimate(m, sd, len(x), m - half, m + half)
@@ -92,20 +109,21 @@ def detectable(sd: float, n: int, *, level: float = LEVEL,
                power: float = POWER) -> float:
   """The smallest true mean difference a paired t test over n seeds, with
   per-seed differences of spread `sd`, detects with `power` at 1 - `level`:
-  (t_{1-a/2} + t_{power}) sd / sqrt(n). Infinite below 2 seeds."""
-  if n < 2 or not math.isfinite(sd):
+  (t_{1-a/2} + t_{power}) sd / sqrt(n). Infinite below 2 seeds, and for sd
+  0 (deterministic values: the seeds replicated nothing)."""
+  if n < 2 or not math.isfinite(sd) or sd == 0:
     return math.inf
   t_power = float(scipy_stats.t.ppf(power, n - 1))
   return (t_quantile(n, level) + t_power) * sd / math.sqrt(n)
 
 
 def p_value(values: Sequence[float]) -> float:
-  """Two-sided p of a one-sample t test that the mean is 0 (paired diffs)."""
+  """Two-sided p of a one-sample t test that the mean is 0 (paired diffs);
+  1 for one seed or values equal on every seed (deterministic: a
+  difference, if nonzero, measured once, and no test of it)."""
   x = np.asarray(values, np.float64)
-  if len(x) < 2:
+  if len(x) < 2 or np.all(x == x[0]):
     return 1.0
-  if np.all(x == x[0]):
-    return 0.0 if x[0] else 1.0
   return float(scipy_stats.ttest_1samp(x, 0.0).pvalue)
 
 

@@ -280,7 +280,8 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
 
 def main():
   parser = study.parser(
-      __doc__, config='uptrain_source', helps=dict(
+      __doc__, config='uptrain_source', report_only='results.json in --out',
+      helps=dict(
           config="the LM source's config (K is set to its N)",
           steps="LM source steps (default: the config's; --quick: a "
                 'quarter)',
@@ -292,6 +293,18 @@ def main():
                       help="its steps (default: the config's)")
   args = parser.parse_args()
   check_output_dir(args.out)
+  if args.report_only:
+    # The per-seed results as trained; the statistics and the reading as
+    # this commit computes them (the provenance says which did which).
+    out = pathlib.Path(args.out)
+    results = study.saved(out / 'results.json')
+    now = stats.provenance('scripts.uptrain_study', out)
+    results['provenance'].update(statistics=now['statistics'], rebuilt={
+        'command': now['command'], 'commit': now['commit']})
+    results['summary'] = uptrain_report.summary(results)
+    (out / 'results.json').write_text(json.dumps(results, indent=1))
+    uptrain_report.write(out, results)
+    return
   config = source_config(args.config, args.steps)
   if args.quick and not args.steps:
     config = source_config(args.config, config.train.steps // 4)

@@ -261,12 +261,14 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
   (pattern,) = [e for e in analysis['main_effects']
                 if e['factor'] == 'LLGG vs G']
   assert pattern['pairs'] == 2
-  # The frontier: the cheapest point (the control, int8 at 9 bytes), then
-  # only points resolved better than every cheaper one: not MQA at 128
-  # bytes (K2_G_share2 int8 has fewer and is resolved better), nor a float
-  # cache whose int8 ties it.
+  # The frontier: the negative control (all-local, the cheapest) is left
+  # out; then only points resolved better than every cheaper one: not MQA
+  # at 128 bytes (K2_G_share2 int8 has fewer and is resolved better), nor a
+  # float cache not resolved better than its int8.
   frontier = analysis['frontier']
-  assert frontier[0] == 'K1_L_share1 int8'
+  assert analysis['frontier_excludes'] == 'K1_L_share1'
+  assert not any(name.startswith('K1_L_share1') for name in frontier)
+  assert frontier[0] == 'K1_LLGG_share1 int8'
   assert 'K2_G_share2 float' not in frontier  # Not better than its int8.
   assert 'K1_G_share1 float' not in frontier
   report = kv_frontier.report(dict(
@@ -280,6 +282,17 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
       in report
   assert 'the setup sees attention' in report
   assert '| K2_G_share2 − K1_G_share1 | 128 | -0.1000 [' in report
+  assert 'the negative control K1_L_share1 is left out' in report
+  # A family of one effect is not Holm-corrected, and says so.
+  assert 'a family of 1, uncorrected' in report and '| rejects H0 |' in report
+  # An unresolved pair: what its interval allows and what the seeds detect,
+  # not "any true difference is likely below".
+  assert ('K2_LLGG_share2 − K1_LLGG_share1: the interval allows differences '
+          'up to 0.') in report and 'with 80% power' in report
+  assert 'likely below' not in report and 'ties' not in report
+  # A difference equal on every seed has no interval, not [-inf, +inf].
+  assert kv_frontier._ci(stats.paired([0.5] * 3, [0.5] * 3).as_dict()) == \
+      '+0.0000 (deterministic: equal on all 3 seeds)'
 
 
 def test_kv_frontier_refuses_unequal_bytes_as_an_equal_bytes_pair():

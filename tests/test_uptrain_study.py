@@ -95,13 +95,15 @@ def test_summary_maps_uptrained_losses_to_scratch_steps_and_judges_claims():
   # Claim 2: mean < first and first < random, both resolved after Holm.
   assert [c['holm'] for c in summ['ranking']] == [True, True]
   assert summ['ranking'][0]['mean'] == pytest.approx(-0.05, abs=0.003)
+  assert uptrain_report._ranking_verdict(summ['ranking'], 1) == 'reproduced'
   # The gate: drift 0.002 at the last alpha, floor 0.008, below every
-  # claimed effect (0.01, 0.05, 0.2).
+  # effect it applies to (the gap 0.01, claim 1's 1.0).
   assert summ['gate']['floor'] == pytest.approx(0.008, abs=0.004)
   assert summ['gate']['passes']
-  # Claim 1: 1.0 nats above the control at 0.05: not near MHA.
+  # Claim 1: 1.0 nats above the control at 0.05: the interval excludes the
+  # paper's margin.
   assert uptrain_report._near_verdict(summ['near'][1], 2, 0.02) == \
-      'not reproduced'
+      'contradicted'
   assert summ['recall']['arms']['mean_K1']['k'] == 2
   assert summ['recall']['scratch'][1]['median'] == 602
 
@@ -110,11 +112,12 @@ def test_the_gate_fails_when_the_control_drifts_by_a_claimed_effect():
   drifting = {**UP, 'identity': lambda s: SOURCE + 0.02 * s / 16}
   summ = uptrain_report.summary(_results(drifting, noise=0.0005))
   assert not summ['gate']['passes']
+  # Only effects against the source or control: an arm-vs-arm difference
+  # (mean - first, 0.05 < the floor 0.08) cancels the shared drift.
   assert [name for name, _ in summ['gate']['below']] == [
-      'K=1: mean - first', 'K=1 - MHA from scratch']
-  assert uptrain_report._ranking_verdict(summ['ranking'], 1,
-                                         summ['gate']['floor']) == \
-      'partly reproduced'
+      'K=1 - MHA from scratch']
+  assert uptrain_report._ranking_verdict(summ['ranking'], 1) == 'reproduced'
+  assert 'not to arm-vs-arm differences' in uptrain_report.GATE_RULE
 
 
 def test_near_mha_and_the_optimizer_start_are_read_with_their_intervals():
@@ -125,11 +128,59 @@ def test_near_mha_and_the_optimizer_start_are_read_with_their_intervals():
       'reproduced'
   assert all(c['holm'] and c['mean'] == pytest.approx(-0.03, abs=0.003)
              for c in summ['start'])
-  assert uptrain_report._start_recommendation(summ['start'], 0.0).startswith(
+  assert uptrain_report._start_recommendation(summ['start']).startswith(
       '**pooled** Adam wins')
   noisy = uptrain_report.summary(_results(near, noise=0.05))
-  assert uptrain_report._start_recommendation(noisy['start'], 0.0) \
-      .startswith('no resolved difference')
+  recommendation = uptrain_report._start_recommendation(noisy['start'])
+  assert recommendation.startswith('not resolved after Holm (mean K=1: '
+                                   'detectable 0.') and 'not as the better' \
+      in recommendation
+  # Claim 1 with an interval straddling the margin: not resolved, not
+  # "not reproduced"; the detectable difference is printed.
+  assert uptrain_report._near_verdict(noisy['near'][1], 2, 0.02).startswith(
+      'not resolved (detectable 0.')
+
+
+def test_claim_2_tells_unresolved_from_contradicted():
+  # mean - first: +0.0043 [-0.0175, +0.0261] (unresolved); first - random
+  # resolved negative.
+  family = [{'K': 1, 'better': 'mean', 'worse': 'first', 'holm': False,
+             'mean': 0.0043, 'detectable': 0.0213},
+            {'K': 1, 'better': 'first', 'worse': 'random', 'holm': True,
+             'mean': -0.11, 'detectable': 0.02}]
+  assert uptrain_report._ranking_verdict(family, 1) == (
+      'not resolved (mean < first: not resolved, detectable 0.0213 nats; '
+      'first < random: reproduced)')
+  family[0]['holm'] = True  # Resolved the other way: first beats mean.
+  assert uptrain_report._ranking_verdict(family, 1).startswith('contradicted')
+
+
+def test_recall_median_counts_censored_seeds_beyond_every_observed_one():
+  assert uptrain_report.censored_median([500, None, 575]) == 575
+  assert uptrain_report.censored_median([500, None, None]) == math.inf
+  assert uptrain_report._median({'k': 3, 'median': 6.0, 'steps': [5, 6, 7]},
+                                '192 steps') == ' (median 6 steps; each: 5, 6, 7)'
+  assert uptrain_report._median({'k': 1, 'median': math.inf,
+                                 'steps': [500, None, None]},
+                                '192 steps').startswith(' (median > 192 steps')
+
+
+def test_claim_3_reads_each_seed_on_its_own_scratch_curve():
+  results = _results(UP)  # Every seed's uptrained loss is 3.0.
+  summ = uptrain_report.summary(results)
+  # Seed s's K = 1 scratch curve is 5.01 + 0.001 (s - 2) - step / 30: on
+  # the seed-mean curve every seed would read 60.3.
+  E = summ['compute'][1][2]['E']
+  np.testing.assert_allclose(E, [30 * (5.01 + 0.001 * (s - 2) - 3.0)
+                                 for s in (1, 2, 3)], atol=1e-6)
+  assert summ['compute_unpaired'][1] == []
+  # A seed without a scratch run falls back to the seed-mean curve, named.
+  results['lm']['scratch'] = [r for r in results['lm']['scratch']
+                              if r['seed'] != 3]
+  summ = uptrain_report.summary(results)
+  assert summ['compute_unpaired'][1] == [3]
+  lines = '\n'.join(uptrain_report.reading(results, summ))
+  assert 'seeds 3 have no scratch run' in lines
 
 
 @pytest.mark.slow  # The plots: about 3 s.
@@ -140,7 +191,8 @@ def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
          'abc1234' in text
   assert 'Claim 3, K = 1 (the marginal cost' in text and \
          'reproduced.** After 4 uptraining steps' in text
-  assert 'mean K1: 2 of 3 (median 10 steps; each: 10, 10, —)' in text
+  assert 'mean K1: 2 of 3 (median 10 steps, — counted beyond the budget; ' \
+         'each: 10, 10, —)' in text
   assert '**Control gate**' in text and 'It **passes**' in text
   for plot in ('curves.png', 'compute.png', 'recall.png'):
     assert (tmp_path / plot).stat().st_size > 10_000
@@ -180,3 +232,20 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   assert json.loads((out / 'results.json').read_text())['lm']['runs'] == \
       lm['runs']
   assert 'from scratch' in again.stdout
+
+
+@pytest.mark.slow  # The plots: about 3 s.
+def test_report_only_rebuilds_the_reading_from_saved_results(tmp_path,
+                                                             monkeypatch):
+  results = _results(UP, noise=0.0005)
+  results['summary'] = {'stale': True}
+  (tmp_path / 'results.json').write_text(json.dumps(results))
+  monkeypatch.setattr(sys, 'argv', ['uptrain_study', f'--out={tmp_path}',
+                                    '--report_only'])
+  uptrain_study.main()  # Nothing to train: it would fail on made-up runs.
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  assert 'stale' not in saved['summary'] and saved['summary']['compute']
+  assert saved['provenance']['commit'] == 'abc1234'  # Who trained them.
+  assert saved['provenance']['rebuilt']['command'].endswith('--report_only')
+  text = (tmp_path / 'report.md').read_text()
+  assert 'at commit abc1234' in text and 'rebuilt by `python -m' in text
