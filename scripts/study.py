@@ -72,25 +72,43 @@ def differences(old, new) -> list[str]:
           if key not in CANNOT_CHANGE_RESULTS and a.get(key) != b.get(key)]
 
 
+# Beside each run, the settings the study asked it to train with, written
+# before its first step: train.main's resume takes schedule, data and seed
+# changes (config_lib.RESUME_MAY_CHANGE), so an interrupted run's own
+# config.json cannot say whether it was started by this study's settings.
+REQUESTED = 'study_config.json'
+
+
+def _refuse_if_changed(recorded: pathlib.Path, config, workdir: pathlib.Path,
+                       what: str, consequence: str):
+  changed = differences(config_lib.from_json(recorded), config)
+  if changed:
+    shown = '; '.join(changed[:5]) + (
+        f'; and {len(changed) - 5} more' if len(changed) > 5 else '')
+    raise UserError(f'{workdir} holds {what} with other settings ({shown})'
+                    f'{consequence}; give another --out, or delete {workdir} '
+                    'to train it again')
+
+
 def check_reusable(config, workdir: pathlib.Path):
   """Refuses, in one line, a finished run in WORKDIR (final.json) whose
-  config.json is not `config`: a study reusing it would report its numbers
-  under settings it was not trained with. Call it for every run before any
-  trains, so that a study is refused at its start, not hours in."""
+  config.json is not `config` (a study reusing it would report its numbers
+  under settings it was not trained with), and an interrupted one that this
+  or another study started with other settings (resuming it would mix the
+  two). Call it for every run before any trains, so that a study is refused
+  at its start, not hours in."""
   if not (workdir / 'final.json').exists():
-    return  # Nothing finished: trained (or resumed) as asked.
+    if (workdir / REQUESTED).exists():
+      _refuse_if_changed(workdir / REQUESTED, config, workdir,
+                         'an interrupted run', ', and resuming it would mix '
+                         'the two')
+    return  # Nothing started, or started as asked: trained (or resumed).
   written = workdir / 'config.json'
   if not written.exists():
     raise UserError(f'{workdir} holds a finished run without its config.json, '
                     'so its settings are unknown; give another --out, or '
                     f'delete {workdir} to train it again')
-  changed = differences(config_lib.from_json(written), config)
-  if changed:
-    shown = '; '.join(changed[:5]) + (
-        f'; and {len(changed) - 5} more' if len(changed) > 5 else '')
-    raise UserError(f'{workdir} holds a finished run with other settings '
-                    f'({shown}); give another --out, or delete {workdir} to '
-                    'train it again')
+  _refuse_if_changed(written, config, workdir, 'a finished run', '')
 
 
 def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
@@ -103,6 +121,12 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
   final = workdir / 'final.json'
   if final.exists():
     return json.loads(final.read_text())
+  workdir.mkdir(parents=True, exist_ok=True)
+  requested = workdir / REQUESTED
+  if not requested.exists():
+    partial = requested.with_suffix('.partial')
+    partial.write_text(config.to_json(indent=2))
+    partial.replace(requested)
   log.parent.mkdir(parents=True, exist_ok=True)
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):

@@ -62,6 +62,41 @@ def test_a_finished_run_without_its_config_is_refused(trained, tmp_path):
     study.check_reusable(tiny.get_config(), copy)
 
 
+@pytest.mark.slow
+def test_an_interrupted_run_resumes_only_under_the_settings_it_started_with(
+    tmp_path):
+  """train.main's resume takes other steps, rates and data
+  (config_lib.RESUME_MAY_CHANGE), so a study rerun with other settings over
+  an interrupted run would have resumed it and reported a mix of the two:
+  study.train records the settings it asked for (study.REQUESTED) before
+  the first step, and a rerun under others is refused with nothing
+  touched."""
+  config = tiny.get_config()
+  config.train.update(steps=4, eval_every=4, checkpoint_every=2)
+  workdir, log = tmp_path / 'run', tmp_path / 'log.txt'
+  study.train(config, workdir, log)
+  assert study.differences(
+      config_lib.from_json(workdir / study.REQUESTED), config) == []
+  # As if stopped after its step-2 save.
+  (workdir / 'final.json').unlink()
+  shutil.rmtree(workdir / 'checkpoints' / '4')
+  before = _snapshot(workdir)
+  other = tiny.get_config()
+  other.train.update(steps=6, eval_every=4, checkpoint_every=2,
+                     learning_rate=3e-3)
+  with pytest.raises(UserError) as e:
+    study.train(other, workdir, log)
+  message = str(e.value)
+  assert '\n' not in message and str(workdir) in message
+  assert ('holds an interrupted run with other settings (train.learning_rate '
+          '0.01 -> 0.003; train.steps 4 -> 6)') in message
+  assert 'mix the two' in message and f'delete {workdir}' in message
+  assert _snapshot(workdir) == before
+  # Under the settings it started with, it resumes and finishes.
+  assert 'eval_loss' in study.train(config, workdir, log)
+  assert (workdir / 'final.json').exists()
+
+
 def test_compare_out_that_is_a_file_is_named_as_out(tmp_path, monkeypatch):
   """It was refused as an internal --workdir=OUT/K8_s0."""
   path = tmp_path / 'results.txt'
