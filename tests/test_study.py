@@ -97,6 +97,24 @@ def test_an_interrupted_run_resumes_only_under_the_settings_it_started_with(
   assert (workdir / 'final.json').exists()
 
 
+@pytest.mark.slow
+def test_a_run_stopped_between_its_last_save_and_final_json_gets_its_record(
+    trained, tmp_path, capsys):
+  """A rerun found the last checkpoint, said "nothing to do" and returned
+  {}: a study then read no held-out loss from a finished run. Now the last
+  checkpoint is evaluated and final.json written, with the numbers the run
+  logged at that step."""
+  copy = tmp_path / 'run'
+  shutil.copytree(trained, copy)
+  record = json.loads((copy / 'final.json').read_text())
+  (copy / 'final.json').unlink()
+  again = study.train(tiny.get_config(), copy, tmp_path / 'log.txt')
+  for key in ('eval_loss', 'eval_accuracy', 'kv_bytes_per_token'):
+    assert again[key] == pytest.approx(record[key], rel=1e-6), key
+  assert json.loads((copy / 'final.json').read_text()) == again
+  assert 'final.json was never written' in (tmp_path / 'log.txt').read_text()
+
+
 def test_compare_out_that_is_a_file_is_named_as_out(tmp_path, monkeypatch):
   """It was refused as an internal --workdir=OUT/K8_s0."""
   path = tmp_path / 'results.txt'
