@@ -246,7 +246,8 @@ def _kernel_attention(options: layer.Options, q_BTNH, pages: Pages, pos_BT,
                       page_table_BM):
   """`attend` by JAX's Pallas paged-attention kernel (T = 1, global, float
   pages). It maps query head n to KV head n // G, our order, and attends to
-  positions < length: a slot's own position + 1."""
+  positions < length: a slot's own position + 1. Megacore is left off: the
+  kernel may hang when it is set on a chip without it."""
   B, T, N, H = q_BTNH.shape
   M, p = page_table_BM.shape[1], pages.value.shape[2]
   # The kernel does not scale; scaling q first scales the logits exactly as

@@ -120,8 +120,12 @@ def test_the_serving_step_lowers_for_tpu_with_the_paged_kernel_and_for_cuda(
   # The kernel reads the pool in place: a layer it serves gathers nothing;
   # one it does not gathers its keys and values.
   assert _page_gathers(tpu, M) == 2 * gathering
+  # Nor is the pool transposed, broadcast or converted for it.
+  pool_size = pool['layers_0']['attention']['cached_value'].size
+  assert bool(hlo.big_shapes(tpu, pool_size)) == (gathering > 0)
   cuda = hlo.lowered(step, *args, platform='cuda')
   assert KERNEL not in cuda and _page_gathers(cuda, M) >= 2  # The control.
+  assert hlo.big_shapes(cuda, pool_size)  # The gathered pages, transposed.
 
 
 @pytest.mark.slow
