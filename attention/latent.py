@@ -259,7 +259,7 @@ def expand(key_up_ANI, value_up_ANU, c_BSA, k_BSY
   full pass attends to, and what decoding never builds."""
   A, N, I = key_up_ANI.shape
   B, S, _ = c_BSA.shape
-  c_XA = c_BSA.reshape(B * S, A)  # Plain 2-D matmuls (see layer._project).
+  c_XA = c_BSA.reshape(B * S, A)  # Plain 2-D matmuls (see layer.project).
   k_BSNI = (c_XA @ key_up_ANI.reshape(A, -1)).reshape(B, S, N, I)
   v_BSNU = (c_XA @ value_up_ANU.reshape(A, -1)).reshape(B, S, N, -1)
   k_BSNY = jnp.broadcast_to(k_BSY[:, :, None].astype(k_BSNI.dtype),

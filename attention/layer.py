@@ -233,8 +233,8 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   N, H = options.num_heads, options.head_dim
   B, T, D = x_BTD.shape
   w = {name: p.astype(dtype) for name, p in params.items()}
-  q_BTNH, k_BTKH, v_BTKH = _project(options, params, w, x_BTD.astype(dtype),
-                                    shared is not None)
+  q_BTNH, k_BTKH, v_BTKH = project(options, params, w, x_BTD.astype(dtype),
+                                   shared is not None)
   if shared is not None:
     start = shared.start
   else:
@@ -263,12 +263,16 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   return out_XD.reshape(B, T, D), cache, kv
 
 
-def _project(options: Options, params: dict[str, Array], w: dict[str, Array],
-             x_BTD: Array, shared: bool
-             ) -> tuple[Array, Array | None, Array | None]:
-  """(queries [B, T, N, H], keys and values [B, T, K, H], or None when
-  `shared`), QK-normed if asked; w: the parameters in the compute dtype
-  (the norms' weights are read from `params`, in float32)."""
+def project(options: Options, params: dict[str, Array], w: dict[str, Array],
+            x_BTD: Array, shared: bool
+            ) -> tuple[Array, Array | None, Array | None]:
+  """The layer's input projections of x_BTD [B, T, D]: (queries
+  [B, T, N, H], keys and values [B, T, K, H], or None when `shared`, a
+  layer reading another's K/V), biased and QK-normed as the options say,
+  RoPE not applied (it needs the positions: the caller's). w: the parameters
+  in the compute dtype (the norms' weights are read from `params`, in
+  float32). `apply` and the paged cache's step (`serve.paged`) both call it,
+  so the projections are written once."""
   N, K, H = options.num_heads, options.num_kv_heads, options.head_dim
   B, T, D = x_BTD.shape
   # The projections as plain [X, D] x [D, E·H] matmuls, tokens as one axis
@@ -276,19 +280,19 @@ def _project(options: Options, params: dict[str, Array], w: dict[str, Array],
   # or keep two axes (B and T, or E and H) at about half the speed.
   x_XD = x_BTD.reshape(B * T, D)
 
-  def project(name):
+  def dense(name):
     y_XEH = (x_XD @ w[name].reshape(D, -1)).reshape(B * T, -1, H)
     if options.qkv_bias:
       y_XEH = y_XEH + w[f'{name}_bias']
     return y_XEH.reshape(B, T, -1, H)
 
   if shared:
-    q_BTNH, k_BTKH, v_BTKH = project('query'), None, None
+    q_BTNH, k_BTKH, v_BTKH = dense('query'), None, None
   elif options.fused_qkv:
-    qkv_BTEH = project('qkv')  # E = N + 2K.
+    qkv_BTEH = dense('qkv')  # E = N + 2K.
     q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTEH, [N, N + K], axis=2)
   else:
-    q_BTNH, k_BTKH, v_BTKH = project('query'), project('key'), project('value')
+    q_BTNH, k_BTKH, v_BTKH = dense('query'), dense('key'), dense('value')
   if options.qk_norm:
     q_BTNH = _rms_norm(q_BTNH, params['query_norm'], options)
     if k_BTKH is not None:
