@@ -40,6 +40,23 @@ def _task_manager(tasks: list[str], include_path: str | None,
                       include_path)
 
 
+def require_lm_eval():
+  """Refuses, in one line, a machine without lm_eval (the `eval` extra)."""
+  try:
+    import lm_eval  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise UserError("lm_eval is not installed; pip install -e '.[eval]'"
+                    ) from None
+
+
+def check_tasks(tasks: list[str], include_path: str | None):
+  """Refuses, in one line and before any work, a missing lm_eval or a task
+  name neither lm_eval nor --include_path knows (what `evaluate` would
+  meet only after loading the model)."""
+  require_lm_eval()
+  _task_manager(tasks, include_path)
+
+
 def _check_known(manager, tasks: list[str], include_path: str | None):
   unknown = [t for t in tasks if not manager.match_tasks([t])]
   if unknown:
@@ -118,11 +135,7 @@ def main(argv):
   if f.batch_size < 1 or (f.limit is not None and f.limit < 1):
     raise UserError('--batch_size and --limit must be >= 1')
   check_output_dir(f.out, new=True)
-  try:
-    import lm_eval  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    raise UserError("lm_eval is not installed; pip install -e '.[eval]'"
-                    ) from None
+  require_lm_eval()
   logging.getLogger('lm_eval').setLevel(logging.ERROR)
   write_results(f.workdir, tasks, f.out, include_path=f.include_path,
                 limit=f.limit, batch_size=f.batch_size,
