@@ -2,6 +2,7 @@
 
   python -m scripts.compare --out=out/compare [--quick] [--kv_heads=8,2,1]
       [--seeds=1] [--equal_params] [--steps=N] [--config=gqa_small]
+      [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
 
 Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed}
 (scripts/study.py: a finished run is reused only if it was trained with these
@@ -21,6 +22,10 @@ MHA's parameter count (as Shazeer 2019 did).
 --config=recall runs the recall probe instead (see configs/recall.py); the
 table then adds each variant's first-query accuracy (pure retrieval).
 --report_only rebuilds the report from the runs already in --out.
+--tasks=T1,T2 [--include_path=DIR] [--task_limit=N] also scores each run's
+final checkpoint on lm-evaluation-harness tasks as train.evaluate does
+(scripts/task_scores.py, into OUT/tasks/K{k}_s{seed}, reused on rerun) and
+reports them by seed and paired against MHA (docs/evaluation.md).
 """
 
 from __future__ import annotations

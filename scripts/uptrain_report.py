@@ -524,7 +524,7 @@ def task_arms(lm: dict) -> dict[str, tuple[dict, str]]:
   conversions at each alpha scored, against the identity control; K from
   scratch against MHA."""
   tasks, plan = lm['tasks'], lm['plan']
-  N, S = plan['num_heads'], plan['steps']
+  N = plan['num_heads']
   tables = {}
   for step in sorted({r['step'] for r in tasks['runs']}):
     arms = {}
@@ -533,7 +533,8 @@ def task_arms(lm: dict) -> dict[str, tuple[dict, str]]:
         label = ('identity (control)' if r['method'] == 'identity' else
                  f'{r["method"]} K={r["K"]}')
         arms.setdefault(label, {})[r['seed']] = r['scores']
-    tables[f'uptrained α = {step / S:g} ({step} steps)'] = (
+    alpha = plan['alphas'][plan['alpha_steps'].index(step)]
+    tables[f'uptrained α = {alpha:g} ({step} steps)'] = (
         arms, 'identity (control)')
   scratch = {}
   for r in tasks['scratch']:

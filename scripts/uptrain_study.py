@@ -4,6 +4,7 @@ paper states them, with controls.
   python -m scripts.uptrain_study --out=DIR [--quick] [--config=uptrain_source]
       [--steps=S] [--seeds=n] [--kv_heads=K,...]
       [--recall_config=uptrain_recall] [--recall_steps=S_r]
+      [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
 
 1. An MHA source (the config's K set to its N) trained S steps, seed 0.
 2. A learning-rate pilot (seed 0, recorded): mean-pooled MQA and the identity
@@ -28,6 +29,10 @@ paper states them, with controls.
    from scratch (up to S_r steps) per seed; each run ends when it gets there.
 7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
    values, stats.provenance) and plots.
+8. --tasks: lm-evaluation-harness scores (`score_lm`, as train.evaluate
+   scores a workdir) of the source, the fresh-Adam conversions at alpha =
+   0.05 and 0.2 and the from-scratch end points, per seed, paired against
+   the identity control and MHA from scratch (docs/evaluation.md).
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one. Default: 4

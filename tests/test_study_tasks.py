@@ -116,3 +116,13 @@ def test_compare_scores_every_run_by_seed_and_paired_against_mha(
       task_scores.Spec(('gqa_lab_choice',), str(TASKS_DIR), 1),
       out / 'K1_s1', out / 'tasks' / 'K1_s1')
   assert again['documents'] == {'gqa_lab_choice': 1}
+
+
+def test_uptrain_study_refuses_tasks_with_report_only(tmp_path,
+                                                      monkeypatch):
+  from scripts import uptrain_study  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(sys, 'argv', ['uptrain_study', f'--out={tmp_path}',
+                                    '--report_only', '--tasks=x'])
+  with pytest.raises(UserError, match='^--tasks scores runs as the study '
+                     'trains them, not with --report_only'):
+    uptrain_study.main()
