@@ -15,6 +15,10 @@ a = alpha x S steps on a source of S steps is worth E scratch steps:
                                 cost of a K model given an MHA checkpoint)
   retained compute rho = (E - a) / S  (the source's steps the result keeps)
 A loss below the whole scratch curve is censored: E > its last step.
+
+With --tasks, `task_lines` adds the lm-evaluation-harness scores
+(`scripts.task_scores`), paired against the identity control and against
+MHA from scratch.
 """
 
 from __future__ import annotations
@@ -546,6 +550,9 @@ def task_arms(lm: dict) -> dict[str, tuple[dict, str]]:
   return tables
 
 
+REPLAY_EQUAL = 1e-3  # nats: a replay this close is the run's state.
+
+
 def task_lines(results: dict) -> list[str]:
   """The report's task scores (--tasks): what was scored, the source's
   scores, and per table each arm by seed and paired against its
@@ -570,7 +577,9 @@ def task_lines(results: dict) -> list[str]:
       'start, is read on held-out loss). An uptraining run keeps only its '
       'last checkpoint, so the paper\'s α is a replay of the run ended '
       f'there: its held-out loss differs from the run\'s by at most '
-      f'{worst:.1e} nats. Intervals are over seeds (what training varies), '
+      f'{worst:.1e} nats' + (
+          ' (**not** the run\'s state: read its scores as a rerun\'s)'
+          if worst > REPLAY_EQUAL else '') + '. Intervals are over seeds (what training varies), '
       'not over documents (lm_eval\'s stderr, in those results.json).', '',
       'The source: ' + '; '.join(
           f'{task} {metric} {value:.4g}'

@@ -233,6 +233,10 @@ def test_task_scores_are_paired_against_the_control_at_each_alpha():
   assert '| choice | acc ↑ | 0.52 [' in text  # The control's mean.
   assert f'| choice | acc ↑ | random K=1 | {d:+.4g} |' in text
   assert '| choice | acc | 3 | 0.53 | 0.43 | 0.38 |' in text  # By seed.
+  assert '**not** the run' not in text
+  results['lm']['tasks']['runs'][0]['run_loss'] = 3.01  # A replay off.
+  assert '**not** the run\'s state' in '\n'.join(
+      uptrain_report.task_lines(results))
   assert uptrain_report.task_lines(_results(UP)) == []  # No --tasks.
 
 
