@@ -2,6 +2,7 @@
 
   python -m scripts.compare --out=out/compare [--quick] [--kv_heads=8,2,1]
       [--seeds=1] [--equal_params] [--steps=N] [--config=gqa_small]
+      [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
 
 Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed}
 (scripts/study.py: a finished run is reused only if it was trained with these
@@ -21,6 +22,10 @@ MHA's parameter count (as Shazeer 2019 did).
 --config=recall runs the recall probe instead (see configs/recall.py); the
 table then adds each variant's first-query accuracy (pure retrieval).
 --report_only rebuilds the report from the runs already in --out.
+--tasks=T1,T2 [--include_path=DIR] [--task_limit=N] also scores each run's
+final checkpoint on lm-evaluation-harness tasks as train.evaluate does
+(scripts/task_scores.py, into OUT/tasks/K{k}_s{seed}, reused on rerun) and
+reports them by seed and paired against MHA (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import pathlib
 
 import numpy as np
 
-from scripts import stats, study, timing
+from scripts import stats, study, task_scores, timing
 from train import checkpoint, config_lib, data, flops, progress
 from train.cli import check_output_dir, exit_on_user_error
 from train import model as model_lib
@@ -62,6 +67,7 @@ def main():
                         helps=dict(steps="default: the config's",
                                    quick='120 steps each'))
   parser.add_argument('--equal_params', action='store_true')
+  task_scores.add_flags(parser)
   args = parser.parse_args()
   steps = 120 if args.quick and not args.steps else args.steps
   check_output_dir(args.out)
@@ -72,6 +78,7 @@ def main():
   for (K, seed), config in configs.items():  # Refused before any trains.
     config_lib.validate(config, batch_shards=1)
     study.check_reusable(config, out / f'K{K}_s{seed}')
+  tasks = task_scores.spec(args)
   runs = []
   todo = list(configs.items()) if args.report_only else progress.runs(
       list(configs.items()), lambda c: f'num_kv_heads={c[0][0]} seed={c[0][1]}')
@@ -83,6 +90,9 @@ def main():
       record = study.train(config, workdir, workdir / 'log.txt')
       print(f'K={K} seed={seed}: held-out loss {record["eval_loss"]:.4f} '
             f'(log: {workdir / "log.txt"})', flush=True)
+    if tasks:  # Its final checkpoint, as train.evaluate scores it.
+      record['tasks'] = task_scores.score(tasks, workdir,
+                                          out / 'tasks' / f'K{K}_s{seed}')
     if config.data.task == 'recall':
       record['accuracy_by_query'] = recall_accuracy_by_query(workdir)
     runs.append(dict(K=K, seed=seed, config=config, record=record,
@@ -221,7 +231,9 @@ def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
             key: _finite(float(run['record'].get(key, math.nan)))
             for key in ('eval_loss', 'eval_bpb', 'eval_accuracy')},
                     train_tokens_per_sec=float(np.median(
-                        [m['tokens_per_sec'] for m in run['metrics']])))
+                        [m['tokens_per_sec'] for m in run['metrics']])),
+                    **({'tasks': run['record']['tasks']['scores']}
+                       if 'tasks' in run['record'] else {}))
                for run in sorted(runs, key=lambda run: run['seed'])
                if run['K'] == r['K']]))
   return dict(
@@ -235,7 +247,8 @@ def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
           difference={k: _finite(v) for k, v in c['difference'].as_dict(
               ).items()},
           detectable=_finite(c['detectable']), verdict=c['verdict'])
-                   for c in found])
+                   for c in found],
+      **_task_results(runs))
 
 
 def write_report(out, runs, decode, bandwidth, args):
@@ -349,7 +362,7 @@ def _report_lines(runs, rows, found, bandwidth, args, provenance
                  + (f'{r["first"]} | ' if recall else '')
                  + f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '
                  f'{r["roofline"]:,.0f} |')
-  lines += ['', *_paired_lines(runs, found, args)]
+  lines += ['', *_paired_lines(runs, found, args), *_task_lines(runs)]
   if recall:  # Later queries can be guessed by crossing out; not the first.
     lines += ['', 'Answer accuracy by query (1st ... last):', '']
     for r in rows:
@@ -391,6 +404,46 @@ def _paired_lines(runs, found, args) -> list[str]:
     lines.append(f'| {c["K"]} | {d:+.4f} | {sd} | {detectable} | '
                  f'{c["verdict"]} |')
   return lines
+
+
+def _task_arms(runs) -> tuple[dict, str]:
+  """({'K=k': {seed: task scores}}, the reference's label): the reference
+  as `comparisons` picks it, MHA when it ran."""
+  kvs = sorted({r['K'] for r in runs}, reverse=True)
+  num_heads = runs[0]['config'].model.num_heads
+  arms = {f'K={K}': {r['seed']: r['record']['tasks']['scores'] for r in runs
+                     if r['K'] == K} for K in kvs}
+  return arms, f'K={num_heads if num_heads in kvs else kvs[0]}'
+
+
+def _task_results(runs) -> dict:
+  """results.json's task scores (--tasks): the settings, documents a task,
+  each variant minus the reference paired by seed; {} without them."""
+  if not any('tasks' in r['record'] for r in runs):
+    return {}
+  first = runs[0]['record']['tasks']
+  arms, reference = _task_arms(runs)
+  return {'tasks': dict(settings=first['settings'],
+                        documents=first['documents'],
+                        comparisons=task_scores.comparisons(arms, reference))}
+
+
+def _task_lines(runs) -> list[str]:
+  """The task scores' tables (--tasks), beside held-out loss."""
+  if not any('tasks' in r['record'] for r in runs):
+    return []
+  first = runs[0]['record']['tasks']
+  arms, reference = _task_arms(runs)
+  settings = first['settings']
+  return ['', '### Task scores (lm-evaluation-harness)', '',
+          f'Each run\'s final checkpoint scored on '
+          f'{", ".join(settings["tasks"])} as `python -m train.evaluate` '
+          'scores a workdir (lm_eval\'s `gqa-lab` model; each command in '
+          'tasks/K*_s*/results.json), documents a task: ' + ', '.join(
+              f'{t} {n}' for t, n in first['documents'].items())
+          + '. Intervals are over seeds (what training varies), not over '
+          'documents (lm_eval\'s stderr, in those results.json).', '',
+          *task_scores.lines(arms, reference, first['higher_is_better'])]
 
 
 def _plot_loss(path, runs):

@@ -15,6 +15,10 @@ a = alpha x S steps on a source of S steps is worth E scratch steps:
                                 cost of a K model given an MHA checkpoint)
   retained compute rho = (E - a) / S  (the source's steps the result keeps)
 A loss below the whole scratch curve is censored: E > its last step.
+
+With --tasks, `task_lines` adds the lm-evaluation-harness scores
+(`scripts.task_scores`), paired against the identity control and against
+MHA from scratch.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pathlib
 
 import numpy as np
 
-from scripts import stats
+from scripts import stats, task_scores
 
 UP_METHODS = ('identity', 'mean', 'first', 'random')
 PAPER_COLUMN = 3  # alpha = 0.05 among [0, 0.0125, 0.025, 0.05, ...].
@@ -172,6 +176,9 @@ def summary(results: dict) -> dict:
   out['start'] = _with_holm(start)
   out['gate'] = _gate(out)
   out['recall'] = _recall(results['recall'])
+  if 'tasks' in lm:
+    out['tasks'] = {name: task_scores.comparisons(arms, reference)
+                    for name, (arms, reference) in task_arms(lm).items()}
   return out
 
 
@@ -514,6 +521,76 @@ def tables(results: dict, summ: dict) -> list[str]:
   return lines
 
 
+# --- task scores (--tasks) ---------------------------------------------------
+
+def task_arms(lm: dict) -> dict[str, tuple[dict, str]]:
+  """{table: ({arm: {seed: task scores}}, the reference arm)}: the
+  conversions at each alpha scored, against the identity control; K from
+  scratch against MHA."""
+  tasks, plan = lm['tasks'], lm['plan']
+  N = plan['num_heads']
+  tables = {}
+  for step in sorted({r['step'] for r in tasks['runs']}):
+    arms = {}
+    for r in tasks['runs']:
+      if r['step'] == step:
+        label = ('identity (control)' if r['method'] == 'identity' else
+                 f'{r["method"]} K={r["K"]}')
+        arms.setdefault(label, {})[r['seed']] = r['scores']
+    alpha = plan['alphas'][plan['alpha_steps'].index(step)]
+    tables[f'uptrained α = {alpha:g} ({step} steps)'] = (
+        arms, 'identity (control)')
+  scratch = {}
+  for r in tasks['scratch']:
+    scratch.setdefault('MHA' if r['K'] == N else f'K={r["K"]}', {})[
+        r['seed']] = r['scores']
+  if scratch:
+    step = tasks['scratch'][0]['step']
+    tables[f'from scratch, step {step}'] = (scratch, 'MHA')
+  return tables
+
+
+REPLAY_EQUAL = 1e-3  # nats: a replay this close is the run's state.
+
+
+def task_lines(results: dict) -> list[str]:
+  """The report's task scores (--tasks): what was scored, the source's
+  scores, and per table each arm by seed and paired against its
+  reference."""
+  lm = results['lm']
+  if 'tasks' not in lm:
+    return []
+  tasks = lm['tasks']
+  replays = [r for r in tasks['runs'] if 'replay_loss' in r]
+  worst = max((abs(r['replay_loss'] - r['run_loss']) for r in replays),
+              default=0.0)
+  lines = [
+      '## Task scores (lm-evaluation-harness)', '',
+      'Scored as `python -m train.evaluate` scores a workdir (lm_eval\'s '
+      f'`gqa-lab` model; each command in tasks/**/results.json) on '
+      + ', '.join(f'{t} ({n} documents)' for t, n in
+                  tasks['documents'].items())
+      + ': the source (seed 0), each fresh-Adam conversion (the identity '
+      'control, mean, first, random) at the paper\'s α and at the '
+      'largest, and MHA and each K from scratch at their end; per seed. '
+      'The pooled-Adam arms are not scored (their question, the optimizer '
+      'start, is read on held-out loss). An uptraining run keeps only its '
+      'last checkpoint, so the paper\'s α is a replay of the run ended '
+      f'there: its held-out loss differs from the run\'s by at most '
+      f'{worst:.1e} nats' + (
+          ' (**not** the run\'s state: read its scores as a rerun\'s)'
+          if worst > REPLAY_EQUAL else '') + '. Intervals are over seeds (what training varies), '
+      'not over documents (lm_eval\'s stderr, in those results.json).', '',
+      'The source: ' + '; '.join(
+          f'{task} {metric} {value:.4g}'
+          for task, metrics in tasks['source'].items()
+          for metric, value in metrics.items()) + '.']
+  for title, (arms, reference) in task_arms(lm).items():
+    lines += ['', f'### {title}', '',
+              *task_scores.lines(arms, reference, tasks['higher_is_better'])]
+  return lines
+
+
 # --- plots -------------------------------------------------------------------
 
 def _pyplot():
@@ -631,7 +708,7 @@ def write(out: pathlib.Path, results: dict):
       '![uptraining curves](curves.png)', '',
       '![scratch-equivalent steps](compute.png)', '',
       '![recall arm](recall.png)', '', '## Tables', '',
-      *tables(results, summ), '']
+      *tables(results, summ), '', *task_lines(results), '']
   (out / 'report.md').write_text('\n'.join(lines))
   plot_curves(out, results)
   plot_compute(out, results, summ)

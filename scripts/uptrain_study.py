@@ -4,6 +4,7 @@ paper states them, with controls.
   python -m scripts.uptrain_study --out=DIR [--quick] [--config=uptrain_source]
       [--steps=S] [--seeds=n] [--kv_heads=K,...]
       [--recall_config=uptrain_recall] [--recall_steps=S_r]
+      [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
 
 1. An MHA source (the config's K set to its N) trained S steps, seed 0.
 2. A learning-rate pilot (seed 0, recorded): mean-pooled MQA and the identity
@@ -28,6 +29,10 @@ paper states them, with controls.
    from scratch (up to S_r steps) per seed; each run ends when it gets there.
 7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
    values, stats.provenance) and plots.
+8. --tasks: lm-evaluation-harness scores (`score_lm`, as train.evaluate
+   scores a workdir) of the source, the fresh-Adam conversions at alpha =
+   0.05 and 0.2 and the from-scratch end points, per seed, paired against
+   the identity control and MHA from scratch (docs/evaluation.md).
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one. Default: 4
@@ -44,7 +49,7 @@ import json
 import pathlib
 import shutil
 
-from scripts import stats, study, uptrain_report
+from scripts import stats, study, task_scores, uptrain_report
 from train import config_lib, convert, loop, progress
 from train.cli import check_output_dir, exit_on_user_error, positive_int
 from train.errors import UserError
@@ -278,6 +283,57 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
                    'eval_every': every, 'config': config.to_dict()}}
 
 
+def score_lm(out: pathlib.Path, config, lm: dict, what) -> dict:
+  """Task scores (--tasks) of the LM arm, per seed (`task_scores.score`):
+  the source; each fresh-Adam conversion (the identity control, mean,
+  first, random to each K) at the paper's alpha and at the largest; MHA
+  and each K from scratch at their end. An uptraining run keeps only its
+  last checkpoint (the largest alpha), so the paper's alpha is a replay:
+  the same config from the same conversion, ended at that step; its
+  held-out loss is kept beside the run's there, which it must equal."""
+  plan = lm['plan']
+  unit, top = unit_steps(plan['steps']), plan['alpha_steps'][-1]
+  at = plan['alpha_steps'][plan['alphas'].index(PAPER_ALPHA)]
+  where = out / 'tasks'
+  print('=== task scores: ' + ', '.join(what.tasks), flush=True)
+  source = task_scores.score(what, out / 'source', where / 'source')
+  scored = {k: source[k] for k in ('settings', 'documents',
+                                   'higher_is_better')}
+  scored.update(source=source['scores'], runs=[], scratch=[])
+  arms = [a for a in plan_arms(plan['num_heads'], plan['kv_heads'])
+          if a.start == 'fresh']
+  for arm, seed in progress.runs(
+      [(a, s) for a in arms for s in plan['seeds']],
+      lambda p: f'task scores: {p[0].method} -> K={p[0].K}, seed {p[1]}'):
+    name = f'{arm.name}/s{seed}'
+    run = next(r for r in lm['runs'] if (r['method'], r['K'], r['start'],
+                                         r['seed']) == (arm.method, arm.K,
+                                                        arm.start, seed))
+    replay = where / 'replay' / name
+    converted = convert_one(out, out / 'source', arm, seed)
+    if not replay.exists():
+      shutil.copytree(converted, replay)
+    study.train(uptrain_config(converted, config, top, lm['pilot']['rate'],
+                               seed, unit), replay, replay / 'log.txt',
+                on_eval=lambda step, *_: step >= at)
+    replayed = json.loads((replay / 'final.json').read_text())
+    for step, workdir in ((at, replay), (top, out / 'runs' / name)):
+      scored['runs'].append({
+          **dataclasses.asdict(arm), 'seed': seed, 'step': step,
+          'scores': task_scores.score(what, workdir, where / 'runs' / name
+                                      / f'step{step}')['scores'],
+          **({'replay_loss': replayed['eval_loss'], 'run_loss': next(
+              p['loss'] for p in run['curve'] if p['step'] == at)}
+             if step == at else {})})
+  for r in lm['scratch']:
+    name = f'K{r["K"]}_s{r["seed"]}'
+    scored['scratch'].append({
+        'K': r['K'], 'seed': r['seed'], 'step': r['curve'][-1]['step'],
+        'scores': task_scores.score(what, out / 'scratch' / name,
+                                    where / 'scratch' / name)['scores']})
+  return scored
+
+
 def main():
   parser = study.parser(
       __doc__, config='uptrain_source', report_only='results.json in --out',
@@ -291,8 +347,13 @@ def main():
                       help="the recall arm's source config (K set to its N)")
   parser.add_argument('--recall_steps', type=positive_int, default=None,
                       help="its steps (default: the config's)")
+  task_scores.add_flags(parser)
   args = parser.parse_args()
   check_output_dir(args.out)
+  if args.report_only and args.tasks:
+    raise UserError('--tasks scores runs as the study trains them, not with '
+                    '--report_only; rerun without it (finished runs are '
+                    'reused)')
   if args.report_only:
     # The per-seed results as trained; the statistics and the reading as
     # this commit computes them (the provenance says which did which).
@@ -322,10 +383,13 @@ def main():
                       'always run)')
   for c in (config, recall):
     config_lib.validate(c, batch_shards=1)
+  tasks = task_scores.spec(args)
   out = pathlib.Path(args.out)
   results = {'provenance': stats.provenance('scripts.uptrain_study', out),
              'lm': lm_arm(out, config, kv_heads, seeds),
              'recall': recall_arm(out, recall, kv_heads, seeds)}
+  if tasks:
+    results['lm']['tasks'] = score_lm(out, config, results['lm'], tasks)
   results['summary'] = uptrain_report.summary(results)
   (out / 'results.json').write_text(json.dumps(results, indent=1))
   uptrain_report.write(out, results)

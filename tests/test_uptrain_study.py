@@ -1,15 +1,18 @@
 """The uptraining study: its statistics and reading (on made-up results whose
 answers are known), and the whole study end to end on `tiny`."""
 
+import importlib.util
 import json
 import math
+import os
+import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from scripts import uptrain_report, uptrain_study
+from scripts import stats, uptrain_report, uptrain_study
 
 SOURCE = 2.0
 STEPS = [1, 2, 4, 8, 16]  # Uptraining steps of the alphas, S = 100.
@@ -183,6 +186,60 @@ def test_claim_3_reads_each_seed_on_its_own_scratch_curve():
   assert 'seeds 3 have no scratch run' in lines
 
 
+def _with_task_scores(results):
+  """Made-up --tasks scores: at both alphas scored, acc = the method's
+  level + 0.01 seed (+ 0.03 at the larger alpha, for mean); from scratch,
+  MHA 0.1 above K = 1 with a seed-varying jitter."""
+  level = {'identity': 0.5, 'mean': 0.4, 'first': 0.35, 'random': 0.3}
+  runs = [{'method': m, 'K': 4 if m == 'identity' else 1, 'start': 'fresh',
+           'seed': seed, 'step': step, 'scores': {'choice': {
+               'acc': level[m] + 0.01 * seed + 0.03 * (
+                   m == 'mean' and step == 16) + 0.002 * seed ** 2 * (
+                       m == 'random')}},
+           **({'replay_loss': 3.0, 'run_loss': 3.0 + 1e-7 * seed}
+              if step == 4 else {})}
+          for m in level for seed in (1, 2, 3) for step in (4, 16)]
+  results['lm']['tasks'] = {
+      'settings': {}, 'documents': {'choice': 4},
+      'higher_is_better': {'choice': {'acc': True}},
+      'source': {'choice': {'acc': 0.55}}, 'runs': runs,
+      'scratch': [{'K': K, 'seed': s, 'step': 120, 'scores': {'choice': {
+          'acc': 0.3 + 0.1 * (K == 4) + 0.01 * s * (K == 4) ** s}}}
+                  for K in (4, 1) for s in (1, 2, 3)]}
+  return results
+
+
+def test_task_scores_are_paired_against_the_control_at_each_alpha():
+  results = _with_task_scores(_results(UP, noise=0.0005))
+  summ = uptrain_report.summary(results)
+  assert list(summ['tasks']) == ['uptrained α = 0.05 (4 steps)',
+                                 'uptrained α = 0.2 (16 steps)',
+                                 'from scratch, step 120']
+  at = {c['arm']: c for c in summ['tasks']['uptrained α = 0.2 (16 steps)']}
+  assert set(at) == {'mean K=1', 'first K=1', 'random K=1'}
+  assert at['mean K=1']['reference'] == 'identity (control)'
+  assert at['mean K=1']['difference']['mean'] == pytest.approx(-0.07)
+  assert at['mean K=1']['seeds'] == [1, 2, 3]
+  d = stats.paired(at['random K=1']['values'],
+                   at['random K=1']['reference_values'])
+  assert at['random K=1']['difference']['low'] == pytest.approx(d.low)
+  assert at['random K=1']['detectable'] == pytest.approx(
+      stats.detectable(d.sd, 3))
+  scratch = summ['tasks']['from scratch, step 120'][0]
+  assert (scratch['arm'], scratch['reference']) == ('K=1', 'MHA')
+  text = '\n'.join(uptrain_report.task_lines(results))
+  assert 'differs from the run\'s by at most 3.0e-07 nats' in text
+  assert 'The source: choice acc 0.55.' in text
+  assert '| choice | acc ↑ | 0.52 [' in text  # The control's mean.
+  assert f'| choice | acc ↑ | random K=1 | {d:+.4g} |' in text
+  assert '| choice | acc | 3 | 0.53 | 0.43 | 0.38 |' in text  # By seed.
+  assert '**not** the run' not in text
+  results['lm']['tasks']['runs'][0]['run_loss'] = 3.01  # A replay off.
+  assert '**not** the run\'s state' in '\n'.join(
+      uptrain_report.task_lines(results))
+  assert uptrain_report.task_lines(_results(UP)) == []  # No --tasks.
+
+
 @pytest.mark.slow  # The plots: about 3 s.
 def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
   uptrain_report.write(tmp_path, _results(UP, noise=0.0005))
@@ -203,12 +260,19 @@ def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
 def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   """On `tiny`: one uptraining run per (conversion, seed) evaluated at
   every alpha, the identity control exact at alpha 0, scratch curves for
-  MHA and K per seed, the recall arm, provenance; a rerun reuses it all."""
+  MHA and K per seed, the recall arm, provenance, task scores (--tasks:
+  train.evaluate's, by seed); a rerun reuses it all."""
   out = tmp_path / 'study'
+  tasks = importlib.util.find_spec('lm_eval') is not None  # The eval extra.
+  include = pathlib.Path(__file__).parent / 'lm_eval_tasks'
   command = [sys.executable, '-m', 'scripts.uptrain_study', f'--out={out}',
              '--config=tiny', '--steps=80', '--kv_heads=1', '--seeds=2',
-             '--recall_steps=40']
-  first = subprocess.run(command, capture_output=True, text=True, check=True)
+             '--recall_steps=40'] + [
+                 '--tasks=gqa_lab_choice', f'--include_path={include}',
+                 '--task_limit=2'] * tasks
+  env = {**os.environ, 'HF_DATASETS_OFFLINE': '1'}
+  first = subprocess.run(command, capture_output=True, text=True, check=True,
+                         env=env)
   results = json.loads((out / 'results.json').read_text())
   lm = results['lm']
   assert lm['plan']['alpha_steps'] == [1, 2, 4, 8, 16]
@@ -228,10 +292,51 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   assert results['provenance']['commit'] and \
       results['provenance']['out'] == str(out)
   assert '## Reading' in first.stdout
-  again = subprocess.run(command, capture_output=True, text=True, check=True)
+  if tasks:
+    _check_task_scores(out, results, include)
+  scored = {p: p.stat().st_mtime_ns for p in out.glob('tasks/**/scored.json')}
+  again = subprocess.run(command, capture_output=True, text=True, check=True,
+                         env=env)
   assert json.loads((out / 'results.json').read_text())['lm']['runs'] == \
       lm['runs']
   assert 'from scratch' in again.stdout
+  assert {p: p.stat().st_mtime_ns for p in scored} == scored  # Reused.
+
+
+def _check_task_scores(out, results, include):
+  """Per seed: the fresh-Adam conversions at the paper's alpha (a replay
+  whose held-out loss is the run's there) and the largest, scratch end
+  points; in the report paired against the control; train.evaluate's."""
+  from train import evaluate  # pylint: disable=import-outside-toplevel
+  tasks = results['lm']['tasks']
+  assert sorted((r['method'], r['seed'], r['step']) for r in tasks['runs']
+                ) == sorted((m, s, a) for m in uptrain_report.UP_METHODS
+                            for s in (1, 2) for a in (4, 16))
+  for r in tasks['runs']:
+    assert 0 <= r['scores']['gqa_lab_choice']['acc'] <= 1
+    if r['step'] == 4:
+      assert r['replay_loss'] == pytest.approx(r['run_loss'], rel=1e-6)
+  assert sorted((r['K'], r['seed']) for r in tasks['scratch']) == [
+      (1, 1), (1, 2), (4, 1), (4, 2)]
+  assert set(tasks['source']['gqa_lab_choice']) == {'acc', 'acc_norm'}
+  found = results['summary']['tasks']['uptrained α = 0.2 (16 steps)']
+  assert {(c['arm'], c['metric']) for c in found} == {
+      (f'{m} K=1', k) for m in ('mean', 'first', 'random')
+      for k in ('acc', 'acc_norm')}
+  assert all(c['reference'] == 'identity (control)' and c['seeds'] == [1, 2]
+             for c in found)
+  report = (out / 'report.md').read_text()
+  assert '## Task scores (lm-evaluation-harness)' in report
+  assert ('| task | metric | identity (control) | mean K=1 | first K=1 | '
+          'random K=1 |') in report
+  assert '### from scratch, step 96' in report
+  mean = next(r for r in tasks['runs'] if (r['method'], r['seed'], r['step'])
+              == ('mean', 2, 16))
+  direct = evaluate.write_results(
+      str(out / 'runs' / 'fresh' / 'mean_K1' / 's2'), ['gqa_lab_choice'],
+      str(out / 'direct'), include_path=str(include), limit=2)
+  assert mean['scores']['gqa_lab_choice']['acc'] == (
+      direct['results']['gqa_lab_choice']['acc,none'])
 
 
 @pytest.mark.slow  # The plots: about 3 s.

@@ -40,6 +40,23 @@ def _task_manager(tasks: list[str], include_path: str | None,
                       include_path)
 
 
+def require_lm_eval():
+  """Refuses, in one line, a machine without lm_eval (the `eval` extra)."""
+  try:
+    import lm_eval  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise UserError("lm_eval is not installed; pip install -e '.[eval]'"
+                    ) from None
+
+
+def check_tasks(tasks: list[str], include_path: str | None):
+  """Refuses, in one line and before any work, a missing lm_eval or a task
+  name neither lm_eval nor --include_path knows (what `evaluate` would
+  meet only after loading the model)."""
+  require_lm_eval()
+  _task_manager(tasks, include_path)
+
+
 def _check_known(manager, tasks: list[str], include_path: str | None):
   unknown = [t for t in tasks if not manager.match_tasks([t])]
   if unknown:
@@ -53,15 +70,23 @@ def _check_known(manager, tasks: list[str], include_path: str | None):
 def evaluate(workdir: str, tasks: list[str], *, include_path=None,
              limit=None, batch_size: int = 8, num_fewshot=None,
              seed: int = 0, log_samples: bool = False) -> dict:
-  """lm_eval.simple_evaluate of WORKDIR on TASKS; its results dict."""
+  """lm_eval.simple_evaluate of WORKDIR on TASKS; its results dict,
+  without lm_eval's environment report."""
+  from unittest import mock  # pylint: disable=import-outside-toplevel
   import lm_eval  # pylint: disable=import-outside-toplevel
+  from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
   from evaluation import harness  # pylint: disable=import-outside-toplevel
   model = harness.WorkdirLM(workdir, batch_size=batch_size, seed=seed)
   manager = _task_manager(tasks, include_path)
-  return lm_eval.simple_evaluate(
-      model=model, tasks=tasks, task_manager=manager, limit=limit,
-      num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
-      numpy_random_seed=seed, fewshot_random_seed=seed, bootstrap_iters=1000)
+  # Its add_env_info runs torch's collect_env (pip list and more in
+  # subprocesses: 4 of a small task's 5.7 s, measured) for keys that
+  # write_results does not keep; a study scores dozens of checkpoints.
+  with mock.patch.object(evaluator, 'add_env_info', lambda _: None):
+    return lm_eval.simple_evaluate(
+        model=model, tasks=tasks, task_manager=manager, limit=limit,
+        num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
+        numpy_random_seed=seed, fewshot_random_seed=seed,
+        bootstrap_iters=1000)
 
 
 def report(results: dict, held_out: dict | None, provenance: dict) -> str:
@@ -118,11 +143,7 @@ def main(argv):
   if f.batch_size < 1 or (f.limit is not None and f.limit < 1):
     raise UserError('--batch_size and --limit must be >= 1')
   check_output_dir(f.out, new=True)
-  try:
-    import lm_eval  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    raise UserError("lm_eval is not installed; pip install -e '.[eval]'"
-                    ) from None
+  require_lm_eval()
   logging.getLogger('lm_eval').setLevel(logging.ERROR)
   write_results(f.workdir, tasks, f.out, include_path=f.include_path,
                 limit=f.limit, batch_size=f.batch_size,
