@@ -567,7 +567,7 @@ def task_lines(results: dict) -> list[str]:
   lines = [
       '## Task scores (lm-evaluation-harness)', '',
       'Scored as `python -m train.evaluate` scores a workdir (lm_eval\'s '
-      f'`gqa-lab` model; each command in tasks/**/results.json) on '
+      '`gqa-lab` model; each command in tasks/**/results.json) on '
       + ', '.join(f'{t} ({n} documents)' for t, n in
                   tasks['documents'].items())
       + ': the source (seed 0), each fresh-Adam conversion (the identity '
