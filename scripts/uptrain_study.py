@@ -44,8 +44,12 @@ import json
 import pathlib
 import shutil
 
+import numpy as np
+
 from scripts import stats, study, uptrain_report
-from train import config_lib, convert, loop, progress
+from train import config_lib, convert, loop, progress, to_mla
+from train import model as model_lib
+from train import workdir as workdir_lib
 from train.cli import check_output_dir, exit_on_user_error, positive_int
 from train.errors import UserError
 from train.metrics import read_metrics
@@ -223,6 +227,8 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
                     convert_one(out, source_dir, arm, seed), config, top,
                     chosen['rate'], seed, unit)
     runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve})
+  mla = mla_arm(out, source_dir, config, kv_heads, seeds, chosen['rate'], top,
+                unit)
   scratches = []
   for K, seed in progress.runs(
       [(K, s) for K in [N, *kv_heads] for s in seeds],
@@ -230,7 +236,7 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
     scratches.append({'K': K, 'seed': seed, 'curve': scratch(
         out, config, K, seed, S + top)})
   return {'source': source, 'pilot': chosen, 'runs': runs,
-          'scratch': scratches,
+          'scratch': scratches, 'mla': mla,
           'plan': {'kv_heads': kv_heads, 'seeds': seeds, 'num_heads': N,
                    'steps': S, 'alpha_steps': [unit * 2 ** i for i in range(
                        len(ALPHAS))], 'alphas': list(ALPHAS),
@@ -264,6 +270,8 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
                     stop=True)
     runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve,
                  'steps_to_target': steps_to(curve)})
+  mla = mla_arm(out / 'recall', source_dir, config, kv_heads, seeds,
+                config.train.learning_rate, budget, every, stop=True)
   scratches = []
   for K, seed in progress.runs([(K, s) for K in kv_heads for s in seeds],
                                lambda p: f'recall: K={p[0]} from scratch, '
@@ -272,10 +280,77 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
     scratches.append({'K': K, 'seed': seed, 'curve': curve,
                       'steps_to_target': steps_to(curve)})
   return {'source': {**source, 'steps_to_target': steps_to(source['curve'])},
-          'runs': runs, 'scratch': scratches,
+          'runs': runs, 'scratch': scratches, 'mla': mla,
           'plan': {'kv_heads': kv_heads, 'seeds': seeds, 'num_heads': N,
                    'steps': S, 'budget': budget, 'target': RECALL_TARGET,
                    'eval_every': every, 'config': config.to_dict()}}
+
+
+# --- MHA -> MLA at GQA-K's cache bytes ------------------------------------
+
+MLA = 'mla'  # The MLA arm's method: runs/fresh/mla_K{K}, K its GQA match.
+
+
+def mla_plan(mc, K: int) -> dict:
+  """The MLA conversion of the MHA source `mc` [N heads of H] caching what
+  GQA-K caches per token: qk_rope_head_dim Y = 2·N (one RoPE frequency pair
+  per head, the fewest `train.to_mla` keeps, so the rest goes to the shared
+  latent; 0 without RoPE) and kv_lora_rank R = 2·K·H - Y, so that R + Y =
+  2·K·H numbers per token and layer, as K heads' keys and values. Where
+  that R is out of `to_mla`'s range [1, min(D, 2·N·H - Y)], the nearest in
+  it (the bytes then differ, and both are recorded). The bytes are
+  `train.model.kv_bytes_per_token`'s, as final.json reports them."""
+  N, H = mc.num_heads, mc.head_dim
+  Y = 2 * N if mc.use_rope else 0
+  R = min(max(1, 2 * K * H - Y), mc.d_model, 2 * N * H - Y)
+  pairs = (to_mla.select_pairs(np.zeros((N, H // 2)), Y) if mc.use_rope
+           else None)  # Which pairs does not change the cache's size.
+  mla_mc, _ = to_mla.target_config(mc, R, Y, pairs)
+  return {'K': K, 'kv_lora_rank': R, 'qk_rope_head_dim': Y,
+          'kv_bytes_per_token': model_lib.kv_bytes_per_token(mla_mc),
+          'gqa_kv_bytes_per_token': model_lib.kv_bytes_per_token(
+              dataclasses.replace(mc, num_kv_heads=K))}
+
+
+def convert_mla(out: pathlib.Path, source: pathlib.Path, plan: dict
+                ) -> tuple[pathlib.Path, dict]:
+  """PLAN's MLA conversion of SOURCE (deterministic: one for every seed)
+  and its convert.json record (the energy kept per layer)."""
+  workdir = out / 'converted' / Arm(MLA, plan['K']).name
+  if not (workdir / 'config.json').exists():
+    shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    with (out / 'converted' / 'log.txt').open('a') as f, (
+        contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
+      convert.convert_to_mla(str(source), str(workdir), plan['kv_lora_rank'],
+                             plan['qk_rope_head_dim'])
+  return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
+
+
+def mla_arm(out: pathlib.Path, source_dir: pathlib.Path, config, kv_heads,
+            seeds, rate: float, steps: int, every: int,
+            stop: bool = False) -> dict:
+  """MHA -> MLA at each K's cache bytes (`mla_plan`), uptrained as the GQA
+  arms are: fresh Adam, one run per seed of `steps` at `rate`, evaluated
+  every `every` (stop: ending at the recall target, with its steps)."""
+  mc = config_lib.model_config(config)
+  conversions, runs = [], []
+  for K in kv_heads:
+    plan = mla_plan(mc, K)
+    converted, info = convert_mla(out, source_dir, plan)
+    conversions.append({**plan, 'energy_kept': info['energy_kept'],
+                        'rope_pairs': info['rope_pairs'],
+                        'converted_kv_bytes_per_token':
+                            info['kv_bytes_per_token']})
+    for seed in progress.runs(seeds, lambda s, K=K: (
+        f'MHA -> MLA at K={K}\'s bytes (kv_lora_rank {plan["kv_lora_rank"]}, '
+        f'RoPE dims {plan["qk_rope_head_dim"]}), seed {s}')):
+      curve = uptrain(out, f'runs/{Arm(MLA, K).name}/s{seed}', converted,
+                      config, steps, rate, seed, every, stop)
+      runs.append({'method': MLA, 'K': K, 'start': 'fresh', 'seed': seed,
+                   'curve': curve, **(
+                       {'steps_to_target': steps_to(curve)} if stop else {})})
+  return {'conversions': conversions, 'runs': runs}
 
 
 def main():
