@@ -19,6 +19,12 @@ paper states them, with controls.
    chosen rate (warmup to it over the first alpha point, then constant, so
    that each checkpoint is the same recipe stopped earlier), evaluated at
    alpha = 0.0125, 0.025, 0.05, 0.1, 0.2; alpha = 0 evaluates the conversion.
+4b. MHA -> MLA at equal cache bytes (`mla_plan`, issue #40): for each K,
+   `train.convert --to_mla` of the same source with qk_rope_head_dim
+   Y = 2·N (one RoPE pair per head) and kv_lora_rank R = 2·K·H - Y, so
+   that kv_bytes_per_token equals GQA-K's; uptrained as in 4 (the chosen
+   rate, fresh Adam, one run per seed), compared with mean-pooled K paired
+   by seed at each alpha.
 5. From-scratch compute curves: MHA and each K trained (1 + 0.2) S steps per
    seed by the source's recipe, evaluated every S/40 steps; an uptrained loss
    maps to the steps the seed-mean scratch curve needs to reach it.
@@ -26,6 +32,7 @@ paper states them, with controls.
    construction), converted as in 3 (fresh Adam) and uptrained up to 0.2 x S_r
    steps at its peak rate; steps to regain accuracy >= 0.95 against K trained
    from scratch (up to S_r steps) per seed; each run ends when it gets there.
+   MLA at each K's bytes too (the recall source has no RoPE: R = 2·K·H).
 7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
    values, stats.provenance) and plots.
 
@@ -288,7 +295,7 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
 
 # --- MHA -> MLA at GQA-K's cache bytes ------------------------------------
 
-MLA = 'mla'  # The MLA arm's method: runs/fresh/mla_K{K}, K its GQA match.
+MLA = uptrain_report.MLA  # Its runs: runs/fresh/mla_K{K}, K: GQA's match.
 
 
 def mla_plan(mc, K: int) -> dict:
