@@ -283,7 +283,8 @@ def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
 def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   """On `tiny`: one uptraining run per (conversion, seed) evaluated at
   every alpha, the identity control exact at alpha 0, scratch curves for
-  MHA and K per seed, the recall arm, provenance; a rerun reuses it all."""
+  MHA and K per seed, the recall arm, MLA at K's bytes, provenance; a
+  rerun reuses it all."""
   out = tmp_path / 'study'
   command = [sys.executable, '-m', 'scripts.uptrain_study', f'--out={out}',
              '--config=tiny', '--steps=80', '--kv_heads=1', '--seeds=2',
@@ -305,12 +306,21 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
       (1, 1), (1, 2), (4, 1), (4, 2)]
   assert all(s['curve'][-1]['step'] == 96 for s in lm['scratch'])
   assert len(results['recall']['runs']) == 4 * 2
+  # MHA -> MLA at K = 1's bytes, per seed, in both arms: the conversion's
+  # cache (train.model's count, in its convert.json) is GQA K = 1's.
+  for arm in (lm, results['recall']):
+    (conversion,) = arm['mla']['conversions']
+    assert conversion['converted_kv_bytes_per_token'] == \
+        conversion['gqa_kv_bytes_per_token']
+    assert [r['seed'] for r in arm['mla']['runs']] == [1, 2]
+  assert all((out / 'runs/fresh/mla_K1' / f's{s}' / 'final.json').exists()
+             for s in (1, 2))
   assert results['provenance']['commit'] and \
       results['provenance']['out'] == str(out)
   assert '## Reading' in first.stdout
   again = subprocess.run(command, capture_output=True, text=True, check=True)
-  assert json.loads((out / 'results.json').read_text())['lm']['runs'] == \
-      lm['runs']
+  rerun = json.loads((out / 'results.json').read_text())['lm']
+  assert rerun['runs'] == lm['runs'] and rerun['mla'] == lm['mla']
   assert 'from scratch' in again.stdout
 
 
