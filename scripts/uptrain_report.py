@@ -15,6 +15,12 @@ a = alpha x S steps on a source of S steps is worth E scratch steps:
                                 cost of a K model given an MHA checkpoint)
   retained compute rho = (E - a) / S  (the source's steps the result keeps)
 A loss below the whole scratch curve is censored: E > its last step.
+
+The MLA arm (`_mla`, results from before it have none): MHA -> MLA at
+GQA-K's cache bytes minus MHA -> mean-pooled K, paired by seed at each
+alpha (alpha 0: the two conversions, one measurement each), Holm over K at
+the paper's alpha; its E read on GQA-K's scratch curve (no MLA is trained
+from scratch, so E is what an equal-cache GQA model needs to match it).
 """
 
 from __future__ import annotations

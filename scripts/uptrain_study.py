@@ -24,7 +24,8 @@ paper states them, with controls.
    Y = 2·N (one RoPE pair per head) and kv_lora_rank R = 2·K·H - Y, so
    that kv_bytes_per_token equals GQA-K's; uptrained as in 4 (the chosen
    rate, fresh Adam, one run per seed), compared with mean-pooled K paired
-   by seed at each alpha.
+   by seed at each alpha; its losses also map onto GQA-K's scratch curve
+   (5: the layout of equal bytes; no MLA is trained from scratch).
 5. From-scratch compute curves: MHA and each K trained (1 + 0.2) S steps per
    seed by the source's recipe, evaluated every S/40 steps; an uptrained loss
    maps to the steps the seed-mean scratch curve needs to reach it.
