@@ -746,7 +746,7 @@ def plot_recall(out: pathlib.Path, results: dict):
   recall = results['recall']
   fig, (up, sc) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
   groups = {}
-  for r in recall['runs']:
+  for r in recall['runs'] + recall.get('mla', {}).get('runs', []):
     groups.setdefault(f'{r["method"]} K={r["K"]}', []).append(r)
   for i, (name, runs) in enumerate(groups.items()):
     for j, r in enumerate(runs):  # Each ends where it reached the target.
