@@ -516,7 +516,7 @@ def _mla_reading(results: dict, summ: dict) -> list[str]:
         f'- **MHA → MLA against MHA → mean-pooled GQA at equal cache bytes, '
         f'K = {K}: {_mla_verdict(cell)}** at α = {plan["paper_alpha"]} (MLA '
         f'minus GQA, paired by seed, Holm over the {len(family)} K): '
-        f'{_f(cell)}. The conversion (`train.convert --to_mla`, SVD of '
+        f'{_f(cell)}, p = {cell["p"]:.3g}, {_detectable(cell)}. The conversion (`train.convert --to_mla`, SVD of '
         f'[W_K | W_V], partial RoPE): kv_lora_rank {R} + {Y} RoPE dims = '
         f'{R + Y} numbers per token and layer, {c["kv_bytes_per_token"]:g} '
         f'bytes/token ' + (
@@ -649,6 +649,9 @@ def _mla_tables(results: dict, summ: dict) -> list[str]:
                   _f(e, '.4f') for e in r['gqa']) + ' |',
               '| MLA − GQA (paired) | ' + ' | '.join(
                   _f(e) for e in r['minus_gqa']) + ' |',
+              '| its detectable difference | ' + ' | '.join(
+                  _detectable(e).removeprefix('detectable ')
+                  for e in r['minus_gqa']) + ' |',
               '| E of MLA on GQA K=' + str(K) + ' from scratch | — | '
               + ' | '.join(_f(row['equivalent'], '.0f')
                            for row in r['compute']) + ' |']

@@ -251,6 +251,10 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
          '256, energy kept 0.800, 0.850, held-out accuracy before ' \
          'uptraining 0.300' in text
   assert '| MLA − GQA (paired) | -0.0300 (deterministic' in text
+  assert '| its detectable difference | nothing detectable: no spread ' \
+         'over seeds | 0.' in text
+  assert 'MLA lower** at α = 0.05 (MLA minus GQA, paired by seed, Holm ' \
+         'over the 1 K): -0.09' in text and ', detectable 0.0' in text
   # A same-loss MLA: not resolved, with what the seeds could detect.
   same = uptrain_report.summary(_results(
       UP, noise=0.0005, mla=lambda s, seed: UP['mean'](s) + 0.001 * (
