@@ -516,8 +516,9 @@ def _mla_reading(results: dict, summ: dict) -> list[str]:
         f'- **MHA → MLA against MHA → mean-pooled GQA at equal cache bytes, '
         f'K = {K}: {_mla_verdict(cell)}** at α = {plan["paper_alpha"]} (MLA '
         f'minus GQA, paired by seed, Holm over the {len(family)} K): '
-        f'{_f(cell)}, p = {cell["p"]:.3g}, {_detectable(cell)}. The conversion (`train.convert --to_mla`, SVD of '
-        f'[W_K | W_V], partial RoPE): kv_lora_rank {R} + {Y} RoPE dims = '
+        f'{_f(cell)}, p = {cell["p"]:.3g}, {_detectable(cell)}. The '
+        'conversion (`train.convert --to_mla`, SVD of [W_K | W_V], partial '
+        f'RoPE): kv_lora_rank {R} + {Y} RoPE dims = '
         f'{R + Y} numbers per token and layer, {c["kv_bytes_per_token"]:g} '
         f'bytes/token ' + (
             'as GQA K = ' if c['kv_bytes_per_token'] ==
