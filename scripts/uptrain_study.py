@@ -33,7 +33,7 @@ paper states them, with controls.
    construction), converted as in 3 (fresh Adam) and uptrained up to 0.2 x S_r
    steps at its peak rate; steps to regain accuracy >= 0.95 against K trained
    from scratch (up to S_r steps) per seed; each run ends when it gets there.
-   MLA at each K's bytes too (the recall source has no RoPE: R = 2·K·H).
+   MLA at each K's bytes too (uptrain_recall has no RoPE: R = 2·K·H).
 7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
    values, stats.provenance) and plots.
 
@@ -354,7 +354,7 @@ def mla_arm(out: pathlib.Path, source_dir: pathlib.Path, config, kv_heads,
                         'rope_pairs': info['rope_pairs'],
                         'converted_kv_bytes_per_token':
                             info['kv_bytes_per_token']})
-    for seed in progress.runs(seeds, lambda s, K=K: (
+    for seed in progress.runs(seeds, lambda s: (
         f'MHA -> MLA at K={K}\'s bytes (kv_lora_rank {plan["kv_lora_rank"]}, '
         f'RoPE dims {plan["qk_rope_head_dim"]}), seed {s}')):
       curve = uptrain(out, f'runs/{Arm(MLA, K).name}/s{seed}', converted,
