@@ -19,6 +19,12 @@ A loss below the whole scratch curve is censored: E > its last step.
 With --tasks, `task_lines` adds the lm-evaluation-harness scores
 (`scripts.task_scores`), paired against the identity control and against
 MHA from scratch.
+
+The MLA arm (`_mla`, results from before it have none): MHA -> MLA at
+GQA-K's cache bytes minus MHA -> mean-pooled K, paired by seed at each
+alpha (alpha 0: the two conversions, one measurement each), Holm over K at
+the paper's alpha; its E read on GQA-K's scratch curve (no MLA is trained
+from scratch, so E is what an equal-cache GQA model needs to match it).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 from scripts import stats, task_scores
 
 UP_METHODS = ('identity', 'mean', 'first', 'random')
+MLA = 'mla'  # The MLA arm's method in scripts.uptrain_study's runs.
 PAPER_COLUMN = 3  # alpha = 0.05 among [0, 0.0125, 0.025, 0.05, ...].
 
 
@@ -151,20 +158,8 @@ def summary(results: dict) -> dict:
   # seed-mean curve only for a seed without a scratch run.
   out['compute'], out['compute_unpaired'] = {}, {}
   for K in plan['kv_heads']:
-    steps, curves = scratch_curve(lm, K)
-    own = dict(zip(scratch_seeds(lm, K), curves))
-    up, up_seeds = losses(lm, 'mean', K), seeds(lm, 'mean', K)
-    out['compute_unpaired'][K] = [s for s in up_seeds if s not in own]
-    rows = []
-    for i, a in enumerate(a_steps):
-      E = [equivalent_steps(x, steps, own.get(seed, curves.mean(0)),
-                            math.log(plan['vocab_size']))
-           for x, seed in zip(up[:, i + 1], up_seeds)]
-      rows.append({'alpha_steps': a, 'E': E,
-                   'equivalent': _estimate(E),
-                   'advantage': _estimate([e / a for e in E]),
-                   'retained': _estimate([(e - a) / S for e in E])})
-    out['compute'][K] = rows
+    out['compute'][K], out['compute_unpaired'][K] = _equivalents(
+        lm, K, losses(lm, 'mean', K), seeds(lm, 'mean', K))
   # The optimizer start: pooled minus fresh, one Holm family at 0.05.
   start = []
   for method, K in [('identity', N)] + [('mean', K) for K in plan['kv_heads']]:
@@ -179,7 +174,59 @@ def summary(results: dict) -> dict:
   if 'tasks' in lm:
     out['tasks'] = {name: task_scores.comparisons(arms, reference)
                     for name, (arms, reference) in task_arms(lm).items()}
+  if 'mla' in lm:  # Studies run before the MLA arm have none.
+    out['mla'] = _mla(lm)
   return out
+
+
+def _equivalents(lm: dict, K: int, up: np.ndarray, up_seeds: list[int]
+                 ) -> tuple[list[dict], list[int]]:
+  """(per alpha: the scratch-equivalent steps E of the uptrained losses
+  up [seed, alpha] (alpha 0 first) with the cost advantage and retained
+  compute, the seeds read on the seed-mean curve): each seed's loss read
+  on the same seed's from-scratch curve of K (the seed-mean curve for a
+  seed without one)."""
+  plan = lm['plan']
+  steps, curves = scratch_curve(lm, K)
+  own = dict(zip(scratch_seeds(lm, K), curves))
+  rows = []
+  for i, a in enumerate(plan['alpha_steps']):
+    E = [equivalent_steps(x, steps, own.get(seed, curves.mean(0)),
+                          math.log(plan['vocab_size']))
+         for x, seed in zip(up[:, i + 1], up_seeds)]
+    rows.append({'alpha_steps': a, 'E': E,
+                 'equivalent': _estimate(E),
+                 'advantage': _estimate([e / a for e in E]),
+                 'retained': _estimate([(e - a) / plan['steps'] for e in E])})
+  return rows, [s for s in up_seeds if s not in own]
+
+
+def _mla(lm: dict) -> dict:
+  """MHA -> MLA at GQA-K's cache bytes against MHA -> mean-pooled GQA-K
+  (both fresh Adam, same rate and steps), per K: the conversion, MLA minus
+  GQA paired by seed at each alpha (alpha 0: the two conversions, one
+  measurement each), and MLA's scratch-equivalent steps on GQA-K's
+  from-scratch curve (the layout of equal cache bytes: no MLA is trained
+  from scratch); `paper`: the differences at the paper's alpha, one Holm
+  family over K."""
+  mla = {**lm, 'runs': lm['mla']['runs']}
+  by_K = {}
+  for conversion in lm['mla']['conversions']:
+    K = conversion['K']
+    x, gqa = losses(mla, MLA, K), losses(lm, 'mean', K)
+    if seeds(mla, MLA, K) != seeds(lm, 'mean', K):
+      raise ValueError(f'MLA at K={K} and mean-pooled K={K} ran other seeds')
+    compute, unpaired = _equivalents(lm, K, x, seeds(mla, MLA, K))
+    by_K[K] = {'conversion': conversion,
+               'mla': [stats.mean(x[:, i]).as_dict()
+                       for i in range(x.shape[1])],
+               'gqa': [stats.mean(gqa[:, i]).as_dict()
+                       for i in range(gqa.shape[1])],
+               'minus_gqa': [_paired(x[:, i], gqa[:, i])
+                             for i in range(x.shape[1])],
+               'compute': compute, 'compute_unpaired': unpaired}
+  return {'by_K': by_K, 'paper': _with_holm([
+      {'K': K, **r['minus_gqa'][PAPER_COLUMN]} for K, r in by_K.items()])}
 
 
 # The gate's rule: the control's drift is a change every uptrained arm shares
@@ -244,7 +291,7 @@ def _recall(recall: dict) -> dict:
     return {'k': len(hit), 'n': len(steps), 'steps': steps,
             'median': censored_median(steps)}
   arms = {}
-  for r in recall['runs']:
+  for r in recall['runs'] + recall.get('mla', {}).get('runs', []):
     arms.setdefault(f'{r["method"]}_K{r["K"]}', []).append(r)
   scratch = {}
   for r in recall['scratch']:
@@ -449,6 +496,72 @@ def reading(results: dict, summ: dict) -> list[str]:
       + '. From scratch (within the source\'s steps): ' + '; '.join(
           f'K={K}: {c["k"]} of {c["n"]}{_median(c, source_steps)}'
           for K, c in rec['scratch'].items()) + '.')
+  return lines + _mla_reading(results, summ)
+
+
+def _mla_verdict(c: dict) -> str:
+  """MLA minus GQA at one alpha, read after Holm: which is lower, or not
+  resolved with the smallest difference the seeds detect."""
+  if c['holm']:
+    return 'MLA lower' if c['mean'] < 0 else 'GQA lower'
+  return f'not resolved ({_detectable(c)})'
+
+
+def _mla_reading(results: dict, summ: dict) -> list[str]:
+  """The MLA arm's lines: per K, MLA against mean-pooled GQA at equal
+  cache bytes; the recall arm's MLA conversion."""
+  if 'mla' not in summ:
+    return []
+  plan = results['lm']['plan']
+  S, family = plan['steps'], summ['mla']['paper']
+  lines = []
+  for K, r in summ['mla']['by_K'].items():
+    c, cell = r['conversion'], next(f for f in family if f['K'] == K)
+    row = r['compute'][PAPER_COLUMN - 1]
+    R, Y = c['kv_lora_rank'], c['qk_rope_head_dim']
+    lines.append(
+        f'- **MHA → MLA against MHA → mean-pooled GQA at equal cache bytes, '
+        f'K = {K}: {_mla_verdict(cell)}** at α = {plan["paper_alpha"]} (MLA '
+        f'minus GQA, paired by seed, Holm over the {len(family)} K): '
+        f'{_f(cell)}, p = {cell["p"]:.3g}, {_detectable(cell)}. The '
+        'conversion (`train.convert --to_mla`, SVD of [W_K | W_V], partial '
+        f'RoPE): kv_lora_rank {R} + {Y} RoPE dims = '
+        f'{R + Y} numbers per token and layer, {c["kv_bytes_per_token"]:g} '
+        f'bytes/token ' + (
+            'as GQA K = ' if c['kv_bytes_per_token'] ==
+            c['gqa_kv_bytes_per_token'] else
+            'NOT equal (the nearest its ranks allow) to GQA K = ')
+        + f'{K}\'s {c["gqa_kv_bytes_per_token"]:g}; energy kept per layer '
+        + ', '.join(f'{e:.3f}' for e in c['energy_kept'] if e is not None)
+        + f'. Before uptraining (α = 0): MLA {_f(r["mla"][0], ".4f")} '
+        f'against GQA {_f(r["gqa"][0], ".4f")} nats. Both uptrained by the '
+        'same recipe (the chosen rate, fresh Adam, one run per seed). MLA '
+        'minus GQA by α: ' + ', '.join(
+            f'{s / S:g}: {_f(d)}' for s, d in zip(plan['alpha_steps'],
+                                                  r['minus_gqa'][1:]))
+        + f'. After {row["alpha_steps"]} uptraining steps MLA is worth '
+        f'{_f(row["equivalent"], ".0f")} steps of GQA K = {K} trained from '
+        f'scratch (each seed on its own curve), '
+        f'{_f(row["advantage"], ".2f")}x its uptraining steps: read on the '
+        'from-scratch curve of the layout with the same cache bytes, since '
+        'no MLA is trained from scratch here; so not claim 3\'s marginal '
+        'cost of an MLA model, but the steps an equal-cache GQA model '
+        'needs to match it.')
+  recall = results['recall'].get('mla')
+  if recall:
+    lines.append(
+        '- **Recall arm, MLA**: the rows `mla K` above are MHA → MLA at K\'s '
+        'cache bytes (' + '; '.join(
+            f'K = {c["K"]}: kv_lora_rank {c["kv_lora_rank"]} + '
+            f'{c["qk_rope_head_dim"]} RoPE dims, {c["kv_bytes_per_token"]:g} '
+            f'bytes/token against GQA\'s {c["gqa_kv_bytes_per_token"]:g}, '
+            'energy kept ' + ', '.join(f'{e:.3f}' for e in c['energy_kept']
+                                       if e is not None)
+            + ', held-out accuracy before uptraining ' + ', '.join(sorted({
+                f'{r["curve"][0]["accuracy"]:.3f}' for r in recall['runs']
+                if r['K'] == c['K']}))
+            for c in recall['conversions'])
+        + '), uptrained as the recall arm\'s GQA conversions are.')
   return lines
 
 
@@ -518,6 +631,38 @@ def tables(results: dict, summ: dict) -> list[str]:
   for K, c in summ['recall']['scratch'].items():
     lines.append(f'| K={K} from scratch | {c["k"]} of {c["n"]} | ' + ', '.join(
         '—' if s is None else str(s) for s in c['steps']) + ' |')
+  return lines + _mla_tables(results, summ)
+
+
+def _mla_tables(results: dict, summ: dict) -> list[str]:
+  """Per K: MLA and mean-pooled GQA at equal cache bytes by alpha, their
+  paired difference, MLA's scratch-equivalent steps on GQA-K's curve."""
+  if 'mla' not in summ:
+    return []
+  plan = results['lm']['plan']
+  S, a_steps = plan['steps'], plan['alpha_steps']
+  head = ('| | α=0 | ' + ' | '.join(f'α={s / S:g} ({s})' for s in a_steps)
+          + ' |')
+  rule = '|---|' + '---|' * (len(a_steps) + 1)
+  lines = []
+  for K, r in summ['mla']['by_K'].items():
+    c = r['conversion']
+    lines += ['', f'### MHA → MLA at K = {K}\'s cache bytes (kv_lora_rank '
+              f'{c["kv_lora_rank"]} + {c["qk_rope_head_dim"]} RoPE dims, '
+              f'{c["kv_bytes_per_token"]:g} bytes/token) against MHA → '
+              f'mean-pooled K = {K} ({c["gqa_kv_bytes_per_token"]:g}), fresh '
+              'Adam: held-out loss, mean [95% interval]', '', head, rule,
+              '| MLA | ' + ' | '.join(_f(e, '.4f') for e in r['mla']) + ' |',
+              f'| mean-pooled GQA K={K} | ' + ' | '.join(
+                  _f(e, '.4f') for e in r['gqa']) + ' |',
+              '| MLA − GQA (paired) | ' + ' | '.join(
+                  _f(e) for e in r['minus_gqa']) + ' |',
+              '| its detectable difference | ' + ' | '.join(
+                  _detectable(e).removeprefix('detectable ')
+                  for e in r['minus_gqa']) + ' |',
+              '| E of MLA on GQA K=' + str(K) + ' from scratch | — | '
+              + ' | '.join(_f(row['equivalent'], '.0f')
+                           for row in r['compute']) + ' |']
   return lines
 
 
@@ -600,6 +745,15 @@ def _pyplot():
   return plt
 
 
+def _band(ax, runs: list[dict], label: str, ls: str):
+  """The runs' seed-mean loss along their curve and the seeds' range."""
+  steps = [p['step'] for p in runs[0]['curve']]
+  y = np.array([[p['loss'] for p in r['curve']] for r in runs])
+  line, = ax.plot(steps, y.mean(0), ls=ls, label=label)
+  ax.fill_between(steps, y.min(0), y.max(0), color=line.get_color(),
+                  alpha=0.15)
+
+
 def plot_curves(out: pathlib.Path, results: dict):
   """Held-out loss along the uptraining runs: seed means, the seeds' range."""
   plt = _pyplot()
@@ -612,14 +766,12 @@ def plot_curves(out: pathlib.Path, results: dict):
     for method, start in [*((m, 'fresh') for m in UP_METHODS),
                           ('identity', 'pooled'), ('mean', 'pooled')]:
       k = N if method == 'identity' else K
-      runs = [r for r in lm['runs'] if (r['method'], r['K'], r['start'])
-              == (method, k, start)]
-      steps = [p['step'] for p in runs[0]['curve']]
-      y = np.array([[p['loss'] for p in r['curve']] for r in runs])
-      line, = ax.plot(steps, y.mean(0), ls='-' if start == 'fresh' else '--',
-                      label=f'{method}, {start} Adam')
-      ax.fill_between(steps, y.min(0), y.max(0), color=line.get_color(),
-                      alpha=0.15)
+      _band(ax, [r for r in lm['runs'] if (r['method'], r['K'], r['start'])
+                 == (method, k, start)], f'{method}, {start} Adam',
+            '-' if start == 'fresh' else '--')
+    if 'mla' in lm:
+      _band(ax, [r for r in lm['mla']['runs'] if r['K'] == K],
+            f'MLA at K={K}\'s cache bytes, fresh Adam', '-.')
     ax.axhline(lm['source']['loss'], color='gray', lw=1, ls=':',
                label='source (MHA)')
     ax.set(title=f'MHA → K={K}', xlabel='uptraining step',
@@ -652,6 +804,15 @@ def plot_compute(out: pathlib.Path, results: dict, summ: dict):
       e = r['equivalent']['mean']
       if math.isfinite(e):
         ax.plot([e, x], [y, y], color='k', lw=0.6, ls=':')
+    if 'mla' in summ:  # On the same curve: GQA-K's, of equal cache bytes.
+      mla = summ['mla']['by_K'][K]
+      ys = [e['mean'] for e in mla['mla'][1:]]
+      ax.plot(xs, ys, 'r^', label=f'MLA at K={K}\'s bytes, uptrained (E '
+              f'on K={K}\'s curve)')
+      for x, y, r in zip(xs, ys, mla['compute']):
+        if math.isfinite(r['equivalent']['mean']):
+          ax.plot([r['equivalent']['mean'], x], [y, y], color='r', lw=0.6,
+                  ls=':')
     ax.set(title=f'K={K}: scratch-equivalent steps', xlabel='training step',
            ylabel='held-out loss (nats/token)', yscale='log')
   axes[0, 0].legend(fontsize=7)
@@ -666,7 +827,7 @@ def plot_recall(out: pathlib.Path, results: dict):
   recall = results['recall']
   fig, (up, sc) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
   groups = {}
-  for r in recall['runs']:
+  for r in recall['runs'] + recall.get('mla', {}).get('runs', []):
     groups.setdefault(f'{r["method"]} K={r["K"]}', []).append(r)
   for i, (name, runs) in enumerate(groups.items()):
     for j, r in enumerate(runs):  # Each ends where it reached the target.

@@ -20,6 +20,13 @@ paper states them, with controls.
    chosen rate (warmup to it over the first alpha point, then constant, so
    that each checkpoint is the same recipe stopped earlier), evaluated at
    alpha = 0.0125, 0.025, 0.05, 0.1, 0.2; alpha = 0 evaluates the conversion.
+4b. MHA -> MLA at equal cache bytes (`mla_plan`, issue #40): for each K,
+   `train.convert --to_mla` of the same source with qk_rope_head_dim
+   Y = 2·N (one RoPE pair per head) and kv_lora_rank R = 2·K·H - Y, so
+   that kv_bytes_per_token equals GQA-K's; uptrained as in 4 (the chosen
+   rate, fresh Adam, one run per seed), compared with mean-pooled K paired
+   by seed at each alpha; its losses also map onto GQA-K's scratch curve
+   (5: the layout of equal bytes; no MLA is trained from scratch).
 5. From-scratch compute curves: MHA and each K trained (1 + 0.2) S steps per
    seed by the source's recipe, evaluated every S/40 steps; an uptrained loss
    maps to the steps the seed-mean scratch curve needs to reach it.
@@ -27,6 +34,7 @@ paper states them, with controls.
    construction), converted as in 3 (fresh Adam) and uptrained up to 0.2 x S_r
    steps at its peak rate; steps to regain accuracy >= 0.95 against K trained
    from scratch (up to S_r steps) per seed; each run ends when it gets there.
+   MLA at each K's bytes too (uptrain_recall has no RoPE: R = 2·K·H).
 7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
    values, stats.provenance) and plots.
 8. --tasks: lm-evaluation-harness scores (`score_lm`, as train.evaluate
@@ -35,10 +43,14 @@ paper states them, with controls.
    the identity control and MHA from scratch (docs/evaluation.md).
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
-same --out reuses finished runs and resumes an interrupted one. Default: 4
-seeds, about 30 minutes on an idle 2-core machine (estimated from --quick's
-per-step times); --quick: S/4, K = 1 only, 3 seeds, about 8 minutes there
-(26 minutes measured beside seven other busy processes).
+same --out reuses finished runs and resumes an interrupted one (one made
+before the MLA arm: only the MLA runs train). Default: 4 seeds, about 30
+minutes on an idle 2-core machine (estimated from --quick's per-step times;
+the MLA arm adds a conversion and a run per seed to each K's runs); --quick:
+S/4, K = 1 only, 3 seeds, about 8 minutes there (26 minutes measured beside
+seven other busy processes) before the MLA arm, which --quick includes: it
+took 41 CPU-seconds more (both of its arms, measured by rerunning --quick
+on finished runs with and without them), so at most about 9 minutes idle.
 """
 
 from __future__ import annotations
@@ -49,8 +61,12 @@ import json
 import pathlib
 import shutil
 
+import numpy as np
+
 from scripts import stats, study, task_scores, uptrain_report
-from train import config_lib, convert, loop, progress
+from train import config_lib, convert, loop, progress, to_mla
+from train import model as model_lib
+from train import workdir as workdir_lib
 from train.cli import check_output_dir, exit_on_user_error, positive_int
 from train.errors import UserError
 from train.metrics import read_metrics
@@ -228,6 +244,8 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
                     convert_one(out, source_dir, arm, seed), config, top,
                     chosen['rate'], seed, unit)
     runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve})
+  mla = mla_arm(out, source_dir, config, kv_heads, seeds, chosen['rate'], top,
+                unit)
   scratches = []
   for K, seed in progress.runs(
       [(K, s) for K in [N, *kv_heads] for s in seeds],
@@ -235,7 +253,7 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
     scratches.append({'K': K, 'seed': seed, 'curve': scratch(
         out, config, K, seed, S + top)})
   return {'source': source, 'pilot': chosen, 'runs': runs,
-          'scratch': scratches,
+          'scratch': scratches, 'mla': mla,
           'plan': {'kv_heads': kv_heads, 'seeds': seeds, 'num_heads': N,
                    'steps': S, 'alpha_steps': [unit * 2 ** i for i in range(
                        len(ALPHAS))], 'alphas': list(ALPHAS),
@@ -269,6 +287,8 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
                     stop=True)
     runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve,
                  'steps_to_target': steps_to(curve)})
+  mla = mla_arm(out / 'recall', source_dir, config, kv_heads, seeds,
+                config.train.learning_rate, budget, every, stop=True)
   scratches = []
   for K, seed in progress.runs([(K, s) for K in kv_heads for s in seeds],
                                lambda p: f'recall: K={p[0]} from scratch, '
@@ -277,7 +297,7 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
     scratches.append({'K': K, 'seed': seed, 'curve': curve,
                       'steps_to_target': steps_to(curve)})
   return {'source': {**source, 'steps_to_target': steps_to(source['curve'])},
-          'runs': runs, 'scratch': scratches,
+          'runs': runs, 'scratch': scratches, 'mla': mla,
           'plan': {'kv_heads': kv_heads, 'seeds': seeds, 'num_heads': N,
                    'steps': S, 'budget': budget, 'target': RECALL_TARGET,
                    'eval_every': every, 'config': config.to_dict()}}
@@ -332,6 +352,73 @@ def score_lm(out: pathlib.Path, config, lm: dict, what) -> dict:
         'scores': task_scores.score(what, out / 'scratch' / name,
                                     where / 'scratch' / name)['scores']})
   return scored
+
+
+# --- MHA -> MLA at GQA-K's cache bytes ------------------------------------
+
+MLA = uptrain_report.MLA  # Its runs: runs/fresh/mla_K{K}, K: GQA's match.
+
+
+def mla_plan(mc, K: int) -> dict:
+  """The MLA conversion of the MHA source `mc` [N heads of H] caching what
+  GQA-K caches per token: qk_rope_head_dim Y = 2·N (one RoPE frequency pair
+  per head, the fewest `train.to_mla` keeps, so the rest goes to the shared
+  latent; 0 without RoPE) and kv_lora_rank R = 2·K·H - Y, so that R + Y =
+  2·K·H numbers per token and layer, as K heads' keys and values. Where
+  that R is out of `to_mla`'s range [1, min(D, 2·N·H - Y)], the nearest in
+  it (the bytes then differ, and both are recorded). The bytes are
+  `train.model.kv_bytes_per_token`'s, as final.json reports them."""
+  N, H = mc.num_heads, mc.head_dim
+  Y = 2 * N if mc.use_rope else 0
+  R = min(max(1, 2 * K * H - Y), mc.d_model, 2 * N * H - Y)
+  pairs = (to_mla.select_pairs(np.zeros((N, H // 2)), Y) if mc.use_rope
+           else None)  # Which pairs does not change the cache's size.
+  mla_mc, _ = to_mla.target_config(mc, R, Y, pairs)
+  return {'K': K, 'kv_lora_rank': R, 'qk_rope_head_dim': Y,
+          'kv_bytes_per_token': model_lib.kv_bytes_per_token(mla_mc),
+          'gqa_kv_bytes_per_token': model_lib.kv_bytes_per_token(
+              dataclasses.replace(mc, num_kv_heads=K))}
+
+
+def convert_mla(out: pathlib.Path, source: pathlib.Path, plan: dict
+                ) -> tuple[pathlib.Path, dict]:
+  """PLAN's MLA conversion of SOURCE (deterministic: one for every seed)
+  and its convert.json record (the energy kept per layer)."""
+  workdir = out / 'converted' / Arm(MLA, plan['K']).name
+  if not (workdir / 'config.json').exists():
+    shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    with (out / 'converted' / 'log.txt').open('a') as f, (
+        contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
+      convert.convert_to_mla(str(source), str(workdir), plan['kv_lora_rank'],
+                             plan['qk_rope_head_dim'])
+  return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
+
+
+def mla_arm(out: pathlib.Path, source_dir: pathlib.Path, config, kv_heads,
+            seeds, rate: float, steps: int, every: int,
+            stop: bool = False) -> dict:
+  """MHA -> MLA at each K's cache bytes (`mla_plan`), uptrained as the GQA
+  arms are: fresh Adam, one run per seed of `steps` at `rate`, evaluated
+  every `every` (stop: ending at the recall target, with its steps)."""
+  mc = config_lib.model_config(config)
+  conversions, runs = [], []
+  for K in kv_heads:
+    plan = mla_plan(mc, K)
+    converted, info = convert_mla(out, source_dir, plan)
+    conversions.append({**plan, 'energy_kept': info['energy_kept'],
+                        'rope_pairs': info['rope_pairs'],
+                        'converted_kv_bytes_per_token':
+                            info['kv_bytes_per_token']})
+    for seed in progress.runs(seeds, lambda s: (
+        f'MHA -> MLA at K={K}\'s bytes (kv_lora_rank {plan["kv_lora_rank"]}, '
+        f'RoPE dims {plan["qk_rope_head_dim"]}), seed {s}')):
+      curve = uptrain(out, f'runs/{Arm(MLA, K).name}/s{seed}', converted,
+                      config, steps, rate, seed, every, stop)
+      runs.append({'method': MLA, 'K': K, 'start': 'fresh', 'seed': seed,
+                   'curve': curve, **(
+                       {'steps_to_target': steps_to(curve)} if stop else {})})
+  return {'conversions': conversions, 'runs': runs}
 
 
 def main():

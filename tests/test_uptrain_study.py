@@ -1,6 +1,7 @@
 """The uptraining study: its statistics and reading (on made-up results whose
 answers are known), and the whole study end to end on `tiny`."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from scripts import stats, uptrain_report, uptrain_study
+from train import config_lib
 
 SOURCE = 2.0
 STEPS = [1, 2, 4, 8, 16]  # Uptraining steps of the alphas, S = 100.
@@ -23,9 +25,11 @@ def _scratch_loss(step, K, seed):
   return 5 - step / 30 + (0.01 if K == 1 else 0.0) + 0.001 * (seed - 2)
 
 
-def _results(up: dict, noise: float = 0.0, pooled_gain: float = 0.0):
+def _results(up: dict, noise: float = 0.0, pooled_gain: float = 0.0,
+             mla=None):
   """LM results where arm (method, start)'s loss at alpha step s is
-  up[method](s) (minus pooled_gain for pooled Adam), plus per-seed noise."""
+  up[method](s) (minus pooled_gain for pooled Adam), plus per-seed noise;
+  mla(s, seed): the MLA arm's (none without)."""
   rng = np.random.default_rng(0)
   runs = []
   for arm in uptrain_study.plan_arms(4, [1]):
@@ -60,6 +64,19 @@ def _results(up: dict, noise: float = 0.0, pooled_gain: float = 0.0):
       'scratch': [{'K': 1, 'seed': s, 'curve': recall_curve(True),
                    'steps_to_target': 600 + s} for s in (1, 2, 3)],
       'plan': {'budget': 16, 'target': 0.95}}
+  if mla:
+    conversion = {'K': 1, 'kv_lora_rank': 24, 'qk_rope_head_dim': 8,
+                  'kv_bytes_per_token': 256.0,
+                  'gqa_kv_bytes_per_token': 256.0,
+                  'energy_kept': [0.8, 0.85]}
+    lm['mla'] = {'conversions': [conversion], 'runs': [
+        {'method': 'mla', 'K': 1, 'start': 'fresh', 'seed': seed, 'curve': [
+            {'step': s, 'loss': mla(s, seed), 'accuracy': 0.0}
+            for s in [0, *STEPS]]} for seed in (1, 2, 3)]}
+    recall['mla'] = {'conversions': [{**conversion, 'qk_rope_head_dim': 0,
+                                      'kv_lora_rank': 32}], 'runs': [
+        {'method': 'mla', 'K': 1, 'seed': s, 'curve': recall_curve(True),
+         'steps_to_target': 10} for s in (1, 2, 3)]}
   return {'provenance': {'command': 'python -m scripts.uptrain_study --out=x',
                          'commit': 'abc1234', 'out': 'x',
                          'statistics': 'convention.'},
@@ -240,10 +257,77 @@ def test_task_scores_are_paired_against_the_control_at_each_alpha():
   assert uptrain_report.task_lines(_results(UP)) == []  # No --tasks.
 
 
+def test_mla_plan_matches_the_gqa_targets_cache_bytes():
+  mc = config_lib.model_config(uptrain_study.source_config('uptrain_source',
+                                                           None))
+  # N = 4 heads of H = 16, RoPE: 2·N = 8 RoPE dims (a pair per head), the
+  # rest of 2·K·H to the latent.
+  for K, rank in ((2, 56), (1, 24)):
+    plan = uptrain_study.mla_plan(mc, K)
+    assert (plan['kv_lora_rank'], plan['qk_rope_head_dim']) == (rank, 8)
+    assert plan['kv_bytes_per_token'] == plan['gqa_kv_bytes_per_token'] == \
+        2 * K * 16 * mc.num_layers * 4  # float32.
+  recall = config_lib.model_config(uptrain_study.source_config(
+      'uptrain_recall', None))  # No RoPE: the whole budget to the latent.
+  plan = uptrain_study.mla_plan(recall, 1)
+  assert (plan['kv_lora_rank'], plan['qk_rope_head_dim']) == (32, 0)
+  assert plan['kv_bytes_per_token'] == plan['gqa_kv_bytes_per_token']
+  # A latent capped at its full rank (d_model 16 < 2·2·16 - 8): the
+  # nearest, and the bytes say so.
+  narrow = uptrain_study.mla_plan(dataclasses.replace(mc, d_model=16), 2)
+  assert narrow['kv_lora_rank'] == 16
+  assert narrow['kv_bytes_per_token'] < narrow['gqa_kv_bytes_per_token']
+
+
+def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
+  # MLA is 0.1 below mean-pooled GQA at every alpha (more or less a
+  # seed's 0.002), 0.03 below at alpha 0 (one conversion each).
+  mla = lambda s, seed: UP['mean'](s) - (0.03 if s == 0 else
+                                         0.1 + 0.002 * (seed - 2))
+  results = _results(UP, noise=0.0005, mla=mla)
+  summ = uptrain_report.summary(results)
+  K1 = summ['mla']['by_K'][1]
+  assert K1['minus_gqa'][0]['mean'] == pytest.approx(-0.03)
+  assert K1['minus_gqa'][0]['sd'] == 0  # Deterministic: one measurement.
+  assert [c['mean'] for c in K1['minus_gqa'][1:]] == pytest.approx(
+      [-0.1] * 5, abs=0.003)
+  cell = summ['mla']['paper'][0]
+  assert cell['holm'] and uptrain_report._mla_verdict(cell) == 'MLA lower'
+  # E on GQA K=1's scratch curve: loss 2.9 at the paper's alpha.
+  np.testing.assert_allclose(K1['compute'][2]['E'], [
+      30 * (5.01 + 0.001 * (s - 2) - (2.9 - 0.002 * (s - 2)))
+      for s in (1, 2, 3)], atol=0.1)
+  assert summ['recall']['arms']['mla_K1']['k'] == 3
+  text = '\n'.join(uptrain_report.reading(results, summ) +
+                   uptrain_report.tables(results, summ))
+  assert ('equal cache bytes, K = 1: MLA lower** at α = 0.05' in text and
+          'kv_lora_rank 24 + 8 RoPE dims = 32 numbers per token and layer, '
+          '256 bytes/token as GQA K = 1\'s 256' in text)
+  assert 'energy kept per layer 0.800, 0.850' in text
+  assert 'kv_lora_rank 32 + 0 RoPE dims, 256 bytes/token against GQA\'s ' \
+         '256, energy kept 0.800, 0.850, held-out accuracy before ' \
+         'uptraining 0.300' in text
+  assert '| MLA − GQA (paired) | -0.0300 (deterministic' in text
+  assert '| its detectable difference | nothing detectable: no spread ' \
+         'over seeds | 0.' in text
+  assert 'MLA lower** at α = 0.05 (MLA minus GQA, paired by seed, Holm ' \
+         'over the 1 K): -0.09' in text and ', detectable 0.0' in text
+  # A same-loss MLA: not resolved, with what the seeds could detect.
+  same = uptrain_report.summary(_results(
+      UP, noise=0.0005, mla=lambda s, seed: UP['mean'](s) + 0.001 * (
+          seed - 2)))
+  assert uptrain_report._mla_verdict(same['mla']['paper'][0]).startswith(
+      'not resolved (detectable 0.')
+  # Results from before the MLA arm read as before.
+  assert 'mla' not in uptrain_report.summary(_results(UP, noise=0.0005))
+
+
 @pytest.mark.slow  # The plots: about 3 s.
 def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
-  uptrain_report.write(tmp_path, _results(UP, noise=0.0005))
+  uptrain_report.write(tmp_path, _results(
+      UP, noise=0.0005, mla=lambda s, seed: UP['mean'](s) - 0.1))
   text = (tmp_path / 'report.md').read_text()
+  assert '### MHA → MLA at K = 1\'s cache bytes' in text
   assert 'Made by `python -m scripts.uptrain_study --out=x` at commit ' \
          'abc1234' in text
   assert 'Claim 3, K = 1 (the marginal cost' in text and \
@@ -260,8 +344,8 @@ def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
 def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   """On `tiny`: one uptraining run per (conversion, seed) evaluated at
   every alpha, the identity control exact at alpha 0, scratch curves for
-  MHA and K per seed, the recall arm, provenance, task scores (--tasks:
-  train.evaluate's, by seed); a rerun reuses it all."""
+  MHA and K per seed, the recall arm, MLA at K's bytes, provenance, task
+  scores (--tasks: train.evaluate's, by seed); a rerun reuses it all."""
   out = tmp_path / 'study'
   tasks = importlib.util.find_spec('lm_eval') is not None  # The eval extra.
   include = pathlib.Path(__file__).parent / 'lm_eval_tasks'
@@ -289,6 +373,15 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
       (1, 1), (1, 2), (4, 1), (4, 2)]
   assert all(s['curve'][-1]['step'] == 96 for s in lm['scratch'])
   assert len(results['recall']['runs']) == 4 * 2
+  # MHA -> MLA at K = 1's bytes, per seed, in both arms: the conversion's
+  # cache (train.model's count, in its convert.json) is GQA K = 1's.
+  for arm in (lm, results['recall']):
+    (conversion,) = arm['mla']['conversions']
+    assert conversion['converted_kv_bytes_per_token'] == \
+        conversion['gqa_kv_bytes_per_token']
+    assert [r['seed'] for r in arm['mla']['runs']] == [1, 2]
+  assert all((out / 'runs/fresh/mla_K1' / f's{s}' / 'final.json').exists()
+             for s in (1, 2))
   assert results['provenance']['commit'] and \
       results['provenance']['out'] == str(out)
   assert '## Reading' in first.stdout
@@ -297,8 +390,8 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   scored = {p: p.stat().st_mtime_ns for p in out.glob('tasks/**/scored.json')}
   again = subprocess.run(command, capture_output=True, text=True, check=True,
                          env=env)
-  assert json.loads((out / 'results.json').read_text())['lm']['runs'] == \
-      lm['runs']
+  rerun = json.loads((out / 'results.json').read_text())['lm']
+  assert rerun['runs'] == lm['runs'] and rerun['mla'] == lm['mla']
   assert 'from scratch' in again.stdout
   assert {p: p.stat().st_mtime_ns for p in scored} == scored  # Reused.
 
