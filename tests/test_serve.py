@@ -119,6 +119,35 @@ def test_every_cache_layout_decodes_as_train_sample_does(model):
 
 
 @pytest.mark.slow
+def test_tables_as_wide_as_the_pages_in_use_still_decode_as_train_sample(
+    monkeypatch):
+  """Steps read only the next power of two of the pages in use (not
+  max_len's 8), so sequences cross width buckets as they grow; prompts
+  admitted together are prefilled in one call."""
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2)
+  widths, prefills = [], []
+  decode = served._decode  # pylint: disable=protected-access
+  def spy_decode(params, pool, last, table, *args):
+    widths.append(table.shape)
+    return decode(params, pool, last, table, *args)
+  def spy_prefill(*args, prefill=engine._prefill, **kwargs):  # pylint: disable=protected-access
+    prefills.append(args[3].shape)
+    return prefill(*args, **kwargs)
+  monkeypatch.setattr(served, '_decode', spy_decode)
+  monkeypatch.setattr(engine, '_prefill', spy_prefill)
+  requests = [engine.Request(0, np.arange(1, 4, dtype=np.int32) * 5, 13),
+              engine.Request(1, np.array([7, 11], np.int32), 3)]
+  results = {r.id: r.tokens for r in served.run(requests)}
+  for r in requests:
+    assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
+  assert prefills == [(2, 4)]  # Both prompts, in the 1 page of the longest.
+  # Lengths 3..14 and 2..3 (the new token's position included): 1 page, then
+  # 2, then 3 or 4 (read as 4).
+  assert sorted(set(widths)) == [(2, 1), (2, 2), (2, 4)]
+
+
+@pytest.mark.slow
 def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=8, slots=2,
