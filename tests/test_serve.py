@@ -306,11 +306,35 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
   assert row['tokens'] == sum(new for _, new in trace)
   assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
   assert row['tokens_per_sec'] > 0 and row['alone_tokens_per_sec'] > 0
+  assert row['tokens_per_cpu_sec'] > 0 and row['alone_tokens_per_cpu_sec'] > 0
   assert 1 <= row['mean_in_flight'] <= 2
   row['batching_speedup'] = 1.0
   bench_serve.plot([row], tmp_path / 'serve.png')
   assert '| 1 | 1,024 |' in bench_serve.report({'command': 'c', 'date': 'd',
                                                 'rows': [row]}, args)
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_transformers_on_the_same_trace_in_its_own_process():
+  config = tiny.get_config()
+  config.model.num_kv_heads = 1
+  mc = config_lib.model_config(config)
+  params = nn.unbox(loop.init_params(Transformer(mc), seed=1))
+  trace = [(np.array([5, 6, 7], np.int32), 4), (np.array([9], np.int32), 2),
+           (np.array([1, 2], np.int32), 3)]
+  row = bench_serve.transformers_peer(config, params, trace, slots=2)
+  assert row['hf_tokens_per_sec'] > 0 and row['hf_tokens_per_cpu_sec'] > 0
+  assert row['hf_threads'] == bench_serve.jax_threads()
+  assert 0 < row['hf_time_to_first_token_s'] < row['hf_seconds']
+
+
+def test_bench_serve_draws_lengths_on_the_length_step():
+  args = argparse.Namespace(requests=20, prompt_len=[8, 80],
+                            output_len=[16, 64], length_step=24, seed=0)
+  trace = bench_serve.make_trace(args, 256, 256)
+  assert {len(p) for p, _ in trace} <= {8, 32, 56, 80}
+  assert {new for _, new in trace} <= {16, 40, 64}
+  assert len({(len(p), new) for p, new in trace}) > 4  # Still a mix.
 
 
 def test_bench_serve_refuses_a_trace_past_max_len_in_one_line():
