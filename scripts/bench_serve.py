@@ -3,12 +3,15 @@ over the paged cache, with one-request-at-a-time `train.sample` beside it.
 
   python -m scripts.bench_serve [--config=gqa_small] [--kv_heads=8,2,1]
       [--kv_memory=4MiB] [--slots=32] [--requests=32] [--page_size=16]
-      [--prompt_len=8,96] [--output_len=8,64] [--seed=0] [--out=DIR]
+      [--prompt_len=8,96] [--output_len=8,64] [--length_step=1] [--seed=0]
+      [--no_hf] [--out=DIR]
 
 The trace: --requests requests, all arriving at the start (an offline
-batch); prompt and output lengths drawn uniformly from the inclusive ranges
---prompt_len and --output_len with numpy's generator seeded by --seed; the
-prompt tokens uniform over the vocabulary. Each K gets a random model
+batch); prompt and output lengths drawn uniformly from LOW, LOW + step, ...
+up to HIGH of the inclusive ranges --prompt_len and --output_len (step
+--length_step: a coarser step means fewer shapes for the one-at-a-time peer
+to compile) with numpy's generator seeded by --seed; the prompt tokens
+uniform over the vocabulary. Each K gets a random model
 (speed does not depend on the weights) and the same trace, served by
 `serve.engine.Engine` in --slots slots over --kv_memory bytes of pages: with
 fewer K/V heads a page holds more tokens' worth of memory, so more sequences
@@ -17,19 +20,39 @@ decode steps), the pool's high-water mark, and each request's time to first
 token and per-token latency (medians). Compiling is done before timing
 (a warm-up pass over the same trace).
 
-The peer, in the same run and process, taking turns by K: the same requests
-one at a time through `train.sample.generate` (its prefill and `lax.scan`
-decode), each shape compiled before the clock starts.
+Peers, in the same run, taking turns with the engine for each K:
+  one at a time  the same requests one after another through
+                 `train.sample.generate` (its prefill and `lax.scan` decode),
+                 in this process, each shape compiled before the clock starts
+  transformers   the same model written as a Hugging Face folder by
+                 `python -m train.convert --to_hf` (from a step-0 workdir of
+                 the same parameters), loaded by
+                 `AutoModelForCausalLM.from_pretrained` in a process of its
+                 own (`--hf_worker`; no two frameworks' thread pools in one
+                 process) with torch's threads set to the cores JAX uses:
+                 the trace in its order cut into batches of --slots, each
+                 batch left-padded and greedily `generate()`d to its
+                 longest max_new_tokens (a request's tokens past its own are
+                 computed but not counted: static batching's cost), after a
+                 warm-up batch
+Tokens/s counts each request's max_new_tokens, the same tokens for all
+three. Wall and CPU seconds (this process's or the worker's, all threads)
+are both reported: on a shared machine the CPU time is the steadier one.
 Writes serve.json, report.md and serve.png under --out.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
+import os
+import platform
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 
 import flax.linen as nn
@@ -38,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from serve import engine as engine_lib, pages
-from train import config_lib, loop, sample
+from train import checkpoint, config_lib, loop, sample
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from train.errors import UserError
@@ -55,9 +78,17 @@ def main():
   parser.add_argument('--page_size', type=positive_int, default=16)
   parser.add_argument('--prompt_len', type=int_list, default=[8, 96])
   parser.add_argument('--output_len', type=int_list, default=[8, 64])
+  parser.add_argument('--length_step', type=positive_int, default=1)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--out', default='out/serve')
+  parser.add_argument('--no_hf', action='store_true',
+                      help='leave out the transformers peer')
+  parser.add_argument('--hf_worker', help=argparse.SUPPRESS)
+  parser.add_argument('--trace_file', help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.hf_worker:
+    hf_worker(args)
+    return
   check_output_dir(args.out)
   kv_memory = pages.parse_bytes(args.kv_memory)
   config = config_lib.load(args.config)
@@ -74,22 +105,38 @@ def main():
     row |= one_at_a_time(mc, params, trace)
     row['batching_speedup'] = (row['tokens_per_sec'] /
                                row['alone_tokens_per_sec'])
+    if not args.no_hf:
+      row |= transformers_peer(config, params, trace, args.slots)
+      row['hf_speedup'] = row['tokens_per_sec'] / row['hf_tokens_per_sec']
     print(f'K={K}: {row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
           f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s '
-          f'({row["batching_speedup"]:.2f}x)', flush=True)
+          f'({row["batching_speedup"]:.2f}x)' + (
+              '' if args.no_hf else
+              f'; transformers {row["hf_tokens_per_sec"]:,.1f} tokens/s '
+              f'({row["hf_speedup"]:.2f}x)'), flush=True)
     rows.append(row)
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
-      sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
-             'trace': {'requests': args.requests, 'prompt_len': args.prompt_len,
-                       'output_len': args.output_len, 'seed': args.seed}}
-  (out / 'serve.json').write_text(json.dumps(results, indent=1))
+    results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
+        sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
+               'commit': _commit(),
+               'trace': {'requests': args.requests,
+                         'prompt_len': args.prompt_len,
+                         'output_len': args.output_len,
+                         'length_step': args.length_step, 'seed': args.seed},
+               'machine': machine()}
+    out = pathlib.Path(args.out)  # After each K: a late failure loses none.
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'serve.json').write_text(json.dumps(results, indent=1))
   (out / 'report.md').write_text(report(results, args))
   plot(rows, out / 'serve.png')
   print(f'wrote {out}/serve.json, report.md and serve.png')
+
+
+def _commit() -> str:
+  result = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'],
+                          capture_output=True, text=True, check=False)
+  return result.stdout.strip() or '?'
 
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:
@@ -104,10 +151,11 @@ def make_trace(args, vocab_size: int, max_len: int) -> list:
                     f'{args.prompt_len[1] + args.output_len[1]} tokens, past '
                     f'model.max_len ({max_len}); lower their highs')
   rng = np.random.default_rng(args.seed)
-  return [(rng.integers(0, vocab_size, rng.integers(
-      args.prompt_len[0], args.prompt_len[1] + 1)).astype(np.int32),
-           int(rng.integers(args.output_len[0], args.output_len[1] + 1)))
-          for _ in range(args.requests)]
+  step = getattr(args, 'length_step', 1)
+  draw = lambda low, high: low + step * int(rng.integers(
+      0, (high - low) // step + 1))
+  return [(rng.integers(0, vocab_size, draw(*args.prompt_len)).astype(
+      np.int32), draw(*args.output_len)) for _ in range(args.requests)]
 
 
 def serve(mc, params, trace, kv_memory: int, args) -> dict:
@@ -117,7 +165,9 @@ def serve(mc, params, trace, kv_memory: int, args) -> dict:
   requests = [engine_lib.Request(i, p, new) for i, (p, new) in
               enumerate(trace)]
   list(served.run(requests))  # Compiles every prefill and batch size used.
+  cpu = time.process_time()
   results = list(served.run(requests))
+  cpu = time.process_time() - cpu
   s = served.stats
   refused = [r.error for r in results if r.error]
   if refused:
@@ -126,8 +176,9 @@ def serve(mc, params, trace, kv_memory: int, args) -> dict:
   return {
       'num_kv_heads': mc.num_kv_heads, 'page_bytes': s.page_bytes,
       'usable_pages': s.usable_pages, 'high_water_pages': s.high_water_pages,
-      'tokens': s.tokens, 'seconds': s.seconds,
+      'tokens': s.tokens, 'seconds': s.seconds, 'cpu_seconds': cpu,
       'tokens_per_sec': s.tokens / s.seconds,
+      'tokens_per_cpu_sec': s.tokens / cpu,
       'mean_in_flight': s.mean_in_flight,
       'time_to_first_token_s': float(np.median(
           [r.time_to_first_token_s for r in results])),
@@ -149,54 +200,195 @@ def one_at_a_time(mc, params, trace) -> dict:
           sample.generate, model=model, max_new_tokens=new, temperature=0.0,
           top_k=0)).lower(*args).compile()
     calls.append((compiled[shape], args))
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.process_time()
   for fn, args in calls:
     np.asarray(fn(*args))
   seconds = time.perf_counter() - start
+  cpu = time.process_time() - cpu
   tokens = sum(new for _, new in trace)
-  return {'alone_seconds': seconds, 'alone_tokens_per_sec': tokens / seconds}
+  return {'alone_seconds': seconds, 'alone_cpu_seconds': cpu,
+          'alone_tokens_per_sec': tokens / seconds,
+          'alone_tokens_per_cpu_sec': tokens / cpu}
+
+
+def jax_threads() -> int:
+  """The cores this process (and so JAX's CPU thread pool) may run on."""
+  return len(os.sched_getaffinity(0))
+
+
+def machine() -> dict:
+  """The CPU family, its vector extensions, the cores used and the load."""
+  flags, model = set(), platform.processor()
+  for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines():
+    key, _, value = line.partition(':')
+    if key.strip() == 'model name':
+      model = value.strip()
+    elif key.strip() == 'flags':
+      flags = set(value.split())
+  return {'cpu': model, 'avx2': 'avx2' in flags,
+          'avx512f': 'avx512f' in flags, 'cores': jax_threads(),
+          'load_average': list(os.getloadavg())}
+
+
+def transformers_peer(config, params, trace, slots: int) -> dict:
+  """The trace through transformers' `generate()` on the same parameters,
+  exported by `train.convert --to_hf`, in a process of its own."""
+  with tempfile.TemporaryDirectory() as tmp:
+    workdir, hf_dir = pathlib.Path(tmp, 'workdir'), pathlib.Path(tmp, 'hf')
+    checkpoint.save_params(workdir, params)  # A step-0 workdir, as
+    (workdir / 'config.json').write_text(config.to_json(indent=2))  # imports.
+    _run([sys.executable, '-m', 'train.convert', f'--source={workdir}',
+          f'--to_hf={hf_dir}'])
+    trace_file = pathlib.Path(tmp, 'trace.json')
+    trace_file.write_text(json.dumps([[p.tolist(), new] for p, new in trace]))
+    out = _run([sys.executable, '-m', 'scripts.bench_serve',
+                f'--hf_worker={hf_dir}', f'--trace_file={trace_file}',
+                f'--slots={slots}'])
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _run(command: list[str]) -> str:
+  result = subprocess.run(command, capture_output=True, text=True,
+                          check=False)
+  if result.returncode:
+    raise RuntimeError(f'{" ".join(command[1:4])} failed:\n'
+                       f'{result.stderr[-3000:]}')
+  return result.stdout
+
+
+def hf_worker(args):
+  """Prints the transformers peer's numbers as one JSON line (`--hf_worker`
+  names the exported folder, `--trace_file` the trace)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(jax_threads())
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      args.hf_worker, torch_dtype=torch.float32).eval()
+  trace = json.loads(pathlib.Path(args.trace_file).read_text())
+  batches = [trace[i:i + args.slots] for i in range(0, len(trace),
+                                                    args.slots)]
+
+  class FirstToken(transformers.LogitsProcessor):
+    """Notes when each step's logits are ready (the first: the prefill's)."""
+
+    def __init__(self):
+      self.times = []
+
+    def __call__(self, input_ids, scores):
+      self.times.append(time.perf_counter())
+      return scores
+
+  def generate(batch, new: int, stamps: FirstToken):
+    P = max(len(p) for p, _ in batch)
+    ids = torch.zeros((len(batch), P), dtype=torch.long)
+    mask = torch.zeros((len(batch), P), dtype=torch.long)
+    for row, (prompt, _) in enumerate(batch):  # Padded on the left.
+      ids[row, P - len(prompt):] = torch.tensor(prompt)
+      mask[row, P - len(prompt):] = 1
+    with torch.no_grad():
+      model.generate(ids, attention_mask=mask, max_new_tokens=new,
+                     do_sample=False, eos_token_id=None,
+                     pad_token_id=0, logits_processor=[stamps])
+
+  generate(batches[0], 4, FirstToken())  # Warm-up: allocations, caches.
+  start, cpu = time.perf_counter(), time.process_time()
+  ttft, per_token = [], []
+  for batch in batches:
+    stamps = FirstToken()
+    longest = max(new for _, new in batch)
+    generate(batch, longest, stamps)
+    first = stamps.times[0]
+    for _, new in batch:  # A request's tokens are done at its step.
+      ttft.append(first - start)
+      if new > 1:
+        per_token.append((stamps.times[new - 1] - first) / (new - 1))
+  seconds = time.perf_counter() - start
+  cpu = time.process_time() - cpu
+  tokens = sum(new for _, new in trace)
+  print(json.dumps({
+      'hf_seconds': seconds, 'hf_cpu_seconds': cpu,
+      'hf_tokens_per_sec': tokens / seconds,
+      'hf_tokens_per_cpu_sec': tokens / cpu, 'hf_threads': jax_threads(),
+      'hf_time_to_first_token_s': float(np.median(ttft)),
+      'hf_per_token_s': float(np.median(per_token)) if per_token else None,
+      'transformers': transformers.__version__, 'torch': torch.__version__}))
 
 
 def report(results, args) -> str:
+  m = results.get('machine', {})
+  hf = all('hf_tokens_per_sec' in r for r in results['rows'])
   lines = [
       '# Serving throughput against K at one KV-memory budget', '',
-      f'`{results["command"]}` on {results["date"]}. Trace: '
-      f'{args.requests} requests at once, prompt lengths uniform in '
-      f'{args.prompt_len[0]}..{args.prompt_len[1]}, outputs in '
-      f'{args.output_len[0]}..{args.output_len[1]} tokens (seed {args.seed}); '
-      f'{args.slots} slots, --kv_memory={args.kv_memory}, pages of '
-      f'{args.page_size} tokens. Compile time excluded. Speeds are from one '
-      'run on a machine that may be shared: read the ratios within the run, '
-      'not the absolute numbers.', '',
-      '| K | page bytes | pages | high-water | in flight | tokens/s | '
-      'time to first token | per-token latency | one at a time | '
-      'batching speedup |', '|---|---|---|---|---|---|---|---|---|---|']
+      f'`{results["command"]}` at commit {results.get("commit", "?")} on '
+      f'{results["date"]}. Trace: {args.requests} requests at once, prompt '
+      f'lengths uniform in {args.prompt_len[0]}..{args.prompt_len[1]}, '
+      f'outputs in {args.output_len[0]}..{args.output_len[1]} tokens (step '
+      f'{getattr(args, "length_step", 1)}, seed {args.seed}); {args.slots} '
+      f'slots, --kv_memory={args.kv_memory}, pages of {args.page_size} '
+      'tokens. Compile time excluded.', '',
+      f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
+      f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX and '
+      f'for torch; load average {m.get("load_average", "?")} at the end. '
+      'Measured under load (a machine shared with other jobs): wall-clock '
+      'tokens/s depend on what else ran; the ratios are within one run, '
+      'the peers taking turns with the engine for each K, and tokens per '
+      'CPU-second (this process\'s or the peer\'s, all threads) are the '
+      'steadier figure.', '',
+      '| K | page bytes | pages | high-water | in flight | tokens/s (per '
+      'CPU-s) | time to first token | per-token latency | one at a time '
+      'tokens/s (per CPU-s) | vs one at a time: wall (CPU) |' + (
+          ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
+          'vs transformers: wall (CPU) |' if hf else ''),
+      '|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
+                                                    else '')]
   for r in results['rows']:
-    lines.append(
+    line = (
         f'| {r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
         f'| {r["high_water_pages"]} | {r["mean_in_flight"]:.1f} | '
-        f'{r["tokens_per_sec"]:,.1f} | {r["time_to_first_token_s"]:.2f} s | '
+        f'{r["tokens_per_sec"]:,.0f} ({r.get("tokens_per_cpu_sec", 0):,.0f})'
+        f' | {r["time_to_first_token_s"]:.2f} s | '
         f'{1e3 * r["per_token_s"]:.1f} ms | '
-        f'{r["alone_tokens_per_sec"]:,.1f} tokens/s | '
-        f'{r["batching_speedup"]:.2f}x |')
+        f'{r["alone_tokens_per_sec"]:,.0f} '
+        f'({r.get("alone_tokens_per_cpu_sec", 0):,.0f}) | '
+        f'{r["batching_speedup"]:.2f}x ({_ratio(r, "alone")}) |')
+    if hf:
+      line += (f' {r["hf_tokens_per_sec"]:,.0f} '
+               f'({r["hf_tokens_per_cpu_sec"]:,.0f}) | '
+               f'{r["hf_time_to_first_token_s"]:.2f} s, '
+               f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms | '
+               f'{r["hf_speedup"]:.2f}x ({_ratio(r, "hf")}) |')
+    lines.append(line)
   return '\n'.join(lines) + '\n\n![tokens/s against K](serve.png)\n'
+
+
+def _ratio(row, peer: str) -> str:
+  """The engine's tokens per CPU-second over the peer's, as 'N.NNx'."""
+  ours, theirs = (row.get('tokens_per_cpu_sec'),
+                  row.get(f'{peer}_tokens_per_cpu_sec'))
+  return f'{ours / theirs:.2f}x' if ours and theirs else '?'
 
 
 def plot(rows, path):
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(5, 3.5))
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
   labels = [f'K={r["num_kv_heads"]}\n{r["mean_in_flight"]:.1f} in flight'
             for r in rows]
   x = np.arange(len(rows))
-  ax.bar(x - 0.2, [r['tokens_per_sec'] for r in rows], 0.4,
-         label='continuous batching')
-  ax.bar(x + 0.2, [r['alone_tokens_per_sec'] for r in rows], 0.4,
-         label='one at a time (train.sample)')
-  ax.set_xticks(x, labels)
-  ax.set_ylabel('tokens/s')
-  ax.legend(fontsize=8)
+  bars = [('', 'continuous batching'), ('alone_', 'one at a time '
+                                        '(train.sample)')]
+  if all('hf_tokens_per_sec' in r for r in rows):
+    bars.append(('hf_', 'transformers generate()'))
+  width = 0.8 / len(bars)
+  for ax, unit in zip(axes, ('sec', 'cpu_sec')):
+    for j, (prefix, label) in enumerate(bars):
+      ax.bar(x + (j - (len(bars) - 1) / 2) * width,
+             [r.get(f'{prefix}tokens_per_{unit}', 0) for r in rows], width,
+             label=label)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel('tokens/s' if unit == 'sec' else 'tokens per CPU-second')
+  axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

@@ -89,6 +89,10 @@ class _Slot:
   arrival: float
 
 
+# A slot given a request whose prompt is not yet prefilled.
+_ADMITTED = object()
+
+
 class Engine:
   """Decodes requests in `slots` slots over a pool of `kv_memory` bytes of
   pages of `page_size` tokens."""
@@ -140,6 +144,7 @@ class Engine:
     waiting = collections.deque(enumerate(requests))
     slots: list[_Slot | None] = [None] * self.slots
     while waiting or any(slots):
+      admitted = []  # (slot, request, its keys' index, its pages).
       for i in range(self.slots):
         while slots[i] is None and waiting:
           index, request = waiting[0]
@@ -155,14 +160,12 @@ class Engine:
           waiting.popleft()
           if request.sample_index is not None:
             index = request.sample_index
-          slots[i] = self._prefill(request, index, pages, start)
-          done = self._finished(slots[i])
-          if done:
-            slots[i] = None
-            yield done
-      if not any(slots):
-        continue
-      yield from self._step_all(slots)
+          admitted.append((i, request, index, pages))
+          slots[i] = _ADMITTED
+      if admitted:  # Those ending at once free their slots for the next.
+        yield from self._prefill_all(slots, admitted, start)
+      elif any(slots):
+        yield from self._step_all(slots)
     self.stats.high_water_pages = self.allocator.high_water
     self.stats.seconds = time.perf_counter() - start
 
@@ -186,40 +189,68 @@ class Engine:
               f'{self.allocator.usable}; raise --kv_memory or shorten it')
     return None
 
-  def _prefill(self, request: Request, index: int, pages: list[int],
-               start: float) -> _Slot:
-    """Writes the prompt into its pages; the slot holding its first token."""
-    P = len(request.prompt)
-    # Padded to whole pages: one compiled prefill per page count.
-    T = min(pages_lib.pages_for(P, self.page_size) * self.page_size,
-            self.max_pages * self.page_size)
-    tokens = np.zeros((1, T), np.int32)
-    tokens[0, :P] = request.prompt
-    first, self._pool = _prefill(self.model, self.params, self._pool,
-                                 tokens, self._table([pages]), P,
-                                 self._key, index, **self._sampling)
-    arrival = start if request.arrival is None else request.arrival
-    return _Slot(request, index, pages, P, [int(first)],
-                 time.perf_counter(), arrival)
+  def _prefill_all(self, slots: list[_Slot | None], admitted: list,
+                   start: float) -> Iterator[Result]:
+    """Writes the admitted prompts into their pages in one call, each slot
+    then holding its first token; yields those already finished.
 
-  def _table(self, page_lists) -> np.ndarray:
-    """[len(page_lists), M] page tables, 0 (scratch) where none."""
-    table = np.zeros((len(page_lists), self.max_pages), np.int32)
+    The prompts are the first rows of a batch of the next power of two, all
+    padded to the next power of two of pages of the longest (at most
+    max_len's): a few compiled prefills, however the lengths mix.
+    """
+    B = _bucket(len(admitted))
+    longest = max(len(request.prompt) for _, request, _, _ in admitted)
+    width = min(_bucket(pages_lib.pages_for(longest, self.page_size)),
+                self.max_pages)
+    tokens_BT = np.zeros((B, width * self.page_size), np.int32)
+    lengths_B = np.ones(B, np.int32)  # Idle rows: a token at the scratch page.
+    index_B = np.zeros(B, np.int32)
+    for row, (_, request, index, _) in enumerate(admitted):
+      tokens_BT[row, :len(request.prompt)] = request.prompt
+      lengths_B[row], index_B[row] = len(request.prompt), index
+    table = self._table([pages for *_, pages in admitted] +
+                        [[]] * (B - len(admitted)), width)
+    first_B, self._pool = _prefill(self.model, self.params, self._pool,
+                                   tokens_BT, table, lengths_B, self._key,
+                                   index_B, **self._sampling)
+    first_B = np.asarray(first_B)
+    now = time.perf_counter()
+    for row, (i, request, index, pages) in enumerate(admitted):
+      arrival = start if request.arrival is None else request.arrival
+      slots[i] = _Slot(request, index, pages, len(request.prompt),
+                       [int(first_B[row])], now, arrival)
+      done = self._finished(slots[i])
+      if done:
+        slots[i] = None
+        yield done
+
+  def _table(self, page_lists, width: int) -> np.ndarray:
+    """[len(page_lists), width] page tables, 0 (scratch) where none: each
+    sequence's first `width` pages (those holding what a step reads and
+    writes)."""
+    table = np.zeros((len(page_lists), width), np.int32)
     for row, pages in enumerate(page_lists):
-      table[row, :len(pages)] = pages
+      table[row, :min(len(pages), width)] = pages[:width]
     return table
 
   def _step_all(self, slots: list[_Slot | None]) -> Iterator[Result]:
     """One decoded token for every busy slot; yields those that finish.
 
     The busy slots are decoded as the first rows of a batch of the next
-    power of two (at most `slots`), so that a pool holding few sequences
-    does not pay for idle rows (one compiled step per batch size).
+    power of two (at least 2: a one-row write becomes an update XLA does on
+    a copy of the whole pool), so that a pool holding few sequences does not
+    pay for idle rows; the page tables are as wide as the next power of two
+    of the pages in use (the longest sequence's, its new token's included),
+    so that short sequences do not gather max_len positions. One compiled
+    step per (batch, width) pair: a few dozen at most.
     """
     busy = [i for i, s in enumerate(slots) if s is not None]
-    B = min(self.slots, 1 << (len(busy) - 1).bit_length())
+    B = max(2, _bucket(len(busy)))
     rows = [slots[i] for i in busy] + [None] * (B - len(busy))
-    table = self._table([s.pages if s else [] for s in rows])
+    width = min(self.max_pages, _bucket(max(
+        pages_lib.pages_for(slots[i].length + 1, self.page_size)
+        for i in busy)))
+    table = self._table([s.pages if s else [] for s in rows], width)
     lengths = np.array([s.length if s else 0 for s in rows], np.int32)
     last = np.array([s.tokens[-1] if s else 0 for s in rows], np.int32)
     index = np.array([s.index if s else 0 for s in rows], np.int32)
@@ -274,14 +305,19 @@ def _step(model, params, pool, last_B, table_BM, lengths_B, key, index_B,
 
 @functools.partial(jax.jit, static_argnames=('model', 'temperature', 'top_k'),
                    donate_argnums=2)
-def _prefill(model, params, pool, tokens_1T, table_1M, length, key, index, *,
-             temperature, top_k):
-  """A prompt (padded to tokens_1T, `length` real tokens) written into its
-  pages; (its first generated token, the pool)."""
-  logits_1TV, pool = paged.forward(model, params, pool, tokens_1T, table_1M,
-                                   jnp.zeros((1,), jnp.int32))
-  logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV[0], length - 1, 0)
-  first = _sample_rows(logits_1V, key, jnp.reshape(index, (1,)),
-                       jnp.zeros((1,), jnp.int32), temperature=temperature,
-                       top_k=top_k)
-  return first[0], pool
+def _prefill(model, params, pool, tokens_BT, table_BM, lengths_B, key,
+             index_B, *, temperature, top_k):
+  """Prompts (padded to tokens_BT, lengths_B real tokens each) written into
+  their pages; (each one's first generated token [B], the pool)."""
+  logits_BTV, pool = paged.forward(model, params, pool, tokens_BT, table_BM,
+                                   jnp.zeros_like(lengths_B))
+  logits_BV = jnp.take_along_axis(
+      logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  first_B = _sample_rows(logits_BV, key, index_B, jnp.zeros_like(index_B),
+                         temperature=temperature, top_k=top_k)
+  return first_B, pool
+
+
+def _bucket(n: int) -> int:
+  """The next power of two >= n (n >= 1)."""
+  return 1 << (n - 1).bit_length()

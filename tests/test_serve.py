@@ -119,6 +119,35 @@ def test_every_cache_layout_decodes_as_train_sample_does(model):
 
 
 @pytest.mark.slow
+def test_tables_as_wide_as_the_pages_in_use_still_decode_as_train_sample(
+    monkeypatch):
+  """Steps read only the next power of two of the pages in use (not
+  max_len's 8), so sequences cross width buckets as they grow; prompts
+  admitted together are prefilled in one call."""
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2)
+  widths, prefills = [], []
+  decode = served._decode  # pylint: disable=protected-access
+  def spy_decode(params, pool, last, table, *args):
+    widths.append(table.shape)
+    return decode(params, pool, last, table, *args)
+  def spy_prefill(*args, prefill=engine._prefill, **kwargs):  # pylint: disable=protected-access
+    prefills.append(args[3].shape)
+    return prefill(*args, **kwargs)
+  monkeypatch.setattr(served, '_decode', spy_decode)
+  monkeypatch.setattr(engine, '_prefill', spy_prefill)
+  requests = [engine.Request(0, np.arange(1, 4, dtype=np.int32) * 5, 13),
+              engine.Request(1, np.array([7, 11], np.int32), 3)]
+  results = {r.id: r.tokens for r in served.run(requests)}
+  for r in requests:
+    assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
+  assert prefills == [(2, 4)]  # Both prompts, in the 1 page of the longest.
+  # Lengths 3..14 and 2..3 (the new token's position included): 1 page, then
+  # 2, then 3 or 4 (read as 4).
+  assert sorted(set(widths)) == [(2, 1), (2, 2), (2, 4)]
+
+
+@pytest.mark.slow
 def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=8, slots=2,
@@ -277,11 +306,35 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
   assert row['tokens'] == sum(new for _, new in trace)
   assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
   assert row['tokens_per_sec'] > 0 and row['alone_tokens_per_sec'] > 0
+  assert row['tokens_per_cpu_sec'] > 0 and row['alone_tokens_per_cpu_sec'] > 0
   assert 1 <= row['mean_in_flight'] <= 2
   row['batching_speedup'] = 1.0
   bench_serve.plot([row], tmp_path / 'serve.png')
   assert '| 1 | 1,024 |' in bench_serve.report({'command': 'c', 'date': 'd',
                                                 'rows': [row]}, args)
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_transformers_on_the_same_trace_in_its_own_process():
+  config = tiny.get_config()
+  config.model.num_kv_heads = 1
+  mc = config_lib.model_config(config)
+  params = nn.unbox(loop.init_params(Transformer(mc), seed=1))
+  trace = [(np.array([5, 6, 7], np.int32), 4), (np.array([9], np.int32), 2),
+           (np.array([1, 2], np.int32), 3)]
+  row = bench_serve.transformers_peer(config, params, trace, slots=2)
+  assert row['hf_tokens_per_sec'] > 0 and row['hf_tokens_per_cpu_sec'] > 0
+  assert row['hf_threads'] == bench_serve.jax_threads()
+  assert 0 < row['hf_time_to_first_token_s'] < row['hf_seconds']
+
+
+def test_bench_serve_draws_lengths_on_the_length_step():
+  args = argparse.Namespace(requests=20, prompt_len=[8, 80],
+                            output_len=[16, 64], length_step=24, seed=0)
+  trace = bench_serve.make_trace(args, 256, 256)
+  assert {len(p) for p, _ in trace} <= {8, 32, 56, 80}
+  assert {new for _, new in trace} <= {16, 40, 64}
+  assert len({(len(p), new) for p, new in trace}) > 4  # Still a mix.
 
 
 def test_bench_serve_refuses_a_trace_past_max_len_in_one_line():
