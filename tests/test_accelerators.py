@@ -22,6 +22,7 @@ import pytest
 from attention import Attention, core, dot_product_attention, splash
 from configs import gqa_base, mha_base, mqa_base
 from tests import hlo, host_devices, reference
+from tests.conftest import OPTIMIZED
 from train import config_lib, loop, sample
 from train.model import Transformer, unroll_layers
 
@@ -257,13 +258,14 @@ def test_base_configs_train_in_bfloat16_close_to_float32(base):
   # Parameters are float32 whatever the compute dtype: one start for both.
   model = Transformer(config_lib.model_config(config))
   tx, _ = loop.make_optimizer(config.train)
-  start = jax.jit(lambda: loop.init_state(model, tx, seed=0))()
+  start = jax.jit(lambda: loop.init_state(model, tx, seed=0),
+                  compiler_options=OPTIMIZED)()
   losses = {}
   for dtype in ('bfloat16', 'float32') if base is gqa_base else ('bfloat16',):
     config.model.dtype = dtype
     model = Transformer(config_lib.model_config(config))
     step = jax.jit(lambda s, b, model=model: loop.train_step(
-        s, b, model=model, tx=tx, accum_steps=1))
+        s, b, model=model, tx=tx, accum_steps=1), compiler_options=OPTIMIZED)
     state, losses[dtype] = start, []
     for _ in range(3):  # The first update has warmup's learning rate 0.
       state, metrics = step(state, batch)

@@ -58,8 +58,8 @@ def _hf_logits(model, tokens):
 def _ours(workdir, tokens, **changes):
   mc, params, _ = checkpoint.load_workdir(str(workdir))
   mc = dataclasses.replace(mc, **changes)
-  return np.asarray(Transformer(mc).apply({'params': params},
-                                          jnp.asarray(tokens)))
+  return np.asarray(jax.jit(Transformer(mc).apply)(  # One program.
+      {'params': params}, jnp.asarray(tokens)))
 
 
 @pytest.mark.slow

@@ -48,15 +48,22 @@ def _config(layout, num_layers=4, kv_cache_dtype=None, **model):
   return config
 
 
+# Both compiled (one program per chunk length), as users run them: the
+# model's operations dispatched one at a time cost several times the CPU.
+def _full_pass(mc, params, tokens_BT):
+  """[B, T, V] logits of the model without a cache."""
+  return jax.jit(Transformer(mc).apply)({'params': params}, tokens_BT)
+
+
 def _decode_in_chunks(mc, params, tokens_BT, chunks):
   """Logits of feeding tokens_BT through the cache, `chunks` at a time."""
   model, params = unroll_layers(Transformer(mc, decode=True), params)
   cache = sample.empty_cache(model, tokens_BT.shape[0])
+  step = jax.jit(lambda params, cache, tokens: model.apply(
+      {'params': params, 'cache': cache}, tokens, mutable=['cache']))
   outs, start = [], 0
   for n in chunks:
-    logits, mutated = model.apply({'params': params, 'cache': cache},
-                                  tokens_BT[:, start:start + n],
-                                  mutable=['cache'])
+    logits, mutated = step(params, cache, tokens_BT[:, start:start + n])
     cache, start = mutated['cache'], start + n
     outs.append(logits)
   return jnp.concatenate(outs, axis=1), cache
@@ -77,7 +84,7 @@ def test_cached_decoding_equals_the_full_pass(layout):
   mc = config_lib.model_config(_config(layout))
   params = nn.unbox(loop.init_params(Transformer(mc), seed=1))
   tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, mc.vocab_size)
-  full = Transformer(mc).apply({'params': params}, tokens)
+  full = _full_pass(mc, params, tokens)
   cached, _ = _decode_in_chunks(mc, params, tokens, [7, 1, 1, 6, 1, 4])
   chex.assert_trees_all_close(cached, full, atol=1e-5)
 
@@ -102,7 +109,7 @@ def test_low_precision_caches_decode_within_a_stated_tolerance(
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=1))
   tokens = jax.random.randint(jax.random.key(2), (4, 32), 0, mc.vocab_size)
-  full = Transformer(mc).apply({'params': params}, tokens)
+  full = _full_pass(mc, params, tokens)
   cached, cache = _decode_in_chunks(mc, params, tokens, [8] + [1] * 24)
   stored = cache['layers_0']['attention']['cached_key'].dtype
   assert stored == jnp.dtype(kv_cache_dtype)

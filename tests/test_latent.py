@@ -21,7 +21,7 @@ from attention import nnx as attention_nnx
 from attention.rope import apply_rope
 from configs import tiny
 from tests import hlo, reference
-from tests.test_kv_memory import _decode_in_chunks
+from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_faults import _one_line_error, _run
 from tests.test_sample import _greedy_by_full_passes, _sample
 from train import config_lib, flops, loop, sample, to_mla
@@ -65,7 +65,7 @@ def test_cached_decoding_from_the_latent_equals_the_full_pass(layout):
   greedy generation equals argmax over full passes."""
   mc, params = _model(**LAYOUTS[layout])
   tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, mc.vocab_size)
-  full = Transformer(mc).apply({'params': params}, tokens)
+  full = _full_pass(mc, params, tokens)
   cached, _ = _decode_in_chunks(mc, params, tokens, [7, 1, 1, 6, 1, 4])
   chex.assert_trees_all_close(cached, full, atol=1e-5)
   prompt = tokens[:1, :6]
@@ -83,7 +83,7 @@ def test_an_int8_latent_cache_decodes_within_a_stated_tolerance():
   prediction kept)."""
   mc, params = _model(kv_cache_dtype='int8')
   tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, mc.vocab_size)
-  full = Transformer(mc).apply({'params': params}, tokens)
+  full = _full_pass(mc, params, tokens)
   cached, cache = _decode_in_chunks(mc, params, tokens, [7] + [1] * 13)
   assert cache['layers_0']['attention']['cached_latent'].dtype == jnp.int8
   error = float(jnp.max(jnp.abs(cached - full)) / jnp.std(full))
@@ -269,7 +269,7 @@ def test_a_gqa_model_converted_at_full_rank_keeps_its_logits(model,
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=3))
   tokens = jax.random.randint(jax.random.key(4), (2, 24), 0, mc.vocab_size)
-  source = Transformer(mc).apply({'params': params}, tokens)
+  source = _full_pass(mc, params, tokens)
   scores = to_mla.calibration_scores(mc, params, tokens) if mc.use_rope else (
       None)
   full = 2 * mc.num_kv_heads * mc.head_dim - rope_dims
@@ -281,13 +281,13 @@ def test_a_gqa_model_converted_at_full_rank_keeps_its_logits(model,
   np.testing.assert_allclose([e for e in energy if e is not None], 1.0,
                              rtol=1e-9)
   assert (energy[1] is None) == ('kv_share' in model)
-  logits = Transformer(new_mc).apply({'params': converted}, tokens)
+  logits = _full_pass(new_mc, converted, tokens)
   chex.assert_trees_all_close(logits, source, atol=1e-4)
   low, low_mc, low_energy = to_mla.convert_params(params, mc, full // 4,
                                                   rope_dims, scores)
   assert all(e < 1 for e in low_energy if e is not None)
-  assert float(jnp.max(jnp.abs(Transformer(low_mc).apply(
-      {'params': low}, tokens) - source))) > 1e-2
+  assert float(jnp.max(jnp.abs(_full_pass(low_mc, low, tokens)
+                               - source))) > 1e-2
 
 
 def test_partial_rope_keeps_each_kv_heads_highest_scoring_pairs():

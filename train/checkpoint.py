@@ -65,7 +65,15 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(
             max_to_keep=self._keep, create=True,
             # The temporary folders of saves that a kill interrupted.
-            cleanup_tmp_directories=True),
+            cleanup_tmp_directories=True,
+            # The save's folders made before save() returns, not in the
+            # background: a folder that cannot be made (a read-only mount)
+            # is then an error at once, where in the background it left the
+            # save's write threads waiting for it, and the process exiting
+            # after our one-line error, for orbax's 5-minute timeout. A
+            # mkdir's time, on a local disk or a bucket.
+            async_options=ocp.AsyncOptions(
+                create_directories_asynchronously=False)),
         item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
