@@ -5,16 +5,21 @@ layers, cross-layer sharing and int8 caches, compared at equal bytes.
       [--panels=recall,lm] [--steps=N] [--lm_steps=N] [--report_only]
 
 Two panels, each a grid of layouts (Variant: K/V heads K, layer pattern,
-kv_share) trained with train.main's loop (`scripts.study.train`), one run per
-seed, into DIR/<panel>/runs/:
+kv_share, and MLA's latent width) trained with train.main's loop
+(`scripts.study.train`), one run per seed, into DIR/<panel>/runs/:
 
 - recall (configs/kv_recall.py): the recall probe with a gap of filler
   tokens between the pairs and the queries, wider than a stack of local
-  layers reaches (4 layers of --window keys each: 4 (window - 1) positions).
-  Layouts: all-global 'G', 'LLGG', and all-local 'L', the negative control:
-  no key is within its reach, so it must fail where the global layouts
-  succeed, or the setup cannot see attention at all.
-- lm (configs/gqa_small.py): held-out loss on text, 'G' and 'LLGG'.
+  layers reaches (4 layers of the panel's window of 2 keys each: 4
+  (window - 1) positions). Layouts: all-global 'G', 'LLGG', and all-local
+  'L', the negative control: no pair is within its reach, so it must fail
+  where the global layouts succeed, or the setup cannot see attention at
+  all. MQA, GQA-2 with CLA2 and MLA with a latent of MQA's width hold the
+  same bytes per token. MQA's runs are also converted into MLA at half its
+  bytes (`train.convert --to_mla`), read as converted and after 100 steps
+  of the conversion's uptraining recipe.
+- lm (configs/gqa_small.py): held-out loss on text: MQA, GQA-2 with CLA2
+  and MLA (a latent of 48 and a RoPE key of 16), all at MQA's bytes.
 
 Every trained model is then read through its decode cache twice, float and
 int8 (`model.ThroughCache`: the logits decoding gives, each held-out row of
@@ -26,30 +31,32 @@ context at max_len (`model.kv_bytes_per_token`).
 
 Comparisons are paired by seed (scripts/stats.py): the negative control
 against all-global; the equal-bytes pairs (GQA-2 with CLA2 against MQA, in
-each pattern); the main effects of the pattern, of kv_share and of K over
-the grid, Holm-corrected as one family; int8 against float for every model.
-A point is on the frontier when its NLL is resolved lower (paired interval)
-than that of every point with fewer bytes: no point is there by noise. The
+each pattern, and MLA against both); the main effects of the pattern, of
+kv_share and of K over the GQA grid, Holm-corrected as one family; each
+conversion against its source; int8 against float for every model. A point
+is on the frontier when its NLL is resolved lower (paired interval) than
+that of every point with fewer bytes: no point is there by noise. The
 negative control is a control, not a design: it is left out of the frontier.
 
 Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
 DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
 --report_only rebuilds the report from DIR/frontier.json. The default: the
-recall panel's quick grid and MHA and GQA-2 (K=2, unshared) all-global,
-600 steps; the LM panel's MHA, MQA and GQA-2 with CLA2, 80 steps; 3 seeds
-each (estimated 40 + 23 CPU-minutes here: about an hour on this 2-core
-machine when idle). --quick: the recall panel only, MQA and GQA-2 with CLA2
-in 'G' and 'LLGG' and the negative control, 200 steps, 3 seeds (at 300
-steps 15.4 CPU-minutes, measured beside other jobs, 2.7 of them the
-system's; at 200 about 10 minutes on the idle machine, estimated).
+recall panel's 6 layouts at 1,000 steps and the conversion; the LM panel's
+3 at 40 steps of gqa_small; 3 seeds each (estimated 50 + 13 CPU-minutes
+from the pilots, docs/results/kv_frontier/pilots.md). --quick: the recall
+panel only, its 6 layouts at 100 steps, 3 seeds, no conversion (estimated
+8 CPU-minutes): a check that everything runs and reports, too short for
+retrieval to be learnt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import pathlib
+import shutil
 import time
 
 import jax
@@ -57,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scripts import stats, study
-from train import checkpoint, config_lib, loop, storage
+from train import checkpoint, config_lib, convert, loop, storage
 from train import model as model_lib
 from train.cli import check_output_dir, exit_on_user_error, positive_int
 from train.errors import UserError
@@ -68,13 +75,24 @@ RETRIEVES = 0.95  # First-query accuracy read as retrieval by content.
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  K: int  # K/V heads.
+  K: int  # K/V heads (MLA: 0, as many as the query heads, as MLA needs).
   pattern: str  # model.attention_pattern.
   share: int  # model.kv_share.
+  latent: int = 0  # model.kv_lora_rank (0: not MLA).
+  rope: int = 0  # MLA's model.qk_rope_head_dim (0: a model without RoPE).
 
   @property
   def name(self) -> str:
-    return f'K{self.K}_{self.pattern}_share{self.share}'
+    kv = (f'MLA{self.latent}' + (f'r{self.rope}' if self.rope else '')
+          if self.latent else f'K{self.K}')
+    return f'{kv}_{self.pattern}_share{self.share}'
+
+
+def _key(m: dict) -> tuple:
+  """A model record's Variant fields (as `measure` writes it)."""
+  latent = m.get('kv_lora_rank') or 0
+  return (0 if latent else m['num_kv_heads'], m['attention_pattern'],
+          m['kv_share'], latent, m.get('qk_rope_head_dim') or 0)
 
 
 def _grid(kv_heads, patterns, shares) -> tuple[Variant, ...]:
@@ -93,27 +111,42 @@ class Panel:
   quick_steps: int
   seeds: int
   quick_seeds: int
+  # (source, MLA target, uptraining steps): the source's runs converted
+  # into MLA (`train.convert --to_mla`), not in --quick.
+  conversions: tuple = ()
 
 
 # The negative control and what it must fail against: all-local and
 # all-global at the same K and sharing (MQA, in both grids).
 CONTROL, REFERENCE = Variant(1, 'L', 1), Variant(1, 'G', 1)
-# Brandon et al.'s comparison at equal bytes: GQA-2 with CLA2 against MQA.
-EQUAL_BYTES = ((2, 2), (1, 1))  # (K, kv_share) of each side.
+# Brandon et al.'s comparison at equal bytes: GQA-2 with CLA2 against MQA
+# (in each pattern). An MLA layout (kv_share 1) whose latent costs what
+# MQA's K and V cost is compared with both.
+EQUAL_BYTES = (Variant(2, 'G', 2), Variant(1, 'G', 1))
 
 # The control, its reference and the two equal-bytes pairs.
 _QUICK = (REFERENCE, Variant(2, 'G', 2), Variant(1, 'LLGG', 1),
           Variant(2, 'LLGG', 2), CONTROL)
+# MLA with a latent as wide as MQA's K and V (configs/kv_recall.py: 2 x 16
+# numbers, no RoPE; gqa_small: 2 x 32, 16 of them the shared RoPE key).
+_MLA_RECALL, _MLA_LM = Variant(0, 'G', 1, latent=32), Variant(
+    0, 'G', 1, latent=48, rope=16)
 PANELS = {
+    # Local layers of 2 keys (themselves and the one before): enough for a
+    # previous-token head, and four of them reach 4 positions back, short of
+    # configs/kv_recall.py's gap (test_scripts checks the geometry).
     'recall': Panel(
-        'kv_recall', window=4,
-        variants=_QUICK + (Variant(8, 'G', 1), Variant(2, 'G', 1)),
-        quick_variants=_QUICK, steps=0, quick_steps=200,  # 0: the config's.
-        seeds=3, quick_seeds=3),
+        'kv_recall', window=2,
+        variants=_QUICK + (_MLA_RECALL,),
+        quick_variants=_QUICK + (_MLA_RECALL,), steps=0,  # 0: the config's.
+        quick_steps=100, seeds=3, quick_seeds=3,
+        # MQA converted into MLA at half its bytes (a latent of 16), then
+        # the conversion's uptraining recipe.
+        conversions=((REFERENCE, Variant(0, 'G', 1, latent=16), 100),)),
     'lm': Panel(
         'gqa_small', window=64,
-        variants=(Variant(8, 'G', 1), REFERENCE, Variant(2, 'G', 2)),
-        quick_variants=(), steps=80, quick_steps=0, seeds=3, quick_seeds=0),
+        variants=(REFERENCE, Variant(2, 'G', 2), _MLA_LM),
+        quick_variants=(), steps=40, quick_steps=0, seeds=3, quick_seeds=0),
 }
 
 
@@ -121,9 +154,12 @@ def variant_config(base: str, v: Variant, seed: int, steps: int,
                    window: int):
   """BASE with v's layout; `steps` > 0 replaces its steps (0 keeps them)."""
   config = config_lib.load(base)
-  config.model.update(num_kv_heads=v.K, attention_pattern=v.pattern,
+  # MLA: each query head's K/V from the latent (num_kv_heads = num_heads).
+  config.model.update(num_kv_heads=v.K or config.model.num_heads,
+                      attention_pattern=v.pattern,
                       local_window=window if 'L' in v.pattern else None,
-                      kv_share=v.share)
+                      kv_share=v.share, kv_lora_rank=v.latent or None,
+                      qk_rope_head_dim=v.rope if v.latent else None)
   config.seed = seed
   steps = steps or config.train.steps
   config.train.update(steps=steps, eval_every=steps, checkpoint_every=steps,
@@ -136,7 +172,8 @@ def main():
   parser = study.parser(
       __doc__, config='kv_recall', report_only='frontier.json in --out',
       helps=dict(config="the recall panel's config",
-                 kv_heads='train only the variants with these K',
+                 kv_heads='train only the variants with these K (MLA: '
+                 'num_heads)',
                  steps="the recall panel's steps (default: the config's)"))
   parser.add_argument('--panels', default=None,
                       help="comma-separated of 'recall', 'lm' (default both; "
@@ -159,8 +196,9 @@ def main():
     variants = panel.quick_variants if args.quick else panel.variants
     if name == 'recall':
       panel = dataclasses.replace(panel, config=args.config)
-    if args.kv_heads:
-      variants = tuple(v for v in variants if v.K in args.kv_heads)
+    if args.kv_heads:  # MLA's K: as many as the query heads.
+      heads = config_lib.load(panel.config).model.num_heads
+      variants = tuple(v for v in variants if (v.K or heads) in args.kv_heads)
     steps = ((args.steps if name == 'recall' else args.lm_steps)
              or (panel.quick_steps if args.quick else panel.steps))
     seeds = args.seeds or (panel.quick_seeds if args.quick else panel.seeds)
@@ -168,16 +206,22 @@ def main():
       raise UserError(f'the {name} panel has no variant to train (its '
                       '--quick grid is empty, or --kv_heads left none); run '
                       'without --quick, or with other --kv_heads')
-    plans[name] = (panel, variants, steps, list(range(1, 1 + seeds)))
+    conversions = () if args.quick else tuple(
+        c for c in panel.conversions if c[0] in variants)
+    plans[name] = (panel, variants, steps, list(range(1, 1 + seeds)),
+                   conversions)
     for v in variants:  # Every bad setting refused before any training.
       config_lib.validate(variant_config(panel.config, v, 1, steps,
                                          panel.window), batch_shards=1)
   start, cpu = time.perf_counter(), time.process_time()
   result = {'provenance': stats.provenance('scripts.kv_frontier', out),
             'panels': {}}
-  for name, (panel, variants, steps, seeds) in plans.items():
+  for name, (panel, variants, steps, seeds, conversions) in plans.items():
     base = variant_config(panel.config, variants[0], 1, steps, panel.window)
     models = [measure(out / name, panel, v, seeds, steps) for v in variants]
+    for source, target, uptrain_steps in conversions:
+      models += measure_conversion(out / name, source, target, seeds,
+                                   uptrain_steps)
     result['panels'][name] = {
         'config': panel.config, 'window': panel.window,
         'steps': base.train.steps, 'seeds': seeds,
@@ -206,28 +250,75 @@ def write(out: pathlib.Path, result: dict):
 def measure(out: pathlib.Path, panel: Panel, v: Variant, seeds, steps: int
             ) -> dict:
   """One model's per-seed values through each cache, and its bytes."""
-  per_seed = {cache: {} for cache in CACHES}
-  kl = []
+  workdirs = []
   for seed in seeds:
     config = variant_config(panel.config, v, seed, steps, panel.window)
     workdir = out / 'runs' / f'{v.name}_s{seed}'
     print(f'=== {v.name}, seed {seed}', flush=True)
     study.train(config, workdir, workdir / 'log.txt')
+    workdirs.append(workdir)
+  return _record(v.name, v, workdirs)
+
+
+def _record(name: str, v: Variant, workdirs, **fields) -> dict:
+  """The models in WORKDIRS (one per seed) read through each cache: the
+  per-seed values, and the cache's bytes per token."""
+  per_seed = {cache: {} for cache in CACHES}
+  kl = []
+  for workdir in workdirs:
     readout = read_through_caches(workdir)
     for cache in CACHES:
       for metric, value in readout[cache].items():
         per_seed[cache].setdefault(metric, []).append(value)
     kl.append(readout['kl'])
-  mc = config_lib.model_config(config)
+  mc = checkpoint.load_workdir(str(workdirs[-1]))[0]
   nbytes = {cache: model_lib.kv_bytes_per_token(dataclasses.replace(
       mc, kv_cache_dtype=None if cache == 'float' else cache))
             for cache in CACHES}
-  print(f'{v.name}: {nbytes["float"]:,.0f} B/token, NLL float '
+  print(f'{name}: {nbytes["float"]:,.0f} B/token, NLL float '
         f'{np.mean(per_seed["float"]["nll"]):.4f}, int8 '
         f'{np.mean(per_seed["int8"]["nll"]):.4f}', flush=True)
-  return dict(variant=v.name, num_kv_heads=v.K, attention_pattern=v.pattern,
-              kv_share=v.share, kv_bytes_per_token=nbytes, seeds=per_seed,
-              kl=kl)
+  return dict(variant=name, num_kv_heads=mc.num_kv_heads,
+              attention_pattern=v.pattern, kv_share=v.share,
+              kv_lora_rank=v.latent, qk_rope_head_dim=v.rope,
+              kv_bytes_per_token=nbytes, seeds=per_seed, kl=kl, **fields)
+
+
+def measure_conversion(out: pathlib.Path, source: Variant, target: Variant,
+                       seeds, uptrain_steps: int) -> list[dict]:
+  """SOURCE's trained runs converted into MLA (`train.convert`'s
+  --to_mla: TARGET's kv_lora_rank and qk_rope_head_dim), read through each
+  cache as converted (no training) and after UPTRAIN_STEPS steps of the
+  conversion's uptraining recipe: two records, each naming its source."""
+  converted, uptrained = [], []
+  name = f'{target.name}_from_{source.name}'
+  for seed in seeds:
+    workdir = out / 'runs' / f'{name}_s{seed}'
+    if not (workdir / 'convert.json').exists():
+      shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
+      with (out / 'runs' / 'convert_log.txt').open('a') as f, (
+          contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
+        convert.convert_to_mla(str(out / 'runs' / f'{source.name}_s{seed}'),
+                               str(workdir), target.latent, target.rope)
+    converted.append(workdir)
+    up = out / 'runs' / f'{name}_up{uptrain_steps}_s{seed}'
+    config = config_lib.load(str(workdir))
+    config.seed = seed
+    config.train.update(steps=uptrain_steps, eval_every=uptrain_steps,
+                        checkpoint_every=uptrain_steps,
+                        log_every=max(1, uptrain_steps // 10),
+                        warmup_steps=min(config.train.warmup_steps,
+                                         uptrain_steps // 4))
+    if not up.exists():
+      shutil.copytree(workdir, up)
+    print(f'=== {name}, uptraining {uptrain_steps} steps, seed {seed}',
+          flush=True)
+    study.train(config, up, up / 'log.txt')
+    uptrained.append(up)
+  return [_record(f'{name} converted', target, converted,
+                  source=source.name, uptrain_steps=0),
+          _record(f'{name} +{uptrain_steps}', target, uptrained,
+                  source=source.name, uptrain_steps=uptrain_steps)]
 
 
 _READOUTS: dict = {}
@@ -307,8 +398,10 @@ def _compare(a: dict, b: dict, cache: str = 'float') -> dict:
 def analyse(models: list[dict]) -> dict:
   """The negative control, the equal-bytes pairs, the main effects (Holm),
   int8 against float per model, and the frontier."""
-  by = {(m['num_kv_heads'], m['attention_pattern'], m['kv_share']): m
-        for m in models}
+  # Conversions are points of the frontier, compared with their source;
+  # not layouts of the grid.
+  designs = [m for m in models if 'source' not in m]
+  by = {_key(m): m for m in designs}
   # The negative control is not a design anyone would choose: it is left
   # out of the frontier (neither on it nor a point the others must beat).
   out = {'control': None, 'equal_bytes': [], 'main_effects': [], 'int8': [],
@@ -325,10 +418,22 @@ def analyse(models: list[dict]) -> dict:
                               diff['nll']['resolved']
                               and diff['nll']['mean'] > 0))
   for pattern in sorted({m['attention_pattern'] for m in models} - {'L'}):
-    (Ka, sa), (Kb, sb) = EQUAL_BYTES
-    a, b = by.get((Ka, pattern, sa)), by.get((Kb, pattern, sb))
-    if a and b:
-      if a['kv_bytes_per_token'] != b['kv_bytes_per_token']:
+    gqa, mqa = (by.get(dataclasses.astuple(dataclasses.replace(v, pattern=
+                                                                pattern)))
+                for v in EQUAL_BYTES)
+    pairs = [(gqa, mqa)] + [
+        (m, other) for m in designs
+        if _key(m)[3] and m['attention_pattern'] == pattern
+        and m['kv_share'] == 1 and mqa
+        and m['kv_bytes_per_token']['float']
+        == mqa['kv_bytes_per_token']['float'] for other in (mqa, gqa)]
+    for a, b in pairs:
+      if not (a and b):
+        continue
+      # Equal float caches (int8's scales differ: one per token and K/V
+      # head, MLA's one per token).
+      if a['kv_bytes_per_token']['float'] != b['kv_bytes_per_token'][
+          'float']:
         raise ValueError(f'{a["variant"]} and {b["variant"]} differ in bytes:'
                          f' {a["kv_bytes_per_token"]}, '
                          f'{b["kv_bytes_per_token"]}')
@@ -336,7 +441,15 @@ def analyse(models: list[dict]) -> dict:
                                      kv_bytes_per_token=a[
                                          'kv_bytes_per_token'],
                                      diff=_compare(a, b)))
-  out['main_effects'] = main_effects(by)
+  names = {m['variant']: m for m in models}
+  out['conversions'] = [
+      dict(model=m['variant'], source=m['source'],
+           uptrain_steps=m['uptrain_steps'],
+           diff=_compare(m, names[m['source']]))
+      for m in models if m.get('source') in names]
+  # The factors of the GQA grid; MLA layouts are not levels of them.
+  out['main_effects'] = main_effects({k: m for k, m in by.items()
+                                      if not k[3]})
   for m in models:
     per_cache = m['seeds']
     delta = {metric: stats.paired(per_cache['int8'][metric],
@@ -423,8 +536,9 @@ def report(result: dict) -> str:
            f'{prov["out"]}): {result["minutes"]:.1f} minutes, '
            f'{result.get("cpu_minutes", math.nan):.1f} minutes of CPU time '
            '(what the wall time is at most on an idle machine).'
-           + (' A `--quick` run: the recall panel\'s smallest grid, at fewer '
-              'steps than the default.' if '--quick' in prov['command'].split()
+           + (' A `--quick` run: the recall panel alone, at fewer steps than '
+              'the default and without the conversion: too short for '
+              'retrieval to be learnt.' if '--quick' in prov['command'].split()
               else ''), '',
            stats.CONVENTION, '',
            'Bytes: the decode cache per token of context at max_len '
@@ -441,6 +555,7 @@ def report(result: dict) -> str:
 
 def _panel_lines(name: str, panel: dict) -> list[str]:
   a, models = panel['analysis'], panel['models']
+  first_query = 'first' in models[0]['seeds']['float']
   lines = [f'## {name}: {panel["task"]}', '',
            f'`configs/{panel["config"]}.py`, {panel["layers"]} layers, '
            f'local layers (L) of {panel["window"]} keys; {panel["steps"]} '
@@ -470,18 +585,22 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
              'asked for), which also needs the cache.'))
     lines.append('')
   if a['equal_bytes']:
-    lines += ['**Equal bytes** (GQA-2 with CLA2 minus MQA, paired by seed; '
-              '"detectable": the smallest NLL difference these seeds find '
-              'with 80% power):', '',
-              '| pair | bytes/token | ΔNLL | Δaccuracy | detectable ΔNLL |',
-              '|---|---|---|---|---|']
+    lines += ['**Equal bytes** (GQA-2 with CLA2 minus MQA, and MLA at the '
+              'same bytes minus each, paired by seed; "detectable": the '
+              'smallest NLL difference these seeds find with 80% power):',
+              '',
+              '| pair | bytes/token | ΔNLL | Δaccuracy | '
+              + ('Δfirst query | ' if first_query else '')
+              + 'detectable ΔNLL |',
+              '|---|---|---|---|' + ('---|' if first_query else '') + '---|']
     for e in a['equal_bytes']:
       d = e['diff']
       lines.append(f'| {e["a"]} − {e["b"]} | '
                    f'{e["kv_bytes_per_token"]["float"]:,.0f} | '
                    f'{_ci(d["nll"])}{_mark(d["nll"])} | '
                    f'{_ci(d["accuracy"], "+.3f")} | '
-                   f'{d["nll"]["detectable"]:.4f} |')
+                   + (f'{_ci(d["first"], "+.3f")} | ' if first_query else '')
+                   + f'{d["nll"]["detectable"]:.4f} |')
     lines.append('')
   if a['main_effects']:
     family = len(a['main_effects'])
@@ -498,6 +617,23 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
                    f'{"rejects H0" if e["holm"] else "does not reject H0"} | '
                    f'{_ci(e["accuracy"], "+.3f")} | '
                    f'{e["nll"]["detectable"]:.4f} |')
+    lines.append('')
+  if a.get('conversions'):
+    lines += ['**Conversions into MLA** (`train.convert --to_mla`: the '
+              "source's K/V projections factorised jointly by SVD into the "
+              "latent; converted minus source, paired by seed, as converted "
+              'and after the uptraining recipe\'s steps):', '',
+              '| model | bytes/token | ΔNLL | Δaccuracy |'
+              + (' Δfirst query |' if first_query else ''),
+              '|---|---|---|---|' + ('---|' if first_query else '')]
+    nbytes = {m['variant']: m['kv_bytes_per_token']['float'] for m in models}
+    for e in a['conversions']:
+      d = e['diff']
+      lines.append(f'| {e["model"]} | {nbytes[e["source"]]:,.0f} → '
+                   f'{nbytes[e["model"]]:,.0f} | {_ci(d["nll"])} | '
+                   f'{_ci(d["accuracy"], "+.3f")} |'
+                   + (f' {_ci(d["first"], "+.3f")} |' if first_query
+                      else ''))
     lines.append('')
   lines += _below_detectable(a)
   deltas = {e['variant']: e for e in a['int8']}
@@ -582,7 +718,11 @@ def plot(result: dict, path: pathlib.Path):
       ax.errorbar(p['kv_bytes_per_token'], e.mean, yerr=half, color=color,
                   marker='o' if p['cache'] == 'float' else 's',
                   mfc=color if p['cache'] == 'float' else 'none', capsize=2)
-      ax.annotate(f'K{m["num_kv_heads"]}', (p['kv_bytes_per_token'], e.mean),
+      label = (f'MLA{m["kv_lora_rank"]}' if m.get('kv_lora_rank') else
+               f'K{m["num_kv_heads"]}') + (
+                   f' from {m["source"]} +{m["uptrain_steps"]}'
+                   if m.get('source') else '')
+      ax.annotate(label, (p['kv_bytes_per_token'], e.mean),
                   fontsize=7, xytext=(3, 3), textcoords='offset points')
     on = sorted((p for p in pts if p['name'] in panel['analysis']['frontier']),
                 key=lambda p: p['kv_bytes_per_token'])

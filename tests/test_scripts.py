@@ -1,5 +1,6 @@
 """The scripts' own logic: fair comparisons, peers, verdicts."""
 
+import dataclasses
 import json
 import re
 import sys
@@ -12,6 +13,7 @@ from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep, stats, timing)
 from train import config_lib, loop
+from train import model as model_lib
 from train.errors import UserError
 from train.model import Transformer
 
@@ -201,14 +203,15 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
 
 
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
-                int8_shift=(0.003, -0.002, 0.002)):
+                int8_shift=(0.003, -0.002, 0.002), latent=0):
   """A model's record as kv_frontier.measure writes it, per-seed values
   made up: float NLL and accuracy, int8 NLL higher by int8_shift (0.001
-  on average, not resolved)."""
+  on average, not resolved). latent: MLA's kv_lora_rank (K then 0)."""
   seeds = lambda x: [float(v) for v in x]
   return dict(
-      variant=kv_frontier.Variant(K, pattern, share).name, num_kv_heads=K,
-      attention_pattern=pattern, kv_share=share,
+      variant=kv_frontier.Variant(K, pattern, share, latent).name,
+      num_kv_heads=K or 8, attention_pattern=pattern, kv_share=share,
+      kv_lora_rank=latent, qk_rope_head_dim=0,
       kv_bytes_per_token={'float': nbytes, 'int8': nbytes * 9 / 32},
       seeds={'float': {'nll': seeds(nll), 'accuracy': seeds(accuracy)},
              'int8': {'nll': seeds(np.add(nll, int8_shift)),
@@ -295,6 +298,86 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
       '+0.0000 (deterministic: equal on all 3 seeds)'
 
 
+def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():
+  noise = np.array([0.01, -0.02, 0.015])
+  models = _fake_grid(control_accuracy=0.03) + [
+      # As many bytes as MQA: paired with MQA and with GQA-2 + CLA2.
+      _fake_model(0, 'G', 1, 1.2 + noise[::-1], 0.8 + noise, 128,
+                  latent=32),
+      # Fewer: a frontier point, in no equal-bytes pair.
+      _fake_model(0, 'G', 1, 1.5 + noise, 0.7 + noise, 64, latent=16)]
+  analysis = kv_frontier.analyse(models)
+  pairs = {(e['a'], e['b']): e for e in analysis['equal_bytes']}
+  assert set(pairs) == {('K2_G_share2', 'K1_G_share1'),
+                        ('K2_LLGG_share2', 'K1_LLGG_share1'),
+                        ('MLA32_G_share1', 'K1_G_share1'),
+                        ('MLA32_G_share1', 'K2_G_share2')}
+  assert pairs['MLA32_G_share1', 'K1_G_share1']['diff']['nll'][
+      'mean'] == pytest.approx(0.2)
+  # MLA is not a level of K, kv_share or the pattern: the factors are the
+  # GQA grid's alone, as without it.
+  assert [(e['factor'], e['pairs']) for e in analysis['main_effects']] == [
+      (e['factor'], e['pairs']) for e in kv_frontier.analyse(
+          _fake_grid(control_accuracy=0.03))['main_effects']]
+  assert len(analysis['int8']) == 7
+  # A conversion (MQA into MLA at half its bytes): a frontier point,
+  # compared with its source, not a layout of the grid or a pair.
+  converted = _fake_model(0, 'G', 1, 1.3 + noise[::-1], 0.85 + noise, 64,
+                          latent=16)
+  converted.update(variant='MLA16_G_share1_from_K1_G_share1 +100',
+                   source='K1_G_share1', uptrain_steps=100)
+  with_conversion = kv_frontier.analyse(models + [converted])
+  assert with_conversion['equal_bytes'] == analysis['equal_bytes']
+  assert with_conversion['main_effects'] == analysis['main_effects']
+  (conversion,) = with_conversion['conversions']
+  assert conversion['source'] == 'K1_G_share1'
+  assert conversion['diff']['nll']['mean'] == pytest.approx(0.3)
+  report = kv_frontier.report(dict(
+      provenance={'command': 'python -m scripts.kv_frontier --out=x',
+                  'commit': 'abc1234', 'out': 'x'}, minutes=1.0,
+      panels={'recall': dict(config='kv_recall', window=2, steps=10,
+                             seeds=[1, 2, 3], task='the recall probe',
+                             layers=4, models=models + [converted],
+                             analysis=with_conversion)}))
+  assert '| MLA32_G_share1 − K1_G_share1 | 128 | +0.2000 [' in report
+  assert ('| MLA16_G_share1_from_K1_G_share1 +100 | 128 → 64 | +0.3000 ['
+          in report)
+
+
+def test_kv_frontier_mla_variant_costs_what_mqa_costs():
+  """The recall panel's MLA point: the latent as wide as MQA's K and V,
+  so its float cache has MQA's bytes per token (int8 has fewer: one scale
+  per token for the latent, not one for K and one for V)."""
+  panel = kv_frontier.PANELS['recall']
+  mla, = [v for v in panel.variants if v.latent and v.pattern == 'G']
+  costs = {}
+  for v in (mla, kv_frontier.REFERENCE):
+    config = kv_frontier.variant_config(panel.config, v, 1, 2, panel.window)
+    config_lib.validate(config, batch_shards=1)
+    mc = config_lib.model_config(config)
+    assert bool(mc.kv_lora_rank) == bool(v.latent)
+    costs[v.name] = [model_lib.kv_bytes_per_token(dataclasses.replace(
+        mc, kv_cache_dtype=dtype)) for dtype in (None, 'int8')]
+  (mla_float, mla_int8), (mqa_float, mqa_int8) = costs.values()
+  assert mla_float == mqa_float and mla_int8 == mqa_int8 - 4 * 4  # 4 layers.
+
+
+def test_kv_frontier_recall_control_reaches_no_pair():
+  """The negative control is blind by construction: from the first query's
+  position (where its answer is predicted), four local layers reach back
+  less far than the last pair's value, while the previous-token head that
+  'LLGG' needs fits a local layer."""
+  panel = kv_frontier.PANELS['recall']
+  config = kv_frontier.variant_config(panel.config, kv_frontier.CONTROL, 1,
+                                      2, panel.window)
+  m, d = config.model, config.data
+  reach = m.num_layers * (m.local_window - 1)
+  first_query, last_value = 2 * d.recall_pairs + d.recall_gap, \
+      2 * d.recall_pairs - 1
+  assert m.attention_pattern == 'L' and 2 <= m.local_window
+  assert first_query - last_value > reach
+
+
 def test_kv_frontier_refuses_unequal_bytes_as_an_equal_bytes_pair():
   models = _fake_grid(0.03)
   models[1]['kv_bytes_per_token'] = {'float': 256, 'int8': 72}
@@ -309,7 +392,7 @@ def test_kv_frontier_trains_reads_and_reports_a_small_grid(tmp_path,
   config.write_text(
       'from configs import kv_recall\n\n\ndef get_config():\n'
       '  config = kv_recall.get_config()\n'
-      '  config.model.update(d_model=16, num_heads=2, head_dim=8, '
+      '  config.model.update(d_model=16, num_heads=2, head_dim=16, '
       'mlp_dim=32)\n'
       '  config.train.update(batch_size=8, eval_batches=1)\n'
       '  return config\n')
@@ -337,7 +420,9 @@ def test_kv_frontier_trains_reads_and_reports_a_small_grid(tmp_path,
       final['eval_loss'], abs=1e-4)
   analysis = panel['analysis']
   assert analysis['control'] is not None
-  assert len(analysis['equal_bytes']) == 2 and len(analysis['int8']) == 5
+  # GQA-2 with CLA2 against MQA in 'G' and 'LLGG', MLA against both.
+  assert len(analysis['equal_bytes']) == 4
+  assert len(analysis['int8']) == len(panel['models']) == 6
   report = (out / 'report.md').read_text()
   assert 'Negative control' in report and stats.CONVENTION in report
   assert (out / 'frontier.png').stat().st_size > 0
