@@ -255,3 +255,47 @@ def test_a_workdir_without_its_tokenizer_is_one_line(llama, tmp_path):
   assert len(lines) == 1 and 'has no tokenizer.json' in lines[0], (
       result.stderr[-3000:])
   assert not (tmp_path / 'out').exists()
+
+
+def _never_scored(*args, **kwargs):
+  raise AssertionError('a task was scored before the bad input was refused')
+
+
+def test_a_generation_task_without_room_is_refused_before_any_scoring(
+    trained, tmp_path, monkeypatch):
+  """The generation task's max_gen_toks (lm_eval's default 256 where the
+  task sets none) was checked only when its requests ran, after the other
+  tasks were scored, and all of it was thrown away. `tiny`'s max_len: 32."""
+  tasks = tmp_path / 'tasks'
+  shutil.copytree(TASKS_DIR, tasks)
+  yaml = (tasks / 'gqa_lab_generate.yaml').read_text()
+  (tasks / 'gqa_lab_generate.yaml').write_text(
+      yaml.replace('  max_gen_toks: 12\n', ''))
+  monkeypatch.setattr(lm_eval, 'simple_evaluate', _never_scored)
+  with pytest.raises(UserError) as e:
+    evaluate_lib.write_results(str(trained), TASKS, str(tmp_path / 'out'),
+                               include_path=str(tasks), limit=2)
+  message = str(e.value)
+  assert '\n' not in message
+  assert message.startswith('task gqa_lab_generate generates up to '
+                            "max_gen_toks=256 tokens, not below the model's "
+                            'max_len (32)')
+  assert '--max_gen_toks' in message
+  assert not (tmp_path / 'out').exists()
+  # --max_gen_toks is the room it asks for: checked, then scored.
+  monkeypatch.undo()
+  record = evaluate_lib.write_results(
+      str(trained), ['gqa_lab_generate'], str(tmp_path / 'out'),
+      include_path=str(tasks), limit=2, max_gen_toks=8)
+  assert 'gqa_lab_generate' in record['results']
+
+
+def test_a_wrong_data_path_is_refused_before_any_scoring(trained, tmp_path,
+                                                        monkeypatch):
+  monkeypatch.setattr(lm_eval, 'simple_evaluate', _never_scored)
+  missing = tmp_path / 'no_corpus'
+  with pytest.raises(UserError, match=rf'^--data={missing}: .*does not exist'):
+    evaluate_lib.write_results(str(trained), TASKS, str(tmp_path / 'out'),
+                               include_path=str(TASKS_DIR), limit=2,
+                               data=str(missing))
+  assert not (tmp_path / 'out').exists()

@@ -2,7 +2,7 @@
 
   python -m train.evaluate --workdir=W --tasks=T1,T2 --out=DIR \
       [--include_path=DIR] [--limit=N] [--batch_size=8] [--num_fewshot=N] \
-      [--data=PREPARED_DIR]
+      [--max_gen_toks=256] [--data=PREPARED_DIR]
 
 The workdir (local or gs://) runs as lm_eval's `gqa-lab` model
 (evaluation/harness.py); tasks are lm_eval's own or the YAMLs in
@@ -69,15 +69,18 @@ def _check_known(manager, tasks: list[str], include_path: str | None):
 
 def evaluate(workdir: str, tasks: list[str], *, include_path=None,
              limit=None, batch_size: int = 8, num_fewshot=None,
-             seed: int = 0, log_samples: bool = False) -> dict:
+             seed: int = 0, log_samples: bool = False,
+             max_gen_toks: int = 256) -> dict:
   """lm_eval.simple_evaluate of WORKDIR on TASKS; its results dict,
   without lm_eval's environment report."""
   from unittest import mock  # pylint: disable=import-outside-toplevel
   import lm_eval  # pylint: disable=import-outside-toplevel
   from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
   from evaluation import harness  # pylint: disable=import-outside-toplevel
-  model = harness.WorkdirLM(workdir, batch_size=batch_size, seed=seed)
+  model = harness.WorkdirLM(workdir, batch_size=batch_size, seed=seed,
+                            max_gen_toks=max_gen_toks)
   manager = _task_manager(tasks, include_path)
+  _check_generation_room(manager.load(tasks)['tasks'], model)
   # Its add_env_info runs torch's collect_env (pip list and more in
   # subprocesses: 4 of a small task's 5.7 s, measured) for keys that
   # write_results does not keep; a study scores dozens of checkpoints.
@@ -87,6 +90,25 @@ def evaluate(workdir: str, tasks: list[str], *, include_path=None,
         num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
         numpy_random_seed=seed, fewshot_random_seed=seed,
         bootstrap_iters=1000)
+
+
+def _check_generation_room(tasks: dict, model) -> None:
+  """Refuses, in one line and before any task is scored, a generation task
+  (of TaskManager.load's flat {name: Task}) whose max_gen_toks (its
+  generation_kwargs', else the model's) leaves no room for a context in
+  the model's max_len: found only when its requests ran, it threw away the
+  tasks scored before it."""
+  for name, task in tasks.items():
+    if task.get_config('output_type') != 'generate_until':
+      continue
+    kwargs = task.get_config('generation_kwargs') or {}
+    new = int(kwargs.get('max_gen_toks', model.max_gen_toks))
+    if new >= model.max_length:
+      raise UserError(
+          f'task {name} generates up to max_gen_toks={new} tokens, not below '
+          f'the model\'s max_len ({model.max_length}), which leaves no room '
+          'for its context; give --max_gen_toks below max_len (or set '
+          'max_gen_toks in the task\'s generation_kwargs)')
 
 
 def report(results: dict, held_out: dict | None, provenance: dict) -> str:
@@ -106,20 +128,23 @@ def report(results: dict, held_out: dict | None, provenance: dict) -> str:
 def write_results(workdir: str, tasks: list[str], out: str, *,
                   include_path=None, limit=None, batch_size: int = 8,
                   num_fewshot=None, seed: int = 0, data=None,
-                  argv=None) -> dict:
+                  max_gen_toks: int = 256, argv=None) -> dict:
   """Evaluates WORKDIR; writes OUT/results.json and OUT/report.md; returns
   the record written. argv: the command's flags, for the provenance."""
   from lm_eval import utils as lm_utils  # pylint: disable=import-outside-toplevel
   from scripts import stats  # pylint: disable=import-outside-toplevel
   from train import loop  # pylint: disable=import-outside-toplevel
   provenance = stats.provenance('train.evaluate', out, argv)
+  held_out = None
+  if data:  # First: a wrong --data is refused before the tasks are scored.
+    try:
+      held_out = {'data': data, **loop.evaluate_workdir(workdir,
+                                                        data_path=data)}
+    except UserError as e:
+      raise UserError(f'--data={data}: {e}') from None
   results = evaluate(workdir, tasks, include_path=include_path, limit=limit,
                      batch_size=batch_size, num_fewshot=num_fewshot,
-                     seed=seed)
-  held_out = None
-  if data:
-    held_out = {'data': data, **loop.evaluate_workdir(workdir,
-                                                      data_path=data)}
+                     seed=seed, max_gen_toks=max_gen_toks)
   record = {'provenance': provenance, 'workdir': workdir, 'tasks': tasks,
             **{k: results[k] for k in ('results', 'groups', 'configs',
                                         'versions', 'n-shot', 'n-samples')
@@ -140,14 +165,16 @@ def main(argv):
   tasks = [t for t in f.tasks.split(',') if t]
   if not tasks:
     raise UserError('--tasks is empty; give task names, comma-separated')
-  if f.batch_size < 1 or (f.limit is not None and f.limit < 1):
-    raise UserError('--batch_size and --limit must be >= 1')
+  for name in ('batch_size', 'limit', 'max_gen_toks'):
+    if getattr(f, name) is not None and getattr(f, name) < 1:
+      raise UserError(f'--{name}={getattr(f, name)}: give a number >= 1')
   check_output_dir(f.out, new=True)
   require_lm_eval()
   logging.getLogger('lm_eval').setLevel(logging.ERROR)
   write_results(f.workdir, tasks, f.out, include_path=f.include_path,
                 limit=f.limit, batch_size=f.batch_size,
-                num_fewshot=f.num_fewshot, seed=f.seed, data=f.data)
+                num_fewshot=f.num_fewshot, seed=f.seed, data=f.data,
+                max_gen_toks=f.max_gen_toks)
   sys.stdout.write((pathlib.Path(f.out) / 'report.md').read_text())
 
 
@@ -163,6 +190,9 @@ def run():
   flags.DEFINE_integer('num_fewshot', None, 'examples in each prompt '
                        "(default: each task's)")
   flags.DEFINE_integer('seed', 0, 'few-shot and sampling seed')
+  flags.DEFINE_integer('max_gen_toks', 256, 'generation tasks: at most this '
+                       'many new tokens where the task sets none (lm_eval\'s '
+                       'hf default); below the model\'s max_len')
   flags.DEFINE_string('data', None, 'a prepared corpus (train.prepare_data) '
                       'whose held-out loss and bits per byte to report too')
   run_app(main, required=['workdir', 'tasks', 'out'])
