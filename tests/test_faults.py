@@ -770,12 +770,14 @@ def test_a_read_only_checkpoints_folder_is_one_line_about_permission(
 # Installed, not run from the repository.
 
 @pytest.mark.slow
-def test_installed_package_runs_from_any_directory(tmp_path):
+def test_installed_package_runs_from_any_directory(tmp_path, monkeypatch):
   """pip install . (not -e) into a fresh venv; the README's commands elsewhere.
 
   The new venv sees this one's dependencies through a .pth file, so the test
-  needs no network; gqa-lab itself comes only from the wheel it builds.
+  needs no network; gqa-lab itself comes only from the wheel it builds (a
+  PYTHONPATH naming a checkout would hide it: left out).
   """
+  monkeypatch.delenv('PYTHONPATH', raising=False)
   venv = tmp_path / 'venv'
   subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True)
   python = str(venv / 'bin' / 'python')

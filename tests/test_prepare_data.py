@@ -203,8 +203,13 @@ def test_a_kill_mid_prepare_then_a_rerun_gives_the_same_shards(tmp_path):
 def _stop_mid_way(args, out: pathlib.Path, signum: int):
   """Runs the command into OUT, sending it `signum` once 3 shards are
   listed; the finished process (stderr read)."""
+  # The child at the lowest priority: on a busy machine this process could
+  # wake only after the child had finished all 80 shards (the signal then
+  # reached no one: a flaky pass of 0); now it wakes first.
+  # (`nice` execs the command: the signal reaches the child itself.)
   proc = subprocess.Popen(
-      [sys.executable, '-m', 'train.prepare_data', *args, f'--out={out}'],
+      ['nice', '-n', '19', sys.executable, '-m', 'train.prepare_data', *args,
+       f'--out={out}'],
       cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   listed = lambda: len((out / 'progress.jsonl').read_text().splitlines()) \
       if (out / 'progress.jsonl').exists() else 0

@@ -1,6 +1,7 @@
 """Specification of the training program (`train.main`, `train.loop`)."""
 
 import dataclasses
+import json
 import math
 import pathlib
 import signal
@@ -251,8 +252,15 @@ def test_rerunning_a_finished_workdir_changes_nothing(tmp_path):
            and 'tensorboard' not in p.parts}
   assert loop.train_and_evaluate(config, str(tmp_path)) == first
   assert {p: p.read_bytes() for p in files} == files
-  (tmp_path / 'final.json').unlink()  # As if killed right after saving.
-  assert loop.train_and_evaluate(config, str(tmp_path)) == {}
+  # As if killed right after saving: final.json is written again from the
+  # last checkpoint's evaluation (a study reads it), nothing else changes.
+  (tmp_path / 'final.json').unlink()
+  again = loop.train_and_evaluate(config, str(tmp_path))
+  for key in ('eval_loss', 'eval_accuracy', 'kv_bytes_per_token'):
+    assert again[key] == pytest.approx(first[key], rel=1e-6), key
+  assert json.loads((tmp_path / 'final.json').read_text()) == again
+  assert {p: p.read_bytes() for p in files if p.name != 'final.json'} == {
+      p: b for p, b in files.items() if p.name != 'final.json'}
 
 
 def test_workdir_holding_another_model_is_refused_and_kept(tmp_path):
