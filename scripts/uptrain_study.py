@@ -44,13 +44,10 @@ paper states them, with controls.
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
-before the MLA arm: only the MLA runs train). Default: 4 seeds, about 30
-minutes on an idle 2-core machine (estimated from --quick's per-step times;
-the MLA arm adds a conversion and a run per seed to each K's runs); --quick:
-S/4, K = 1 only, 3 seeds, about 8 minutes there (26 minutes measured beside
-seven other busy processes) before the MLA arm, which --quick includes: it
-took 41 CPU-seconds more (both of its arms, measured by rerunning --quick
-on finished runs with and without them), so at most about 9 minutes idle.
+before the MLA arm: only the MLA runs train). Default: 4 seeds, 38.5
+CPU-minutes with the MLA arm (the most its wall time is on an idle 2-core
+machine; docs/results/uptrain/report.md); --quick: S/4, K = 1 only, 3
+seeds, 5 min 30 s on the idle machine (9.1 CPU-minutes, at d3fc18f).
 """
 
 from __future__ import annotations
