@@ -42,10 +42,10 @@ Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
 DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
 --report_only rebuilds the report from DIR/frontier.json. The default: the
 recall panel's 6 layouts at 1,000 steps and the conversion; the LM panel's
-3 at 40 steps of gqa_small; 3 seeds each (estimated 50 + 13 CPU-minutes
-from the pilots, docs/results/kv_frontier/pilots.md). --quick: the recall
-panel only, its 6 layouts at 100 steps, 3 seeds, no conversion (estimated
-8 CPU-minutes): a check that everything runs and reports, too short for
+3 at 40 steps of gqa_small; 3 seeds each (about 53 CPU-minutes here,
+docs/results/kv_frontier/report.md). --quick: the recall
+panel only, its 6 layouts at 100 steps, 3 seeds, no conversion (6.7
+CPU-minutes here, docs/results/kv_frontier/quick/): a check that everything runs and reports, too short for
 retrieval to be learnt.
 """
 
@@ -652,8 +652,8 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
   on = set(a['frontier'])
   excluded = a.get('frontier_excludes')
   lines += ['', '**Frontier** (a point whose NLL is resolved lower than every '
-            'point with fewer bytes; one not resolved lower than a cheaper '
-            'point is off it' + (
+            'point with fewer bytes and not resolved higher than any with as '
+            'few; one not resolved lower than a cheaper point is off it' + (
                 f'; the negative control {excluded} is left out, as a '
                 'control, not a design' if excluded else '') + '): '
             + ', '.join(a['frontier']) + '.', '',
