@@ -2,7 +2,8 @@
 
   python -m scripts.bench_decode [--config=gqa_small] [--kv_heads=8,2,1]
       [--batches=1,16,64,256] [--contexts=256,1024,2048] [--out=DIR]
-      [--kv_cache_dtype=bfloat16|int8] [--markdown=BENCHMARKS.md]
+      [--kv_cache_dtype=bfloat16|int8] [--equal_params]
+      [--markdown=BENCHMARKS.md]
   python -m scripts.bench_decode --layer [--kv_heads=16,4,1]
       [--batches=16,256] [--contexts=2048] [--out=DIR]
 
@@ -16,6 +17,8 @@ the tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
 a CPU comes close for the grouped variants: G query heads share each cached
 key, G/2 FLOPs per float32 byte of cache, against the CPU's ~6 FLOPs per byte
 of bandwidth. Writes decode.json and decode.png under --out.
+--equal_params widens the MLP of variants with fewer K/V heads to the
+config's parameter count, as `scripts.compare --equal_params` trains them.
 
 --layer: one attention layer's decode step (N=16, H=64, D=1024, float32),
 `attention.layer.apply` with its cache as `attention.Attention(decode=True)`
@@ -61,6 +64,9 @@ def main():
   parser.add_argument('--repeats', type=positive_int, default=5)
   parser.add_argument('--kv_cache_dtype', choices=layer.KV_CACHE_DTYPES,
                       help="the cache's storage (default: the config's)")
+  parser.add_argument('--equal_params', action='store_true',
+                      help="widen the MLP to the config's parameters, as "
+                      'scripts.compare --equal_params does')
   parser.add_argument('--out', default='out/decode')
   parser.add_argument('--markdown', help='write the table as a section of '
                       f'this file ("{MODEL_SECTION}", or with --layer '
@@ -74,7 +80,7 @@ def main():
   args.batches = args.batches or [1, 16, 64, 256]
   args.contexts = args.contexts or [256, 1024, 2048]
   results = run(args.config, args.kv_heads, args.batches, args.contexts,
-                args.repeats, args.kv_cache_dtype)
+                args.repeats, args.kv_cache_dtype, args.equal_params)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / 'decode.json').write_text(json.dumps(results, indent=1))
@@ -114,12 +120,20 @@ def model_markdown(results, args) -> str:
 
 
 def run(config_name, kv_heads, batches, contexts, repeats,
-        kv_cache_dtype=None):
+        kv_cache_dtype=None, equal_params=False):
   config = config_lib.load(config_name)
   if kv_cache_dtype:
     config.model.kv_cache_dtype = kv_cache_dtype
-  for K in kv_heads:  # Every bad setting refused before any measurement.
+  mlp_dim = config.model.mlp_dim
+
+  def set_kv_heads(K):
     config.model.num_kv_heads = K
+    if equal_params:
+      config.model.mlp_dim = flops.equal_params_mlp_dim(
+          mlp_dim, config.model.num_heads, K, config.model.head_dim)
+
+  for K in kv_heads:  # Every bad setting refused before any measurement.
+    set_kv_heads(K)
     config_lib.validate(config, batch_shards=1)
   bandwidth = timing.read_bandwidth(repeats)
   peak, peak_source = flops.peak_flops()
@@ -130,7 +144,7 @@ def run(config_name, kv_heads, batches, contexts, repeats,
         f'{"KV MiB":>8} {"bytes bound":>12} {"FLOP bound":>11} '
         f'{"of the lower":>12}')
   for K in kv_heads:
-    config.model.num_kv_heads = K
+    set_kv_heads(K)
     mc = config_lib.model_config(config)
     for batch in batches:
       for context in contexts:
@@ -138,7 +152,8 @@ def run(config_name, kv_heads, batches, contexts, repeats,
         kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
         bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
                                                      bandwidth, peak)
-        row = dict(num_kv_heads=K, batch=batch, context=context,
+        row = dict(num_kv_heads=K, mlp_dim=mc.mlp_dim, batch=batch,
+                   context=context,
                    tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
                    bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
                    compute_roofline_tokens_per_sec=bound['compute'],
@@ -163,8 +178,8 @@ STEPS_LEFT = 8  # Free slots after the filled prefix.
 def main_layer(args):
   kv_heads = args.kv_heads or [16, 4, 1]
   batches, contexts = args.batches or [16, 256], args.contexts or [2048]
-  given = [f'--{name}' for name in ('config', 'kv_cache_dtype')
-           if getattr(args, name)]
+  given = [f'--{name}' for name in ('config', 'kv_cache_dtype',
+                                     'equal_params') if getattr(args, name)]
   if given:
     raise UserError(f'{" and ".join(given)}: not used with --layer (one '
                     f'float32 layer, N={N}, H={H}, D={D}); drop it')

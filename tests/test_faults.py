@@ -551,6 +551,8 @@ def _scripts(*args):
      '--kv_heads=3: the layer has N=16 query heads; give divisors of 16'),
     ('scripts.bench_decode', ['--layer', '--config=gqa_small'],
      '--config: not used with --layer'),
+    ('scripts.bench_decode', ['--layer', '--equal_params'],
+     '--equal_params: not used with --layer'),
     ('scripts.bench_train', ['--rounds=0'], 'argument --rounds'),
     ('scripts.bench_train', ['--configs=gqa_small,nope'],
      "unknown config 'nope'"),

@@ -124,6 +124,20 @@ def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
   assert '| 1 | 2 | 16 | ' in text and f'| {share}% |' in text
 
 
+@pytest.mark.slow
+def test_bench_decode_equal_params_times_the_models_compare_trains():
+  """--equal_params: each K is timed with the MLP compare --equal_params
+  trains it with (wider for fewer K/V heads), not the config's."""
+  results = bench_decode.run('tiny', [4, 1], batches=[1], contexts=[8],
+                             repeats=1, equal_params=True)
+  widths = {r['num_kv_heads']: r['mlp_dim'] for r in results['rows']}
+  for K in (4, 1):
+    config = compare.variant_config('tiny', K, seed=0, steps=0,
+                                    equal_params=True)
+    assert widths[K] == config.model.mlp_dim
+  assert widths[1] > widths[4] == config_lib.load('tiny').model.mlp_dim
+
+
 @pytest.mark.parametrize('K', [4, 2, 1])
 @pytest.mark.slow
 def test_the_pytorch_training_peer_is_the_same_network(K):
