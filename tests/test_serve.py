@@ -5,7 +5,9 @@ is one line and the other requests go on."""
 
 import argparse
 import dataclasses
+import functools
 import json
+import re
 
 import flax.linen as nn
 import jax
@@ -352,3 +354,26 @@ def test_bench_serve_refuses_a_trace_past_max_len_in_one_line():
   with pytest.raises(UserError, match=r'past model.max_len \(32\); lower '
                      'their highs$'):
     bench_serve.make_trace(args, 256, 32)
+
+
+def _ynn_dots(compiled_text: str) -> int:
+  """How many fusions handed to YNNPACK hold a dot."""
+  bodies = dict(re.findall(r'^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}',
+                           compiled_text, re.M | re.S))
+  called = re.findall(r'calls=(%[\w.\-]+)[^\n]*__ynn_fusion', compiled_text)
+  return sum(' dot(' in bodies.get(name, '') for name in called)
+
+
+def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=8)
+  B = 8
+  rows = lambda: np.zeros(B, np.int32)
+  args = (served.params, served._pool, rows(), np.zeros((B, 2), np.int32),  # pylint: disable=protected-access
+          rows(), served._key, rows(), rows())  # pylint: disable=protected-access
+  ours = served._decode.lower(*args).compile().as_text()  # pylint: disable=protected-access
+  control = jax.jit(functools.partial(  # The same step, XLA's defaults.
+      engine._step, served.model, temperature=0.0, top_k=0)).lower(  # pylint: disable=protected-access
+          *args).compile().as_text()
+  assert _ynn_dots(control) > 0
+  assert _ynn_dots(ours) == 0
