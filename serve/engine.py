@@ -89,17 +89,6 @@ class _Slot:
   arrival: float
 
 
-# The decode step's XLA options on a CPU: its matmuls by XLA's own runtime
-# (Eigen), reductions still by YNNPACK. XLA hands both to YNNPACK by default,
-# which runs a decode batch's [B, 256] x [256, 768] matmul at 15-19 GFLOP/s
-# for B = 16 where Eigen reaches 41-43 (one core of this lab's CPU, jax
-# 0.10.2), while its reductions run several times faster than XLA's loops.
-# On `gqa_small` this serves 16-25% more tokens/s (bench_serve, 16-23 in
-# flight). A single row (one request at a time) is a matrix-vector product,
-# which XLA never hands to YNNPACK.
-CPU_COMPILER_OPTIONS = {
-    'xla_cpu_experimental_ynn_fusion_type': 'LIBRARY_FUSION_TYPE_REDUCE'}
-
 # A slot given a request whose prompt is not yet prefilled.
 _ADMITTED = object()
 
@@ -143,9 +132,7 @@ class Engine:
     self._sampling = dict(temperature=temperature, top_k=top_k)
     self._decode = jax.jit(
         functools.partial(_step, self.model, **self._sampling),
-        donate_argnums=1, compiler_options=(
-            CPU_COMPILER_OPTIONS if jax.devices()[0].platform == 'cpu'
-            else None))
+        donate_argnums=1, compiler_options=sample.compiler_options())
     self._key = jax.random.key(seed)
 
   def run(self, requests: Iterable[Request]) -> Iterator[Result]:

@@ -54,7 +54,8 @@ class HeadsMajorAttentionTest(chex.TestCase):
     _, value_ZSH = _heads_major(v8)
     out = decode.heads_major_attention(
         q, key_ZHS, value_ZSH, None, scale=H**-0.5, logits_soft_cap=None,
-        key_scale_ZS=scale_ZS(k_scale_BSK), value_scale_ZS=scale_ZS(v_scale_BSK))
+        key_scale_ZS=scale_ZS(k_scale_BSK),
+        value_scale_ZS=scale_ZS(v_scale_BSK))
     want = reference.reference_attention(
         q, k8 * k_scale_BSK[..., None], v8 * v_scale_BSK[..., None])
     chex.assert_trees_all_close(out, want, atol=1e-5, rtol=1e-5)

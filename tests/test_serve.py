@@ -365,15 +365,16 @@ def _ynn_dots(compiled_text: str) -> int:
 
 
 def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
+  # pylint: disable=protected-access
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=8)
   B = 8
   rows = lambda: np.zeros(B, np.int32)
-  args = (served.params, served._pool, rows(), np.zeros((B, 2), np.int32),  # pylint: disable=protected-access
-          rows(), served._key, rows(), rows())  # pylint: disable=protected-access
-  ours = served._decode.lower(*args).compile().as_text()  # pylint: disable=protected-access
+  args = (served.params, served._pool, rows(), np.zeros((B, 2), np.int32),
+          rows(), served._key, rows(), rows())
+  ours = served._decode.lower(*args).compile().as_text()
   control = jax.jit(functools.partial(  # The same step, XLA's defaults.
-      engine._step, served.model, temperature=0.0, top_k=0)).lower(  # pylint: disable=protected-access
+      engine._step, served.model, temperature=0.0, top_k=0)).lower(
           *args).compile().as_text()
   assert _ynn_dots(control) > 0
   assert _ynn_dots(ours) == 0
