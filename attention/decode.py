@@ -72,8 +72,15 @@ def heads_major_attention(query, key_ZHS, value_ZSH, mask_BNTS, *, scale,
   The cache may be stored in another dtype than the query (bfloat16, or int8
   with a float32 scale per token and KV head, key_scale_ZS and
   value_scale_ZS): the matmuls take it as it is and the scales multiply the
-  [R, S] logits and probabilities, never the cache.
+  [R, S] logits and weights, never the cache.
   R = G·T: the query rows of one KV head.
+
+  The softmax is written so that the [R, S] arrays are streamed as few times
+  as possible (with G = 8 they are a quarter of the keys' bytes): the mask
+  is added as a bias of its own small shape, so that the logits' matmul,
+  the bias, the max and the exp are one fusion for XLA's CPU; the weights
+  are normalised after the value matmul, on the [R, H] output, rather than
+  in another pass over [R, S].
   """
   B, T, N, H = query.shape
   Z, S = value_ZSH.shape[:2]
@@ -86,15 +93,23 @@ def heads_major_attention(query, key_ZHS, value_ZSH, mask_BNTS, *, scale,
     logits_ZRS = logits_ZRS * key_scale_ZS[:, None, :]
   logits_BKGTS = numerics.soft_cap(logits_ZRS, logits_soft_cap).reshape(
       B, K, G, T, S)
-  probs_BKGTS = numerics.masked_softmax(
-      logits_BKGTS,
-      None if mask_BNTS is None else numerics.grouped_mask(mask_BNTS, K))
-  probs_ZRS = probs_BKGTS.reshape(Z, G * T, S)
+  if mask_BNTS is not None:
+    mask_BKGTS = numerics.grouped_mask(mask_BNTS, K)  # Or [B, 1, 1, T, S].
+    logits_BKGTS = logits_BKGTS + jnp.where(mask_BKGTS, 0.0,
+                                            numerics.MASKED_LOGIT)
+  # Unnormalised softmax weights; a masked logit's is exactly 0.
+  weights_BKGTS = jnp.exp(
+      logits_BKGTS - logits_BKGTS.max(axis=-1, keepdims=True))
+  total_BKGT1 = weights_BKGTS.sum(axis=-1, keepdims=True)
+  weights_ZRS = weights_BKGTS.reshape(Z, G * T, S)
   if value_scale_ZS is not None:
-    probs_ZRS = probs_ZRS * value_scale_ZS[:, None, :]
-  probs_ZRS = probs_ZRS.astype(query.dtype)
-  out_ZRH = _batched_matmul(probs_ZRS, value_ZSH)
-  out_BTNH = out_ZRH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
+    weights_ZRS = weights_ZRS * value_scale_ZS[:, None, :]
+  out_ZRH = _batched_matmul(weights_ZRS.astype(query.dtype), value_ZSH)
+  out_BKGTH = out_ZRH.reshape(B, K, G, T, H) / total_BKGT1
+  if mask_BNTS is not None:  # A row with nothing to attend to gives zeros.
+    out_BKGTH = jnp.where(mask_BKGTS.any(axis=-1, keepdims=True), out_BKGTH,
+                          0.0)
+  out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4)
   return out_BTNH.reshape(B, T, N, H).astype(query.dtype)
 
 

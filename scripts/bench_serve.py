@@ -198,7 +198,8 @@ def one_at_a_time(mc, params, trace) -> dict:
                           decode=True)
       compiled[shape] = jax.jit(functools.partial(
           sample.generate, model=model, max_new_tokens=new, temperature=0.0,
-          top_k=0)).lower(*args).compile()
+          top_k=0), compiler_options=sample.compiler_options()).lower(
+              *args).compile()
     calls.append((compiled[shape], args))
   start, cpu = time.perf_counter(), time.process_time()
   for fn, args in calls:

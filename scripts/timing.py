@@ -76,7 +76,8 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
                                    temperature=0.0, top_k=0)
     return sampled, refill(cache)
 
-  run = jax.jit(run, donate_argnums=0)
+  run = jax.jit(run, donate_argnums=0,
+                compiler_options=sample.compiler_options())
   state = {'cache': refill(sample.empty_cache(model, batch))}
   token = jnp.zeros((batch,), jnp.int32)
 

@@ -130,9 +130,9 @@ class Engine:
     self.eos_ids = tuple(eos_ids)
     self._pool = paged.empty_pool(self.config, num_pages, page_size)
     self._sampling = dict(temperature=temperature, top_k=top_k)
-    self._decode = jax.jit(functools.partial(_step, self.model,
-                                             **self._sampling),
-                           donate_argnums=1)
+    self._decode = jax.jit(
+        functools.partial(_step, self.model, **self._sampling),
+        donate_argnums=1, compiler_options=sample.compiler_options())
     self._key = jax.random.key(seed)
 
   def run(self, requests: Iterable[Request]) -> Iterator[Result]:
@@ -194,8 +194,8 @@ class Engine:
     """Writes the admitted prompts into their pages in one call, each slot
     then holding its first token; yields those already finished.
 
-    The prompts are the first rows of a batch of the next power of two, all
-    padded to the next power of two of pages of the longest (at most
+    The prompts are the first rows of a batch of the next bucket size
+    (`_bucket`), all padded to the bucket of pages of the longest (at most
     max_len's): a few compiled prefills, however the lengths mix.
     """
     B = _bucket(len(admitted))
@@ -237,12 +237,13 @@ class Engine:
     """One decoded token for every busy slot; yields those that finish.
 
     The busy slots are decoded as the first rows of a batch of the next
-    power of two (at least 2: a one-row write becomes an update XLA does on
-    a copy of the whole pool), so that a pool holding few sequences does not
-    pay for idle rows; the page tables are as wide as the next power of two
-    of the pages in use (the longest sequence's, its new token's included),
-    so that short sequences do not gather max_len positions. One compiled
-    step per (batch, width) pair: a few dozen at most.
+    bucket size (`_bucket`; at least 2: a one-row write becomes an update
+    XLA does on a copy of the whole pool), so that a pool holding few
+    sequences does not pay for idle rows; the page tables are as wide as the
+    bucket of the pages in use (the longest sequence's, its new token's
+    included), so that short sequences do not gather max_len positions. One
+    compiled step per (batch, width) pair that a run meets: with 128 slots
+    and 16 pages per sequence at most 23 x 12.
     """
     busy = [i for i, s in enumerate(slots) if s is not None]
     B = max(2, _bucket(len(busy)))
@@ -318,6 +319,17 @@ def _prefill(model, params, pool, tokens_BT, table_BM, lengths_B, key,
   return first_B, pool
 
 
-def _bucket(n: int) -> int:
-  """The next power of two >= n (n >= 1)."""
-  return 1 << (n - 1).bit_length()
+# Sizes per octave of the batch and table-width buckets: 4 pads a batch or a
+# table by less than a quarter (exact up to 8), at 4 compiled sizes per
+# doubling; powers of two (1) padded up to 2x (19 busy slots ran as 32 rows,
+# 9 pages were read as 16).
+BUCKETS_PER_OCTAVE = 4
+
+
+def _bucket(n: int, per_octave: int = BUCKETS_PER_OCTAVE) -> int:
+  """The least size >= n (n >= 1) among n itself up to 2·per_octave, then
+  per_octave evenly spaced sizes per doubling (per_octave a power of two;
+  1: the next power of two): at most per_octave·(log2(limit) + 1) sizes up
+  to a limit."""
+  unit = 1 << max(0, (n - 1).bit_length() - per_octave.bit_length())
+  return -(-n // unit) * unit

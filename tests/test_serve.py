@@ -5,7 +5,9 @@ is one line and the other requests go on."""
 
 import argparse
 import dataclasses
+import functools
 import json
+import re
 
 import flax.linen as nn
 import jax
@@ -121,9 +123,9 @@ def test_every_cache_layout_decodes_as_train_sample_does(model):
 @pytest.mark.slow
 def test_tables_as_wide_as_the_pages_in_use_still_decode_as_train_sample(
     monkeypatch):
-  """Steps read only the next power of two of the pages in use (not
-  max_len's 8), so sequences cross width buckets as they grow; prompts
-  admitted together are prefilled in one call."""
+  """Steps read only the bucket of the pages in use (exact up to 8, not
+  max_len's 8 nor a power of two), so sequences cross width buckets as they
+  grow; prompts admitted together are prefilled in one call."""
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2)
   widths, prefills = [], []
@@ -143,8 +145,17 @@ def test_tables_as_wide_as_the_pages_in_use_still_decode_as_train_sample(
     assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
   assert prefills == [(2, 4)]  # Both prompts, in the 1 page of the longest.
   # Lengths 3..14 and 2..3 (the new token's position included): 1 page, then
-  # 2, then 3 or 4 (read as 4).
-  assert sorted(set(widths)) == [(2, 1), (2, 2), (2, 4)]
+  # 2, 3 and 4 (3 no longer read as 4).
+  assert sorted(set(widths)) == [(2, 1), (2, 2), (2, 3), (2, 4)]
+
+
+def test_buckets_pad_by_less_than_a_quarter_past_8_with_few_sizes():
+  sizes = [engine._bucket(n) for n in range(1, 129)]  # pylint: disable=protected-access
+  assert sizes[:8] == list(range(1, 9))  # 9 pages read as 10, not 16:
+  assert sizes[8] == 10 and sizes[18] == 20  # 19 busy slots run as 20.
+  assert all(n <= size < 1.25 * n for n, size in enumerate(sizes, 1))
+  assert len(set(sizes)) == 24
+  assert [engine._bucket(n, 1) for n in (1, 3, 9, 19)] == [1, 4, 16, 32]  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
@@ -343,3 +354,27 @@ def test_bench_serve_refuses_a_trace_past_max_len_in_one_line():
   with pytest.raises(UserError, match=r'past model.max_len \(32\); lower '
                      'their highs$'):
     bench_serve.make_trace(args, 256, 32)
+
+
+def _ynn_dots(compiled_text: str) -> int:
+  """How many fusions handed to YNNPACK hold a dot."""
+  bodies = dict(re.findall(r'^(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}',
+                           compiled_text, re.M | re.S))
+  called = re.findall(r'calls=(%[\w.\-]+)[^\n]*__ynn_fusion', compiled_text)
+  return sum(' dot(' in bodies.get(name, '') for name in called)
+
+
+def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
+  # pylint: disable=protected-access
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=8)
+  B = 8
+  rows = lambda: np.zeros(B, np.int32)
+  args = (served.params, served._pool, rows(), np.zeros((B, 2), np.int32),
+          rows(), served._key, rows(), rows())
+  ours = served._decode.lower(*args).compile().as_text()
+  control = jax.jit(functools.partial(  # The same step, XLA's defaults.
+      engine._step, served.model, temperature=0.0, top_k=0)).lower(
+          *args).compile().as_text()
+  assert _ynn_dots(control) > 0
+  assert _ynn_dots(ours) == 0
