@@ -191,17 +191,24 @@ class Engine:
 
   def _prefill_all(self, slots: list[_Slot | None], admitted: list,
                    start: float) -> Iterator[Result]:
-    """Writes the admitted prompts into their pages in one call, each slot
-    then holding its first token; yields those already finished.
+    """Writes the admitted prompts into their pages, one call per bucket of
+    prompt pages (short prompts are not padded to the longest), each slot
+    then holding its first token; yields those already finished."""
+    by_width = collections.defaultdict(list)
+    for a in admitted:
+      by_width[min(_bucket(pages_lib.pages_for(len(a[1].prompt),
+                                               self.page_size)),
+                   self.max_pages)].append(a)
+    for width, group in sorted(by_width.items()):
+      yield from self._prefill_group(slots, group, width, start)
 
-    The prompts are the first rows of a batch of the next bucket size
-    (`_bucket`), all padded to the bucket of pages of the longest (at most
-    max_len's): a few compiled prefills, however the lengths mix.
-    """
-    B = _bucket(len(admitted))
-    longest = max(len(request.prompt) for _, request, _, _ in admitted)
-    width = min(_bucket(pages_lib.pages_for(longest, self.page_size)),
-                self.max_pages)
+  def _prefill_group(self, slots: list[_Slot | None], admitted: list,
+                     width: int, start: float) -> Iterator[Result]:
+    """The admitted prompts, each within `width` pages, prefilled in one
+    call: the first rows of a batch of the next bucket size (`_bucket`; at
+    least 2, as `_step_all`'s), padded to `width` pages: a few compiled
+    prefills, however the lengths mix."""
+    B = max(2, _bucket(len(admitted)))
     tokens_BT = np.zeros((B, width * self.page_size), np.int32)
     lengths_B = np.ones(B, np.int32)  # Idle rows: a token at the scratch page.
     index_B = np.zeros(B, np.int32)

@@ -149,6 +149,29 @@ def test_tables_as_wide_as_the_pages_in_use_still_decode_as_train_sample(
   assert sorted(set(widths)) == [(2, 1), (2, 2), (2, 3), (2, 4)]
 
 
+@pytest.mark.slow
+def test_prompts_admitted_together_are_prefilled_per_width_of_their_own(
+    monkeypatch):
+  """A short prompt is not padded to the longest admitted with it: one
+  prefill call per bucket of prompt pages, each at least 2 rows (a one-row
+  write would update a copy of the pool), outputs still train.sample's."""
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=3)
+  prefills = []
+  def spy_prefill(*args, prefill=engine._prefill, **kwargs):  # pylint: disable=protected-access
+    prefills.append(args[3].shape)
+    return prefill(*args, **kwargs)
+  monkeypatch.setattr(engine, '_prefill', spy_prefill)
+  requests = [engine.Request(0, np.arange(1, 10, dtype=np.int32), 4),
+              engine.Request(1, np.array([7, 11], np.int32), 5),
+              engine.Request(2, np.array([3, 5, 9], np.int32), 3)]
+  results = {r.id: r.tokens for r in served.run(requests)}
+  for r in requests:
+    assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
+  # Prompts of 2 and 3 tokens in 1 page of 4, that of 9 in 3 pages.
+  assert sorted(prefills) == [(2, 4), (2, 12)]
+
+
 def test_buckets_pad_by_less_than_a_quarter_past_8_with_few_sizes():
   sizes = [engine._bucket(n) for n in range(1, 129)]  # pylint: disable=protected-access
   assert sizes[:8] == list(range(1, 9))  # 9 pages read as 10, not 16:
