@@ -315,6 +315,23 @@ def hf_worker(args):
       'transformers': transformers.__version__, 'torch': torch.__version__}))
 
 
+_LOADED = ('Measured under load (a machine shared with other jobs): wall-clock '
+           'tokens/s depend on what else ran; the ratios are within one run, '
+           'the peers taking turns with the engine for each K, and tokens per '
+           "CPU-second (this process's or the peer's, all threads) are the "
+           'steadier figure.')
+_IDLE = ('Measured on an otherwise idle machine (a 1-minute load average '
+         'within the core count: this benchmark alone); the peers take turns '
+         'with the engine for each K.')
+
+
+def _loaded(machine: dict) -> bool:
+  """Whether more ran than this benchmark: a 1-minute load average above
+  the cores (or unknown)."""
+  load, cores = machine.get('load_average'), machine.get('cores')
+  return not (load and cores) or load[0] > cores
+
+
 def report(results, args) -> str:
   m = results.get('machine', {})
   hf = all('hf_tokens_per_sec' in r for r in results['rows'])
@@ -330,11 +347,7 @@ def report(results, args) -> str:
       f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
       f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX and '
       f'for torch; load average {m.get("load_average", "?")} at the end. '
-      'Measured under load (a machine shared with other jobs): wall-clock '
-      'tokens/s depend on what else ran; the ratios are within one run, '
-      'the peers taking turns with the engine for each K, and tokens per '
-      'CPU-second (this process\'s or the peer\'s, all threads) are the '
-      'steadier figure.', '',
+      + (_LOADED if _loaded(m) else _IDLE), '',
       '| K | page bytes | pages | high-water | in flight | tokens/s (per '
       'CPU-s) | time to first token | per-token latency | one at a time '
       'tokens/s (per CPU-s) | vs one at a time: wall (CPU) |' + (

@@ -348,6 +348,12 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
                                                 'rows': [row]}, args)
 
 
+def test_bench_serve_says_under_load_only_when_more_than_it_ran():
+  assert not bench_serve._loaded({'cores': 2, 'load_average': [1.4, 1, 1]})  # pylint: disable=protected-access
+  assert bench_serve._loaded({'cores': 2, 'load_average': [18.4, 18, 18]})  # pylint: disable=protected-access
+  assert bench_serve._loaded({})  # pylint: disable=protected-access  # Unknown: not called idle.
+
+
 @pytest.mark.slow
 def test_bench_serve_runs_transformers_on_the_same_trace_in_its_own_process():
   config = tiny.get_config()
