@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scripts import stats
 from serve import engine as engine_lib, pages
 from train import checkpoint, config_lib, loop, sample
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -119,7 +120,7 @@ def main():
     rows.append(row)
     results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
         sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
-               'commit': _commit(),
+               'commit': stats.commit(), 'out': args.out,
                'trace': {'requests': args.requests,
                          'prompt_len': args.prompt_len,
                          'output_len': args.output_len,
@@ -131,12 +132,6 @@ def main():
   (out / 'report.md').write_text(report(results, args))
   plot(rows, out / 'serve.png')
   print(f'wrote {out}/serve.json, report.md and serve.png')
-
-
-def _commit() -> str:
-  result = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'],
-                          capture_output=True, text=True, check=False)
-  return result.stdout.strip() or '?'
 
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:

@@ -113,6 +113,9 @@ def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
       f'--markdown={markdown}'])
   bench_decode.main()
   results = json.loads((tmp_path / 'out' / 'decode.json').read_text())
+  assert results['provenance']['command'].startswith(
+      'python -m scripts.bench_decode --config=tiny')
+  assert results['provenance']['commit']
   for r in results['rows']:
     bound = r['compute_roofline_tokens_per_sec']
     assert bound < r['bandwidth_roofline_tokens_per_sec']
