@@ -35,8 +35,9 @@ CONVENTION = (
     'the weights both arms have in the same shape). "Detectable" is the '
     'smallest paired difference the seeds run would find with 80% power at '
     'the 5% level; nothing smaller is claimed. A value equal on every seed '
-    '(the seeds do not vary it) is "deterministic": one measurement, no '
-    'interval, not a replicated result.')
+    'is given as "equal on all n seeds", without an interval (its sd is 0: '
+    'a value the seeds do not vary, or one at a floor or ceiling on each), '
+    'and is not counted as resolved.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Estimate:
     if self.n < 2:
       return f'{self.mean:{spec}} (1 seed)'
     if self.deterministic:
-      return f'{self.mean:{spec}} (deterministic: equal on all {self.n} seeds)'
+      return f'{self.mean:{spec}} (equal on all {self.n} seeds)'
     return f'{self.mean:{spec}} [{self.low:{spec}}, {self.high:{spec}}]'
 
 

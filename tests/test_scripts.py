@@ -312,7 +312,7 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
   assert 'likely below' not in report and 'ties' not in report
   # A difference equal on every seed has no interval, not [-inf, +inf].
   assert kv_frontier._ci(stats.paired([0.5] * 3, [0.5] * 3).as_dict()) == \
-      '+0.0000 (deterministic: equal on all 3 seeds)'
+      '+0.0000 (equal on all 3 seeds)'
 
 
 def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():

@@ -68,13 +68,13 @@ def test_provenance_names_the_command_commit_and_out():
   assert p['out'] == 'runs/x' and p['commit'] and p['statistics']
 
 
-def test_values_equal_on_every_seed_are_one_measurement_not_a_result():
+def test_values_equal_on_every_seed_have_no_interval_and_are_not_resolved():
   # A conversion of one source gives the same value on every seed: a
   # zero-width interval would make it look like a 3-seed result.
   d = stats.paired([2.7, 2.7, 2.7], [2.6, 2.6, 2.6])
   assert d.deterministic and d.sd == 0 and not d.resolved
   assert math.isinf(d.low) and math.isinf(d.high)
-  assert format(d, '+.2f') == '+0.10 (deterministic: equal on all 3 seeds)'
+  assert format(d, '+.2f') == '+0.10 (equal on all 3 seeds)'
   assert stats.p_value([0.1, 0.1, 0.1]) == 1.0
   assert stats.p_value([0.0, 0.0]) == 1.0
   assert stats.detectable(0.0, 3) == math.inf
@@ -83,4 +83,5 @@ def test_values_equal_on_every_seed_are_one_measurement_not_a_result():
 
 
 def test_the_convention_names_the_bootstrap_for_ratios():
-  assert 'bootstrap' in stats.CONVENTION and 'deterministic' in stats.CONVENTION
+  assert 'bootstrap' in stats.CONVENTION
+  assert 'equal on all n seeds' in stats.CONVENTION

@@ -307,7 +307,7 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
   assert 'kv_lora_rank 32 + 0 RoPE dims, 256 bytes/token against GQA\'s ' \
          '256, energy kept 0.800, 0.850, held-out accuracy before ' \
          'uptraining 0.300' in text
-  assert '| MLA − GQA (paired) | -0.0300 (deterministic' in text
+  assert '| MLA − GQA (paired) | -0.0300 (equal on all' in text
   assert '| its detectable difference | nothing detectable: no spread ' \
          'over seeds | 0.' in text
   assert 'MLA lower** at α = 0.05 (MLA minus GQA, paired by seed, Holm ' \
