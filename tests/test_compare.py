@@ -41,17 +41,21 @@ def test_differences_are_paired_by_seed_with_their_detectable_effect():
   assert d.sd == pytest.approx(np.std(mqa - SEEDS, ddof=1))
   assert found[1]['detectable'] == pytest.approx(stats.detectable(d.sd, 4))
   assert d.resolved and not stats.mean(mqa).low > stats.mean(SEEDS).high
-  assert found[1]['verdict'] == ("MQA costs more than Shazeer's MQA cost "
-                                 '(0.010-0.015 nats): disagrees')
-  assert found[2]['verdict'].startswith("agrees with Ainslie et al.'s GQA")
+  assert found[1]['verdict'] == (
+      "MQA costs more than an MQA cost of Shazeer's size (0.010-0.015 nats; "
+      'his are per subword token, at equal parameters): disagrees')
+  assert found[2]['verdict'].startswith('agrees with GQA near MHA (within '
+                                        "±0.02 nats, this lab's margin")
 
 
 @pytest.mark.parametrize('noise, expected', [
     # Differences spread 0.002: a cost of 0.01 would be detected.
-    (0.002, "consistent with Shazeer's MQA cost (0.010-0.015 nats), which "
+    (0.002, "consistent with an MQA cost of Shazeer's size (0.010-0.015 "
+            'nats; his are per subword token, at equal parameters), which '
             'these seeds would detect'),
     # Spread 0.03: four seeds detect only ~0.07; the report says so.
-    (0.03, "cannot resolve Shazeer's MQA cost (0.010-0.015 nats): 4 seeds "
+    (0.03, "cannot resolve an MQA cost of Shazeer's size (0.010-0.015 "
+           'nats; his are per subword token, at equal parameters): 4 seeds '
            'detect'),
 ])
 def test_agreement_with_shazeer_is_claimed_only_above_the_detectable(
@@ -72,8 +76,8 @@ def test_agreement_with_shazeer_is_claimed_only_above_the_detectable(
 def test_gqa_crossing_the_near_margin_is_unresolved():
   gqa = SEEDS + np.array([0.03, -0.01, 0.02, 0.0])
   found = compare.comparisons(_runs({8: list(SEEDS), 2: list(gqa)}))[0]
-  assert found['verdict'].startswith("cannot resolve Ainslie et al.'s GQA "
-                                     'near MHA (within ±0.02 nats)')
+  assert found['verdict'].startswith('cannot resolve GQA near MHA (within '
+                                     "±0.02 nats, this lab's margin")
 
 
 def test_one_seed_and_no_mha_claim_nothing():
