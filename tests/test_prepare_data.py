@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,17 +208,24 @@ def _stop_mid_way(args, out: pathlib.Path, signum: int):
   # wake only after the child had finished all 80 shards (the signal then
   # reached no one: a flaky pass of 0); now it wakes first.
   # (`nice` execs the command: the signal reaches the child itself.)
-  proc = subprocess.Popen(
-      ['nice', '-n', '19', sys.executable, '-m', 'train.prepare_data', *args,
-       f'--out={out}'],
-      cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  # If it still finishes before the signal (nothing was interrupted, so
+  # nothing was tested), it is run again into a fresh OUT, up to 3 times.
   listed = lambda: len((out / 'progress.jsonl').read_text().splitlines()) \
       if (out / 'progress.jsonl').exists() else 0
-  deadline = time.time() + 120
-  while proc.poll() is None and listed() < 4 and time.time() < deadline:
-    time.sleep(0.01)
-  proc.send_signal(signum)
-  _, proc.stderr = proc.communicate(timeout=60)
+  for _ in range(3):
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.Popen(
+        ['nice', '-n', '19', sys.executable, '-m', 'train.prepare_data',
+         *args, f'--out={out}'],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    deadline = time.time() + 120
+    while proc.poll() is None and listed() < 4 and time.time() < deadline:
+      time.sleep(0.01)
+    proc.send_signal(signum)
+    _, proc.stderr = proc.communicate(timeout=60)
+    if proc.returncode != 0:
+      break
   assert proc.returncode in (-signum, 128 + signum), proc.stderr[-2000:]
   return proc  # Stopped mid-way, not finished.
 
