@@ -501,7 +501,11 @@ def reading(results: dict, summ: dict) -> list[str]:
 
 def _mla_verdict(c: dict) -> str:
   """MLA minus GQA at one alpha, read after Holm: which is lower, or not
-  resolved with the smallest difference the seeds detect."""
+  resolved with the smallest difference the seeds detect. A difference
+  below that is not claimed, resolved or not (stats.CONVENTION)."""
+  if c['holm'] and abs(c['mean']) < c.get('detectable', math.inf):
+    return (f'{"MLA" if c["mean"] < 0 else "GQA"} lower by less than the '
+            f'seeds detect: not claimed ({_detectable(c)})')
   if c['holm']:
     return 'MLA lower' if c['mean'] < 0 else 'GQA lower'
   return f'not resolved ({_detectable(c)})'

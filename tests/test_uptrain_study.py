@@ -293,6 +293,10 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
       [-0.1] * 5, abs=0.003)
   cell = summ['mla']['paper'][0]
   assert cell['holm'] and uptrain_report._mla_verdict(cell) == 'MLA lower'
+  small = {**cell, 'mean': 0.0065, 'detectable': 0.0072}  # The default run's K=2.
+  assert uptrain_report._mla_verdict(small) == (  # pylint: disable=protected-access
+      'GQA lower by less than the seeds detect: not claimed (detectable '
+      '0.0072 nats)')
   # E on GQA K=1's scratch curve: loss 2.9 at the paper's alpha.
   np.testing.assert_allclose(K1['compute'][2]['E'], [
       30 * (5.01 + 0.001 * (s - 2) - (2.9 - 0.002 * (s - 2)))
