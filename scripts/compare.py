@@ -30,7 +30,6 @@ reports them by seed and paired against MHA (docs/evaluation.md).
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 
@@ -266,7 +265,7 @@ def write_report(out, runs, decode, bandwidth, args):
   rows = _rows(runs, decode, bandwidth)
   found = comparisons(runs)
   result = results(runs, rows, found, bandwidth, out)
-  (out / 'results.json').write_text(json.dumps(result, indent=1))
+  (out / 'results.json').write_text(study.to_json(result))
   (out / 'report.md').write_text('\n'.join(
       _report_lines(runs, rows, found, bandwidth, args,
                     result['provenance'])))

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import pathlib
 import shutil
@@ -242,7 +241,7 @@ def main():
 def write(out: pathlib.Path, result: dict):
   for panel in result['panels'].values():
     panel['analysis'] = analyse(panel['models'])
-  (out / 'frontier.json').write_text(json.dumps(result, indent=1))
+  (out / 'frontier.json').write_text(study.to_json(result))
   (out / 'report.md').write_text(report(result))
   plot(result, out / 'frontier.png')
 

@@ -309,8 +309,7 @@ def main():
               model=(f'{m.num_layers} layers, d_model {m.d_model}, MLP '
                      f'{m.mlp_dim}, {m.num_heads} query heads'),
               steps=c.train.steps, batch_size=c.train.batch_size, seeds=seeds)
-  (out / 'sweep.json').write_text(json.dumps(dict(meta=meta, cells=cells),
-                                             indent=1))
+  (out / 'sweep.json').write_text(study.to_json(dict(meta=meta, cells=cells)))
   write_report(out, cells, meta)
   print(f'wrote {out}/report.md ({meta["minutes"]:.1f} minutes)')
 

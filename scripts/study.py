@@ -1,10 +1,11 @@
 """What every study script shares: its common flags, a run trained once and
-quietly, a saved result read back for --report_only."""
+quietly, a result saved as strict JSON and read back for --report_only."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import pathlib
 
 from train import config_lib, loop
@@ -36,12 +37,42 @@ def parser(doc: str, *, config: str, kv_heads: list[int] | None = None,
   return p
 
 
+# Strict JSON has no infinities or NaN (Python writes the bare words
+# Infinity and NaN, which jq, JavaScript and most JSON readers refuse); an
+# unbounded interval (one seed, or every seed equal) is saved as these
+# strings and read back as floats.
+NON_FINITE = {'inf': math.inf, '-inf': -math.inf, 'nan': math.nan}
+
+
+def to_json(result) -> str:
+  """`result` as strict JSON (indented): a non-finite float as 'inf',
+  '-inf' or 'nan'; `saved` reads them back as floats."""
+  def strict(x):
+    if isinstance(x, float) and not math.isfinite(x):
+      return 'nan' if math.isnan(x) else ('inf' if x > 0 else '-inf')
+    if isinstance(x, dict):
+      return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [strict(v) for v in x]
+    return x
+  return json.dumps(strict(result), indent=1, allow_nan=False)
+
+
 def saved(path: pathlib.Path) -> dict:
-  """What a finished run or study saved (JSON), for --report_only."""
+  """What a finished run or study saved (JSON, `to_json`'s or Python's own
+  with bare Infinity), for --report_only."""
   if not path.exists():
     raise UserError(f'{path} not found: --report_only rebuilds the report '
                     'from finished runs in --out; run without it first')
-  return json.loads(path.read_text())
+  def floats(x):
+    if isinstance(x, str):
+      return NON_FINITE.get(x, x)
+    if isinstance(x, dict):
+      return {k: floats(v) for k, v in x.items()}
+    if isinstance(x, list):
+      return [floats(v) for v in x]
+    return x
+  return floats(json.loads(path.read_text()))
 
 
 # Settings that cannot change a run's numbers (how often it logs and saves,

@@ -447,7 +447,7 @@ def main():
     results['provenance'].update(statistics=now['statistics'], rebuilt={
         'command': now['command'], 'commit': now['commit']})
     results['summary'] = uptrain_report.summary(results)
-    (out / 'results.json').write_text(json.dumps(results, indent=1))
+    (out / 'results.json').write_text(study.to_json(results))
     uptrain_report.write(out, results)
     return
   config = source_config(args.config, args.steps)
@@ -475,7 +475,7 @@ def main():
   if tasks:
     results['lm']['tasks'] = score_lm(out, config, results['lm'], tasks)
   results['summary'] = uptrain_report.summary(results)
-  (out / 'results.json').write_text(json.dumps(results, indent=1))
+  (out / 'results.json').write_text(study.to_json(results))
   uptrain_report.write(out, results)
 
 

@@ -3,6 +3,7 @@ was trained with (issue 39: kv_frontier --quick, then --steps=30, reported
 "30 steps" over runs of 15)."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -153,3 +154,28 @@ def test_every_named_config_reads_back_from_its_json_unchanged(name,
   path = tmp_path / 'config.json'
   path.write_text(config.to_json(indent=2))
   assert study.differences(config_lib.from_json(path), config) == []
+
+
+def test_a_saved_result_is_strict_json_and_reads_back_its_infinities(
+    tmp_path):
+  """An unbounded interval (one seed, or every seed equal) is written as
+  strict JSON, which jq and JavaScript read (Python's own writes the bare
+  words Infinity and NaN), and --report_only reads the same floats back."""
+  result = {'estimate': {'mean': 0.5, 'low': -math.inf, 'high': math.inf,
+                         'sd': math.nan, 'n': 1},
+            'seeds': [1.0, math.inf], 'label': 'K=2'}
+  path = tmp_path / 'results.json'
+  path.write_text(study.to_json(result))
+  json.loads(path.read_text(), parse_constant=_refuse)  # Strict.
+  back = study.saved(path)
+  assert back['estimate']['low'] == -math.inf
+  assert back['estimate']['high'] == math.inf
+  assert math.isnan(back['estimate']['sd'])
+  assert back['seeds'] == [1.0, math.inf] and back['label'] == 'K=2'
+  # Files written before (Python's bare Infinity) still read.
+  path.write_text(json.dumps(result))
+  assert study.saved(path)['estimate']['high'] == math.inf
+
+
+def _refuse(constant):
+  raise ValueError(f'not strict JSON: {constant}')
