@@ -4,7 +4,7 @@ over the paged cache, with one-request-at-a-time `train.sample` beside it.
   python -m scripts.bench_serve [--config=gqa_small] [--kv_heads=8,2,1]
       [--kv_memory=4MiB] [--slots=32] [--requests=32] [--page_size=16]
       [--prompt_len=8,96] [--output_len=8,64] [--length_step=1] [--seed=0]
-      [--no_hf] [--out=DIR]
+      [--repeats=3] [--no_hf] [--out=DIR]
 
 The trace: --requests requests, all arriving at the start (an offline
 batch); prompt and output lengths drawn uniformly from LOW, LOW + step, ...
@@ -35,7 +35,11 @@ Peers, in the same run, taking turns with the engine for each K:
                  longest max_new_tokens (a request's tokens past its own are
                  computed but not counted: static batching's cost), after a
                  warm-up batch
-Tokens/s counts each request's max_new_tokens, the same tokens for all
+Each contestant is compiled (or loaded) once, then timed --repeats times,
+the three taking turns (engine, one at a time, transformers, engine, ...):
+the report gives medians, and each ratio, paired within a turn, as its
+median and range, since runs on a shared VM move by 10-50% from one to the
+next. Tokens/s counts each request's max_new_tokens, the same tokens for all
 three. Wall and CPU seconds (this process's or the worker's, all threads)
 are both reported: on a shared machine the CPU time is the steadier one.
 Writes serve.json, report.md and serve.png under --out.
@@ -44,9 +48,11 @@ Writes serve.json, report.md and serve.png under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import operator
 import os
 import platform
 import pathlib
@@ -81,6 +87,9 @@ def main():
   parser.add_argument('--output_len', type=int_list, default=[8, 64])
   parser.add_argument('--length_step', type=positive_int, default=1)
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--repeats', type=positive_int, default=3,
+                      help='timed runs of each contestant, taking turns; '
+                      'the report gives medians and the ratios\' range')
   parser.add_argument('--out', default='out/serve')
   parser.add_argument('--no_hf', action='store_true',
                       help='leave out the transformers peer')
@@ -102,25 +111,30 @@ def main():
     config.model.num_kv_heads = K
     mc = config_lib.model_config(config)
     params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
-    row = serve(mc, params, trace, kv_memory, args)
-    row |= one_at_a_time(mc, params, trace)
-    row['batching_speedup'] = (row['tokens_per_sec'] /
-                               row['alone_tokens_per_sec'])
-    if not args.no_hf:
-      row |= transformers_peer(config, params, trace, args.slots)
-      row['hf_speedup'] = row['tokens_per_sec'] / row['hf_tokens_per_sec']
+    with contextlib.ExitStack() as stack:
+      contestants = [engine_runner(mc, params, trace, kv_memory, args),
+                     alone_runner(mc, params, trace)]
+      if not args.no_hf:
+        contestants.append(stack.enter_context(
+            transformers_runner(config, params, trace, args.slots)))
+      # Taking turns: each repeat runs the engine, then each peer.
+      runs = [functools.reduce(operator.or_, (run() for run in contestants))
+              for _ in range(args.repeats)]
+    row = summarize(runs)
     print(f'K={K}: {row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
           f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s '
-          f'({row["batching_speedup"]:.2f}x)' + (
+          f'({_speedup(row, "alone")})' + (
               '' if args.no_hf else
               f'; transformers {row["hf_tokens_per_sec"]:,.1f} tokens/s '
-              f'({row["hf_speedup"]:.2f}x)'), flush=True)
+              f'({_speedup(row, "hf")})') + f'; medians of {args.repeats}',
+          flush=True)
     rows.append(row)
     results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
         sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
                'commit': stats.commit(), 'out': args.out,
+               'repeats': args.repeats,
                'trace': {'requests': args.requests,
                          'prompt_len': args.prompt_len,
                          'output_len': args.output_len,
@@ -153,37 +167,42 @@ def make_trace(args, vocab_size: int, max_len: int) -> list:
       np.int32), draw(*args.output_len)) for _ in range(args.requests)]
 
 
-def serve(mc, params, trace, kv_memory: int, args) -> dict:
-  """The trace through the engine (compiled first): its numbers."""
+def engine_runner(mc, params, trace, kv_memory: int, args):
+  """A function timing the trace through the engine once (compiled here,
+  by a warm-up pass over the same trace) and returning its numbers."""
   served = engine_lib.Engine(mc, params, kv_memory=kv_memory,
                              page_size=args.page_size, slots=args.slots)
   requests = [engine_lib.Request(i, p, new) for i, (p, new) in
               enumerate(trace)]
   list(served.run(requests))  # Compiles every prefill and batch size used.
-  cpu = time.process_time()
-  results = list(served.run(requests))
-  cpu = time.process_time() - cpu
-  s = served.stats
-  refused = [r.error for r in results if r.error]
-  if refused:
-    raise UserError(f'K={mc.num_kv_heads}: {len(refused)} requests refused '
-                    f'({refused[0]}); raise --kv_memory')
-  return {
-      'num_kv_heads': mc.num_kv_heads, 'page_bytes': s.page_bytes,
-      'usable_pages': s.usable_pages, 'high_water_pages': s.high_water_pages,
-      'tokens': s.tokens, 'seconds': s.seconds, 'cpu_seconds': cpu,
-      'tokens_per_sec': s.tokens / s.seconds,
-      'tokens_per_cpu_sec': s.tokens / cpu,
-      'mean_in_flight': s.mean_in_flight,
-      'time_to_first_token_s': float(np.median(
-          [r.time_to_first_token_s for r in results])),
-      'per_token_s': float(np.median(
-          [r.per_token_s for r in results if r.per_token_s is not None]))}
+
+  def run() -> dict:
+    cpu = time.process_time()
+    results = list(served.run(requests))
+    cpu = time.process_time() - cpu
+    s = served.stats
+    refused = [r.error for r in results if r.error]
+    if refused:
+      raise UserError(f'K={mc.num_kv_heads}: {len(refused)} requests '
+                      f'refused ({refused[0]}); raise --kv_memory')
+    return {
+        'num_kv_heads': mc.num_kv_heads, 'page_bytes': s.page_bytes,
+        'usable_pages': s.usable_pages,
+        'high_water_pages': s.high_water_pages,
+        'tokens': s.tokens, 'seconds': s.seconds, 'cpu_seconds': cpu,
+        'tokens_per_sec': s.tokens / s.seconds,
+        'tokens_per_cpu_sec': s.tokens / cpu,
+        'mean_in_flight': s.mean_in_flight,
+        'time_to_first_token_s': float(np.median(
+            [r.time_to_first_token_s for r in results])),
+        'per_token_s': float(np.median(
+            [r.per_token_s for r in results if r.per_token_s is not None]))}
+  return run
 
 
-def one_at_a_time(mc, params, trace) -> dict:
-  """The trace one request after another through train.sample.generate, each
-  shape compiled before the clock starts."""
+def alone_runner(mc, params, trace):
+  """A function timing the trace once, one request after another through
+  train.sample.generate, each shape compiled here, before any clock."""
   compiled, calls = {}, []
   for i, (prompt, new) in enumerate(trace):
     args = (params, jnp.asarray(prompt)[None], jax.random.key(i))
@@ -196,15 +215,38 @@ def one_at_a_time(mc, params, trace) -> dict:
           top_k=0), compiler_options=sample.compiler_options()).lower(
               *args).compile()
     calls.append((compiled[shape], args))
-  start, cpu = time.perf_counter(), time.process_time()
-  for fn, args in calls:
-    np.asarray(fn(*args))
-  seconds = time.perf_counter() - start
-  cpu = time.process_time() - cpu
   tokens = sum(new for _, new in trace)
-  return {'alone_seconds': seconds, 'alone_cpu_seconds': cpu,
-          'alone_tokens_per_sec': tokens / seconds,
-          'alone_tokens_per_cpu_sec': tokens / cpu}
+
+  def run() -> dict:
+    start, cpu = time.perf_counter(), time.process_time()
+    for fn, args in calls:
+      np.asarray(fn(*args))
+    seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    return {'alone_seconds': seconds, 'alone_cpu_seconds': cpu,
+            'alone_tokens_per_sec': tokens / seconds,
+            'alone_tokens_per_cpu_sec': tokens / cpu}
+  return run
+
+
+def summarize(runs: list[dict]) -> dict:
+  """One row from the repeats' numbers: each number's median, each ratio
+  of the engine to a peer (per repeat: they took turns) as its median and
+  range ('<peer>_speedup', '<peer>_speedup_range'; per CPU-second
+  '<peer>_cpu_speedup'), and the runs themselves."""
+  row = {key: (float(np.median([r[key] for r in runs]))
+               if isinstance(value, float) else value)
+         for key, value in runs[0].items()}
+  for peer in ('alone', 'hf'):
+    if f'{peer}_tokens_per_sec' not in row:
+      continue
+    for unit, name in (('sec', 'speedup'), ('cpu_sec', 'cpu_speedup')):
+      ratios = [r[f'tokens_per_{unit}'] / r[f'{peer}_tokens_per_{unit}']
+                for r in runs]
+      row[f'{peer}_{name}'] = float(np.median(ratios))
+      row[f'{peer}_{name}_range'] = [min(ratios), max(ratios)]
+  row['runs'] = runs
+  return row
 
 
 def jax_threads() -> int:
@@ -226,9 +268,11 @@ def machine() -> dict:
           'load_average': list(os.getloadavg())}
 
 
-def transformers_peer(config, params, trace, slots: int) -> dict:
-  """The trace through transformers' `generate()` on the same parameters,
-  exported by `train.convert --to_hf`, in a process of its own."""
+@contextlib.contextmanager
+def transformers_runner(config, params, trace, slots: int):
+  """Yields a function timing the trace once through transformers'
+  `generate()` on the same parameters, exported here by
+  `train.convert --to_hf`, in a process of its own."""
   with tempfile.TemporaryDirectory() as tmp:
     workdir, hf_dir = pathlib.Path(tmp, 'workdir'), pathlib.Path(tmp, 'hf')
     checkpoint.save_params(workdir, params)  # A step-0 workdir, as
@@ -237,10 +281,10 @@ def transformers_peer(config, params, trace, slots: int) -> dict:
           f'--to_hf={hf_dir}'])
     trace_file = pathlib.Path(tmp, 'trace.json')
     trace_file.write_text(json.dumps([[p.tolist(), new] for p, new in trace]))
-    out = _run([sys.executable, '-m', 'scripts.bench_serve',
-                f'--hf_worker={hf_dir}', f'--trace_file={trace_file}',
-                f'--slots={slots}'])
-  return json.loads(out.strip().splitlines()[-1])
+    yield lambda: json.loads(_run([
+        sys.executable, '-m', 'scripts.bench_serve', f'--hf_worker={hf_dir}',
+        f'--trace_file={trace_file}', f'--slots={slots}'
+    ]).strip().splitlines()[-1])
 
 
 def _run(command: list[str]) -> str:
@@ -338,7 +382,11 @@ def report(results, args) -> str:
       f'outputs in {args.output_len[0]}..{args.output_len[1]} tokens (step '
       f'{getattr(args, "length_step", 1)}, seed {args.seed}); {args.slots} '
       f'slots, --kv_memory={args.kv_memory}, pages of {args.page_size} '
-      'tokens. Compile time excluded.', '',
+      'tokens. Compile time excluded. '
+      f'{results.get("repeats", 1)} timed run(s) of each contestant, taking '
+      'turns: every number is the median over them, and a ratio (the '
+      "engine's over a peer's, paired within each turn) is given with its "
+      'range [lowest-highest].', '',
       f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
       f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX and '
       f'for torch; load average {m.get("load_average", "?")} at the end. '
@@ -359,22 +407,26 @@ def report(results, args) -> str:
         f'{1e3 * r["per_token_s"]:.1f} ms | '
         f'{r["alone_tokens_per_sec"]:,.0f} '
         f'({r.get("alone_tokens_per_cpu_sec", 0):,.0f}) | '
-        f'{r["batching_speedup"]:.2f}x ({_ratio(r, "alone")}) |')
+        f'{_speedup(r, "alone")} |')
     if hf:
       line += (f' {r["hf_tokens_per_sec"]:,.0f} '
                f'({r["hf_tokens_per_cpu_sec"]:,.0f}) | '
                f'{r["hf_time_to_first_token_s"]:.2f} s, '
                f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms | '
-               f'{r["hf_speedup"]:.2f}x ({_ratio(r, "hf")}) |')
+               f'{_speedup(r, "hf")} |')
     lines.append(line)
   return '\n'.join(lines) + '\n\n![tokens/s against K](serve.png)\n'
 
 
-def _ratio(row, peer: str) -> str:
-  """The engine's tokens per CPU-second over the peer's, as 'N.NNx'."""
-  ours, theirs = (row.get('tokens_per_cpu_sec'),
-                  row.get(f'{peer}_tokens_per_cpu_sec'))
-  return f'{ours / theirs:.2f}x' if ours and theirs else '?'
+def _speedup(row, peer: str) -> str:
+  """The engine's tokens/s over the peer's, wall (per CPU-second), each a
+  median over the repeats with its range: '2.91x [2.0-3.6] (2.10x
+  [...])'."""
+  def ratio(name):
+    low, high = row[f'{peer}_{name}_range']
+    spread = f' [{low:.2f}-{high:.2f}]' if len(row.get('runs', ())) > 1 else ''
+    return f'{row[f"{peer}_{name}"]:.2f}x{spread}'
+  return f'{ratio("speedup")} ({ratio("cpu_speedup")})'
 
 
 def plot(rows, path):

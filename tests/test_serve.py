@@ -329,23 +329,35 @@ def test_a_pool_too_small_for_any_sequence_is_one_line(trained, tmp_path):
 
 @pytest.mark.slow
 def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
+  """Each contestant compiled once and timed in turns; the row holds the
+  medians, and each ratio paired within a turn with its range."""
   args = argparse.Namespace(requests=3, prompt_len=[2, 9], output_len=[3, 6],
                             seed=0, slots=2, page_size=8, kv_memory='24KiB')
   trace = bench_serve.make_trace(args, 256, 32)
   assert [len(p) for p, _ in trace] == [
       len(p) for p, _ in bench_serve.make_trace(args, 256, 32)]  # Seeded.
   mc, params = _random_model(num_kv_heads=1)
-  row = bench_serve.serve(mc, params, trace, 24 * 2**10, args)
-  row |= bench_serve.one_at_a_time(mc, params, trace)
+  engine = bench_serve.engine_runner(mc, params, trace, 24 * 2**10, args)
+  alone = bench_serve.alone_runner(mc, params, trace)
+  runs = [engine() | alone() for _ in range(3)]
+  row = bench_serve.summarize(runs)
   assert row['tokens'] == sum(new for _, new in trace)
   assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
   assert row['tokens_per_sec'] > 0 and row['alone_tokens_per_sec'] > 0
   assert row['tokens_per_cpu_sec'] > 0 and row['alone_tokens_per_cpu_sec'] > 0
   assert 1 <= row['mean_in_flight'] <= 2
-  row['batching_speedup'] = 1.0
+  ratios = [r['tokens_per_sec'] / r['alone_tokens_per_sec'] for r in runs]
+  assert row['alone_speedup'] == pytest.approx(np.median(ratios))
+  assert row['alone_speedup_range'] == [min(ratios), max(ratios)]
+  assert row['seconds'] == pytest.approx(np.median(
+      [r['seconds'] for r in runs]))
   bench_serve.plot([row], tmp_path / 'serve.png')
-  assert '| 1 | 1,024 |' in bench_serve.report({'command': 'c', 'date': 'd',
-                                                'rows': [row]}, args)
+  report = bench_serve.report({'command': 'c', 'date': 'd', 'repeats': 3,
+                               'rows': [row]}, args)
+  assert '| 1 | 1,024 |' in report
+  low, high = row['alone_speedup_range']
+  assert f'{row["alone_speedup"]:.2f}x [{low:.2f}-{high:.2f}]' in report
+  assert '3 timed run(s) of each contestant' in report
 
 
 def test_bench_serve_says_under_load_only_when_more_than_it_ran():
@@ -362,7 +374,9 @@ def test_bench_serve_runs_transformers_on_the_same_trace_in_its_own_process():
   params = nn.unbox(loop.init_params(Transformer(mc), seed=1))
   trace = [(np.array([5, 6, 7], np.int32), 4), (np.array([9], np.int32), 2),
            (np.array([1, 2], np.int32), 3)]
-  row = bench_serve.transformers_peer(config, params, trace, slots=2)
+  with bench_serve.transformers_runner(config, params, trace,
+                                      slots=2) as run:
+    row = run()
   assert row['hf_tokens_per_sec'] > 0 and row['hf_tokens_per_cpu_sec'] > 0
   assert row['hf_threads'] == bench_serve.jax_threads()
   assert 0 < row['hf_time_to_first_token_s'] < row['hf_seconds']
