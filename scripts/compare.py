@@ -217,16 +217,10 @@ def verdict(K: int, reference: int, num_heads: int, d: stats.Estimate,
           + more(NEAR_MHA))
 
 
-def _finite(value):
-  """JSON has no inf or nan: an interval of one seed is written as null."""
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  return value
-
-
 def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
   """OUT/results.json: per variant its per-seed values and speeds, the
-  paired comparisons, the command, commit and --out."""
+  paired comparisons, the command, commit and --out (`study.to_json`
+  writes an unbounded interval or a missing value as 'inf' or 'nan')."""
   variants = []
   for r in rows:
     variants.append(dict(
@@ -234,7 +228,7 @@ def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
         kv_bytes_per_token=r['kv'], decode_tokens_per_sec=r['decode'],
         decode_roofline_tokens_per_sec=r['roofline'],
         seeds=[dict(seed=run['seed'], **{
-            key: _finite(float(run['record'].get(key, math.nan)))
+            key: float(run['record'].get(key, math.nan))
             for key in ('eval_loss', 'eval_bpb', 'eval_accuracy')},
                     train_tokens_per_sec=float(np.median(
                         [m['tokens_per_sec'] for m in run['metrics']])),
@@ -250,9 +244,8 @@ def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
       comparisons=[dict(
           K=c['K'], reference_K=c['reference_K'], seeds=c['seeds'],
           losses=c['losses'], reference_losses=c['reference_losses'],
-          difference={k: _finite(v) for k, v in c['difference'].as_dict(
-              ).items()},
-          detectable=_finite(c['detectable']), verdict=c['verdict'])
+          difference=c['difference'].as_dict(),
+          detectable=c['detectable'], verdict=c['verdict'])
                    for c in found],
       **_task_results(runs))
 

@@ -148,11 +148,6 @@ def _values(by_seed: dict, task: str, metric: str) -> dict[int, float]:
           if metric in s.get(task, {})}
 
 
-def _finite(value):
-  return value if not isinstance(value, float) or math.isfinite(value) else (
-      None)
-
-
 def _arrow(better: dict, task: str, metric: str) -> str:
   up = better.get(task, {}).get(metric.split(',')[0])
   return '' if up is None else (' ↑' if up else ' ↓')
@@ -182,12 +177,10 @@ def _paired(arms: dict, reference: str) -> list[dict]:
 
 
 def comparisons(arms: dict, reference: str) -> list[dict]:
-  """results.json's paired differences (`_paired`; JSON has no inf or
-  nan: an interval of one seed is null). arms: {label: {seed: {task:
-  {metric: value}}}}."""
-  return [{**c, 'difference': {k: _finite(v) for k, v in
-                               c['difference'].as_dict().items()},
-           'detectable': _finite(c['detectable'])}
+  """results.json's paired differences (`_paired`; an interval of one
+  seed is infinite, which `study.to_json` writes as 'inf'). arms: {label:
+  {seed: {task: {metric: value}}}}."""
+  return [{**c, 'difference': c['difference'].as_dict()}
           for c in _paired(arms, reference)]
 
 
