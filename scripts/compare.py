@@ -2,7 +2,7 @@
 
   python -m scripts.compare --out=out/compare [--quick] [--kv_heads=8,2,1]
       [--seeds=1] [--equal_params] [--steps=N] [--config=gqa_small]
-      [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
+      [--no_control] [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
 
 Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed}
 (scripts/study.py: a finished run is reused only if it was trained with these
@@ -18,6 +18,13 @@ its roofline (the lower of the bandwidth and FLOP bounds). OUT/results.json
 holds every per-seed value, the comparisons and the command, commit and
 --out. --equal_params widens the MLP of variants with fewer K/V heads to
 MHA's parameter count (as Shazeer 2019 did).
+The negative control (left out by --no_control): the reference layout
+(MHA when it runs) trained with the same seeds but every layer attending to
+its own token only (a local window of 1 key), into OUT/control_s{seed}. It
+cannot use the context, so the held-out loss must be resolved worse than
+the reference's: that shows the seeds and the evaluation can see what
+attention does at all. If it is not resolved, the report says that no
+difference between the variants is evidence of anything.
 --quick: 120 steps per variant (README, Results, has its run times).
 --config=recall runs the recall probe instead (see configs/recall.py); the
 table then adds each variant's first-query accuracy (pure retrieval).
@@ -60,12 +67,28 @@ def variant_config(base, K, seed, steps, equal_params):
   return config
 
 
+def control_config(base, K, seed, steps):
+  """The negative control: variant K (not widened) with every layer's
+  attention a window of 1 key, its own token: no context."""
+  config = variant_config(base, K, seed, steps, equal_params=False)
+  config.model.update(attention_pattern='L', local_window=1)
+  return config
+
+
+def reference_K(kv_heads, num_heads: int) -> int:
+  """What the variants are compared against: MHA (K = num_heads) when it
+  runs, else the variant with the most K/V heads."""
+  return num_heads if num_heads in kv_heads else max(kv_heads)
+
+
 def main():
   parser = study.parser(__doc__, config='gqa_small', kv_heads=[8, 2, 1],
                         seeds=1, report_only='the runs already in --out',
                         helps=dict(steps="default: the config's",
                                    quick='120 steps each'))
   parser.add_argument('--equal_params', action='store_true')
+  parser.add_argument('--no_control', action='store_true',
+                      help='leave out the negative control (no context)')
   task_scores.add_flags(parser)
   args = parser.parse_args()
   steps = 120 if args.quick and not args.steps else args.steps
@@ -74,28 +97,41 @@ def main():
   configs = {(K, seed): variant_config(args.config, K, seed, steps,
                                        args.equal_params)
              for K in args.kv_heads for seed in range(args.seeds)}
-  for (K, seed), config in configs.items():  # Refused before any trains.
+  num_heads = config_lib.load(args.config).model.num_heads
+  control_K = reference_K(args.kv_heads, num_heads)
+  controls = {} if args.no_control else {
+      ('control', seed): control_config(args.config, control_K, seed, steps)
+      for seed in range(args.seeds)}
+  everything = {**configs, **controls}
+  for (K, seed), config in everything.items():  # Refused before any trains.
     config_lib.validate(config, batch_shards=1)
-    study.check_reusable(config, out / f'K{K}_s{seed}')
+    study.check_reusable(config, out / f'{_name(K)}_s{seed}')
   tasks = task_scores.spec(args)
-  runs = []
-  todo = list(configs.items()) if args.report_only else progress.runs(
-      list(configs.items()), lambda c: f'num_kv_heads={c[0][0]} seed={c[0][1]}')
+  runs, control_runs = [], []
+  todo = list(everything.items()) if args.report_only else progress.runs(
+      list(everything.items()),
+      lambda c: (f'num_kv_heads={c[0][0]}' if c[0][0] != 'control' else
+                 f'control (K={control_K}, no context)') + f' seed={c[0][1]}')
   for (K, seed), config in todo:
-    workdir = out / f'K{K}_s{seed}'
+    workdir = out / f'{_name(K)}_s{seed}'
     if args.report_only:
       record = study.saved(workdir / 'final.json')
     else:
       record = study.train(config, workdir, workdir / 'log.txt')
-      print(f'K={K} seed={seed}: held-out loss {record["eval_loss"]:.4f} '
-            f'(log: {workdir / "log.txt"})', flush=True)
+      print(f'{_name(K)} seed={seed}: held-out loss '
+            f'{record["eval_loss"]:.4f} (log: {workdir / "log.txt"})',
+            flush=True)
+    run = dict(K=K, seed=seed, config=config, record=record,
+               metrics=read_metrics(workdir))
+    if K == 'control':
+      control_runs.append(run | {'K': control_K})
+      continue
     if tasks:  # Its final checkpoint, as train.evaluate scores it.
       record['tasks'] = task_scores.score(tasks, workdir,
                                           out / 'tasks' / f'K{K}_s{seed}')
     if config.data.task == 'recall':
       record['accuracy_by_query'] = recall_accuracy_by_query(workdir)
-    runs.append(dict(K=K, seed=seed, config=config, record=record,
-                     metrics=read_metrics(workdir)))
+    runs.append(run)
   decode = {}
   for K in sorted({r['K'] for r in runs}):
     mc = config_lib.model_config(next(r['config'] for r in runs if r['K'] == K))
@@ -103,8 +139,13 @@ def main():
         mc, DECODE_BATCH, DECODE_CONTEXT, repeats=5)
     print(f'decode K={K}: {decode[K]:,.0f} tokens/s', flush=True)
   bandwidth = timing.read_bandwidth(5)
-  write_report(out, runs, decode, bandwidth, args)
+  write_report(out, runs, decode, bandwidth, args, control_runs)
   print(f'wrote {out}/report.md')
+
+
+def _name(K) -> str:
+  """A run's folder name in OUT, before _s{seed}: K{k}, or control."""
+  return 'control' if K == 'control' else f'K{K}'
 
 
 def recall_accuracy_by_query(workdir, rows: int = 512) -> list[float]:
@@ -145,7 +186,7 @@ def comparisons(runs) -> list[dict]:
   """
   kvs = sorted({r['K'] for r in runs}, reverse=True)
   num_heads = runs[0]['config'].model.num_heads
-  reference = num_heads if num_heads in kvs else kvs[0]
+  reference = reference_K(kvs, num_heads)
   by_seed = lambda K: {r['seed']: r['record']['eval_loss'] for r in runs
                        if r['K'] == K}
   base = by_seed(reference)
@@ -163,6 +204,39 @@ def comparisons(runs) -> list[dict]:
         reference_losses=b, difference=difference, detectable=detectable,
         verdict=verdict(K, reference, num_heads, difference, detectable)))
   return found
+
+
+def control_check(control_runs, runs) -> dict | None:
+  """The negative control against the reference, paired by seed: K (the
+  reference's), seeds, both arms' losses, the difference control -
+  reference (a `stats.Estimate`), its detectable effect, whether the setup
+  sees it (`seen`: resolved, and worse) and the reading; None without
+  control runs."""
+  if not control_runs:
+    return None
+  K = control_runs[0]['K']
+  mine = {r['seed']: r['record']['eval_loss'] for r in control_runs}
+  base = {r['seed']: r['record']['eval_loss'] for r in runs if r['K'] == K}
+  seeds = sorted(mine.keys() & base.keys())
+  a, b = [mine[s] for s in seeds], [base[s] for s in seeds]
+  d = stats.paired(a, b)
+  detectable = stats.detectable(d.sd, d.n)
+  seen = d.resolved and d.mean > 0
+  if d.n < 2:
+    reading = ('one seed: the control cannot be tested, so nothing is '
+               'claimed (rerun with --seeds=3 or more)')
+  elif d.sd == 0:
+    reading = (f'equal on all {d.n} seeds ({d.mean:+.3f} nats): no '
+               'interval, so the control is not counted as seen')
+  elif seen:
+    reading = (f'the setup sees attention: without context the held-out '
+               f'loss is {d.mean:+.3f} nats worse, resolved by {d.n} seeds')
+  else:
+    reading = ('NOT resolved: these seeds and this evaluation cannot tell '
+               f'a model without context from K={K}, so no difference '
+               'between the variants is evidence of anything')
+  return dict(K=K, seeds=seeds, losses=a, reference_losses=b, difference=d,
+              detectable=detectable, seen=seen, reading=reading)
 
 
 def seeds_to_detect(sd: float, effect: float, most: int = 100) -> int | None:
@@ -217,7 +291,8 @@ def verdict(K: int, reference: int, num_heads: int, d: stats.Estimate,
           + more(NEAR_MHA))
 
 
-def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
+def results(runs, rows, found, bandwidth, out, argv=None, control=None
+            ) -> dict:
   """OUT/results.json: per variant its per-seed values and speeds, the
   paired comparisons, the command, commit and --out (`study.to_json`
   writes an unbounded interval or a missing value as 'inf' or 'nan')."""
@@ -247,21 +322,24 @@ def results(runs, rows, found, bandwidth, out, argv=None) -> dict:
           difference=c['difference'].as_dict(),
           detectable=c['detectable'], verdict=c['verdict'])
                    for c in found],
+      control=control and {**control,
+                           'difference': control['difference'].as_dict()},
       **_task_results(runs))
 
 
-def write_report(out, runs, decode, bandwidth, args):
+def write_report(out, runs, decode, bandwidth, args, control_runs=()):
   """report.md (the command, a reading, the tables), results.json,
   loss.png and throughput.png in OUT."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   rows = _rows(runs, decode, bandwidth)
   found = comparisons(runs)
-  result = results(runs, rows, found, bandwidth, out)
+  control = control_check(control_runs, runs)
+  result = results(runs, rows, found, bandwidth, out, control=control)
   (out / 'results.json').write_text(study.to_json(result))
   (out / 'report.md').write_text('\n'.join(
       _report_lines(runs, rows, found, bandwidth, args,
-                    result['provenance'])))
+                    result['provenance'], control)))
   _plot_loss(out / 'loss.png', runs)
   _plot_throughput(out / 'throughput.png', rows)
 
@@ -301,11 +379,15 @@ def _rows(runs, decode, bandwidth) -> list[dict]:
   return rows
 
 
-def _reading(rows, found) -> str:
-  """What the paired differences resolve, then decoding; from the numbers."""
+def _reading(rows, found, control=None) -> str:
+  """What the negative control shows, what the paired differences
+  resolve, then decoding; from the numbers."""
   resolved = [c for c in found if c['difference'].resolved]
   unresolved = [c for c in found if not c['difference'].resolved]
-  parts = []
+  parts = ['Negative control: ' + (
+      f'{control["reading"]}.' if control else
+      'none was run (--no_control): nothing shows that these seeds can '
+      'see what attention does.')]
   if resolved:
     parts.append('Resolved against K={}: '.format(found[0]['reference_K'])
                  + '; '.join(f'K={c["K"]} {c["difference"].mean:+.3f} nats'
@@ -328,8 +410,8 @@ def _reading(rows, found) -> str:
   return ' '.join(parts)
 
 
-def _report_lines(runs, rows, found, bandwidth, args, provenance
-                  ) -> list[str]:
+def _report_lines(runs, rows, found, bandwidth, args, provenance,
+                  control=None) -> list[str]:
   c = runs[0]['config']
   recall = c.data.task == 'recall'
   lines = [
@@ -345,7 +427,7 @@ def _report_lines(runs, rows, found, bandwidth, args, provenance
       'train.sample runs it (scripts/timing.py); '
       f'read bandwidth {bandwidth / 1e9:.1f} GB/s. Every value by seed, '
       'and the comparisons: results.json.', '',
-      _reading(rows, found), '',
+      _reading(rows, found, control), '',
       (f'Data: the recall probe, {c.data.recall_pairs} key-value pairs per '
        'row; accuracy counts the answers only.' if recall else
        f'Data: {c.data.path or "the embedded stdlib corpus"} (bytes).'), '',
@@ -361,7 +443,8 @@ def _report_lines(runs, rows, found, bandwidth, args, provenance
                  + (f'{r["first"]} | ' if recall else '')
                  + f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '
                  f'{r["roofline"]:,.0f} |')
-  lines += ['', *_paired_lines(runs, found, args), *_task_lines(runs)]
+  lines += ['', *_paired_lines(runs, found, args), *_control_lines(control),
+            *_task_lines(runs)]
   if recall:  # Later queries can be guessed by crossing out; not the first.
     lines += ['', 'Answer accuracy by query (1st ... last):', '']
     for r in rows:
@@ -405,6 +488,25 @@ def _paired_lines(runs, found, args) -> list[str]:
   return lines
 
 
+def _control_lines(control) -> list[str]:
+  """The negative control's paired difference, as the variants' are."""
+  if not control:
+    return []
+  d = control['difference']
+  seeds = ', '.join(f'{a:.4f}' for a in control['losses'])
+  return ['', f'Negative control: K={control["K"]} with every layer '
+          'attending to its own token only (a window of 1 key: no '
+          f'context), the same seeds (held-out loss by seed: {seeds}), '
+          f'minus K={control["K"]}:', '',
+          '| arm | difference (nats) [95% interval] | sd of differences | '
+          'detectable | reading |', '|---|---|---|---|---|',
+          f'| no context | {d:+.4f} | '
+          + (f'{d.sd:.4f}' if d.n > 1 else '-') + ' | '
+          + (f'{control["detectable"]:.4f}'
+             if math.isfinite(control['detectable']) else '-')
+          + f' | {control["reading"]} |']
+
+
 def _task_arms(runs) -> tuple[dict, str]:
   """({'K=k': {seed: task scores}}, the reference's label): the reference
   as `comparisons` picks it, MHA when it ran."""
@@ -412,7 +514,7 @@ def _task_arms(runs) -> tuple[dict, str]:
   num_heads = runs[0]['config'].model.num_heads
   arms = {f'K={K}': {r['seed']: r['record']['tasks']['scores'] for r in runs
                      if r['K'] == K} for K in kvs}
-  return arms, f'K={num_heads if num_heads in kvs else kvs[0]}'
+  return arms, f'K={reference_K(kvs, num_heads)}'
 
 
 def _task_results(runs) -> dict:

@@ -97,8 +97,23 @@ def test_the_report_and_results_json_carry_every_seed(tmp_path, monkeypatch):
   mqa = SEEDS + 0.012 + np.array([0.03, -0.03, 0.015, -0.015])
   runs = _runs({8: list(SEEDS), 1: list(mqa)})
   args = types.SimpleNamespace(seeds=4, equal_params=False)
-  compare.write_report(tmp_path, runs, {8: 1000.0, 1: 3000.0}, 20e9, args)
+  control_runs = _control(list(SEEDS + 0.3 + np.array([0.01, -0.01, 0.0,
+                                                       0.002])))
+  compare.write_report(tmp_path, runs, {8: 1000.0, 1: 3000.0}, 20e9, args,
+                       control_runs)
   report = (tmp_path / 'report.md').read_text()
+  control = compare.control_check(control_runs, runs)
+  d = control['difference']
+  assert (f'| no context | {d:+.4f} | {d.sd:.4f} | '
+          f'{control["detectable"]:.4f} | {control["reading"]} |') in report
+  assert control['seen']
+  saved = json.loads((tmp_path / 'results.json').read_text())['control']
+  assert saved['difference']['mean'] == pytest.approx(d.mean)
+  assert saved['losses'] == pytest.approx(control['losses'])
+  # Every seed the same difference: no interval, not counted as seen.
+  equal = compare.control_check(_control(list(SEEDS + 0.3)), runs)
+  assert not equal['seen'] and equal['reading'].startswith(
+      'equal on all 4 seeds (+0.300 nats)')
   assert stats.CONVENTION in report
   assert f'`python -m scripts.compare --seeds=4 --out={tmp_path}` at commit ' \
       in report
@@ -122,3 +137,41 @@ def test_the_report_and_results_json_carry_every_seed(tmp_path, monkeypatch):
   assert c['losses'] == pytest.approx(mqa) and c['seeds'] == [0, 1, 2, 3]
   assert c['difference']['low'] == pytest.approx(d.low)
   assert by_K[8]['decode_tokens_per_sec'] == 1000.0
+
+
+def _control(losses):
+  runs = _runs({8: losses})
+  return [r | {'config': compare.control_config('gqa_small', 8, r['seed'],
+                                                10)} for r in runs]
+
+
+@pytest.mark.parametrize('offset, seen', [(0.3, True), (0.0, False)])
+def test_the_negative_control_says_whether_the_setup_sees_attention(
+    offset, seen):
+  """MHA without context, the same seeds: resolved worse, or a report that
+  says no difference between the variants is evidence of anything."""
+  jitter = np.array([0.01, -0.01, 0.005, -0.004])
+  runs = _runs({8: list(SEEDS), 1: list(SEEDS + 0.01)})
+  control = compare.control_check(_control(list(SEEDS + offset + jitter)),
+                                  runs)
+  assert control['K'] == 8 and control['seeds'] == [0, 1, 2, 3]
+  assert control['difference'].mean == pytest.approx(offset + jitter.mean())
+  assert control['seen'] == seen
+  assert control['reading'].startswith(
+      'the setup sees attention: without context the held-out loss is '
+      '+0.300 nats worse' if seen else 'NOT resolved: these seeds')
+  reading = compare._reading([dict(K=8, decode=1.0), dict(K=1, decode=2.0)],  # pylint: disable=protected-access
+                             compare.comparisons(runs), control)
+  assert reading.startswith(f'Negative control: {control["reading"]}.')
+
+
+def test_a_control_needs_seeds_and_the_model_it_controls():
+  config = compare.control_config('gqa_small', 8, 0, 10)
+  assert (config.model.attention_pattern, config.model.local_window) == (
+      'L', 1)
+  assert config.model.num_kv_heads == 8
+  one = compare.control_check(_control([2.5]), _runs({8: [2.2]}))
+  assert one['reading'].startswith('one seed') and not one['seen']
+  assert compare.control_check([], _runs({8: [2.2]})) is None
+  assert compare.reference_K([2, 1], 8) == 2
+  assert compare.reference_K([8, 2, 1], 8) == 8

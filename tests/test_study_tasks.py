@@ -95,6 +95,16 @@ def test_compare_scores_every_run_by_seed_and_paired_against_mha(
   assert f'| gqa_lab_choice | acc | 1 | {acc[4, 1]:.4g} | {acc[1, 1]:.4g} |' \
       in report
   assert f'| gqa_lab_choice | acc ↑ | K=1 | {d:+.4g} |' in report
+  # The negative control: MHA without context, the same seeds, trained and
+  # paired, not scored on tasks.
+  control = result['control']
+  assert (control['K'], control['seeds']) == (4, [0, 1])
+  assert control['losses'] == pytest.approx([json.loads(
+      (out / f'control_s{s}' / 'final.json').read_text())['eval_loss']
+                                             for s in (0, 1)])
+  assert 'Negative control: K=4 with every layer attending to its own' \
+      in report
+  assert not (out / 'tasks' / 'control_s0').exists()
   # The score is train.evaluate's of the same workdir, to the last digit
   # (without lm_eval's environment report: seconds of pip list each).
   direct = evaluate_lib.evaluate(str(out / 'K1_s1'), ['gqa_lab_choice'],
