@@ -18,13 +18,15 @@ its roofline (the lower of the bandwidth and FLOP bounds). OUT/results.json
 holds every per-seed value, the comparisons and the command, commit and
 --out. --equal_params widens the MLP of variants with fewer K/V heads to
 MHA's parameter count (as Shazeer 2019 did).
-The negative control (left out by --no_control): the reference layout
-(MHA when it runs) trained with the same seeds but every layer attending to
-its own token only (a local window of 1 key), into OUT/control_s{seed}. It
-cannot use the context, so the held-out loss must be resolved worse than
-the reference's: that shows the seeds and the evaluation can see what
-attention does at all. If it is not resolved, the report says that no
-difference between the variants is evidence of anything.
+The negative control (with 2 seeds or more; left out by --no_control):
+the reference layout (MHA when it runs) trained with the same seeds but
+every layer attending to its own token only (a local window of 1 key), into
+OUT/control_s{seed}. It cannot use the context, so its held-out loss must
+be resolved worse than the reference's: that shows the seeds and the
+evaluation can see what attention does at all. If it is not resolved, the
+report says that an unresolved difference between the variants says
+nothing about K; if it is resolved better, that the reference does not use
+its context and nothing is interpretable.
 --quick: 120 steps per variant (README, Results, has its run times).
 --config=recall runs the recall probe instead (see configs/recall.py); the
 table then adds each variant's first-query accuracy (pure retrieval).
@@ -45,6 +47,7 @@ import numpy as np
 from scripts import stats, study, task_scores, timing
 from train import checkpoint, config_lib, data, flops, progress
 from train.cli import check_output_dir, exit_on_user_error
+from train.errors import UserError
 from train import model as model_lib
 from train.model import Transformer
 from train.metrics import read_metrics
@@ -99,7 +102,8 @@ def main():
              for K in args.kv_heads for seed in range(args.seeds)}
   num_heads = config_lib.load(args.config).model.num_heads
   control_K = reference_K(args.kv_heads, num_heads)
-  controls = {} if args.no_control else {
+  # One seed cannot resolve anything, the control included: not trained.
+  controls = {} if args.no_control or args.seeds < 2 else {
       ('control', seed): control_config(args.config, control_K, seed, steps)
       for seed in range(args.seeds)}
   everything = {**configs, **controls}
@@ -114,6 +118,12 @@ def main():
                  f'control (K={control_K}, no context)') + f' seed={c[0][1]}')
   for (K, seed), config in todo:
     workdir = out / f'{_name(K)}_s{seed}'
+    if args.report_only and K == 'control' and not (
+        workdir / 'final.json').exists():
+      raise UserError(f'{workdir / "final.json"} not found: this --out has '
+                      'no negative control (trained before it existed, or '
+                      'with --no_control); add --no_control, or rerun '
+                      'without --report_only to train it')
     if args.report_only:
       record = study.saved(workdir / 'final.json')
     else:
@@ -231,10 +241,15 @@ def control_check(control_runs, runs) -> dict | None:
   elif seen:
     reading = (f'the setup sees attention: without context the held-out '
                f'loss is {d.mean:+.3f} nats worse, resolved by {d.n} seeds')
+  elif d.resolved:
+    reading = (f'resolved BETTER without context ({d.mean:+.3f} nats): '
+               f'K={K} does not use its context (too few steps, or a bug), '
+               'so no difference below can be interpreted')
   else:
-    reading = ('NOT resolved: these seeds and this evaluation cannot tell '
-               f'a model without context from K={K}, so no difference '
-               'between the variants is evidence of anything')
+    reading = (f'not resolved ({d.n} seeds detect {detectable:.3f} nats): '
+               'these seeds and this evaluation cannot tell a model '
+               f'without context from K={K}, so an unresolved difference '
+               'between the variants says nothing about K')
   return dict(K=K, seeds=seeds, losses=a, reference_losses=b, difference=d,
               detectable=detectable, seen=seen, reading=reading)
 
@@ -384,9 +399,10 @@ def _reading(rows, found, control=None) -> str:
   resolve, then decoding; from the numbers."""
   resolved = [c for c in found if c['difference'].resolved]
   unresolved = [c for c in found if not c['difference'].resolved]
-  parts = ['Negative control: ' + (
+  parts = ['Negative control (a model without context): ' + (
       f'{control["reading"]}.' if control else
-      'none was run (--no_control): nothing shows that these seeds can '
+      'left out (--no_control, or one seed): nothing shows that these '
+      'seeds can '
       'see what attention does.')]
   if resolved:
     parts.append('Resolved against K={}: '.format(found[0]['reference_K'])

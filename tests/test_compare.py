@@ -145,7 +145,8 @@ def _control(losses):
                                                 10)} for r in runs]
 
 
-@pytest.mark.parametrize('offset, seen', [(0.3, True), (0.0, False)])
+@pytest.mark.parametrize('offset, seen', [(0.3, True), (0.0, False),
+                                          (-0.3, False)])
 def test_the_negative_control_says_whether_the_setup_sees_attention(
     offset, seen):
   """MHA without context, the same seeds: resolved worse, or a report that
@@ -157,12 +158,16 @@ def test_the_negative_control_says_whether_the_setup_sees_attention(
   assert control['K'] == 8 and control['seeds'] == [0, 1, 2, 3]
   assert control['difference'].mean == pytest.approx(offset + jitter.mean())
   assert control['seen'] == seen
-  assert control['reading'].startswith(
-      'the setup sees attention: without context the held-out loss is '
-      '+0.300 nats worse' if seen else 'NOT resolved: these seeds')
+  assert control['reading'].startswith({
+      0.3: 'the setup sees attention: without context the held-out loss '
+           'is +0.300 nats worse',
+      0.0: 'not resolved (4 seeds detect',
+      -0.3: 'resolved BETTER without context (-0.300 nats): K=8 does not '
+            'use its context'}[offset])
   reading = compare._reading([dict(K=8, decode=1.0), dict(K=1, decode=2.0)],  # pylint: disable=protected-access
                              compare.comparisons(runs), control)
-  assert reading.startswith(f'Negative control: {control["reading"]}.')
+  assert reading.startswith('Negative control (a model without context): '
+                            f'{control["reading"]}.')
 
 
 def test_a_control_needs_seeds_and_the_model_it_controls():

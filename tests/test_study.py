@@ -179,3 +179,31 @@ def test_a_saved_result_is_strict_json_and_reads_back_its_infinities(
 
 def _refuse(constant):
   raise ValueError(f'not strict JSON: {constant}')
+
+
+@pytest.mark.slow
+def test_compare_report_only_on_runs_without_a_control_says_what_to_add(
+    tmp_path, monkeypatch):
+  """Runs trained with --no_control (or before the control existed):
+  --report_only names --no_control rather than advising a rerun that would
+  train; one seed trains no control (it could not be tested)."""
+  out = tmp_path / 'out'
+  for plot in ('_plot_loss', '_plot_throughput'):
+    monkeypatch.setattr(compare, plot, lambda *_: None)
+  monkeypatch.setattr(compare.timing, 'decode_step_seconds',
+                      lambda *_, **__: 1e-3)
+  monkeypatch.setattr(compare.timing, 'read_bandwidth', lambda *_: 1e10)
+  argv = ['compare', f'--out={out}', '--config=tiny', '--kv_heads=4',
+          '--steps=2']
+  monkeypatch.setattr(sys, 'argv', argv + ['--seeds=2', '--no_control'])
+  compare.main()
+  monkeypatch.setattr(sys, 'argv', argv + ['--seeds=2', '--report_only'])
+  with pytest.raises(UserError, match=r'control_s0/final.json not found: '
+                     r'this --out has no negative control .*; add '
+                     r'--no_control, or rerun without --report_only'):
+    compare.main()
+  monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1'])
+  compare.main()
+  assert not list(out.glob('control_s*'))
+  assert ('Negative control (a model without context): left out '
+          '(--no_control, or one seed)') in (out / 'report.md').read_text()
