@@ -914,12 +914,29 @@ LOST_DUMP = [
     '*** Check failure stack trace: ***', 'Fatal Python error: Aborted']
 
 
+LOST_LINE = ('error: process 1 of this run stopped answering (killed, '
+             'crashed, or its host is down), so this process stopped too '
+             '(after 30 s without its heartbeats); rerun the same command on '
+             'every host to resume from the start')
+# The error of a save whose collective the lost peer broke, as the survivor
+# printed it seconds before the runtime's abort (a full suite run).
+GLOO_RESET = ('UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/'
+              'tcp/pair.cc:538] Read error [127.0.0.1]:5339: Connection reset '
+              'by peer')
+
+
 @pytest.mark.parametrize('lines, end, status, expected', [
-    (['step 5 ...', *LOST_DUMP], 'abort', 1,
-     ['step 5 ...', 'error: process 1 of this run stopped answering (killed, '
-      'crashed, or its host is down), so this process stopped too (after 30 s '
-      'without its heartbeats); rerun the same command on every host to '
-      'resume from the start']),
+    (['step 5 ...', *LOST_DUMP], 'abort', 1, ['step 5 ...', LOST_LINE]),
+    # The peer lost mid-save: the save's line, then the abort. The lost
+    # peer is the cause and the one line (both were printed).
+    (['step 20 ...', f'error: could not write checkpoint step 20 to /w/'
+      f'checkpoints ({GLOO_RESET}); the disk at / has 78,607.5 MB free; the '
+      'last complete checkpoint is step 10; free space (or give another '
+      '--workdir) and rerun the same command to resume', *LOST_DUMP],
+     'abort', 1, ['step 20 ...', LOST_LINE]),
+    (['step 20 ...', 'Traceback (most recent call last):', '  File "x.py"',
+      f'jax.errors.JaxRuntimeError: {GLOO_RESET}', *LOST_DUMP], 'abort', 1,
+     ['step 20 ...', LOST_LINE]),
     # A coordination warning, then another error: both shown as they were.
     (['W1201 preemption_sync_manager.cc:147] coordination service note',
       'error: model.num_heads=4 is not divisible'], '1', 1,
@@ -937,6 +954,92 @@ def test_the_watcher_turns_only_a_lost_peer_into_one_line(
   assert peers.watch('tests.fake_peer', lines, None) == status
   assert capsys.readouterr().err.splitlines() == expected
   assert signal.getsignal(signal.SIGTERM) is before  # Handlers given back.
+
+
+@pytest.mark.slow
+def test_a_childs_error_waits_for_a_lost_peer_no_longer_than_it_takes(
+    monkeypatch):
+  """A process that failed alone waits at its exit for the run's others
+  (up to JAX's shutdown timeout, 5 minutes): its error line, held in case
+  a lost peer caused it, is shown once a lost peer would have ended the
+  child (the heartbeat timeout and _VERDICT_SECONDS), not at its end."""
+  for var, value in (('FAKE_PEER_EXIT', '1'), ('FAKE_PEER_LINGER', '3'),
+                     ('GQA_LAB_HEARTBEAT_TIMEOUT', '1')):
+    monkeypatch.setenv(var, value)
+  monkeypatch.setattr(peers, '_VERDICT_SECONDS', 0)
+  monkeypatch.chdir(REPO)
+  written = []
+
+  class Clocked:  # stderr, each write timed.
+    def write(self, text):
+      written.append((time.monotonic(), text))
+
+    def writelines(self, lines):
+      for line in lines:
+        self.write(line)
+
+    def flush(self):
+      pass
+  monkeypatch.setattr(sys, 'stderr', Clocked())
+  assert peers.watch('tests.fake_peer', ['step 5 ...', 'error: the disk is '
+                                         'full'], None) == 1
+  ended = time.monotonic()
+  assert [text for _, text in written] == ['step 5 ...\n',
+                                           'error: the disk is full\n']
+  assert ended - written[1][0] > 1, ended - written[1][0]  # Not at the end.
+
+
+@pytest.mark.parametrize('failure, message', [
+    (jax.errors.JaxRuntimeError(GLOO_RESET),
+     'a collective with another process of this run failed (Gloo AllGather '
+     'failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error '
+     '[127.0.0.1]:5339: Connection reset by peer): that process was killed '
+     'or crashed, or its host is down; rerun the same command on every host '
+     'to resume from step 10'),
+    (OSError(errno.ENOSPC, 'No space left on device'),
+     'could not write checkpoint step 20 to {ckpts} (the disk is full); the '
+     'disk at'),
+], ids=['lost_peer', 'full_disk'])
+def test_a_save_a_lost_peer_broke_is_reported_as_the_lost_peer(
+    tmp_path, monkeypatch, failure, message):
+  """A peer killed while this process saved failed the save's collective
+  (seen in a two-process run): that is no full disk ('free space' was the
+  advice), but the lost peer, with the step to resume from; a save that
+  the disk failed keeps its line."""
+  checkpointer = checkpoint.Checkpointer(tmp_path, every=10, keep=3)
+  state = {'w': np.zeros(2, np.float32)}
+  checkpointer.save(10, state)
+  checkpointer.wait()
+
+  def fail(*args, **kwargs):
+    raise failure
+  monkeypatch.setattr(checkpointer._manager, 'save', fail)  # pylint: disable=protected-access
+  with pytest.raises(UserError) as raised, peers.reported_as_lost_peer(
+      str(tmp_path)):
+    checkpointer.save(20, state)
+  assert message.format(ckpts=tmp_path / 'checkpoints') in str(raised.value)
+  assert ('free space' in str(raised.value)) == (failure.__class__ is OSError)
+  checkpointer.close()
+
+
+def test_only_a_broken_collective_is_reported_as_a_lost_peer(tmp_path):
+  """A step's collective broken by a lost peer is one line, not a
+  traceback; any other error passes through as it was."""
+  with pytest.raises(UserError, match=r'^a collective with another process '
+                     r'of this run failed \(Gloo all-reduce failed: .*'
+                     r'Connection closed by peer\): .* resume from the '
+                     r'start$'), peers.reported_as_lost_peer(str(tmp_path)):
+    try:
+      raise jax.errors.JaxRuntimeError(
+          'UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/'
+          'tcp/pair.cc:590] Connection closed by peer [127.0.0.1]:1234')
+    except jax.errors.JaxRuntimeError as e:
+      raise RuntimeError('the step failed') from e  # Found in the chain.
+  other = ConnectionResetError(errno.ECONNRESET, 'Connection reset by peer')
+  with pytest.raises(ConnectionResetError) as raised, (
+      peers.reported_as_lost_peer(str(tmp_path))):
+    raise other  # A bucket's, say: no collective.
+  assert raised.value is other
 
 
 UNJOINED_DUMP = [

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train import storage
+from train import peers, storage
 from train.errors import UserError
 
 UNREADABLE_DIR = 'unreadable_checkpoints'
@@ -152,15 +152,18 @@ class Checkpointer:
   def _failed_write(self):
     """A failed save (a full disk, say) as one line naming the disk and the
     checkpoint kept; the partial save stays a temporary folder, which the
-    next run removes."""
+    next run removes. A save whose collective lost another process is no
+    fault of the storage: raised as it is, for `peers.reported_as_lost_peer`."""
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except
       failed, self._saving = self._saving, None
-      kept = [s for s in self.all_steps() if s != failed]
       # The save's other coroutines, never run, would each warn at exit.
       warnings.filterwarnings('ignore', 'coroutine .* was never awaited',
                               RuntimeWarning)
+      if peers.broken_connection(e) is not None:
+        raise
+      kept = [s for s in self.all_steps() if s != failed]
       cause = _cause(e)
       if 'RESOURCE_EXHAUSTED' in cause or 'No space left' in cause:
         cause = 'the disk is full'

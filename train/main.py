@@ -51,7 +51,9 @@ def main(argv):
           'them: GQA_LAB_COORDINATOR_TIMEOUT)', flush=True)
     jax.distributed.initialize(**setup)
   from train import loop  # pylint: disable=import-outside-toplevel
-  with signals.recorded() as received:
+  # A peer lost mid-collective: one line (train/peers.py).
+  with signals.recorded() as received, peers.reported_as_lost_peer(
+      _WORKDIR.value):
     record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                                      should_stop=lambda: bool(received))
   if 'stopped_at' in record:  # A peer's signal stops this process too.

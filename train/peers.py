@@ -9,6 +9,12 @@ SIGTERM and SIGINT, and when the child aborts on a lost peer it prints one
 line saying what was lost and how to resume, and exits 1. Nothing half-written
 is kept: an interrupted save is a temporary folder the next run removes.
 
+A peer lost mid-collective can fail the child's collective at once (a
+save's, seen; a step's waits for the abort here), seconds before the
+runtime's abort names the peer: the child's line for it
+(`reported_as_lost_peer`, or any last words) is held, and the lost peer, the
+cause, is the one line shown.
+
 The child dies with its watcher (`follow_watcher`): a scheduler or a user
 kills the PID it launched, often with SIGKILL, which cannot be passed on.
 Before any of that, the environment's multi-process variables are checked
@@ -17,10 +23,12 @@ Before any of that, the environment's multi-process variables are checked
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
 import pathlib
+import queue
 import re
 import signal
 import subprocess
@@ -43,6 +51,20 @@ _UNJOINED = (re.compile(r'DEADLINE_EXCEEDED'), re.compile(r'/RegisterTask'))
 # What makes it a lost peer rather than a warning on the way to another end.
 _FATAL = re.compile(r'detected fatal errors|stopped sending heartbeats|'
                     r'UNAVAILABLE')
+# The child's last words: its shell's one line (train.cli), or a traceback.
+_LAST_WORDS = ('error: ', 'Traceback (most recent call last):')
+# Seconds, beyond the heartbeat timeout, within which the runtime's abort
+# on a lost peer follows the collective it broke: a margin for busy hosts
+# (on this machine the abort came 1-5 s after the kill, with the timeout 5).
+_VERDICT_SECONDS = 30
+# A collective that failed because the connection to another process broke:
+# XLA wraps a failure of Gloo (jax's CPU collectives) as 'Gloo <op> failed:
+# ...', here a TCP pair's read of a reset or of an end of stream, or a write
+# into a closed socket. The one place that reads the runtime's error text
+# for it: these errors have no type of their own (an XlaRuntimeError whose
+# status is UNKNOWN).
+_BROKEN = re.compile(r'Gloo [\w -]+ failed: .*?(Connection reset by peer|'
+                     r'Connection closed by peer|Broken pipe|Socket closed)')
 
 
 def heartbeat_timeout(env) -> int:
@@ -175,7 +197,13 @@ def _parent_death_signal(signum: int) -> bool:
 def watch(module: str, args: list[str], workdir: str | None) -> int:
   """Runs `python -m MODULE ARGS` as a watched child; its exit status, or 1
   with one line on stderr when it ended because a peer was lost or the
-  run's processes never all joined."""
+  run's processes never all joined.
+
+  The child's stderr is relayed line by line, but for its last words (an
+  `error: ` line, a traceback), which are held until it ends: a lost peer
+  shown by its end replaces them (they are its consequence: a save or a
+  step whose collective broke). Held at most the heartbeat timeout and
+  _VERDICT_SECONDS, by when a lost peer would have ended the child."""
   setup = distributed_args(os.environ)  # Refused here, before any child.
   timeout = setup['heartbeat_timeout_seconds']
   child = subprocess.Popen([sys.executable, '-m', module, *args],
@@ -183,16 +211,30 @@ def watch(module: str, args: list[str], workdir: str | None) -> int:
                            stderr=subprocess.PIPE, text=True, bufsize=1)
   passed_on = {sig: signal.signal(sig, lambda signum, _: child.send_signal(
       signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
+  lines = _read(child.stderr)
   dump = None  # The fatal error's lines, once it starts.
+  held, release_at = [], None  # The last words, and until when they wait.
   try:
-    for line in child.stderr:
+    while True:
+      try:
+        line = lines.get(timeout=max(0.0, release_at - time.monotonic())
+                         if held and dump is None else None)
+      except queue.Empty:  # No lost peer by then: they were the end.
+        _write(held)
+        held = []
+        continue
+      if line is None:
+        break
       if dump is None and _LOST.search(line):
         dump = []
-      if dump is None:
-        sys.stderr.write(line)
-        sys.stderr.flush()
-      else:
+      if dump is not None:
         dump.append(line)
+      elif held or release_at is None and line.startswith(_LAST_WORDS):
+        if not held:  # Held once: after a release, lines pass again.
+          release_at = time.monotonic() + timeout + _VERDICT_SECONDS
+        held.append(line)
+      else:
+        _write([line])
     status = child.wait()
   finally:
     for sig, handler in passed_on.items():
@@ -208,8 +250,58 @@ def watch(module: str, args: list[str], workdir: str | None) -> int:
           f'rerun the same command on every host to resume {_resume(workdir)}',
           file=sys.stderr, flush=True)
     return 1
-  sys.stderr.writelines(dump or [])  # Not a lost peer: shown as it was.
+  _write(held + (dump or []))  # Not a lost peer: shown as they were.
   return status if status >= 0 else 128 - status
+
+
+def _read(stream) -> queue.Queue:
+  """The lines of `stream`, then None, read into a queue by a thread (the
+  watcher waits for them with a time limit)."""
+  lines = queue.Queue()
+
+  def read():
+    for line in stream:
+      lines.put(line)
+    lines.put(None)
+  threading.Thread(target=read, daemon=True, name='relay-stderr').start()
+  return lines
+
+
+def _write(lines: list[str]):
+  sys.stderr.writelines(lines)
+  sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def reported_as_lost_peer(workdir: str | None):
+  """Within, a collective whose connection to another process broke (a
+  step's, an evaluation's, a save's) is one UserError saying so and from
+  which step to resume, not a traceback or a storage fault. The watcher
+  normally shows its own line instead, naming the process lost; this one
+  stands where the runtime's abort does not follow."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except
+    cause = broken_connection(e)
+    if cause is None:
+      raise
+    raise UserError(
+        f'a collective with another process of this run failed '
+        f'({cause[:200]}): that process was killed or crashed, or its host is '
+        f'down; rerun the same command on every host to resume '
+        f'{_resume(workdir)}') from None
+
+
+def broken_connection(error: BaseException) -> str | None:
+  """The message of `error`, or of one it was raised from, that shows a
+  collective failed because its connection to another process broke; None
+  for any other error (a full disk, say)."""
+  while error is not None:
+    found = _BROKEN.search(str(error))
+    if found:
+      return found.group(0)
+    error = error.__cause__ or error.__context__
+  return None
 
 
 def _unjoined(env, timeout: int) -> str:
