@@ -203,7 +203,7 @@ def markdown(env, tests, attention, train, decode) -> str:
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--out', required=True)
   parser.add_argument('--steps', type=positive_int, default=300)
   parser.add_argument('--repeats', type=positive_int, default=5)

@@ -167,7 +167,7 @@ def format_row(row):
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--json', help='also write the results here')
   parser.add_argument('--repeats', type=positive_int, default=5)
   parser.add_argument('--lengths', type=int_list, default=[512, 2048])

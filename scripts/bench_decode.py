@@ -51,7 +51,7 @@ from train.errors import UserError, pip_install
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', help='default gqa_small (not with --layer)')
   parser.add_argument('--layer', action='store_true',
                       help='one attention layer against PyTorch')

@@ -98,7 +98,7 @@ def main():
   if len(sys.argv) > 1 and sys.argv[1] == '--child':
     child(*sys.argv[2:6])
     return
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--sizes_mb', type=float_list, default=[2.0, 20.0])
   parser.add_argument('--rounds', type=positive_int, default=3)
   parser.add_argument('--out', default='out/bench_prepare')

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scripts import stats
-from serve import engine as engine_lib, pages
+from serve import engine as engine_lib, paged, pages
 from train import checkpoint, config_lib, loop, sample
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
@@ -76,7 +76,7 @@ from train.model import Transformer
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='gqa_small')
   parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
   parser.add_argument('--kv_memory', default='4MiB')
@@ -102,10 +102,21 @@ def main():
   check_output_dir(args.out)
   kv_memory = pages.parse_bytes(args.kv_memory)
   config = config_lib.load(args.config)
+  trace = make_trace(args, config.model.vocab_size, config.model.max_len)
+  longest = max(len(prompt) + new for prompt, new in trace)
   for K in args.kv_heads:  # Every bad setting refused before any run.
     config.model.num_kv_heads = K
     config_lib.validate(config, batch_shards=1)
-  trace = make_trace(args, config.model.vocab_size, config.model.max_len)
+    mc = config_lib.model_config(config)
+    usable = engine_lib.pool_pages(mc, kv_memory, args.page_size) - 1
+    need = pages.pages_for(longest, args.page_size)
+    if need > usable:
+      raise UserError(
+          f'K={K}: the trace\'s longest request ({longest} tokens) needs '
+          f'{need} pages of {args.page_size} tokens, and --kv_memory='
+          f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
+          f'{(need + 1) * paged.page_bytes(mc, args.page_size):,} bytes, or '
+          'shorter --prompt_len/--output_len')
   rows = []
   for K in args.kv_heads:
     config.model.num_kv_heads = K
@@ -124,12 +135,12 @@ def main():
     print(f'K={K}: {row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
-          f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s '
-          f'({_speedup(row, "alone")})' + (
+          f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s, engine over it '
+          f'{_speedup(row, "alone")}' + (
               '' if args.no_hf else
-              f'; transformers {row["hf_tokens_per_sec"]:,.1f} tokens/s '
-              f'({_speedup(row, "hf")})') + f'; medians of {args.repeats}',
-          flush=True)
+              f'; transformers {row["hf_tokens_per_sec"]:,.1f} tokens/s, '
+              f'engine over it {_speedup(row, "hf")}')
+          + f' (medians of {args.repeats} turns)', flush=True)
     rows.append(row)
     results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
         sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
@@ -182,9 +193,9 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
     cpu = time.process_time() - cpu
     s = served.stats
     refused = [r.error for r in results if r.error]
-    if refused:
-      raise UserError(f'K={mc.num_kv_heads}: {len(refused)} requests '
-                      f'refused ({refused[0]}); raise --kv_memory')
+    if refused:  # Checked before any run; a bug if it happens.
+      raise RuntimeError(f'K={mc.num_kv_heads}: {len(refused)} requests '
+                         f'refused ({refused[0]})')
     return {
         'num_kv_heads': mc.num_kv_heads, 'page_bytes': s.page_bytes,
         'usable_pages': s.usable_pages,
@@ -374,6 +385,7 @@ def _loaded(machine: dict) -> bool:
 def report(results, args) -> str:
   m = results.get('machine', {})
   hf = all('hf_tokens_per_sec' in r for r in results['rows'])
+  load = m.get('load_average')
   lines = [
       '# Serving throughput against K at one KV-memory budget', '',
       f'`{results["command"]}` at commit {results.get("commit", "?")} on '
@@ -382,20 +394,31 @@ def report(results, args) -> str:
       f'outputs in {args.output_len[0]}..{args.output_len[1]} tokens (step '
       f'{getattr(args, "length_step", 1)}, seed {args.seed}); {args.slots} '
       f'slots, --kv_memory={args.kv_memory}, pages of {args.page_size} '
-      'tokens. Compile time excluded. '
-      f'{results.get("repeats", 1)} timed run(s) of each contestant, taking '
-      'turns: every number is the median over them, and a ratio (the '
-      "engine's over a peer's, paired within each turn) is given with its "
-      'range [lowest-highest].', '',
+      'tokens. Compile time excluded. Peers: "one at a time" is the same '
+      'requests one after another through `train.sample.generate` in this '
+      'process' + (", transformers is `generate()` in batches of --slots on "
+                   'the same weights in a process of its own' if hf else '')
+      + f'. {results.get("repeats", 1)} timed run(s) of each, taking turns: '
+      'every number is the median over them; a ratio is the engine\'s '
+      'tokens/s over the peer\'s within each turn, given as the median of '
+      'those ratios (so not the quotient of the medians shown) and their '
+      'range, in wall time and per CPU-second.', '',
       f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
-      f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX and '
-      f'for torch; load average {m.get("load_average", "?")} at the end. '
+      f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX'
+      + (' and for torch' if hf else '') + '; load average '
+      + (', '.join(f'{x:.2f}' for x in load) + ' (1, 5, 15 min)' if load
+         else '?') + ' at the end. '
       + (_LOADED if _loaded(m) else _IDLE), '',
-      '| K | page bytes | pages | high-water | in flight | tokens/s (per '
-      'CPU-s) | time to first token | per-token latency | one at a time '
-      'tokens/s (per CPU-s) | vs one at a time: wall (CPU) |' + (
+      'Columns: usable pages (the pool less its scratch page) and the most '
+      'in use at once; mean sequences in flight over the decode steps; '
+      'tokens/s (tokens per CPU-second); the median over requests of the '
+      'time to first token (its wait in the queue included) and of the '
+      'time per later token.', '',
+      '| K | page bytes | usable pages | high-water (pages) | mean in '
+      'flight | tokens/s (per CPU-s) | median TTFT | median per-token | '
+      'one at a time tokens/s (per CPU-s) | vs one at a time |' + (
           ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
-          'vs transformers: wall (CPU) |' if hf else ''),
+          'vs transformers |' if hf else ''),
       '|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
                                                     else '')]
   for r in results['rows']:
@@ -419,14 +442,15 @@ def report(results, args) -> str:
 
 
 def _speedup(row, peer: str) -> str:
-  """The engine's tokens/s over the peer's, wall (per CPU-second), each a
-  median over the repeats with its range: '2.91x [2.0-3.6] (2.10x
-  [...])'."""
+  """The engine's tokens/s over the peer's, in wall time and per
+  CPU-second, each the median over the turns with its range:
+  'wall 2.91x (2.55 to 3.10), CPU 2.10x (1.90 to 2.20)'."""
   def ratio(name):
     low, high = row[f'{peer}_{name}_range']
-    spread = f' [{low:.2f}-{high:.2f}]' if len(row.get('runs', ())) > 1 else ''
+    spread = (f' ({low:.2f} to {high:.2f})' if len(row.get('runs', ())) > 1
+              else '')
     return f'{row[f"{peer}_{name}"]:.2f}x{spread}'
-  return f'{ratio("speedup")} ({ratio("cpu_speedup")})'
+  return f'wall {ratio("speedup")}, CPU {ratio("cpu_speedup")}'
 
 
 def plot(rows, path):

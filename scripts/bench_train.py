@@ -381,7 +381,7 @@ def format_rows(rows, env) -> str:
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--configs', default='gqa_small,mha_small,mqa_small')
   parser.add_argument('--rounds', type=positive_int, default=3)
   parser.add_argument('--steps', type=positive_int,

@@ -28,7 +28,7 @@ def compile_seconds(model_config, batch=16, seq_len=256) -> float:
 
 
 def main():
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--layers', type=int_list, default=[2, 12])
   args = parser.parse_args()
   base = config_lib.model_config(config_lib.load('gqa_small'))

@@ -122,7 +122,7 @@ def _check(args):
 
 
 def main(argv=None):
-  parser = ArgumentParser(description=__doc__.split('\n')[0])
+  parser = ArgumentParser(description=__doc__)
   parser.add_argument('--out', required=True)
   parser.add_argument('--family', choices=FAMILIES, default='llama')
   parser.add_argument('--d_model', type=positive_int, default=384)

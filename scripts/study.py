@@ -21,7 +21,7 @@ def parser(doc: str, *, config: str, kv_heads: list[int] | None = None,
   it saved, `report_only` says from what) --report_only; `helps` says
   what a default of None means for each."""
   helps = helps or {}
-  p = ArgumentParser(description=doc.split('\n')[0])
+  p = ArgumentParser(description=doc)
   p.add_argument('--out', required=True)
   p.add_argument('--config', default=config, help=helps.get('config'))
   p.add_argument('--kv_heads', type=int_list, default=kv_heads,

@@ -89,6 +89,22 @@ class _Slot:
   arrival: float
 
 
+def pool_pages(config: model_lib.ModelConfig, kv_memory: int,
+               page_size: int) -> int:
+  """The pages of page_size tokens that kv_memory bytes hold (page 0 the
+  scratch page); a UserError if too few for any sequence."""
+  page_bytes = paged.page_bytes(config, page_size)
+  num_pages = kv_memory // page_bytes
+  if num_pages < 2:  # The scratch page and one for a sequence.
+    raise UserError(
+        f'the KV memory ({kv_memory:,} bytes) holds {num_pages} page(s) of '
+        f'{page_bytes:,} bytes ({page_size} tokens, every layer, '
+        f'num_kv_heads={config.num_kv_heads}), too few for any sequence; '
+        f'give --kv_memory of at least {2 * page_bytes:,} bytes (a scratch '
+        'page and one to hold a sequence), or a smaller --page_size')
+  return num_pages
+
+
 # A slot given a request whose prompt is not yet prefilled.
 _ADMITTED = object()
 
@@ -117,15 +133,8 @@ class Engine:
     self.config = self.model.config
     self.page_size, self.slots = page_size, slots
     self.page_bytes = paged.page_bytes(self.config, page_size)
-    num_pages = kv_memory // self.page_bytes
+    num_pages = pool_pages(self.config, kv_memory, page_size)
     self.max_pages = pages_lib.pages_for(self.config.max_len, page_size)
-    if num_pages < 2:  # The scratch page and one for a sequence.
-      raise UserError(
-          f'the KV memory ({kv_memory:,} bytes) holds {num_pages} page(s) of '
-          f'{self.page_bytes:,} bytes ({page_size} tokens, every layer), '
-          'too few for any sequence; give at least '
-          f'{2 * self.page_bytes:,} (a scratch page and one to hold a '
-          'sequence), or a smaller --page_size')
     self.allocator = pages_lib.Allocator(num_pages)
     self.eos_ids = tuple(eos_ids)
     self._pool = paged.empty_pool(self.config, num_pages, page_size)

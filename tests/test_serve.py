@@ -320,7 +320,8 @@ def test_a_pool_too_small_for_any_sequence_is_one_line(trained, tmp_path):
   result = _run('train.generate', f'--workdir={trained}',
                 f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
                 '--kv_memory=1KiB')
-  _one_line_error(result, 'too few for any sequence; give at least')
+  _one_line_error(result, 'too few for any sequence; give --kv_memory of at '
+                  'least')
   result = _run('train.generate', f'--workdir={trained}',
                 f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
                 '--kv_memory=lots')
@@ -356,8 +357,9 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
                                'rows': [row]}, args)
   assert '| 1 | 1,024 |' in report
   low, high = row['alone_speedup_range']
-  assert f'{row["alone_speedup"]:.2f}x [{low:.2f}-{high:.2f}]' in report
-  assert '3 timed run(s) of each contestant' in report
+  assert f'wall {row["alone_speedup"]:.2f}x ({low:.2f} to {high:.2f}), CPU ' \
+      in report
+  assert '3 timed run(s) of each, taking turns' in report
 
 
 def test_bench_serve_says_under_load_only_when_more_than_it_ran():
@@ -421,3 +423,16 @@ def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
           *args).compile().as_text()
   assert _ynn_dots(control) > 0
   assert _ynn_dots(ours) == 0
+
+
+@pytest.mark.slow  # A subprocess compiling nothing: seconds of imports.
+def test_bench_serve_refuses_a_pool_too_small_for_the_trace_before_any_run(
+    tmp_path):
+  """Checked for every K before the first is timed (it was refused when
+  its engine was built, after the K before it had run)."""
+  result = _run('scripts.bench_serve', '--config=tiny', '--kv_heads=1,4',
+                '--kv_memory=20KiB', '--requests=4', '--prompt_len=20,20',
+                '--output_len=12,12', f'--out={tmp_path / "out"}', '--no_hf')
+  _one_line_error(result, 'K=4: the trace\'s longest request')
+  assert 'give --kv_memory of at least' in result.stderr
+  assert not (tmp_path / 'out').exists()

@@ -52,7 +52,12 @@ def parse_flags(argv):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-  """argparse for the scripts: a bad flag is one UserError line."""
+  """argparse for the scripts: a bad flag is one UserError line; --help
+  prints the description (a script's docstring) as it is written."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault('formatter_class', argparse.RawDescriptionHelpFormatter)
+    super().__init__(*args, **kwargs)
 
   def error(self, message):
     raise UserError(f'{message.rstrip(".")}; see --help')
