@@ -45,8 +45,9 @@ NON_FINITE = {'inf': math.inf, '-inf': -math.inf, 'nan': math.nan}
 
 
 def to_json(result) -> str:
-  """`result` as strict JSON (indented): a non-finite float as 'inf',
-  '-inf' or 'nan'; `saved` reads them back as floats."""
+  """`result` (Python numbers, strings, lists and dicts) as strict JSON,
+  indented: a non-finite float as 'inf', '-inf' or 'nan', which `saved`
+  reads back as floats (so no text a study saves may be one of those)."""
   def strict(x):
     if isinstance(x, float) and not math.isfinite(x):
       return 'nan' if math.isnan(x) else ('inf' if x > 0 else '-inf')
