@@ -351,12 +351,27 @@ def write_report(out, runs, decode, bandwidth, args, control_runs=()):
   found = comparisons(runs)
   control = control_check(control_runs, runs)
   result = results(runs, rows, found, bandwidth, out, control=control)
+  if getattr(args, 'report_only', False):  # Who trained the runs, kept.
+    result['provenance']['trained'] = _trained_by(out / 'results.json')
   (out / 'results.json').write_text(study.to_json(result))
   (out / 'report.md').write_text('\n'.join(
       _report_lines(runs, rows, found, bandwidth, args,
                     result['provenance'], control)))
   _plot_loss(out / 'loss.png', runs)
   _plot_throughput(out / 'throughput.png', rows)
+
+
+def _trained_by(path) -> str | None:
+  """The command and commit that trained the runs of the results.json at
+  path (its own, or the one it was rebuilt from); None if unknown."""
+  if not path.exists():
+    return None
+  before = study.saved(path).get('provenance', {})
+  if before.get('trained') or '--report_only' not in before.get(
+      'command', '--report_only'):
+    return before.get('trained') or (
+        f'`{before["command"]}` at commit {before.get("commit", "?")}')
+  return None
 
 
 def _spread(values):
@@ -432,7 +447,9 @@ def _report_lines(runs, rows, found, bandwidth, args, provenance,
   recall = c.data.task == 'recall'
   lines = [
       '# Comparing MHA, GQA and MQA', '',
-      f'Made by `{provenance["command"]}` at commit {provenance["commit"]}: '
+      (f'Runs trained by {provenance["trained"]}; this report made by '
+       if provenance.get('trained') else 'Made by ')
+      + f'`{provenance["command"]}` at commit {provenance["commit"]}: '
       f'{c.model.num_layers} layers, d_model {c.model.d_model}, '
       f'{c.model.num_heads} query heads of {c.model.head_dim}; '
       f'{c.train.steps} steps of {c.train.batch_size} x {c.data.seq_len} '

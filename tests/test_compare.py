@@ -180,3 +180,24 @@ def test_a_control_needs_seeds_and_the_model_it_controls():
   assert compare.control_check([], _runs({8: [2.2]})) is None
   assert compare.reference_K([2, 1], 8) == 2
   assert compare.reference_K([8, 2, 1], 8) == 8
+
+
+def test_a_rebuilt_report_names_the_command_that_trained_its_runs(
+    tmp_path, monkeypatch):
+  for plot in ('_plot_loss', '_plot_throughput'):
+    monkeypatch.setattr(compare, plot, lambda *_: None)
+  runs = _runs({8: list(SEEDS), 1: list(SEEDS + 0.01)})
+  trained = ['compare', '--seeds=4', f'--out={tmp_path}']
+  for argv, report_only in ((trained, False),
+                            (trained + ['--report_only'], True),
+                            (trained + ['--report_only'], True)):
+    monkeypatch.setattr('sys.argv', argv)
+    args = types.SimpleNamespace(seeds=4, equal_params=False,
+                                 report_only=report_only)
+    compare.write_report(tmp_path, runs, {8: 1000.0, 1: 3000.0}, 20e9, args)
+  report = (tmp_path / 'report.md').read_text()
+  assert report.split('\n')[2].startswith(
+      f'Runs trained by `python -m scripts.compare --seeds=4 --out={tmp_path}`'
+      ' at commit ')
+  assert (f'; this report made by `python -m scripts.compare --seeds=4 '
+          f'--out={tmp_path} --report_only` at commit ') in report
