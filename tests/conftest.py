@@ -45,7 +45,12 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 from configs import tiny  # pylint: disable=wrong-import-position
+from tests import xdist_groups  # pylint: disable=wrong-import-position
 from train import loop  # pylint: disable=wrong-import-position
+
+
+def pytest_configure(config):
+  config.pluginmanager.register(xdist_groups, 'xdist_groups')
 
 
 # The longest tests of the last whole run (2 workers), longest first: fed
