@@ -243,6 +243,7 @@ def test_model_decode_step_with_patterns_sharing_and_int8_lowers_for_tpu_in_plac
 @pytest.mark.slow
 @pytest.mark.parametrize('base', [mha_base, gqa_base, mqa_base],
                          ids=lambda m: m.__name__.split('.')[-1])
+@pytest.mark.slowest
 def test_base_configs_train_in_bfloat16_close_to_float32(base):
   """Three steps of the real *_base models (72-85M parameters) on CPU.
 
@@ -277,6 +278,7 @@ def test_base_configs_train_in_bfloat16_close_to_float32(base):
   assert losses['bfloat16'][2] < losses['bfloat16'][0]  # It learns.
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 @pytest.mark.cpu_only
 def test_splash_runs_per_shard_under_a_mesh_that_splits_heads():
@@ -293,6 +295,7 @@ def test_splash_runs_per_shard_under_a_mesh_that_splits_heads():
     assert forward < 2e-5 and max(grads) < 2e-4, (name, forward, grads)
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_the_prepared_device_command_runs_end_to_end(tmp_path):
   """scripts.accelerator_check --quick: every part, at tiny sizes, on CPU."""

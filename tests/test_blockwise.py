@@ -105,6 +105,7 @@ class BlockwiseTest(chex.TestCase):
         ours, reference.reference_attention(q, k, v, is_causal=True),
         atol=2e-5)
 
+  @pytest.mark.slowest
   @pytest.mark.slow
   @pytest.mark.cpu_only
   def test_grouped_heads_need_less_peak_memory_than_mha(self):

@@ -190,6 +190,7 @@ def test_staged_files_are_uploaded_when_new_or_changed(bucket, monkeypatch):
   again.close()
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_a_bucket_run_killed_and_resumed_equals_a_local_run_and_samples(
     emulator, bucket, tmp_path):

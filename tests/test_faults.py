@@ -771,6 +771,7 @@ def test_a_read_only_checkpoints_folder_is_one_line_about_permission(
 
 # Installed, not run from the repository.
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_installed_package_runs_from_any_directory(tmp_path, monkeypatch):
   """pip install . (not -e) into a fresh venv; the README's commands elsewhere.
@@ -820,6 +821,7 @@ def _params_and_losses(workdir_path):
   return checkpoint.restore_latest(str(workdir_path))[1]['params'], losses
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_a_straight_run(
     tmp_path):

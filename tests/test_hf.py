@@ -497,6 +497,7 @@ print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
                                 holder.read(name).T)  # The weights arrived.
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_the_readme_workflow_runs_on_this_machine(tmp_path):
   """README: make an MHA model, import it as GQA, prepare the corpus with its

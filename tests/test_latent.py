@@ -348,6 +348,7 @@ def test_an_unknown_config_names_every_kind_of_config_taken():
     config_lib.resolve(['--config=nope'])
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_a_reduced_rank_conversion_of_a_trained_model_trains_and_samples(
     trained, tmp_path):

@@ -87,6 +87,7 @@ def one_device(tmp_path_factory):
 @pytest.mark.cpu_only  # Simulated host devices.
 # On one xdist worker: the other would wait on mesh_results' lock, and
 # train one_device's runs a second time.
+@pytest.mark.slowest
 @pytest.mark.xdist_group('mesh')
 @pytest.mark.parametrize('name', list(MESHES) + ['moved'])
 def test_meshes_train_to_the_losses_of_one_device(mesh_results, one_device,

@@ -89,6 +89,7 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize('mesh', [
     (), ('--config.mesh.data=1', '--config.mesh.fsdp=2',
          '--config.mesh.tensor=2')], ids=['data', 'fsdp2_tensor2'])
+@pytest.mark.slowest
 def test_two_processes_train_to_the_losses_of_one_with_four_devices(
     tmp_path, one_process, mesh):
   """Each process builds only its rows (its half of every batch); process 0
@@ -110,6 +111,7 @@ def test_two_processes_train_to_the_losses_of_one_with_four_devices(
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slowest
 def test_a_checkpoint_moves_between_two_processes_and_one(tmp_path):
   """Written by two processes, resumed by one (and the reverse): the
   losses of one process stopped and resumed the same way (10 steps of a
@@ -141,6 +143,7 @@ def _wait_for_step(workdir, step, launched, timeout=240):
 
 @pytest.mark.parametrize('signalled', [slice(None), slice(1, 2)],
                          ids=['every_process', 'one_process'])
+@pytest.mark.slowest
 def test_sigterm_saves_once_and_resumes(tmp_path, signalled):
   """SIGTERM to every process, or to one (the others learn of it at the
   next step they all log): all stop at the same step and save it once.
@@ -160,6 +163,7 @@ def test_sigterm_saves_once_and_resumes(tmp_path, signalled):
   assert steps == sorted(set(steps)) and steps[-1] == 30
 
 
+@pytest.mark.slowest
 @pytest.mark.parametrize('lost', [1, 0], ids=['worker', 'coordinator'])
 def test_a_lost_peer_ends_the_survivor_in_one_line(tmp_path, lost):
   """A process killed (as its host would vanish) ends the other within the
@@ -211,6 +215,7 @@ def _alive(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slowest
 def test_kill_9_of_a_launched_process_leaves_none_of_the_run_alive(tmp_path):
   """SIGKILL to the PID a user or a scheduler sees (the watcher of process
   1) cannot be passed on to the child that trains; that child, orphaned,

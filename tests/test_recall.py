@@ -98,6 +98,7 @@ def test_weighted_loss_and_accuracy_count_only_weighted_targets():
   np.testing.assert_allclose(accuracy, hits.mean())
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
   """Only answers are scored: the model learns they are values of its row."""
@@ -127,6 +128,7 @@ def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_a_small_model_learns_to_retrieve_every_answer(tmp_path):
   """The probe is learnable: train.main's loop on the recall config, narrowed

@@ -402,6 +402,7 @@ def test_kv_frontier_refuses_unequal_bytes_as_an_equal_bytes_pair():
     kv_frontier.analyse(models)
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_kv_frontier_trains_reads_and_reports_a_small_grid(tmp_path,
                                                            monkeypatch):
@@ -460,6 +461,7 @@ def test_bench_prepare_measures_both_contestants_in_their_own_processes(
       row['prepare_mb_per_s'] / row['encoder_mb_per_s'])
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_bench_train_times_train_main_and_torch_in_processes_of_their_own(
     tmp_path, monkeypatch):

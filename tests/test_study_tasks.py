@@ -43,6 +43,7 @@ def test_a_machine_without_lm_eval_is_told_how_to_install_it(monkeypatch):
     task_scores.spec(_args(tasks='gqa_lab_choice'))
 
 
+@pytest.mark.slowest
 @pytest.mark.slow  # A subprocess importing lm_eval: seconds.
 def test_an_unknown_task_is_one_line_before_anything_trains(tmp_path):
   """Through the command line: refused with the name, and no run

@@ -165,6 +165,7 @@ def test_on_eval_can_end_a_run_early_as_finished(tmp_path):
   assert read_metrics(tmp_path)[-1]['step'] == 10
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path):
   args = ['--config=tiny', f'--workdir={tmp_path}',

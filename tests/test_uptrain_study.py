@@ -344,6 +344,7 @@ def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
   assert '## Reading' in capsys.readouterr().out
 
 
+@pytest.mark.slowest
 @pytest.mark.slow
 def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   """On `tiny`: one uptraining run per (conversion, seed) evaluated at
