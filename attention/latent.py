@@ -36,15 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention import layer, numerics
+from attention import kv_cache, numerics
 from attention.core import dot_product_attention
 from attention.rope import apply_rope, inverse_frequencies
 
 Array = jax.Array
-# The cache's arrays, in the order of `layer.KV`'s fields (key: the latent,
-# value: the RoPE key), and their position axis.
-_AXES = {'cached_latent': 1, 'cached_rope_key': 1, 'latent_scale': 1,
-         'rope_key_scale': 1}
 
 
 def resolve(options) -> None:
@@ -155,70 +151,49 @@ def param_shapes(options, d_model: int, *, shared_kv: bool = False
   return {**shapes, 'kv_up': (A, N, I + U), 'out': (N, U, D)}
 
 
-def cache_spec(options, batch: int, max_len: int, dtype: Any
-               ) -> dict[str, jax.ShapeDtypeStruct]:
-  """The latent cache's arrays (the module docstring's table)."""
-  B, S = batch, options.cache_length(max_len)
-  A, Y = options.kv_lora_rank, options.qk_rope_head_dim
-  stored = jnp.dtype(options.kv_cache_dtype or dtype)
-  spec = {'cached_latent': ((B, S, A), stored)}
-  if Y:
-    spec['cached_rope_key'] = ((B, S, Y), stored)
-  if options.kv_cache_dtype == 'int8':
-    spec['latent_scale'] = ((B, S), jnp.float32)
-    if Y:
-      spec['rope_key_scale'] = ((B, S), jnp.float32)
-  spec['cache_index'] = ((), jnp.int32)
-  return {name: jax.ShapeDtypeStruct(shape, kind)
-          for name, (shape, kind) in spec.items()}
-
-
-def apply(options, params: dict[str, Array], x_BTD: Array, *,
-          mask: Array | None = None, cache: dict[str, Array] | None = None,
-          shared: layer.KV | None = None, dtype: Any = jnp.float32
-          ) -> tuple[Array, dict[str, Array] | None, layer.KV]:
-  """`attention.layer.apply` for an MLA layer: (out [B, T, D], the updated
-  cache, the latent attended to as a `layer.KV`: key the normed latent
-  [B, S, A], value the RoPE key [B, S, Y], or the cache's arrays)."""
-  N, U = options.num_heads, options.v_head_dim
+def project(options, params, w, x_BTD, pos_bT, shared: bool
+            ) -> tuple[tuple[Array, Array], dict[str, Array]]:
+  """`attention.layer.apply`'s projections for an MLA layer: ((q_nope
+  [B, T, N, I], q_rope [B, T, N, Y] turned by RoPE), the cache entries of
+  the new tokens: the normed latent [B, T, 1, A] and the turned RoPE key
+  [B, T, 1, Y]; none when shared)."""
   B, T, D = x_BTD.shape
-  w = {name: p.astype(dtype) for name, p in params.items()}
-  x_XD = x_BTD.astype(dtype).reshape(B * T, D)
+  x_XD = x_BTD.reshape(B * T, D)
   q_BTNI, q_BTNY = _queries(options, params, w, x_XD, B, T)
-  if shared is not None:
-    start = shared.start
-  else:
-    start = 0 if cache is None else cache['cache_index']
-  pos_T = start + jnp.arange(T)
-  rope = lambda x: apply_rope(x, pos_T, base=options.rope_base,
+  rope = lambda x: apply_rope(x, pos_bT, base=options.rope_base,
                               scaling=options.rope_scaling,
                               frequencies=rope_frequencies(options))
   if options.qk_rope_head_dim:
     q_BTNY = rope(q_BTNY)
-  if shared is not None:
-    kv = shared
-  else:
-    c_BTA, k_BTY = _latent(options, params, w, x_XD, B, T)
-    if options.qk_rope_head_dim:
-      k_BTY = rope(k_BTY[:, :, None])[:, :, 0]  # One head, shared.
-    if cache is None:
-      kv = layer.KV(c_BTA, k_BTY)
-    else:
-      cache, kv = _write_cache(options, cache, c_BTA, k_BTY)
-  if kv.positions_S is None:  # A full pass: per-head K/V, built.
-    out_BTNU = _expanded_attention(options, w, q_BTNI, q_BTNY, kv.key,
-                                   kv.value, mask)
-  else:
-    visible = layer.cached_visibility(options, kv, pos_T, mask, B)
-    key_up_ANI, value_up_ANU = split_up(w['kv_up'], options.qk_nope_head_dim)
-    out_BTNU = absorbed_attention(
-        q_BTNI, q_BTNY, key_up_ANI, value_up_ANU, kv.key, kv.value,
-        visible, scale=options.scale, logits_soft_cap=options.logits_soft_cap,
-        latent_scale_BS=kv.key_scale, rope_key_scale_BS=kv.value_scale)
-    # As `layer`'s: an overflowing write under jit shows as NaN.
-    out_BTNU = jnp.where(kv.overflow, jnp.nan, out_BTNU)
-  out_XD = out_BTNU.reshape(B * T, N * U) @ w['out'].reshape(N * U, D)
-  return out_XD.reshape(B, T, D), cache, kv
+  if shared:
+    return (q_BTNI, q_BTNY), {}
+  c_BTA, k_BTY = _latent(options, params, w, x_XD, B, T)
+  new = {'cached_latent': c_BTA[:, :, None]}
+  if options.qk_rope_head_dim:
+    new['cached_rope_key'] = rope(k_BTY[:, :, None])  # One head, shared.
+  return (q_BTNI, q_BTNY), new
+
+
+def attend(options, w, queries, kv, mask) -> Array:
+  """The full pass: [B, T, N, U], against per-head keys and values built
+  from the latent (`expand`)."""
+  q_BTNI, q_BTNY = queries
+  c_BSA = kv.key[:, :, 0]
+  k_BSY = (jnp.zeros(c_BSA.shape[:2] + (0,), c_BSA.dtype) if kv.value is None
+           else kv.value[:, :, 0])
+  return _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSA, k_BSY, mask)
+
+
+def attend_cached(options, w, queries, kv, visible) -> Array:
+  """Against the cache (dense, or a paged one's rows gathered): [B, T, N, U],
+  absorbed (`absorbed_attention`)."""
+  q_BTNI, q_BTNY = queries
+  rows = kv_cache.gathered(kv, options)
+  key_up_ANI, value_up_ANU = split_up(w['kv_up'], options.qk_nope_head_dim)
+  return absorbed_attention(
+      q_BTNI, q_BTNY, key_up_ANI, value_up_ANU, rows.key, rows.value,
+      visible, scale=options.scale, logits_soft_cap=options.logits_soft_cap,
+      latent_scale_BS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
 
 
 def _queries(options, params, w, x_XD, B: int, T: int
@@ -227,7 +202,7 @@ def _queries(options, params, w, x_XD, B: int, T: int
   (query_down, its RMSNorm, query_up) when q_lora_rank is set."""
   N, I = options.num_heads, options.qk_nope_head_dim
   if options.q_lora_rank:
-    q_XQ = layer._rms_norm(x_XD @ w['query_down'], params['query_down_norm'],
+    q_XQ = kv_cache.head_rms_norm(x_XD @ w['query_down'], params['query_down_norm'],
                            options)
     kernel = w['query_up']
   else:
@@ -243,7 +218,7 @@ def _latent(options, params, w, x_XD, B: int, T: int) -> tuple[Array, Array]:
   ck_X = x_XD @ w['kv_down']  # [B·T, A + Y].
   c_XA, k_XY = ck_X[:, :A], ck_X[:, A:]
   if options.latent_norm:
-    c_XA = layer._rms_norm(c_XA, params['kv_norm'], options)
+    c_XA = kv_cache.head_rms_norm(c_XA, params['kv_norm'], options)
   return c_XA.reshape(B, T, A), k_XY.reshape(B, T, -1)
 
 
@@ -334,24 +309,3 @@ def _matmul(a_BRC, b_BSC, contract: int):
   [B, R, C]); float32, the cache in its own dtype (as decode's)."""
   return jax.lax.dot_general(a_BRC, b_BSC, (((2,), (contract,)), ((0,), (0,))),
                              preferred_element_type=jnp.float32)
-
-
-def _write_cache(options, cache, c_BTA, k_BTY
-                 ) -> tuple[dict[str, Array], layer.KV]:
-  """(the cache with the T tokens' latents and RoPE keys written at its
-  index, in place; what the new tokens attend to)."""
-  B, T, A = c_BTA.shape
-  held = cache['cached_latent'].shape
-  if held[0] != B or held[2] != A:
-    raise ValueError(f'decode step gives latents {(B, T, A)} but the cache '
-                     f'holds {held} = [B, S, A]; init the cache with the '
-                     'same batch size')
-  new = {'cached_latent': c_BTA, 'cached_rope_key': k_BTY}
-  if 'latent_scale' in cache:
-    new['cached_latent'], new['latent_scale'] = layer.quantize(c_BTA, axis=2)
-    if 'rope_key_scale' in cache:
-      new['cached_rope_key'], new['rope_key_scale'] = layer.quantize(k_BTY,
-                                                                     axis=2)
-  new = {name: x.astype(cache[name].dtype) for name, x in new.items()
-         if name in cache}
-  return layer.write_slots(options, cache, new, _AXES)

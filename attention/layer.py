@@ -26,8 +26,12 @@ repacked them every step: 416 tokens/s against 911 for K=2 at batch 256,
 gqa_small shapes, context 2048; commit 00b62d1). Writing a token updates both
 in place (a test checks the compiled step for copies).
 
-A causal local layer keeps only its window: slot s holds the latest position
-p with p % w == s (a ring buffer), so its cache is w/max_len the size. An
+That is the dense cache (`attention.kv_cache.DenseCache`); the same step
+reads and writes a paged pool (`PagedCache`, the serving engine's) by
+gathering each row's pages into this layout, or, lowering for TPU, by JAX's
+paged-attention kernel (`attention.paged`). A causal local layer keeps only
+its window: slot s holds the latest position p with p % w == s (a ring
+buffer), so its cache is w/max_len the size. An
 int8 cache stores each token's K and V per KV head as int8 times one float32
 scale (symmetric, absmax/127); the matmuls read the int8 arrays and the
 scales multiply the [G, S] logits and probabilities, so no float copy of the
@@ -37,13 +41,14 @@ cache is made.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-from attention import decode, latent, numerics
-from attention.core import as_4d_mask, attention_mask, dot_product_attention
+from attention import decode, kv_cache, latent, paged
+from attention.core import dot_product_attention
+from attention.kv_cache import KV
 from attention.rope import RopeScaling, apply_rope
 
 Array = jax.Array
@@ -178,89 +183,109 @@ class Options:
 
   def cache_spec(self, batch: int, max_len: int, dtype: Any
                  ) -> dict[str, jax.ShapeDtypeStruct]:
-    """The cache's arrays for `batch` sequences of up to max_len tokens;
-    dtype: the compute dtype (stored unless kv_cache_dtype says otherwise)."""
-    if self.kv_lora_rank:
-      return latent.cache_spec(self, batch, max_len, dtype)
-    Z, H, S = batch * self.num_kv_heads, self.head_dim, self.cache_length(
-        max_len)
-    stored = jnp.dtype(self.kv_cache_dtype or dtype)
-    spec = {'cached_key': ((Z, H, S), stored),
-            'cached_value': ((Z, S, H), stored)}
-    if self.kv_cache_dtype == 'int8':
-      spec |= {'key_scale': ((Z, S), jnp.float32),
-               'value_scale': ((Z, S), jnp.float32)}
-    spec['cache_index'] = ((), jnp.int32)
-    return {name: jax.ShapeDtypeStruct(shape, kind)
-            for name, (shape, kind) in spec.items()}
-
-
-class KV(NamedTuple):
-  """The keys and values one layer's queries attended to; a layer sharing
-  them (cross-layer attention) attends to the same.
-
-  Full pass: key and value [B, S, K, H]. Decoding: the cache's arrays
-  (keys [Z, H, S], values [Z, S, H], int8 scales [Z, S] or None) with each
-  slot's position (-1: empty) and `start`, the position of the first new
-  token.
-  """
-  key: Array
-  value: Array
-  key_scale: Array | None = None
-  value_scale: Array | None = None
-  positions_S: Array | None = None  # None: a full pass.
-  start: Array | int = 0
-  overflow: Array | bool = False  # The write ran past the cache's end.
+    """The dense cache's arrays for `batch` sequences of up to max_len
+    tokens (`attention.kv_cache.dense_spec`); dtype: the compute dtype
+    (stored unless kv_cache_dtype says otherwise)."""
+    return kv_cache.dense_spec(self, batch, max_len, dtype)
 
 
 def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
-          mask: Array | None = None, cache: dict[str, Array] | None = None,
+          mask: Array | None = None,
+          cache: dict[str, Array] | kv_cache.DenseCache | kv_cache.PagedCache
+          | None = None,
           shared: KV | None = None, dtype: Any = jnp.float32
           ) -> tuple[Array, dict[str, Array] | None, KV]:
-  """Self-attention of x_BTD [B, T, D]; (out [B, T, D], the updated cache,
-  the K/V attended to).
+  """Self-attention of x_BTD [B, T, D]; (out [B, T, D], the updated cache
+  arrays, the K/V attended to).
 
-  With a cache (decoding), the T tokens are written at `cache_index` and
-  attend to everything cached so far; without one, to each other. With
-  `shared` (what another layer's `apply` returned), the queries attend to
-  those keys and values: this layer has no K/V parameters and no cache.
+  The one attention step of every path: the projections, RoPE at the
+  tokens' positions, the cache's write and read, the attention and the
+  output projection, for grouped-query and latent (MLA, `attention.latent`)
+  layers alike. Where K/V live is the cache strategy's
+  (`attention.kv_cache`): none (a full pass: the T tokens attend to each
+  other), a `DenseCache` (or its arrays as a dict: one position for every
+  row, a ring buffer for a causal local layer) or a `PagedCache` (a page
+  table and a position per row). With `shared` (what another layer's
+  `apply` returned), the queries attend to those keys and values at their
+  positions: this layer has no K/V parameters and no cache.
   mask: True = attend, a key-padding [B, S] or anything broadcastable to
-  [B, N, T, S] (S = T, or max_len with a cache).
+  [B, N, T, S] (S = T, or max_len with a dense cache).
   """
-  if options.kv_lora_rank:
-    return latent.apply(options, params, x_BTD, mask=mask, cache=cache,
-                        shared=shared, dtype=dtype)
-  N, H = options.num_heads, options.head_dim
   B, T, D = x_BTD.shape
-  w = {name: p.astype(dtype) for name, p in params.items()}
-  q_BTNH, k_BTKH, v_BTKH = project(options, params, w, x_BTD.astype(dtype),
-                                   shared is not None)
+  if isinstance(cache, dict):
+    cache = kv_cache.DenseCache(cache)
   if shared is not None:
-    start = shared.start
+    pos_bT = shared.query_positions
+  elif cache is not None:
+    pos_bT = cache.positions(T)
   else:
-    start = 0 if cache is None else cache['cache_index']
-  pos_T = start + jnp.arange(T)
-  if options.use_rope:
-    rope = lambda x: apply_rope(x, pos_T, base=options.rope_base,
-                                scaling=options.rope_scaling)
-    q_BTNH = rope(q_BTNH)
-    k_BTKH = None if k_BTKH is None else rope(k_BTKH)
-
+    pos_bT = jnp.arange(T)[None]
+  w = {name: p.astype(dtype) for name, p in params.items()}
+  kind = latent if options.kv_lora_rank else _grouped
+  queries, new = kind.project(options, params, w, x_BTD.astype(dtype),
+                              pos_bT, shared is not None)
+  arrays = None
   if shared is not None:
     kv = shared
   elif cache is None:
-    kv = KV(k_BTKH, v_BTKH)
+    kv = KV(*kv_cache.fields(new, options), query_positions=pos_bT)
   else:
-    cache, kv = _write_cache(options, cache, k_BTKH, v_BTKH)
+    arrays, kv = cache.write(options, new)
   if kv.positions_S is None:  # A full pass.
-    out_BTNH = dot_product_attention(
+    out_BTX = kind.attend(options, w, queries, kv, mask)
+  else:
+    visible = kv_cache.cached_visibility(options, kv, mask, B)
+    out_BTX = kind.attend_cached(options, w, queries, kv, visible)
+    # Under jit an overflowing write is clamped onto the last slots; make
+    # that visible as NaN rather than silently attending to the wrong
+    # tokens.
+    out_BTX = jnp.where(kv.overflow, jnp.nan, out_BTX)
+  out_XD = out_BTX.reshape(B * T, -1) @ w['out'].reshape(-1, D)
+  return out_XD.reshape(B, T, D), arrays, kv
+
+
+class _grouped:  # pylint: disable=invalid-name
+  """Grouped-query attention's parts of `apply` (MLA's: `attention.latent`)."""
+
+  @staticmethod
+  def project(options: Options, params, w, x_BTD, pos_bT, shared: bool
+              ) -> tuple[Array, dict[str, Array]]:
+    """(queries [B, T, N, H] turned by RoPE, the cache entries of the new
+    tokens: keys and values [B, T, K, H], RoPE'd keys; none when shared)."""
+    q_BTNH, k_BTKH, v_BTKH = project(options, params, w, x_BTD, shared)
+    if options.use_rope:
+      rope = lambda x: apply_rope(x, pos_bT, base=options.rope_base,
+                                  scaling=options.rope_scaling)
+      q_BTNH = rope(q_BTNH)
+      k_BTKH = None if k_BTKH is None else rope(k_BTKH)
+    new = {} if shared else {'cached_key': k_BTKH, 'cached_value': v_BTKH}
+    return q_BTNH, new
+
+  @staticmethod
+  def attend(options: Options, w, q_BTNH, kv: KV, mask) -> Array:
+    """The full pass: [B, T, N, H]."""
+    return dot_product_attention(
         q_BTNH, kv.key, kv.value, mask=mask, is_causal=options.is_causal,
         scale=options.scale, local_window=options.local_window,
         logits_soft_cap=options.logits_soft_cap)
-  else:
-    out_BTNH = _attend_cached(options, q_BTNH, kv, pos_T, mask)
-  out_XD = out_BTNH.reshape(B * T, N * H) @ w['out'].reshape(N * H, D)
-  return out_XD.reshape(B, T, D), cache, kv
+
+  @staticmethod
+  def attend_cached(options: Options, w, q_BTNH, kv: KV, visible) -> Array:
+    """Against the cache: [B, T, N, H]; a paged cache's step by the TPU
+    kernel where lowering for TPU and it takes the call
+    (`attention.paged.kernel_refusal`), else the cache's rows gathered."""
+    def dense():
+      rows = kv_cache.gathered(kv, options)
+      return decode.heads_major_attention(
+          q_BTNH, rows.key, rows.value, visible, scale=options.scale,
+          logits_soft_cap=options.logits_soft_cap,
+          key_scale_ZS=rows.key_scale, value_scale_ZS=rows.value_scale)
+    if kv.paged is None or paged.kernel_refusal(options, q_BTNH.shape[1],
+                                                kv.paged.arrays):
+      return dense()
+    return jax.lax.platform_dependent(
+        tpu=lambda: paged.kernel_attention(options, q_BTNH, kv),
+        default=dense)
 
 
 def project(options: Options, params: dict[str, Array], w: dict[str, Array],
@@ -271,8 +296,7 @@ def project(options: Options, params: dict[str, Array], w: dict[str, Array],
   layer reading another's K/V), biased and QK-normed as the options say,
   RoPE not applied (it needs the positions: the caller's). w: the parameters
   in the compute dtype (the norms' weights are read from `params`, in
-  float32). `apply` and the paged cache's step (`serve.paged`) both call it,
-  so the projections are written once."""
+  float32)."""
   N, K, H = options.num_heads, options.num_kv_heads, options.head_dim
   B, T, D = x_BTD.shape
   # The projections as plain [X, D] x [D, E·H] matmuls, tokens as one axis
@@ -294,168 +318,10 @@ def project(options: Options, params: dict[str, Array], w: dict[str, Array],
   else:
     q_BTNH, k_BTKH, v_BTKH = dense('query'), dense('key'), dense('value')
   if options.qk_norm:
-    q_BTNH = _rms_norm(q_BTNH, params['query_norm'], options)
+    q_BTNH = kv_cache.head_rms_norm(q_BTNH, params['query_norm'], options)
     if k_BTKH is not None:
-      k_BTKH = _rms_norm(k_BTKH, params['key_norm'], options)
+      k_BTKH = kv_cache.head_rms_norm(k_BTKH, params['key_norm'], options)
   return q_BTNH, k_BTKH, v_BTKH
-
-
-def _attend_cached(options: Options, q_BTNH, kv: KV, pos_T, mask):
-  """The T queries at positions pos_T against the cached slots of `kv`."""
-  visible = cached_visibility(options, kv, pos_T, mask, q_BTNH.shape[0])
-  out_BTNH = decode.heads_major_attention(
-      q_BTNH, kv.key, kv.value, visible, scale=options.scale,
-      logits_soft_cap=options.logits_soft_cap, key_scale_ZS=kv.key_scale,
-      value_scale_ZS=kv.value_scale)
-  # Under jit an overflowing write is clamped onto the last slots; make that
-  # visible as NaN rather than silently attending to the wrong tokens.
-  return jnp.where(kv.overflow, jnp.nan, out_BTNH)
-
-
-def cached_visibility(options: Options, kv: KV, pos_T, mask, B: int):
-  """[B or 1, 1 or N, T, S]: which cached slots of `kv` each of the T
-  queries at positions pos_T sees (True = attend)."""
-  T = pos_T.shape[0]
-  S = kv.positions_S.shape[0]
-  k_pos_S = kv.positions_S
-  # Positions decide what each query sees; empty slots are hidden.
-  visible_TS = jnp.broadcast_to(k_pos_S[None, :] >= 0, (T, S))
-  structural_TS = attention_mask(pos_T, k_pos_S, is_causal=options.is_causal,
-                                 local_window=options.local_window)
-  if structural_TS is not None:
-    visible_TS &= structural_TS
-  visible = visible_TS[None, None]
-  if mask is not None:
-    # A mask over positions (max_len): each slot takes its position's.
-    mask = as_4d_mask(mask, B, mask.shape[-1])
-    if mask.shape[-1] > 1:
-      mask = jnp.take(mask, jnp.maximum(k_pos_S, 0), axis=-1)
-    visible = mask & visible
-  return visible
-
-
-def _is_ring(options: Options, S: int) -> bool:
-  """Whether a cache of S slots is a local layer's ring buffer."""
-  return options.is_causal and options.local_window == S
-
-
-def _rms_norm(x_BTEH, weight_H, options: Options):
-  """RMSNorm over each head's H features, in float32."""
-  return numerics.rms_norm(x_BTEH, weight_H, eps=options.norm_eps,
-                           offset=options.norm_scale_offset)
-
-
-def slot_positions(end, S: int) -> Array:
-  """[S]: the position each slot holds once positions 0..end-1 are written
-  (slot s: the latest p < end with p % S == s), -1 where none is."""
-  s = jnp.arange(S)
-  p = end - 1 - jnp.mod(end - 1 - s, S)
-  return jnp.where(p >= 0, p, -1)
-
-
-def _write_cache(options: Options, cache, k_BTKH, v_BTKH
-                 ) -> tuple[dict[str, Array], KV]:
-  """(the cache with T positions written at its index, in place; what the
-  new tokens attend to)."""
-  B, T, K, H = k_BTKH.shape
-  S = cache['cached_value'].shape[1]
-  shapes = {name: cache[name].shape for name in ('cached_key', 'cached_value')}
-  if shapes != {'cached_key': (B * K, H, S), 'cached_value': (B * K, S, H)}:
-    raise ValueError(
-        f'decode step gives K/V {(B, T, K, H)} but the cache holds keys '
-        f"{shapes['cached_key']} = [B·K, H, S] and values "
-        f"{shapes['cached_value']} = [B·K, S, H]; init the cache with "
-        'the same batch size and heads')
-  new = _stored(cache, k_BTKH.transpose(0, 2, 3, 1).reshape(B * K, H, T),
-                v_BTKH.transpose(0, 2, 1, 3).reshape(B * K, T, H))
-  return write_slots(options, cache, new, _AXES)
-
-
-def write_slots(options: Options, cache, new: dict[str, Array],
-                axes: dict[str, int]) -> tuple[dict[str, Array], KV]:
-  """(the cache with the T new positions of each array in `new` written at
-  its index along that array's position axis (`axes`, whose names are in the
-  order of KV's fields), in place; what the new tokens attend to)."""
-  first = next(iter(axes))
-  start = cache['cache_index']
-  S = cache[first].shape[axes[first]]
-  T = new[first].shape[axes[first]]
-  ring = _is_ring(options, S)
-  if not ring:
-    _check_capacity(start, T, S)
-  overflow = False if ring else start + T > S
-  if ring and T > 1:
-    # Later tokens of the chunk would overwrite keys its earlier queries
-    # still see: they attend to the old slots and the chunk, then the last
-    # min(T, S) tokens are written.
-    kv = KV(*(jnp.concatenate([cache[name], new[name]], axis=axis)
-              if name in cache else None
-              for name, axis in axes.items()),
-            positions_S=jnp.concatenate([slot_positions(start, S),
-                                         start + jnp.arange(T)]),
-            start=start, overflow=overflow)
-    keep = min(T, S)
-    slots = jnp.mod(start + T - keep + jnp.arange(keep), S)
-    written = {name: _scatter(cache[name], new[name], slots, axis)
-               for name, axis in axes.items() if name in cache}
-  else:
-    at = jnp.mod(start, S) if ring else start  # T == 1 in a ring.
-    written = {name: jax.lax.dynamic_update_slice_in_dim(
-        cache[name], new[name], at, axis)
-               for name, axis in axes.items() if name in cache}
-    kv = None
-  cache = {**written, 'cache_index': start + T}
-  if kv is None:
-    kv = KV(*(cache.get(name) for name in axes),
-            positions_S=slot_positions(start + T, S), start=start,
-            overflow=overflow)
-  return cache, kv
-
-
-# The cache's arrays, in the order of KV's fields, and their position axis.
-_AXES = {'cached_key': 2, 'cached_value': 1, 'key_scale': 1, 'value_scale': 1}
-
-
-def _stored(cache, keys_ZHT, values_ZTH) -> dict[str, Array]:
-  """The new tokens as the cache stores them: its dtype, or int8 with a
-  float32 scale per token and KV head."""
-  if 'key_scale' not in cache:
-    return {'cached_key': keys_ZHT.astype(cache['cached_key'].dtype),
-            'cached_value': values_ZTH.astype(cache['cached_value'].dtype)}
-  keys, key_scale = quantize(keys_ZHT, axis=1)
-  values, value_scale = quantize(values_ZTH, axis=2)
-  return {'cached_key': keys, 'cached_value': values, 'key_scale': key_scale,
-          'value_scale': value_scale}
-
-
-def quantize(x, axis: int) -> tuple[Array, Array]:
-  """(int8 x / scale, scale): symmetric, one float32 scale (absmax / 127)
-  per slice along `axis` (a token's H features), which is dropped."""
-  x = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  q = jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8)
-  return q, jnp.squeeze(scale, axis)
-
-
-def _scatter(array, new, slots, axis: int):
-  """array with new's last len(slots) positions along `axis` at `slots`."""
-  new = jax.lax.slice_in_dim(new, new.shape[axis] - slots.shape[0],
-                             new.shape[axis], axis=axis)
-  index = (slice(None),) * axis + (slots,)
-  return array.at[index].set(new)
-
-
-def _check_capacity(index, T, max_len):
-  """Raises when the cache index is concrete (eager use) and would overflow."""
-  try:
-    index = int(index)
-  except jax.errors.ConcretizationTypeError:
-    return  # Under jit: `apply` returns NaN for the overflowing step.
-  if index + T > max_len:
-    raise ValueError(
-        f'KV cache overflow: writing {T} token(s) at position {index} exceeds '
-        f'max_len={max_len}; init the cache with a longer [B, max_len, D] input')
 
 
 def kv_cache_bytes(options: Options, batch: int, length: int, dtype) -> int:

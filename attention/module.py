@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from attention import layer
+from attention import kv_cache, layer
 
 Dtype = Any
 default_kernel_init = nn.initializers.lecun_normal()
@@ -101,7 +101,8 @@ class Attention(_OptionFields):
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None, *,
-               shared: layer.KV | None = None, return_kv: bool = False):
+               shared: layer.KV | None = None, return_kv: bool = False,
+               paging: kv_cache.Paging | None = None):
     """Attends x to itself.
 
     Args:
@@ -113,6 +114,9 @@ class Attention(_OptionFields):
         that layer returned with return_kv).
       return_kv: also return the keys and values attended to
         (`attention.layer.KV`), for the layers that share them.
+      paging: decode over a paged pool (`attention.kv_cache.PagedCache`):
+        the 'cache' collection holds the pool's arrays (`kv_cache.paged_spec`)
+        and `paging` each row's page table and position.
 
     Returns:
       [B, T, D] in `dtype`; with return_kv, (that, the KV).
@@ -129,22 +133,29 @@ class Attention(_OptionFields):
       if self.partitioned:
         init = nn.with_logical_partitioning(init, LOGICAL_AXES[name])
       params[name] = self.param(name, init, shape, self.param_dtype)
-    # `init` with decode=True creates the cache from the [B, max_len, D]
-    # template and runs a plain pass; later calls append to it.
-    appending = self.decode and self.has_variable('cache', 'cache_index')
-    cache = None
-    if self.decode and not self.shared_kv:
+    cache, names = None, ()
+    if paging is not None and not self.shared_kv:
+      names = [e.name for e in kv_cache.entries(options)]
+      names += [e.scale for e in kv_cache.entries(options)
+                if self.has_variable('cache', e.scale)]
+      cache = kv_cache.PagedCache(
+          {name: self.get_variable('cache', name) for name in names},
+          *paging)
+    elif self.decode and not self.shared_kv:
+      # `init` with decode=True creates the cache from the [B, max_len, D]
+      # template and runs a plain pass; later calls append to it.
+      appending = self.has_variable('cache', 'cache_index')
       spec = options.cache_spec(B, T, self.dtype)
       variables = {name: self.variable('cache', name, jnp.zeros, s.shape,
                                        s.dtype) for name, s in spec.items()}
       if appending:
+        names = tuple(spec)
         cache = {name: v.value for name, v in variables.items()}
     out_BTD, cache, kv = layer.apply(options, params, x_BTD, mask=mask,
                                      cache=cache, shared=shared,
                                      dtype=self.dtype)
-    if appending:
-      for name, v in variables.items():
-        v.value = cache[name]
+    for name in names:
+      self.put_variable('cache', name, cache[name])
     return (out_BTD, kv) if return_kv else out_BTD
 
   def kv_cache_bytes(self, batch: int, length: int, dtype: Dtype = None) -> int:

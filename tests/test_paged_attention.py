@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache (`serve.paged`) on each platform, proven
+"""Attention over the paged KV cache (`attention.kv_cache.PagedCache`,
+`attention.paged`, `serve.paged`) on each platform, proven
 on a CPU host as `tests/test_accelerators.py` proves splash attention: JAX's
 TPU paged-attention kernel runs here in Pallas's TPU interpret mode against
 the gather path (which `tests/test_serve.py` holds equal to `train.sample`),
@@ -15,7 +16,8 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import pytest
 
-from attention import layer
+from attention import decode, kv_cache, layer
+from attention import paged as paged_kernel
 from configs import tiny
 from serve import paged
 from tests import hlo
@@ -30,6 +32,28 @@ TABLE_BM = jnp.array([[3, 7, 1, 0], [2, 4, 6, 8], [11, 0, 0, 0]], jnp.int32)
 POS_BT = jnp.array([[20], [63], [0]], jnp.int32)
 
 
+def _paged_kv(pool: dict) -> kv_cache.KV:
+  """What a paged step's queries at POS_BT attend to: the pool's rows."""
+  M = TABLE_BM.shape[1]
+  return kv_cache.KV(None, None, positions_S=jnp.arange(M * p),
+                     query_positions=POS_BT,
+                     paged=kv_cache.PagedCache(pool, TABLE_BM, POS_BT[:, 0]))
+
+
+def _gathered_attention(options, q_BTNH, kv):
+  """The gather path: the rows gathered, then the dense cache's attention."""
+  rows = kv_cache.gathered(kv, options)
+  visible = kv_cache.cached_visibility(options, kv, None, q_BTNH.shape[0])
+  return decode.heads_major_attention(
+      q_BTNH, rows.key, rows.value, visible, scale=options.scale,
+      logits_soft_cap=options.logits_soft_cap)
+
+
+def _pool(*arrays) -> dict:
+  return dict(zip(('cached_key', 'cached_value', 'key_scale', 'value_scale'),
+                  arrays))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('K, soft_cap', [(2, None), (1, 5.0)],
                          ids=['gqa', 'mqa_soft_cap'])  # G = 4 and 8: the
@@ -39,13 +63,12 @@ def test_the_kernel_in_interpret_mode_matches_the_gather_path(K, soft_cap):
                           logits_soft_cap=soft_cap)
   keys = jax.random.split(jax.random.key(K), 3)
   q_BTNH = jax.random.normal(keys[0], (B, 1, N, H), jnp.bfloat16)
-  pages = paged.Pages(*(jax.random.normal(k, (K, P, p, H), jnp.bfloat16)
-                        for k in keys[1:]))
-  assert paged.kernel_refusal(options, 1, pages) is None
+  pool = _pool(*(jax.random.normal(k, (K, P, p, H), jnp.bfloat16)
+                 for k in keys[1:]))
+  assert paged_kernel.kernel_refusal(options, 1, pool) is None
   with pltpu.force_tpu_interpret_mode():
-    kernel = paged._kernel_attention(options, q_BTNH, pages, POS_BT, TABLE_BM)
-  gathered = paged._gathered_attention(options, q_BTNH, pages, POS_BT,
-                                       TABLE_BM)
+    kernel = paged_kernel.kernel_attention(options, q_BTNH, _paged_kv(pool))
+  gathered = _gathered_attention(options, q_BTNH, _paged_kv(pool))
   chex.assert_shape(kernel, (B, 1, N, H))
   # bfloat16 outputs of magnitude ~3: a few units in their last place.
   chex.assert_trees_all_close(kernel.astype(jnp.float32),
@@ -54,26 +77,30 @@ def test_the_kernel_in_interpret_mode_matches_the_gather_path(K, soft_cap):
 
 def test_what_the_kernel_refuses_is_named_and_its_blocks_divide_the_table():
   options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H)
-  pages = paged.Pages(*[jnp.zeros((2, P, p, H), jnp.bfloat16)] * 2)
-  assert paged.kernel_refusal(options, 1, pages) is None
+  pages = _pool(*[jnp.zeros((2, P, p, H), jnp.bfloat16)] * 2)
+  refusal = paged_kernel.kernel_refusal
+  assert refusal(options, 1, pages) is None
   for why, args in [
       ('16 new tokens', (options, 16, pages)),
       ('a local window', (layer.Options(num_heads=N, num_kv_heads=2,
                                         head_dim=H, local_window=8), 1,
                           pages)),
-      ('int8 pages', (options, 1, pages._replace(
-          key_scale=jnp.zeros((2, P, p)), value_scale=jnp.zeros((2, P, p))))),
-      ('head_dim=64', (options, 1, paged.Pages(
+      ('int8 pages', (options, 1, pages | {
+          'key_scale': jnp.zeros((2, P, p)),
+          'value_scale': jnp.zeros((2, P, p))})),
+      ('a latent (MLA) cache', (layer.Options(
+          num_heads=N, head_dim=H, kv_lora_rank=64), 1, pages)),
+      ('head_dim=64', (options, 1, _pool(
           *[jnp.zeros((2, P, p, 64), jnp.bfloat16)] * 2))),
-      ('page_size=8', (options, 1, paged.Pages(
+      ('page_size=8', (options, 1, _pool(
           *[jnp.zeros((2, P, 8, H), jnp.bfloat16)] * 2)))]:
-    assert paged.kernel_refusal(*args).startswith(why)
+    assert refusal(*args).startswith(why)
   # A float32 page of 8 positions fills a tile.
-  assert paged.kernel_refusal(options, 1, paged.Pages(
+  assert refusal(options, 1, _pool(
       *[jnp.zeros((2, P, 8, H), jnp.float32)] * 2)) is None
-  assert paged.pages_per_block(64, 16) == 32  # 512 positions.
-  assert paged.pages_per_block(6, 16) == 6
-  assert paged.pages_per_block(7, 128) == 1  # Only 1 divides 7 within 512.
+  assert paged_kernel.pages_per_block(64, 16) == 32  # 512 positions.
+  assert paged_kernel.pages_per_block(6, 16) == 6
+  assert paged_kernel.pages_per_block(7, 128) == 1  # Only 1 divides 7 within 512.
 
 
 def _serving(**model):

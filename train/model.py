@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from attention import Attention, layer, numerics
+from attention import Attention, kv_cache, layer, numerics
 from attention.rope import RopeScaling
 
 Activation = Literal['gelu_tanh', 'silu']
@@ -161,14 +161,14 @@ class Block(nn.Module):
   scan_step: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, shared=None):
+  def __call__(self, x_BTD, shared=None, paging=None):
     c = self.config
     attention = Attention.from_options(
         c.attention(self.index), dtype=c.dtype, param_dtype=c.param_dtype,
         partitioned=True, decode=self.decode,
         shared_kv=c.shares_kv(self.index), name='attention')
     out_BTD, kv = attention(RMSNorm(c, name='attention_norm')(x_BTD),
-                            shared=shared, return_kv=True)
+                            shared=shared, return_kv=True, paging=paging)
     if c.post_norms:
       out_BTD = RMSNorm(c, name='post_attention_norm')(out_BTD)
     x_BTD = x_BTD + out_BTD
@@ -209,7 +209,10 @@ class Transformer(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BT):
+  def __call__(self, tokens_BT, paging: kv_cache.Paging | None = None):
+    """paging: decode over a paged pool (the 'cache' collection holds each
+    layer's pool, `attention.kv_cache.paged_spec`): each row's page table
+    and position. Needs unrolled layers (`unroll_layers`)."""
     c = self.config
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.dtype,
                      param_dtype=c.param_dtype,
@@ -220,10 +223,13 @@ class Transformer(nn.Module):
     sqrt_d = jnp.asarray(c.d_model ** 0.5, c.dtype)
     x_BTD = embed(tokens_BT)
     if c.learned_positions:  # Initialised and scaled as the tokens'.
-      x_BTD = x_BTD + self._position_embedding(tokens_BT.shape[1])
+      x_BTD = x_BTD + self._position_embedding(tokens_BT.shape[1], paging)
     if c.embed_scale:
       x_BTD = x_BTD * sqrt_d
 
+    if c.scan_layers and paging is not None:
+      raise ValueError('a paged decode step needs the layers unrolled; '
+                       'run the model of train.model.unroll_layers')
     if c.scan_layers:
       if c.scan_group > 1:  # The layers differ: scan groups of them.
         step, fields = Group, ()
@@ -241,7 +247,7 @@ class Transformer(nn.Module):
       kv = None
       for i in range(c.num_layers):
         x_BTD, kv = block(c, self.decode, i, name=f'layers_{i}')(
-            x_BTD, kv if c.shares_kv(i) else None)
+            x_BTD, kv if c.shares_kv(i) else None, paging)
 
     x_BTD = RMSNorm(c, name='final_norm')(x_BTD)
     B, T, D = x_BTD.shape
@@ -261,13 +267,17 @@ class Transformer(nn.Module):
     logits_BTV = logits_XV.reshape(B, T, -1).astype(jnp.float32)
     return numerics.soft_cap(logits_BTV, c.final_logits_soft_cap)
 
-  def _position_embedding(self, T: int):
-    """[T, D]: the learned embeddings of this call's positions (0..T-1, or
-    where decoding has got to: the index lives in the 'cache' collection)."""
+  def _position_embedding(self, T: int, paging):
+    """[T, D] or [B, T, D]: the learned embeddings of this call's positions
+    (0..T-1; where decoding has got to: a dense cache's index lives in the
+    'cache' collection; a paged step's rows each have their own)."""
     c = self.config
     table_SD = self.param('position_embed', nn.with_logical_partitioning(
         nn.initializers.normal(1.0), ('position', 'embed')),
         (c.max_len, c.d_model), c.param_dtype).astype(c.dtype)
+    if paging is not None:
+      pos_BT = paging.lengths_B[:, None] + jnp.arange(T)
+      return jnp.take(table_SD, pos_BT, axis=0, mode='clip')
     if not self.decode:
       return table_SD[:T]
     is_initialized = self.has_variable('cache', 'position_index')
