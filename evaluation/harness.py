@@ -23,8 +23,11 @@ score the same:
 - generate_until: the context left-truncated to max_len - max_gen_toks,
   then `train.sample.generate` (prefill, then the KV cache one token per
   step: local layers' ring buffers, shared K/V, int8 caches as the model
-  decodes), cut at the first end-of-sequence token and at the first stop
-  sequence. It decodes max_gen_toks tokens and cuts after, where `hf` stops
+  decodes), sampled by `train.sampling` (temperature, top_k, top_p per
+  request; the seed of model_args, with each token's position: the text
+  `train.sample --seed` and `serve.generate` give), cut by `sampling.cut`
+  at the first end-of-sequence token and at the first stop sequence. It
+  decodes max_gen_toks tokens and cuts after, where `hf` stops
   as soon as every row has stopped: the same text, more work.
 
 Letters: B batch, T length, V vocabulary.
@@ -45,7 +48,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models import utils as model_utils
 
 from attention import layer
-from train import checkpoint, sample
+from train import checkpoint, sample, sampling
 from train import tokenizer as tokenizer_lib
 from train.errors import UserError
 from train.model import Transformer
@@ -261,32 +264,35 @@ class WorkdirLM(TemplateLM):
       temperature = float(kwargs.pop('temperature', 0.0) or 0.0)
       if not kwargs.pop('do_sample', False):
         temperature = 0.0
-      top_k = int(kwargs.pop('top_k', 0) or 0)
+      settings = sampling.SamplingParams(
+          temperature=temperature, top_k=int(kwargs.pop('top_k', 0) or 0),
+          top_p=float(kwargs.pop('top_p', 1.0) or 1.0), seed=self._seed,
+          stop=tuple(until)).check(self.mc.vocab_size, prefix='gen_kwargs ')
       if kwargs:
         log.warning('%s ignores generation settings %s', NAME, sorted(kwargs))
       prompt = self.tok_encode(context)
       truncated += len(prompt) > self.max_length - new
       prompt = prompt[-(self.max_length - new):]
-      key = (len(prompt), new, temperature, top_k)
-      groups.setdefault(key, []).append((i, prompt, until))
+      groups.setdefault((len(prompt), new), []).append((i, prompt, settings))
     self._say_truncated('generate_until', truncated, len(requests))
     out = [None] * len(requests)
-    for (T, new, temperature, top_k), rows in groups.items():
-      model = Transformer(dataclasses.replace(
-          self.mc, max_len=T + new, kv_cache_dtype=self._kv_cache_dtype),
-          decode=True)
+    # The model as trained; `sample.generate` sizes the cache by T + new.
+    model = Transformer(dataclasses.replace(
+        self.mc, kv_cache_dtype=self._kv_cache_dtype), decode=True)
+    for (T, new), rows in groups.items():
       for start in range(0, len(rows), self.batch_size):
         chunk = rows[start:start + self.batch_size]
-        prompts_BT = np.array([p for _, p, _ in chunk] + [chunk[0][1]] * (
-            self.batch_size - len(chunk)), np.int32)  # A fixed batch shape.
-        rng = jax.random.fold_in(jax.random.key(self._seed), chunk[0][0])
+        chunk += [chunk[0]] * (self.batch_size - len(chunk))  # Fixed shape.
+        prompts_BT = np.array([p for _, p, _ in chunk], np.int32)
         tokens_BN = np.asarray(sample.generate(
-            self.params, prompts_BT, rng, model=model, max_new_tokens=new,
-            temperature=temperature, top_k=top_k))
-        for (i, _, until), tokens in zip(chunk, tokens_BN):
-          ends = np.flatnonzero(np.isin(tokens, self._eos))
-          text = self.tok_decode(tokens[:ends[0]] if len(ends) else tokens)
-          out[i] = model_utils.postprocess_generated_text(text, until, None)
+            self.params, prompts_BT, sampling.rows([s for *_, s in chunk]),
+            model=model, max_new_tokens=new))
+        for (i, _, settings), tokens in zip(chunk, tokens_BN):
+          if out[i] is not None:
+            continue  # A padding row.
+          out[i] = sampling.cut(tokens, eos_ids=self._eos,
+                                decode=self.tok_decode,
+                                stop=settings.stop).text
           self.cache_hook.add_partial('generate_until', requests[i].args,
                                       out[i])
     return out

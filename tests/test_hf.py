@@ -125,9 +125,8 @@ def test_greedy_generation_equals_generate(imported):
         eos_token_id=None, pad_token_id=0).numpy()[:, 7:]
   import dataclasses  # pylint: disable=import-outside-toplevel
   mc = dataclasses.replace(mc, max_len=7 + 16)
-  ours = sample.generate(params, jnp.asarray(prompt_BT), jax.random.key(0),
-                         model=Transformer(mc, decode=True), max_new_tokens=16,
-                         temperature=0.0, top_k=0)
+  ours = sample.generate(params, jnp.asarray(prompt_BT),
+                         model=Transformer(mc, decode=True), max_new_tokens=16)
   np.testing.assert_array_equal(np.asarray(ours), expected)
 
 

@@ -82,10 +82,10 @@ def test_imported_logits_and_greedy_tokens_equal_transformers(imported):
     greedy = model.generate(torch.tensor(prompt), max_new_tokens=12,
                             do_sample=False, eos_token_id=None,
                             pad_token_id=0).numpy()[:, 7:]
-  ours = sample.generate(params, jnp.asarray(prompt), jax.random.key(0),
+  ours = sample.generate(params, jnp.asarray(prompt),
                          model=Transformer(dataclasses.replace(
                              mc, max_len=19), decode=True),
-                         max_new_tokens=12, temperature=0.0, top_k=0)
+                         max_new_tokens=12)
   np.testing.assert_array_equal(np.asarray(ours), greedy)
 
 

@@ -89,9 +89,9 @@ def test_cached_decoding_equals_the_full_pass(layout):
   chex.assert_trees_all_close(cached, full, atol=1e-5)
 
   prompt = tokens[:, :6]
-  generated = sample.generate(params, prompt, jax.random.key(0),
+  generated = sample.generate(params, prompt,
                               model=Transformer(mc, decode=True),
-                              max_new_tokens=12, temperature=0.0, top_k=0)
+                              max_new_tokens=12)
   np.testing.assert_array_equal(
       generated, _greedy_by_full_passes(Transformer(mc), params, prompt, 12))
 

@@ -45,18 +45,11 @@ def test_greedy_decoding_with_the_cache_equals_full_passes(
   model = Transformer(mc)
   params = nn.unbox(loop.init_params(model, seed=1))
   prompt = jnp.array([[10, 20, 30, 40, 50], [7, 7, 7, 7, 7]], jnp.int32)
-  cached = sample.generate(params, prompt, jax.random.key(0),
+  cached = sample.generate(params, prompt,
                              model=Transformer(mc, decode=True),
-                             max_new_tokens=12, temperature=0.0, top_k=0)
+                             max_new_tokens=12)
   np.testing.assert_array_equal(
       cached, _greedy_by_full_passes(model, params, prompt, 12))
-
-
-def test_top_k_samples_only_among_the_k_likeliest():
-  logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]]))
-  draws = jax.vmap(lambda r: sample.sample_logits(r, logits, 1.0, 2))(
-      jax.random.split(jax.random.key(0), 200))
-  assert set(np.unique(draws)) == {2, 3}
 
 
 def _sample(workdir, *args):
@@ -84,3 +77,51 @@ def test_cli_refuses_a_prompt_past_max_len_in_one_line(trained):
   assert result.stderr.decode().strip().splitlines() == [
       'error: prompt (30 tokens) + max_new_tokens (10) must be within '
       '1..model.max_len (32); shorten one']
+
+
+@pytest.fixture(scope='module')
+def learned_positions(tmp_path_factory):
+  """A tiny model with a learned position table and no RoPE (max_len 32),
+  trained for 3 steps."""
+  config = tiny.get_config()
+  config.model.update(use_rope=False, learned_positions=True)
+  config.train.update(steps=3, warmup_steps=1)
+  workdir = tmp_path_factory.mktemp('learned')
+  loop.train_and_evaluate(config, str(workdir))
+  return workdir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('new', [10, 28])  # Below max_len, and up to it.
+def test_cli_samples_a_learned_position_model_below_its_max_len(
+    learned_positions, new):
+  """Issue 52: the cache is sized by the call, the model stays as trained
+  (its [max_len, D] position table), so a call shorter than max_len works."""
+  result = _sample(learned_positions, '--prompt=def ', f'--max_new_tokens={new}',
+                   '--temperature=0')
+  assert result.returncode == 0, result.stderr.decode()
+  mc, params, _ = checkpoint.load_workdir(str(learned_positions))
+  expected = _greedy_by_full_passes(
+      Transformer(mc), params, jnp.array([list(b'def ')], jnp.int32), new)
+  text = bytes(np.asarray(expected[0], np.uint8)).decode('utf-8', 'replace')
+  assert result.stdout.decode('utf-8') == text + '\n'
+
+
+def test_cli_refuses_a_bad_sampling_flag_in_one_line(trained):
+  result = _sample(trained, '--prompt=a', '--top_p=0', '--temperature=1')
+  assert result.returncode == 1
+  assert result.stderr.decode().strip().splitlines() == [
+      'error: --top_p=0.0 must be in (0, 1] (1 = all)']
+
+
+@pytest.mark.slow
+def test_cli_ends_the_text_at_a_stop_string(trained):
+  full = _sample(trained, '--prompt=def ', '--max_new_tokens=12',
+                 '--temperature=0')
+  assert full.returncode == 0, full.stderr.decode()
+  text = full.stdout.decode('utf-8')[:-1]
+  stop = text[3:5]  # Two characters from the middle of the greedy text.
+  cut = _sample(trained, '--prompt=def ', '--max_new_tokens=12',
+                '--temperature=0', f'--stop={stop}')
+  assert cut.returncode == 0, cut.stderr.decode()
+  assert cut.stdout.decode('utf-8') == text[:text.find(stop)] + '\n'

@@ -27,9 +27,9 @@ from train.model import Transformer
 def _alone(mc, params, prompt, new):
   """train.sample's greedy tokens for one prompt decoded by itself."""
   mc = dataclasses.replace(mc, max_len=len(prompt) + new)
-  out = sample.generate(params, jnp.asarray(prompt)[None], jax.random.key(0),
+  out = sample.generate(params, jnp.asarray(prompt)[None],
                         model=Transformer(mc, decode=True),
-                        max_new_tokens=new, temperature=0.0, top_k=0)
+                        max_new_tokens=new)
   return np.asarray(out[0]).tolist()
 
 
@@ -419,7 +419,7 @@ def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
           rows(), served._key, rows(), rows())
   ours = served._decode.lower(*args).compile().as_text()
   control = jax.jit(functools.partial(  # The same step, XLA's defaults.
-      engine._step, served.model, temperature=0.0, top_k=0)).lower(
+      engine._step, served.model)).lower(
           *args).compile().as_text()
   assert _ynn_dots(control) > 0
   assert _ynn_dots(ours) == 0

@@ -1,10 +1,12 @@
 """Generates text from a trained workdir with the KV cache.
 
   python -m train.sample --workdir=DIR --prompt=TEXT --max_new_tokens=200 \
-      [--temperature=0.8] [--top_k=40] [--seed=0]
+      [--temperature=0.8] [--top_k=40] [--top_p=0.95] [--seed=0] [--stop=STR]
 
 Text goes through the workdir's tokenizer (tokenizer.json; bytes if none),
-and stops at the model's end-of-sequence token when it has one.
+and stops at the model's end-of-sequence token when it has one, or at the
+first --stop string. Sampling is `train.sampling`'s: the same settings and
+seed give the same text here as from serve.generate and the lm_eval model.
 
 Prefills the prompt in one pass, then decodes one token per step in a jitted,
 fixed-shape `lax.scan` over the cache. The generated text alone goes to
@@ -13,7 +15,6 @@ stdout (so it pipes); timings go to stderr. --temperature=0 is greedy.
 
 import dataclasses
 import functools
-import math
 import sys
 import time
 
@@ -24,21 +25,11 @@ import numpy as np
 
 from attention import layer
 from train import checkpoint
+from train import sampling
 from train import tokenizer as tokenizer_lib
 from train.errors import UserError
 from train.cli import run_app
 from train.model import Transformer, unroll_layers
-
-
-def sample_logits(rng, logits_BV, temperature: float, top_k: int):
-  """Greedy when temperature is 0, else softmax sampling, optionally top-k."""
-  if temperature == 0:
-    return jnp.argmax(logits_BV, axis=-1)
-  logits_BV = logits_BV / temperature
-  if top_k:
-    kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
-    logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-  return jax.random.categorical(rng, logits_BV, axis=-1)
 
 
 # Decoding's XLA options on a CPU: its matmuls by XLA's own runtime (Eigen),
@@ -58,45 +49,56 @@ def compiler_options() -> dict | None:
   return CPU_COMPILER_OPTIONS if jax.devices()[0].platform == 'cpu' else None
 
 
-def empty_cache(model: Transformer, batch: int):
-  """Zeroed KV caches of every layer for `batch` sequences of model.max_len."""
+def empty_cache(model: Transformer, batch: int, length: int | None = None):
+  """Zeroed KV caches of every layer for `batch` sequences of `length`
+  positions (default model.max_len): the cache is sized by what a call needs,
+  the model (its position table, its max_len) stays as trained."""
+  length = model.config.max_len if length is None else length
   shapes = jax.eval_shape(model.init, jax.random.key(0),
-                          jnp.zeros((batch, model.config.max_len), jnp.int32))
+                          jnp.zeros((batch, length), jnp.int32))
   return jax.tree.map(jnp.zeros_like, nn.unbox(shapes['cache']))
 
 
-def decode(model: Transformer, params, cache, token_B, rngs, *,
-           temperature: float, top_k: int):
-  """Feeds token_B, then each sampled token, once per key in `rngs`.
+def decode(model: Transformer, params, cache, token_B, settings: sampling.Rows,
+           position: int, steps: int):
+  """Feeds token_B (sampled at `position`), then each token sampled after
+  it, `steps` times.
 
   One fixed-shape `lax.scan` step per token: the cache is updated in place
-  (use an unrolled model, `unroll_layers`). Returns (the len(rngs) tokens
-  sampled after token_B as [B, len(rngs)], the cache).
+  (use an unrolled model, `unroll_layers`). Returns (the `steps` tokens
+  sampled after token_B as [B, steps], the cache).
   """
-  def step(carry, rng):
+  B = token_B.shape[0]
+
+  def step(carry, position):
     cache, token_B = carry
     logits_B1V, mutated = model.apply({'params': params, 'cache': cache},
                                       token_B[:, None], mutable=['cache'])
-    next_B = sample_logits(rng, logits_B1V[:, 0], temperature, top_k)
+    next_B = sampling.sample(logits_B1V[:, 0], settings,
+                             jnp.full((B,), position))
     return (mutated['cache'], next_B), next_B
 
-  (cache, _), sampled = jax.lax.scan(step, (cache, token_B), rngs)
+  positions = position + 1 + jnp.arange(steps)
+  (cache, _), sampled = jax.lax.scan(step, (cache, token_B), positions)
   return sampled.T, cache  # The scan stacks steps first.
 
 
-@functools.partial(jax.jit, static_argnames=('model', 'max_new_tokens',
-                                             'temperature', 'top_k'))
-def generate(params, prompt_BT, rng, *, model: Transformer,
-             max_new_tokens: int, temperature: float, top_k: int):
-  """[B, T] prompt tokens -> [B, max_new_tokens] generated tokens."""
+@functools.partial(jax.jit, static_argnames=('model', 'max_new_tokens'))
+def generate(params, prompt_BT, settings: sampling.Rows | None = None, *,
+             model: Transformer, max_new_tokens: int):
+  """[B, T] prompt tokens -> [B, max_new_tokens] generated tokens, row b
+  sampled by its settings (`sampling.sample`: the key of each token is its
+  row's seed and its position, T for the first); None: greedy."""
   model, params = unroll_layers(model, params)
-  cache = empty_cache(model, prompt_BT.shape[0])
+  B, T = prompt_BT.shape
+  if settings is None:
+    settings = sampling.rows([sampling.SamplingParams()] * B)
+  cache = empty_cache(model, B, T + max_new_tokens)
   logits_BTV, mutated = model.apply({'params': params, 'cache': cache},
                                     prompt_BT, mutable=['cache'])
-  rngs = jax.random.split(rng, max_new_tokens)
-  first_B = sample_logits(rngs[0], logits_BTV[:, -1], temperature, top_k)
-  rest, _ = decode(model, params, mutated['cache'], first_B, rngs[1:],
-                   temperature=temperature, top_k=top_k)
+  first_B = sampling.sample(logits_BTV[:, -1], settings, jnp.full((B,), T))
+  rest, _ = decode(model, params, mutated['cache'], first_B, settings, T,
+                   max_new_tokens - 1)
   return jnp.concatenate([first_B[:, None], rest], axis=1)
 
 
@@ -112,21 +114,29 @@ def load_language_model(workdir: str):
   return mc, params, tokenizer
 
 
-def check_flags(f, vocab_size: int):
-  """Every sampling flag in its range, before the model is compiled."""
-  if not (math.isfinite(f.temperature) and f.temperature >= 0):
-    raise UserError(f'--temperature={f.temperature} must be a number >= 0 '
-                    '(0 = greedy)')
-  if not 0 <= f.top_k <= vocab_size:
-    raise UserError(f'--top_k={f.top_k} must be in 0..{vocab_size} (the '
-                    'vocabulary; 0 = all)')
+def sampling_flags(f, vocab_size: int) -> sampling.SamplingParams:
+  """The sampling flags as one request's settings, every flag in its range
+  (a UserError naming the first that is not), before any compiling."""
   if f.max_new_tokens < 1:
     raise UserError(f'--max_new_tokens={f.max_new_tokens} must be >= 1')
-  if not 0 <= f.seed < 1 << 32:
-    raise UserError(f'--seed={f.seed} must be in 0..2**32 - 1')
   if f.kv_cache_dtype not in (None, *layer.KV_CACHE_DTYPES):
     raise UserError(f'--kv_cache_dtype={f.kv_cache_dtype!r}; use one of '
                     f'{", ".join(layer.KV_CACHE_DTYPES)}')
+  return sampling.SamplingParams(
+      temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
+      stop=tuple(f.stop or ())).check(vocab_size)
+
+
+def check_length(prompt_len: int, max_new_tokens: int, max_len: int) -> str:
+  """Why a prompt of prompt_len tokens cannot be continued by
+  max_new_tokens in a model of max_len positions (one line), or ''."""
+  if prompt_len < 1:
+    return 'empty prompt; give at least one token of text'
+  if max_new_tokens < 1 or prompt_len + max_new_tokens > max_len:
+    return (f'prompt ({prompt_len} tokens) + max_new_tokens '
+            f'({max_new_tokens}) must be within 1..model.max_len '
+            f'({max_len}); shorten one')
+  return ''
 
 
 def main(argv):
@@ -135,7 +145,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
   mc, params, tokenizer = load_language_model(f.workdir)
-  check_flags(f, mc.vocab_size)
+  settings = sampling_flags(f, mc.vocab_size)
   try:
     prompt = tokenizer.encode(f.prompt)
   except UnicodeEncodeError:  # Undecodable argv bytes arrive as surrogates.
@@ -144,19 +154,16 @@ def main(argv):
                     ) from None
   if not len(prompt):
     prompt = tokenizer.encode('\n')  # Start from a line break.
-  total = len(prompt) + f.max_new_tokens
-  if f.max_new_tokens < 1 or total > mc.max_len:
-    raise UserError(f'prompt ({len(prompt)} tokens) + max_new_tokens '
-                    f'({f.max_new_tokens}) must be within 1..model.max_len '
-                    f'({mc.max_len}); shorten one')
-  # The KV cache holds what this call needs, not the model's longest context.
-  mc = dataclasses.replace(mc, max_len=total, kv_cache_dtype=(
-      f.kv_cache_dtype or mc.kv_cache_dtype))
-  run = functools.partial(
-      generate, model=Transformer(mc, decode=True),
-      max_new_tokens=f.max_new_tokens, temperature=f.temperature,
-      top_k=f.top_k)
-  args = (params, jnp.asarray(prompt)[None], jax.random.key(f.seed))
+  why = check_length(len(prompt), f.max_new_tokens, mc.max_len)
+  if why:
+    raise UserError(why)
+  # The model as trained (its max_len, its position table); the cache sized
+  # by this call (`generate`).
+  if f.kv_cache_dtype:
+    mc = dataclasses.replace(mc, kv_cache_dtype=f.kv_cache_dtype)
+  run = functools.partial(generate, model=Transformer(mc, decode=True),
+                          max_new_tokens=f.max_new_tokens)
+  args = (params, jnp.asarray(prompt)[None], sampling.rows([settings]))
   start = time.perf_counter()
   compiled = jax.jit(run, compiler_options=compiler_options()).lower(
       *args).compile()
@@ -164,10 +171,9 @@ def main(argv):
   start = time.perf_counter()
   tokens = np.asarray(compiled(*args))[0]
   seconds = time.perf_counter() - start
-  ends = np.flatnonzero(np.isin(tokens, tokenizer.eos_ids))
-  if len(ends):  # Up to the first end-of-sequence token.
-    tokens = tokens[:ends[0]]
-  sys.stdout.write(tokenizer.decode(tokens))
+  done = sampling.cut(tokens, eos_ids=tokenizer.eos_ids,
+                      decode=tokenizer.decode, stop=settings.stop)
+  sys.stdout.write(done.text)
   sys.stdout.write('\n')
   print(f'{f.max_new_tokens} tokens in {seconds:.2f}s '
         f'({f.max_new_tokens / seconds:,.0f} tokens/s, prefill included; '
@@ -182,6 +188,10 @@ def run():
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate')
   flags.DEFINE_float('temperature', 0.8, '0 = greedy')
   flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
+  flags.DEFINE_float('top_p', 1.0, 'sample among the likeliest tokens '
+                     'holding probability top_p (nucleus); 1 = all')
+  flags.DEFINE_multi_string('stop', [], 'a string that ends the text (not '
+                            'printed); repeat the flag for several')
   flags.DEFINE_integer('seed', 0, 'sampling seed')
   flags.DEFINE_string('kv_cache_dtype', None, 'how the decode cache stores '
                       'K/V: float32, bfloat16 or int8 (default: the '
