@@ -49,6 +49,7 @@ from train import checkpoint, config_lib, data, flops, progress
 from train.cli import check_output_dir, exit_on_user_error
 from train.errors import UserError
 from train import model as model_lib
+from train import provenance as provenance_lib
 from train.model import Transformer
 from train.metrics import read_metrics
 
@@ -327,7 +328,8 @@ def results(runs, rows, found, bandwidth, out, argv=None, control=None
                for run in sorted(runs, key=lambda run: run['seed'])
                if run['K'] == r['K']]))
   return dict(
-      provenance=stats.provenance('scripts.compare', out, argv),
+      provenance=provenance_lib.record('scripts.compare', out, argv,
+                                     statistics=stats.CONVENTION),
       decode=dict(batch=DECODE_BATCH, context=DECODE_CONTEXT,
                   read_bandwidth=bandwidth),
       variants=variants,
