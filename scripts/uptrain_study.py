@@ -37,7 +37,7 @@ paper states them, with controls.
    MLA at each K's bytes too (uptrain_recall has no RoPE: R = 2·K·H).
 7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
    values, the provenance) and plots.
-8. --tasks: lm-evaluation-harness scores (`score_lm`, as train.evaluate
+8. --tasks: lm-evaluation-harness scores (`score_lm`, as evaluation.evaluate
    scores a workdir) of the source, the fresh-Adam conversions at alpha =
    0.05 and 0.2 and the from-scratch end points, per seed, paired against
    the identity control and MHA from scratch (docs/evaluation.md).
