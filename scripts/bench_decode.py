@@ -43,7 +43,7 @@ import numpy as np
 
 from attention import layer
 from scripts import stats, timing
-from train import config_lib, flops
+from train import config_lib, flops, provenance
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from train import model as model_lib
@@ -83,7 +83,8 @@ def main():
                 args.repeats, args.kv_cache_dtype, args.equal_params)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  results['provenance'] = stats.provenance('scripts.bench_decode', out)
+  results['provenance'] = provenance.record('scripts.bench_decode', out,
+                                           statistics=stats.CONVENTION)
   (out / 'decode.json').write_text(json.dumps(results, indent=1))
   plot(results, out / 'decode.png')
   print(f'wrote {out}/decode.json and decode.png')
@@ -214,8 +215,8 @@ def main_layer(args):
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / 'decode_layer.json').write_text(
-      json.dumps({'env': env, 'rows': rows, 'provenance': stats.provenance(
-          'scripts.bench_decode', out)}, indent=1))
+      json.dumps({'env': env, 'rows': rows, 'provenance': provenance.record(
+          'scripts.bench_decode', out, statistics=stats.CONVENTION)}, indent=1))
   print(f'wrote {out}/decode_layer.json')
   if args.markdown:
     timing.replace_section(args.markdown, LAYER_SECTION,

@@ -66,9 +66,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scripts import stats
 from serve import engine as engine_lib, paged, pages
-from train import checkpoint, config_lib, loop, sample
+from train import checkpoint, config_lib, loop, provenance, sample
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from train.errors import UserError
@@ -144,7 +143,7 @@ def main():
     rows.append(row)
     results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
         sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
-               'commit': stats.commit(), 'out': args.out,
+               'commit': provenance.commit(), 'out': args.out,
                'repeats': args.repeats,
                'trace': {'requests': args.requests,
                          'prompt_len': args.prompt_len,

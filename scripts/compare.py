@@ -32,7 +32,7 @@ its context and nothing is interpretable.
 table then adds each variant's first-query accuracy (pure retrieval).
 --report_only rebuilds the report from the runs already in --out.
 --tasks=T1,T2 [--include_path=DIR] [--task_limit=N] also scores each run's
-final checkpoint on lm-evaluation-harness tasks as train.evaluate does
+final checkpoint on lm-evaluation-harness tasks as evaluation.evaluate does
 (scripts/task_scores.py, into OUT/tasks/K{k}_s{seed}, reused on rerun) and
 reports them by seed and paired against MHA (docs/evaluation.md).
 """
@@ -49,6 +49,7 @@ from train import checkpoint, config_lib, data, flops, progress
 from train.cli import check_output_dir, exit_on_user_error
 from train.errors import UserError
 from train import model as model_lib
+from train import provenance as provenance_lib
 from train.model import Transformer
 from train.metrics import read_metrics
 
@@ -136,7 +137,7 @@ def main():
     if K == 'control':
       control_runs.append(run | {'K': control_K})
       continue
-    if tasks:  # Its final checkpoint, as train.evaluate scores it.
+    if tasks:  # Its final checkpoint, as evaluation.evaluate scores it.
       record['tasks'] = task_scores.score(tasks, workdir,
                                           out / 'tasks' / f'K{K}_s{seed}')
     if config.data.task == 'recall':
@@ -327,7 +328,8 @@ def results(runs, rows, found, bandwidth, out, argv=None, control=None
                for run in sorted(runs, key=lambda run: run['seed'])
                if run['K'] == r['K']]))
   return dict(
-      provenance=stats.provenance('scripts.compare', out, argv),
+      provenance=provenance_lib.record('scripts.compare', out, argv,
+                                     statistics=stats.CONVENTION),
       decode=dict(batch=DECODE_BATCH, context=DECODE_CONTEXT,
                   read_bandwidth=bandwidth),
       variants=variants,
@@ -571,7 +573,7 @@ def _task_lines(runs) -> list[str]:
   settings = first['settings']
   return ['', '### Task scores (lm-evaluation-harness)', '',
           f'Each run\'s final checkpoint scored on '
-          f'{", ".join(settings["tasks"])} as `python -m train.evaluate` '
+          f'{", ".join(settings["tasks"])} as `python -m evaluation.evaluate` '
           'scores a workdir (lm_eval\'s `gqa-lab` model; each command in '
           'tasks/K*_s*/results.json), documents a task: ' + ', '.join(
               f'{t} {n}' for t, n in first['documents'].items())

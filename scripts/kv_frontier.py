@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scripts import stats, study
-from train import checkpoint, config_lib, convert, loop, storage
+from train import checkpoint, config_lib, convert, loop, provenance, storage
 from train import model as model_lib
 from train.cli import check_output_dir, exit_on_user_error, positive_int
 from train.errors import UserError
@@ -213,7 +213,8 @@ def main():
       config_lib.validate(variant_config(panel.config, v, 1, steps,
                                          panel.window), batch_shards=1)
   start, cpu = time.perf_counter(), time.process_time()
-  result = {'provenance': stats.provenance('scripts.kv_frontier', out),
+  result = {'provenance': provenance.record('scripts.kv_frontier', out,
+                                           statistics=stats.CONVENTION),
             'panels': {}}
   for name, (panel, variants, steps, seeds, conversions) in plans.items():
     base = variant_config(panel.config, variants[0], 1, steps, panel.window)

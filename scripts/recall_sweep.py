@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from scripts import stats, study
-from train import config_lib, data, progress
+from train import config_lib, data, progress, provenance
 from train import model as model_lib
 from train.errors import UserError
 from train.cli import (check_output_dir, exit_on_user_error, int_list,
@@ -303,7 +303,8 @@ def main():
   c = configs[kvs[0], dims[0]][0]
   m = c.model
   meta = dict(argv=sys.argv[1:],
-              provenance=stats.provenance('scripts.recall_sweep', out),
+              provenance=provenance.record(
+                  'scripts.recall_sweep', out, statistics=stats.CONVENTION),
               minutes=(time.perf_counter() - start) / 60,
               description=task_description(c), pairs=c.data.recall_pairs,
               model=(f'{m.num_layers} layers, d_model {m.d_model}, MLP '

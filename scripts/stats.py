@@ -1,5 +1,6 @@
-"""The statistics every study reports with, and the provenance every results
-JSON carries: one convention, stated once (CONVENTION), used everywhere.
+"""The statistics every study reports with: one convention, stated once
+(CONVENTION), used everywhere; a study's results JSON records it beside its
+provenance (`train.provenance.record(..., statistics=CONVENTION)`).
 
 Seeds are the unit of replication. Two arms run with the same seeds share
 their initialisation and data order, so a comparison is made on the per-seed
@@ -16,9 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
-import subprocess
-import sys
 from typing import Sequence
 
 import numpy as np
@@ -160,27 +158,3 @@ def ratio(a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000,
   low, high = np.quantile(draws, [tail, 1 - tail])
   return Estimate(point, float(draws.std(ddof=1)), len(a), float(low),
                   float(high))
-
-
-def commit() -> str:
-  """The repository's commit, '+dirty' when files differ from it, or
-  'unknown' outside a git checkout."""
-  root = pathlib.Path(__file__).resolve().parent.parent
-  def git(*args):
-    return subprocess.run(['git', '-C', str(root), *args], capture_output=True,
-                          text=True, timeout=30, check=True).stdout.strip()
-  try:
-    head = git('rev-parse', '--short=7', 'HEAD')
-    dirty = git('status', '--porcelain', '--untracked-files=no')
-  except (OSError, subprocess.SubprocessError):
-    return 'unknown'
-  return head + ('+dirty' if dirty else '')
-
-
-def provenance(module: str, out: str | pathlib.Path,
-               argv: Sequence[str] | None = None) -> dict:
-  """What every results JSON records of how it was made: the command as a
-  user would retype it, the commit, --out and the statistics convention."""
-  argv = sys.argv[1:] if argv is None else list(argv)
-  return {'command': ' '.join(['python -m', module, *argv]),
-          'commit': commit(), 'out': str(out), 'statistics': CONVENTION}

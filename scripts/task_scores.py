@@ -1,15 +1,15 @@
 """Task scores in the studies: a run's checkpoint scored on
-lm-evaluation-harness tasks by `train.evaluate`, and the tables that put the
-scores beside held-out loss, by seed and paired by seed.
+lm-evaluation-harness tasks by `evaluation.evaluate`, and the tables that
+put the scores beside held-out loss, by seed and paired by seed.
 
   --tasks=T1,T2 [--include_path=DIR] [--task_limit=N]
 
 `spec(args)` checks these flags before anything trains (lm_eval installed,
-every task known to it or to --include_path: `train.evaluate.check_tasks`);
+every task known to it or to --include_path: `evaluation.evaluate.check_tasks`);
 without --tasks it is None and lm_eval is never imported. `score(spec,
-workdir, out)` is `train.evaluate.write_results` of WORKDIR into OUT (its
+workdir, out)` is `evaluation.evaluate.write_results` of WORKDIR into OUT (its
 results.json and report.md, whose provenance is the `python -m
-train.evaluate` command that remakes them), then OUT/scored.json: each
+evaluation.evaluate` command that remakes them), then OUT/scored.json: each
 task's metrics, the settings and the run's final.json. A rerun reuses a
 scored.json of the same settings and the same finished run; anything else
 (other tasks, the run trained again) is scored again. `lines(arms,
@@ -34,14 +34,14 @@ from train.errors import UserError
 @dataclasses.dataclass(frozen=True)
 class Spec:
   """What to score: lm_eval task names, a folder of task YAMLs, at most
-  `limit` documents a task (train.evaluate's --tasks, --include_path,
+  `limit` documents a task (evaluation.evaluate's --tasks, --include_path,
   --limit)."""
   tasks: tuple[str, ...]
   include_path: str | None = None
   limit: int | None = None
 
   def flags(self) -> list[str]:
-    """train.evaluate's flags for these settings."""
+    """evaluation.evaluate's flags for these settings."""
     return ([f'--tasks={",".join(self.tasks)}']
             + [f'--include_path={self.include_path}'] * bool(self.include_path)
             + [f'--limit={self.limit}'] * bool(self.limit))
@@ -54,13 +54,13 @@ class Spec:
 def add_flags(parser):
   parser.add_argument('--tasks', default=None,
                       help='lm_eval tasks, comma-separated: score each run '
-                      'on them as train.evaluate does (pip install -e '
+                      'on them as evaluation.evaluate does (pip install -e '
                       "'.[eval]')")
   parser.add_argument('--include_path', default=None,
-                      help='a folder of task YAMLs (as train.evaluate)')
+                      help='a folder of task YAMLs (as evaluation.evaluate)')
   parser.add_argument('--task_limit', type=positive_int, default=None,
                       help="at most this many documents a task "
-                      "(train.evaluate's --limit)")
+                      "(evaluation.evaluate's --limit)")
 
 
 def spec(args) -> Spec | None:
@@ -74,14 +74,14 @@ def spec(args) -> Spec | None:
   tasks = tuple(t for t in args.tasks.split(',') if t)
   if not tasks:
     raise UserError('--tasks is empty; give task names, comma-separated')
-  from train import evaluate  # pylint: disable=import-outside-toplevel
+  from evaluation import evaluate  # pylint: disable=import-outside-toplevel
   logging.getLogger('lm_eval').setLevel(logging.ERROR)
   evaluate.check_tasks(list(tasks), args.include_path)
   return Spec(tasks, args.include_path, args.task_limit)
 
 
 def score(what: Spec, workdir: pathlib.Path, out: pathlib.Path) -> dict:
-  """WORKDIR's latest checkpoint scored on `what` (train.evaluate's
+  """WORKDIR's latest checkpoint scored on `what` (evaluation.evaluate's
   write_results, its lines in OUT/log.txt), or the saved scores of the
   same run (WORKDIR/final.json) under the same settings. Returns
   OUT/scored.json's {'scores': {task: {metric: value}}, 'documents':
@@ -92,7 +92,7 @@ def score(what: Spec, workdir: pathlib.Path, out: pathlib.Path) -> dict:
     saved = json.loads(done.read_text())
     if saved['settings'] == what.settings() and saved['run'] == run:
       return saved
-  from train import evaluate  # pylint: disable=import-outside-toplevel
+  from evaluation import evaluate  # pylint: disable=import-outside-toplevel
   logging.getLogger('lm_eval').setLevel(logging.ERROR)
   out.mkdir(parents=True, exist_ok=True)
   with (out / 'log.txt').open('a') as f, contextlib.redirect_stdout(f), (

@@ -715,7 +715,7 @@ def task_lines(results: dict) -> list[str]:
               default=0.0)
   lines = [
       '## Task scores (lm-evaluation-harness)', '',
-      'Scored as `python -m train.evaluate` scores a workdir (lm_eval\'s '
+      'Scored as `python -m evaluation.evaluate` scores a workdir (lm_eval\'s '
       '`gqa-lab` model; each command in tasks/**/results.json) on '
       + ', '.join(f'{t} ({n} documents)' for t, n in
                   tasks['documents'].items())

@@ -36,8 +36,8 @@ paper states them, with controls.
    from scratch (up to S_r steps) per seed; each run ends when it gets there.
    MLA at each K's bytes too (uptrain_recall has no RoPE: R = 2·K·H).
 7. DIR/report.md (`scripts.uptrain_report`), DIR/results.json (per-seed
-   values, stats.provenance) and plots.
-8. --tasks: lm-evaluation-harness scores (`score_lm`, as train.evaluate
+   values, the provenance) and plots.
+8. --tasks: lm-evaluation-harness scores (`score_lm`, as evaluation.evaluate
    scores a workdir) of the source, the fresh-Adam conversions at alpha =
    0.05 and 0.2 and the from-scratch end points, per seed, paired against
    the identity control and MHA from scratch (docs/evaluation.md).
@@ -61,7 +61,7 @@ import shutil
 import numpy as np
 
 from scripts import stats, study, task_scores, uptrain_report
-from train import config_lib, convert, loop, progress, to_mla
+from train import config_lib, convert, loop, progress, provenance, to_mla
 from train import model as model_lib
 from train import workdir as workdir_lib
 from train.cli import check_output_dir, exit_on_user_error, positive_int
@@ -443,8 +443,8 @@ def main():
     # this commit computes them (the provenance says which did which).
     out = pathlib.Path(args.out)
     results = study.saved(out / 'results.json')
-    now = stats.provenance('scripts.uptrain_study', out)
-    results['provenance'].update(statistics=now['statistics'], rebuilt={
+    now = provenance.record('scripts.uptrain_study', out)
+    results['provenance'].update(statistics=stats.CONVENTION, rebuilt={
         'command': now['command'], 'commit': now['commit']})
     results['summary'] = uptrain_report.summary(results)
     (out / 'results.json').write_text(study.to_json(results))
@@ -469,7 +469,8 @@ def main():
     config_lib.validate(c, batch_shards=1)
   tasks = task_scores.spec(args)
   out = pathlib.Path(args.out)
-  results = {'provenance': stats.provenance('scripts.uptrain_study', out),
+  results = {'provenance': provenance.record('scripts.uptrain_study', out,
+                                            statistics=stats.CONVENTION),
              'lm': lm_arm(out, config, kv_heads, seeds),
              'recall': recall_arm(out, recall, kv_heads, seeds)}
   if tasks:

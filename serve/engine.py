@@ -118,7 +118,7 @@ class Engine:
                temperature: float = 0.0, top_k: int = 0, seed: int = 0,
                eos_ids: tuple[int, ...] = (), kv_cache_dtype=None):
     if config.kv_lora_rank:  # Its cache holds latents, not K/V pages.
-      raise UserError('train.generate does not serve multi-head latent '
+      raise UserError('serve.generate does not serve multi-head latent '
                       f'attention (model.kv_lora_rank={config.kv_lora_rank})'
                       ' yet; use train.sample')
     if config.learned_positions:

@@ -1,5 +1,5 @@
 """Specification of evaluation with lm-evaluation-harness (`evaluation.harness`,
-`train.evaluate`).
+`evaluation.evaluate`).
 
 Three local tasks (tests/lm_eval_tasks: multiple choice, rolling perplexity,
 generation up to a stop sequence; nothing downloaded) score the same
@@ -32,10 +32,10 @@ from lm_eval.api.instance import Instance  # pylint: disable=wrong-import-positi
 from lm_eval.tasks import TaskManager  # pylint: disable=wrong-import-position
 
 from configs import tiny  # pylint: disable=wrong-import-position
+from evaluation import evaluate as evaluate_lib  # pylint: disable=wrong-import-position
 from evaluation import harness  # pylint: disable=wrong-import-position
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
 from train import checkpoint, config_lib, convert, loop, prepare_data  # pylint: disable=wrong-import-position
-from train import evaluate as evaluate_lib  # pylint: disable=wrong-import-position
 from train.errors import UserError  # pylint: disable=wrong-import-position
 from train.model import Transformer  # pylint: disable=wrong-import-position
 
@@ -188,7 +188,7 @@ def test_generation_is_greedy_decoding_cut_at_the_stop_sequence(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_evaluate_writes_results_for_a_trained_and_an_imported_model(
+def test_evaluate_writes_results_for_a_trained_and_an_imported_model(
     trained, llama, tmp_path):
   """The issue's criterion: a workdir trained here (byte-level) and an
   imported random-weight Llama-style model, the three tasks each; the
@@ -214,7 +214,7 @@ def test_train_evaluate_writes_results_for_a_trained_and_an_imported_model(
     assert written['results']['gqa_lab_choice']['sample_len'] == 2
     assert 0 < written['results']['gqa_lab_rolling']['bits_per_byte,none']
     assert written['provenance']['command'] == (
-        'python -m train.evaluate --limit=2')
+        'python -m evaluation.evaluate --limit=2')
     report = (out / 'report.md').read_text()
     assert 'gqa_lab_generate' in report and written['provenance']['commit'] in report
     assert record['held_out'] == written['held_out']
@@ -246,10 +246,10 @@ def test_a_workdir_without_its_tokenizer_is_one_line(llama, tmp_path):
   shutil.copytree(workdir, tmp_path / 'w',
                   ignore=shutil.ignore_patterns('tokenizer.json', 'lock'))
   result = subprocess.run(
-      [sys.executable, '-m', 'train.evaluate', f'--workdir={tmp_path / "w"}',
-       '--tasks=gqa_lab_choice', f'--include_path={TASKS_DIR}',
-       f'--out={tmp_path / "out"}'], cwd=REPO, capture_output=True,
-      text=True, timeout=300)
+      [sys.executable, '-m', 'evaluation.evaluate',
+       f'--workdir={tmp_path / "w"}', '--tasks=gqa_lab_choice',
+       f'--include_path={TASKS_DIR}', f'--out={tmp_path / "out"}'], cwd=REPO,
+      capture_output=True, text=True, timeout=300)
   assert result.returncode != 0
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and 'has no tokenizer.json' in lines[0], (

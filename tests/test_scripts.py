@@ -12,7 +12,7 @@ import pytest
 from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep, stats, timing)
-from train import config_lib, loop
+from train import config_lib, loop, provenance
 from train import model as model_lib
 from train.errors import UserError
 from train.model import Transformer
@@ -202,7 +202,7 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
   report = (tmp_path / 'report.md').read_text()
   assert '| 4 | ' in report and '| K=1 |' in report and '(0/2)' in report
   assert 'mean ± sd over seeds' in report
-  assert f'; commit {stats.commit()}.' in report
+  assert f'; commit {provenance.commit()}.' in report
   assert sweep['meta']['provenance']['out'] == str(tmp_path)
   assert (tmp_path / 'recall.png').stat().st_size > 0
   # Rerun: its finished runs are reused, histories and all; under other

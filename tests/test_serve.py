@@ -1,4 +1,4 @@
-"""Specification of serving over a paged KV cache (`serve/`, `train.generate`):
+"""Specification of serving over a paged KV cache (`serve/`, `serve.generate`):
 each request's greedy output equals `train.sample`'s for its prompt alone,
 whatever shares the batch, for every cache layout; pages are reused; bad input
 is one line and the other requests go on."""
@@ -17,7 +17,7 @@ import pytest
 
 from configs import tiny
 from scripts import bench_serve
-from serve import cli, engine, paged, pages
+from serve import engine, generate, paged, pages
 from tests.test_faults import _one_line_error, _run
 from train import checkpoint, config_lib, loop, model as model_lib, sample
 from train.errors import UserError
@@ -198,7 +198,7 @@ def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
 
 def test_an_mla_model_is_refused_in_one_line():
   mc = _config(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4)
-  with pytest.raises(UserError, match=r'^train.generate does not serve '
+  with pytest.raises(UserError, match=r'^serve.generate does not serve '
                      r'multi-head latent attention \(model.kv_lora_rank=8\) '
                      'yet; use train.sample$'):
     engine.Engine(mc, None, kv_memory=2**20)  # On the config, before params.
@@ -213,9 +213,9 @@ def test_a_rerun_keeps_results_and_retries_errors_and_a_cut_short_line(
                      {'id': None, 'line': 3, 'error': 'line 3: not JSON'},
                      results[1]])
   out.write_text(out.read_text() + '{"id": "c", "te')  # Killed mid-write.
-  kept, done = cli.read_out(out)
+  kept, done = generate.read_out(out)
   assert done == {'"a"', '7'}  # 'b', line 3 and 'c' are run again.
-  cli.rewrite(out, kept)
+  generate.rewrite(out, kept)
   assert [json.loads(line) for line in out.read_text().splitlines()] == (
       results)
   assert [p.name for p in tmp_path.iterdir()] == ['out.jsonl']
@@ -230,23 +230,24 @@ def test_a_max_new_tokens_leaving_no_room_is_one_line_unless_lines_give_theirs(
   prompts = tmp_path / 'prompts.jsonl'
   _write_lines(prompts, [{'id': 'own', 'prompt': 'ab', 'max_new_tokens': 4},
                          {'id': 'flag', 'prompt': 'c'}])
-  requests, _, defaulted = cli.read_prompts(prompts, _Bytes, 32)
+  requests, _, defaulted = generate.read_prompts(prompts, _Bytes, 32)
   assert [r.max_new_tokens for r in requests] == [4, 32]
   assert defaulted == {'"flag"'}
   with pytest.raises(UserError, match=r'^--max_new_tokens=32 leaves no room '
                      r'for a prompt in model.max_len \(32\), so 1 request'):
-    cli.check_max_new_tokens(32, 32, ['flag'])
-  cli.check_max_new_tokens(31, 32, ['flag'])  # A one-token prompt fits.
-  cli.check_max_new_tokens(32, 32, [])  # Every line gives its own.
+    generate.check_max_new_tokens(32, 32, ['flag'])
+  generate.check_max_new_tokens(31, 32, ['flag'])  # A one-token prompt fits.
+  generate.check_max_new_tokens(32, 32, [])  # Every line gives its own.
 
 
 def test_the_summary_counts_refusals_and_exits_1_when_any(capsys):
   stats = engine.Stats(done=4, refused=2, tokens=40, steps=10, in_flight=20,
                        seconds=2.0)
-  assert cli.report(stats, 'out.jsonl') == 1
+  assert generate.report(stats, 'out.jsonl') == 1
   assert capsys.readouterr().err.splitlines()[-1] == (
       'generate: 4 done, 2 refused (see out.jsonl)')
-  assert cli.report(dataclasses.replace(stats, refused=0), 'out.jsonl') == 0
+  assert generate.report(dataclasses.replace(stats, refused=0),
+                         'out.jsonl') == 0
 
 
 def _write_lines(path, lines):
@@ -267,9 +268,9 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   mc, params, _ = checkpoint.load_workdir(str(trained))
   # 3 usable pages of 8 tokens: 'big' (32 tokens, 4 pages) can never fit.
   memory = str(4 * paged.page_bytes(mc, 8))
-  run = lambda: cli.generate_file(str(trained), str(prompts), str(out),
-                                  kv_memory=memory, max_new_tokens=10,
-                                  page_size=8, slots=1)
+  run = lambda: generate.generate_file(str(trained), str(prompts), str(out),
+                                       kv_memory=memory, max_new_tokens=10,
+                                       page_size=8, slots=1)
   stats = run()
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   by_key = {(e['id'], e.get('line')): e for e in lines}
@@ -308,8 +309,8 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   assert fixed['empty']['tokens'] == by_key[('a', None)]['tokens']
   # --max_new_tokens leaving no room for a prompt: one line before any work.
   with pytest.raises(UserError, match='^--max_new_tokens=32 leaves no room'):
-    cli.generate_file(str(trained), str(prompts), str(out), kv_memory=memory,
-                      max_new_tokens=32)
+    generate.generate_file(str(trained), str(prompts), str(out),
+                           kv_memory=memory, max_new_tokens=32)
   assert len(out.read_text().splitlines()) == 7
 
 
@@ -317,12 +318,12 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
 def test_a_pool_too_small_for_any_sequence_is_one_line(trained, tmp_path):
   prompts = tmp_path / 'prompts.jsonl'
   _write_lines(prompts, [{'id': 1, 'prompt': 'def '}])
-  result = _run('train.generate', f'--workdir={trained}',
+  result = _run('serve.generate', f'--workdir={trained}',
                 f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
                 '--kv_memory=1KiB')
   _one_line_error(result, 'too few for any sequence; give --kv_memory of at '
                   'least')
-  result = _run('train.generate', f'--workdir={trained}',
+  result = _run('serve.generate', f'--workdir={trained}',
                 f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
                 '--kv_memory=lots')
   _one_line_error(result, "--kv_memory='lots' is not a size")

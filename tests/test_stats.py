@@ -62,12 +62,6 @@ def test_ratio_resamples_seeds_together():
   assert noisy.low < noisy.mean < noisy.high
 
 
-def test_provenance_names_the_command_commit_and_out():
-  p = stats.provenance('scripts.compare', 'runs/x', ['--quick', '--out=runs/x'])
-  assert p['command'] == 'python -m scripts.compare --quick --out=runs/x'
-  assert p['out'] == 'runs/x' and p['commit'] and p['statistics']
-
-
 def test_values_equal_on_every_seed_have_no_interval_and_are_not_resolved():
   # A conversion of one source gives the same value on every seed: a
   # zero-width interval would make it look like a 3-seed result.

@@ -1,5 +1,5 @@
 """Task scores in the studies (issue 42, item 4): `scripts.compare --tasks`
-scores each variant x seed's final checkpoint as `train.evaluate` does, and
+scores each variant x seed's final checkpoint as `evaluation.evaluate` does, and
 reports them by seed and paired against MHA; bad task flags are one line
 before anything trains. (The uptraining study's --tasks run end to end in
 tests/test_uptrain_study.py.)"""
@@ -12,8 +12,8 @@ import types
 
 import pytest
 
+from evaluation import evaluate as evaluate_lib
 from scripts import compare, stats, task_scores, timing
-from train import evaluate as evaluate_lib
 from train.errors import UserError
 
 from tests.test_faults import REPO
@@ -106,7 +106,7 @@ def test_compare_scores_every_run_by_seed_and_paired_against_mha(
   assert 'Negative control: K=4 with every layer attending to its own' \
       in report
   assert not (out / 'tasks' / 'control_s0').exists()
-  # The score is train.evaluate's of the same workdir, to the last digit
+  # The score is evaluation.evaluate's of the same workdir, to the last digit
   # (without lm_eval's environment report: seconds of pip list each).
   direct = evaluate_lib.evaluate(str(out / 'K1_s1'), ['gqa_lab_choice'],
                                  include_path=str(TASKS_DIR), limit=2)
@@ -116,7 +116,7 @@ def test_compare_scores_every_run_by_seed_and_paired_against_mha(
   assert 'pretty_env_info' not in direct
   saved = json.loads((out / 'tasks' / 'K1_s1' / 'results.json').read_text())
   assert saved['provenance']['command'] == (
-      f'python -m train.evaluate --workdir={out / "K1_s1"} '
+      f'python -m evaluation.evaluate --workdir={out / "K1_s1"} '
       f'--tasks=gqa_lab_choice --include_path={TASKS_DIR} --limit=2 '
       f'--out={out / "tasks" / "K1_s1"}')
   # A rerun reuses every evaluation; other settings score again.

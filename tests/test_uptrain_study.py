@@ -350,7 +350,7 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   """On `tiny`: one uptraining run per (conversion, seed) evaluated at
   every alpha, the identity control exact at alpha 0, scratch curves for
   MHA and K per seed, the recall arm, MLA at K's bytes, provenance, task
-  scores (--tasks: train.evaluate's, by seed); a rerun reuses it all."""
+  scores (--tasks: evaluation.evaluate's, by seed); a rerun reuses it all."""
   out = tmp_path / 'study'
   tasks = importlib.util.find_spec('lm_eval') is not None  # The eval extra.
   include = pathlib.Path(__file__).parent / 'lm_eval_tasks'
@@ -404,8 +404,8 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
 def _check_task_scores(out, results, include):
   """Per seed: the fresh-Adam conversions at the paper's alpha (a replay
   whose held-out loss is the run's there) and the largest, scratch end
-  points; in the report paired against the control; train.evaluate's."""
-  from train import evaluate  # pylint: disable=import-outside-toplevel
+  points; in the report paired against the control; evaluation.evaluate's."""
+  from evaluation import evaluate  # pylint: disable=import-outside-toplevel
   tasks = results['lm']['tasks']
   assert sorted((r['method'], r['seed'], r['step']) for r in tasks['runs']
                 ) == sorted((m, s, a) for m in uptrain_report.UP_METHODS

@@ -1,6 +1,6 @@
 """Scores a workdir on lm-evaluation-harness tasks (the `eval` extra).
 
-  python -m train.evaluate --workdir=W --tasks=T1,T2 --out=DIR \
+  python -m evaluation.evaluate --workdir=W --tasks=T1,T2 --out=DIR \
       [--include_path=DIR] [--limit=N] [--batch_size=8] [--num_fewshot=N] \
       [--max_gen_toks=256] [--data=PREPARED_DIR]
 
@@ -19,6 +19,7 @@ import pathlib
 import sys
 
 from train.cli import check_output_dir, run_app
+from train import provenance as provenance_lib
 from train.errors import UserError
 
 
@@ -132,9 +133,8 @@ def write_results(workdir: str, tasks: list[str], out: str, *,
   """Evaluates WORKDIR; writes OUT/results.json and OUT/report.md; returns
   the record written. argv: the command's flags, for the provenance."""
   from lm_eval import utils as lm_utils  # pylint: disable=import-outside-toplevel
-  from scripts import stats  # pylint: disable=import-outside-toplevel
   from train import loop  # pylint: disable=import-outside-toplevel
-  provenance = stats.provenance('train.evaluate', out, argv)
+  provenance = provenance_lib.record('evaluation.evaluate', out, argv)
   held_out = None
   if data:  # First: a wrong --data is refused before the tasks are scored.
     try:

@@ -1,6 +1,6 @@
 """Generates continuations of many prompts at once, over a paged KV cache.
 
-  python -m train.generate --workdir=DIR --prompts=FILE.jsonl --out=OUT.jsonl \
+  python -m serve.generate --workdir=DIR --prompts=FILE.jsonl --out=OUT.jsonl \
       --kv_memory=256MiB --max_new_tokens=N [--temperature=0] [--top_k=0] \
       [--seed=0] [--slots=8] [--page_size=16] [--kv_cache_dtype=int8]
 
@@ -243,3 +243,7 @@ def run():
   flags.DEFINE_string('kv_cache_dtype', None, 'how the pages store K/V: '
                       'float32, bfloat16 or int8 (default: the model\'s)')
   run_app(main, required=['workdir', 'prompts', 'out'])
+
+
+if __name__ == '__main__':
+  run()

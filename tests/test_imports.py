@@ -1,0 +1,165 @@
+"""The rooms and their arrows: every import between our packages points down.
+
+attention/ imports none of ours; configs/ none but itself; train/ imports
+attention/ and configs/; serve/ and evaluation/ import those and not each
+other; scripts/ imports anything. A command lives in its room, and a piece two
+rooms need moves down. Every import counts, at module level or inside a
+function (a deferred import is still an arrow), and no chain of them comes
+back to where it started.
+"""
+
+import ast
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ALLOWED = {  # Room -> the other rooms it may import.
+    'attention': set(),
+    'configs': set(),
+    'train': {'attention', 'configs'},
+    'serve': {'attention', 'configs', 'train'},
+    'evaluation': {'attention', 'configs', 'train'},
+    'scripts': {'attention', 'configs', 'train', 'serve', 'evaluation'},
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+  """'train/loop.py' -> 'train.loop'; 'train/__init__.py' -> 'train'."""
+  parts = path.relative_to(REPO).with_suffix('').parts
+  return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+
+
+def our_modules() -> dict[str, pathlib.Path]:
+  return {module_name(p): p for room in ALLOWED
+          for p in sorted((REPO / room).rglob('*.py'))}
+
+
+def imported(source: str, module: str, is_package: bool,
+             known: set[str]) -> set[str]:
+  """The modules of `known` that `source` (the text of `module`) imports,
+  anywhere in it: `import a.b`, `from a import b`, `from a.b import c`,
+  relative imports. A name is the longest of `known` it starts with, so
+  `from train import loop` is train.loop and `from attention import
+  Attention` is attention (its __init__)."""
+  package = module if is_package else module.rpartition('.')[0]
+  def ours(name):
+    while name and name not in known:
+      name = name.rpartition('.')[0]
+    return name
+  found = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      found.update(ours(a.name) for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ''
+      if node.level:  # `from ..x import y` in package a.b: a.x.
+        up = package.split('.')[:len(package.split('.')) - node.level + 1]
+        base = '.'.join(up + ([base] if base else []))
+      found.update(ours(f'{base}.{a.name}') for a in node.names)
+  return found - {'', module}
+
+
+def import_graph() -> dict[str, set[str]]:
+  modules = our_modules()
+  return {m: imported(p.read_text(), m, p.name == '__init__.py', set(modules))
+          for m, p in modules.items()}
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+  """'file: imports module (room A -> room B)' for each arrow the rooms do
+  not allow."""
+  found = []
+  for module, targets in sorted(graph.items()):
+    room = module.split('.')[0]
+    for target in sorted(targets):
+      other = target.split('.')[0]
+      if other != room and other not in ALLOWED[room]:
+        found.append(f'{module.replace(".", "/")}.py: imports {target} '
+                     f'({room} -> {other})')
+  return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+  """One cycle, as 'a -> b -> a', for each strongly connected set of modules
+  (Tarjan's algorithm), and each module that imports itself."""
+  index, low, stack, on_stack, sets = {}, {}, [], set(), []
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      members, w = set(), None
+      while w != v:
+        w = stack.pop()
+        on_stack.discard(w)
+        members.add(w)
+      if len(members) > 1 or v in graph.get(v, ()):
+        sets.append(members)
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return [_cycle_through(min(members), graph, members)
+          for members in sets]
+
+
+def _cycle_through(start, graph, members) -> str:
+  """The shortest path from `start` back to itself within `members`."""
+  paths, seen = [[start]], set()
+  while paths:
+    path = paths.pop(0)
+    for w in sorted(graph.get(path[-1], ())):
+      if w == start:
+        return ' -> '.join(path + [start])
+      if w in members and w not in seen:
+        seen.add(w)
+        paths.append(path + [w])
+  raise AssertionError(f'no cycle through {start}')
+
+
+def test_every_import_points_down_a_room():
+  found = violations(import_graph())
+  assert not found, 'imports against the rooms:\n' + '\n'.join(found)
+
+
+def test_no_modules_import_each_other_in_a_cycle():
+  found = cycles(import_graph())
+  assert not found, 'import cycles:\n' + '\n'.join(found)
+
+
+def test_the_walker_sees_deferred_and_relative_imports():
+  source = ('import attention.layer\n'
+            'from train import loop, errors\n'
+            'from attention import Attention\n'
+            'def run():\n'
+            '  from serve.engine import Engine\n'
+            '  from . import stats\n'
+            '  from ..train.model import Transformer\n')
+  known = {'attention', 'attention.layer', 'train', 'train.loop',
+           'train.errors', 'train.model', 'serve', 'serve.engine',
+           'scripts', 'scripts.stats'}
+  assert imported(source, 'scripts.x', False, known) == {
+      'attention.layer', 'train.loop', 'train.errors', 'attention',
+      'serve.engine', 'scripts.stats', 'train.model'}
+  # And the real graph: a module-level arrow, and one inside a function.
+  graph = import_graph()
+  assert 'train.checkpoint' in graph['scripts.compare']
+  assert 'evaluation.evaluate' in graph['scripts.task_scores']
+
+
+def test_the_checks_fail_on_an_arrow_up_and_on_a_cycle():
+  # Negative controls: the checks above can fail.
+  assert violations({'attention.a': {'train.b', 'attention.c'},
+                     'serve.s': {'evaluation.e'}}) == [
+                         'attention/a.py: imports train.b (attention -> train)',
+                         'serve/s.py: imports evaluation.e '
+                         '(serve -> evaluation)']
+  assert cycles({'train.a': {'train.b'}, 'train.b': {'train.c'},
+                 'train.c': {'train.a', 'train.d'}, 'train.d': set()}) == [
+                     'train.a -> train.b -> train.c -> train.a']
+  assert cycles({'train.a': {'train.a'}}) == ['train.a -> train.a']
+  assert cycles({'train.a': {'train.b'}, 'train.b': set()}) == []

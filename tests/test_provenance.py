@@ -1,0 +1,31 @@
+"""What a results file records of how it was made (`train.provenance`)."""
+
+import pathlib
+import subprocess
+import sys
+
+from train import provenance
+
+
+def test_a_record_names_the_command_commit_out_and_given_fields():
+  p = provenance.record('scripts.compare', pathlib.Path('runs/x'),
+                        ['--quick', '--out=runs/x'], statistics='sd over seeds')
+  assert p == {'command': 'python -m scripts.compare --quick --out=runs/x',
+               'commit': provenance.commit(), 'out': 'runs/x',
+               'statistics': 'sd over seeds'}
+
+
+def test_without_argv_the_command_is_this_process_flags(monkeypatch):
+  monkeypatch.setattr(sys, 'argv', ['ignored.py', '--out=y'])
+  assert provenance.record('evaluation.evaluate', 'y')['command'] == (
+      'python -m evaluation.evaluate --out=y')
+
+
+def test_the_commit_is_this_checkout_head():
+  root = pathlib.Path(provenance.__file__).resolve().parent.parent
+  head = subprocess.run(['git', '-C', str(root), 'rev-parse', '--short=7',
+                         'HEAD'], capture_output=True, text=True, check=False)
+  if head.returncode:  # Outside a git checkout (an installed copy).
+    assert provenance.commit() == 'unknown'
+  else:
+    assert provenance.commit().removesuffix('+dirty') == head.stdout.strip()
