@@ -53,6 +53,11 @@ class Allocator:
   def in_use(self) -> int:
     return self.usable - len(self._free)
 
+  @property
+  def free(self) -> list[int]:
+    """The pages not handed out (a copy, for checks)."""
+    return list(self._free)
+
   def allocate(self, count: int) -> list[int] | None:
     """`count` free pages, or None (nothing taken) when fewer are free."""
     if count > len(self._free):

@@ -1,0 +1,295 @@
+"""Which tokens of which sequences a serving step feeds: a plan per step.
+
+The engine (the model's shell) calls `schedule()`, runs the plan's rows
+through the model, samples one token for each row with sample=True, and
+hands them back with `update(plan, sampled)`. Pure Python (no jax): the
+policy is tested without a model.
+
+Policy (vLLM v1's, with JetStream's split of scheduler and model):
+  1. Decode first: every running sequence whose context is computed but for
+     its last sampled token gets a row of that one token, so decoding goes
+     on while others prefill. Its pages grow on demand; when the pool runs
+     out the newest running sequence (latest arrival) is preempted: its
+     pages are freed and it waits again, at the front, to be recomputed
+     (prompt + the tokens it generated, which it keeps).
+  2. Running sequences part-way through their prefill get their next chunk
+     (at most prefill_chunk tokens, within the step's prefill_budget),
+     preempting the newest when the pool cannot hold it.
+  3. In a step that preempted nothing, waiting sequences are admitted in
+     arrival order (preempted ones are the oldest, so first) while a row, the
+     budget and the pages of their first chunk allow; the first that does not
+     fit stops admission (nothing is preempted for a newcomer).
+A row that reaches the end of its sequence's context samples its next token.
+Running sequences never outnumber max_rows, so each gets a row every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+from typing import Callable, Literal
+
+from serve.kv_pages import KVPageManager
+from train.errors import UserError
+
+FinishReason = Literal['length', 'eos', 'stop']
+
+
+class Status(enum.Enum):
+  WAITING = 'waiting'
+  RUNNING = 'running'  # Holds pages: prefilling or decoding.
+  PREEMPTED = 'preempted'  # Waiting again, its pages freed.
+  FINISHED = 'finished'
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+  """A request and its progress. `generated` keeps the end-of-sequence token
+  when one ends it (finish_reason 'eos')."""
+  id: str
+  prompt: list[int]
+  max_new_tokens: int
+  sampling: object = None  # The engine's, passed through untouched.
+  generated: list[int] = dataclasses.field(default_factory=list)
+  arrival: int = -1  # Its place in add() order; set by add().
+  num_computed: int = 0  # Context tokens whose K/V is in its pages.
+  status: Status = Status.WAITING
+  finish_reason: FinishReason | None = None
+
+  @property
+  def context(self) -> list[int]:
+    return self.prompt + self.generated
+
+  @property
+  def context_len(self) -> int:
+    return len(self.prompt) + len(self.generated)
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+  """Feeds `tokens` at positions start..end-1 of `seq`; sample: the row
+  reaches the end of the context, so the logits of its last token give the
+  next one."""
+  seq: Sequence
+  start: int
+  tokens: list[int]
+  sample: bool
+
+  @property
+  def end(self) -> int:
+    return self.start + len(self.tokens)
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+  """One step: decode rows (one token each), prefill rows (chunks), and the
+  sequences preempted to make room (their pages already freed)."""
+  decode: list[Row] = dataclasses.field(default_factory=list)
+  prefill: list[Row] = dataclasses.field(default_factory=list)
+  preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+  @property
+  def rows(self) -> list[Row]:
+    return self.decode + self.prefill
+
+  @property
+  def prefill_tokens(self) -> int:
+    return sum(len(row.tokens) for row in self.prefill)
+
+
+class RequestRefused(UserError):
+  """A request that can never run; `.reason` says why and what to change."""
+
+  def __init__(self, seq_id: str, reason: str):
+    super().__init__(f'request {seq_id!r} refused: {reason}')
+    self.seq_id, self.reason = seq_id, reason
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+  """Steps planned; tokens fed as decode rows and as prefill chunks (the
+  latter including recomputed ones); preemptions and the computed tokens they
+  threw away; requests admitted (re-admissions included), finished, refused."""
+  steps: int = 0
+  decode_tokens: int = 0
+  prefill_tokens: int = 0
+  preemptions: int = 0
+  recomputed_tokens: int = 0
+  admitted: int = 0
+  finished: int = 0
+  refused: int = 0
+
+
+class Scheduler:
+  """Plans steps of at most max_rows rows over the sequences added.
+
+  prefill_budget: prefill tokens per step over all chunks (decode rows are
+  not counted); None: prefill_chunk * max_rows, i.e. no limit beyond rows and
+  chunk. max_len: the model's positions; prompt + max_new_tokens must fit.
+  stop(seq) -> bool ends a sequence (reason 'stop') after any sampled token.
+  """
+
+  def __init__(self, pages: KVPageManager, *, max_rows: int,
+               prefill_chunk: int, max_len: int,
+               prefill_budget: int | None = None, eos_ids=(),
+               stop: Callable[[Sequence], bool] | None = None):
+    if prefill_budget is None:
+      prefill_budget = prefill_chunk * max_rows
+    if min(max_rows, prefill_chunk, max_len, prefill_budget) < 1:
+      raise UserError(f'Scheduler(max_rows={max_rows}, prefill_chunk='
+                      f'{prefill_chunk}, max_len={max_len}, prefill_budget='
+                      f'{prefill_budget}): give each a value of at least 1')
+    self.pages = pages
+    self.max_rows, self.prefill_chunk, self.max_len = (max_rows, prefill_chunk,
+                                                       max_len)
+    self.prefill_budget = prefill_budget
+    self.eos_ids, self.stop = frozenset(eos_ids), stop
+    self.stats = SchedulerStats()
+    self._waiting: list[Sequence] = []  # By arrival.
+    self._running: list[Sequence] = []  # By arrival.
+    self._prefilling: set[str] = set()  # Running; no sample since admitted.
+    self._arrivals = 0
+    self._pending: Plan | None = None  # Scheduled, not yet updated.
+
+  def add(self, seq: Sequence):
+    """Queues seq (WAITING, its arrival set), or raises RequestRefused."""
+    reason = self._refusal(seq)
+    if reason:
+      self.stats.refused += 1
+      raise RequestRefused(seq.id, reason)
+    seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+    seq.status, seq.num_computed, seq.finish_reason = Status.WAITING, 0, None
+    self._waiting.append(seq)
+
+  def has_unfinished(self) -> bool:
+    return bool(self._waiting or self._running)
+
+  @property
+  def running(self) -> tuple[Sequence, ...]:
+    """The sequences holding pages, by arrival."""
+    return tuple(self._running)
+
+  @property
+  def waiting(self) -> tuple[Sequence, ...]:
+    """The sequences waiting for pages (preempted ones first), by arrival."""
+    return tuple(self._waiting)
+
+  def schedule(self) -> Plan:
+    """The next step's rows; pages for every row are ensured."""
+    if self._pending is not None:
+      raise ValueError('schedule() called twice; call update(plan, sampled) '
+                       'with the last plan first')
+    plan = Plan()
+    for seq in list(self._running):  # 1. Decode.
+      if seq.status is Status.RUNNING and seq.id not in self._prefilling:
+        if self._make_room(seq, seq.num_computed + 1, plan):
+          plan.decode.append(Row(seq, seq.num_computed, [seq.generated[-1]],
+                                 sample=True))
+    budget = self.prefill_budget
+    for seq in list(self._running):  # 2. Prefills under way.
+      if (seq.status is Status.RUNNING and seq.id in self._prefilling and
+          budget > 0):
+        n = min(seq.context_len - seq.num_computed, self.prefill_chunk, budget)
+        if self._make_room(seq, seq.num_computed + n, plan):
+          plan.prefill.append(self._chunk(seq, n))
+          budget -= n
+    while (not plan.preempted and self._waiting and budget > 0 and  # 3. Admit.
+           len(self._running) < self.max_rows):
+      seq = self._waiting[0]
+      n = min(seq.context_len, self.prefill_chunk, budget)
+      if not self.pages.ensure(seq.id, n):
+        break
+      self._waiting.pop(0)
+      seq.status = Status.RUNNING
+      self._running.append(seq)
+      self._running.sort(key=lambda s: s.arrival)
+      self._prefilling.add(seq.id)
+      self.stats.admitted += 1
+      plan.prefill.append(self._chunk(seq, n))
+      budget -= n
+    self.stats.steps += 1
+    self.stats.decode_tokens += len(plan.decode)
+    self.stats.prefill_tokens += plan.prefill_tokens
+    self._pending = plan
+    return plan
+
+  def update(self, plan: Plan, sampled: dict[str, int]) -> list[Sequence]:
+    """Records the step: every row's tokens computed, a sampled token (one
+    for each row with sample=True, keyed by seq id) appended; returns the
+    sequences that finished, their pages freed."""
+    if plan is not self._pending:
+      raise ValueError('update() takes the plan the last schedule() returned, '
+                       'once')
+    want = {row.seq.id for row in plan.rows if row.sample}
+    if set(sampled) != want:
+      raise ValueError(f'sampled has ids {sorted(set(sampled) - want)} with no '
+                       f'sampling row and lacks {sorted(want - set(sampled))}; '
+                       'give one token for each row with sample=True')
+    self._pending = None
+    finished = []
+    for row in plan.rows:
+      seq = row.seq
+      seq.num_computed = row.end
+      if not row.sample:
+        continue
+      self._prefilling.discard(seq.id)
+      token = int(sampled[seq.id])
+      seq.generated.append(token)
+      reason = ('eos' if token in self.eos_ids else
+                'length' if len(seq.generated) >= seq.max_new_tokens else
+                'stop' if self.stop is not None and self.stop(seq) else None)
+      if reason:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.pages.free(seq.id)
+        self._running.remove(seq)
+        finished.append(seq)
+    self.stats.finished += len(finished)
+    return finished
+
+  def _chunk(self, seq: Sequence, n: int) -> Row:
+    start = seq.num_computed
+    return Row(seq, start, seq.context[start:start + n],
+               sample=start + n == seq.context_len)
+
+  def _make_room(self, seq: Sequence, num_tokens: int, plan: Plan) -> bool:
+    """Ensures seq's pages hold num_tokens, preempting the newest running
+    sequences until they do; False if seq itself was preempted."""
+    while not self.pages.ensure(seq.id, num_tokens):
+      victim = self._running[-1]  # The newest.
+      self._preempt(victim, plan)
+      if victim is seq:
+        return False
+    return True
+
+  def _preempt(self, seq: Sequence, plan: Plan):
+    self.pages.free(seq.id)
+    self._running.remove(seq)
+    self._prefilling.discard(seq.id)
+    self.stats.preemptions += 1
+    self.stats.recomputed_tokens += seq.num_computed
+    seq.status, seq.num_computed = Status.PREEMPTED, 0
+    bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
+    plan.decode = [row for row in plan.decode if row.seq is not seq]
+    plan.prefill = [row for row in plan.prefill if row.seq is not seq]
+    plan.preempted.append(seq)
+
+  def _refusal(self, seq: Sequence) -> str | None:
+    """Why seq can never run, in one line, or None."""
+    P, new = len(seq.prompt), seq.max_new_tokens
+    if any(s.id == seq.id for s in self._waiting + self._running):
+      return 'its id is already in flight; give each live request its own id'
+    if seq.generated or seq.status is not Status.WAITING:
+      return 'it was added before; add a fresh Sequence'
+    if P < 1:
+      return 'empty prompt; give at least one token'
+    if new < 1 or P + new > self.max_len:
+      return (f'prompt ({P} tokens) + max_new_tokens ({new}) must be within '
+              f'1..max_len ({self.max_len}); shorten one')
+    # The last sampled token is never fed, so never written.
+    need = self.pages.pages_for(P + new - 1)
+    if need > self.pages.usable:
+      return (f'it needs up to {need} pages of {self.pages.page_size} tokens '
+              f'but the pool has {self.pages.usable}; give the pool more pages '
+              'or shorten it')
+    return None
