@@ -24,6 +24,12 @@ Peers, in the same run, taking turns with the engine for each K:
   one at a time  the same requests one after another through
                  `train.sample.generate` (its prefill and `lax.scan` decode),
                  in this process, each shape compiled before the clock starts
+  static batches the same dense-cache `train.sample.generate` on batches of
+                 as many requests as --kv_memory holds dense caches for (each
+                 reserving the trace's longest request; at most --slots), in
+                 the trace's order, left-padded to the batch's longest
+                 prompt and decoded to its longest output: what the engine
+                 adds over batching alone (paging, continuous batching)
   transformers   the same model written as a Hugging Face folder by
                  `python -m train.convert --to_hf` (from a step-0 workdir of
                  the same parameters), loaded by
@@ -68,6 +74,7 @@ import numpy as np
 
 from serve import engine as engine_lib, paged, pages
 from train import checkpoint, config_lib, loop, provenance, sample
+from train import model as model_lib
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from train.errors import UserError
@@ -123,7 +130,8 @@ def main():
     params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
     with contextlib.ExitStack() as stack:
       contestants = [engine_runner(mc, params, trace, kv_memory, args),
-                     alone_runner(mc, params, trace)]
+                     alone_runner(mc, params, trace),
+                     static_runner(mc, params, trace, kv_memory, args.slots)]
       if not args.no_hf:
         contestants.append(stack.enter_context(
             transformers_runner(config, params, trace, args.slots)))
@@ -135,7 +143,9 @@ def main():
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
           f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s, engine over it '
-          f'{_speedup(row, "alone")}' + (
+          f'{_speedup(row, "alone")}; static batches of '
+          f'{row["static_batch"]} {row["static_tokens_per_sec"]:,.1f} '
+          f'tokens/s, engine over it {_speedup(row, "static")}' + (
               '' if args.no_hf else
               f'; transformers {row["hf_tokens_per_sec"]:,.1f} tokens/s, '
               f'engine over it {_speedup(row, "hf")}')
@@ -214,16 +224,14 @@ def alone_runner(mc, params, trace):
   """A function timing the trace once, one request after another through
   train.sample.generate, each shape compiled here, before any clock."""
   compiled, calls = {}, []
-  for i, (prompt, new) in enumerate(trace):
-    args = (params, jnp.asarray(prompt)[None], jax.random.key(i))
+  model = Transformer(mc, decode=True)
+  for prompt, new in trace:
+    args = (params, jnp.asarray(prompt)[None])
     shape = (len(prompt), new)
     if shape not in compiled:
-      model = Transformer(dataclasses.replace(mc, max_len=sum(shape)),
-                          decode=True)
       compiled[shape] = jax.jit(functools.partial(
-          sample.generate, model=model, max_new_tokens=new, temperature=0.0,
-          top_k=0), compiler_options=sample.compiler_options()).lower(
-              *args).compile()
+          sample.generate, model=model, max_new_tokens=new),
+          compiler_options=sample.compiler_options()).lower(*args).compile()
     calls.append((compiled[shape], args))
   tokens = sum(new for _, new in trace)
 
@@ -239,6 +247,52 @@ def alone_runner(mc, params, trace):
   return run
 
 
+def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
+  """The static-batch peer's batch: as many sequences as --kv_memory holds
+  dense caches for, each as long as the trace's longest request (a static
+  batch reserves that much per row), at most --slots."""
+  longest = max(len(prompt) + new for prompt, new in trace)
+  return max(1, min(slots, len(trace), kv_memory // model_lib.kv_cache_bytes(
+      mc, 1, longest)))
+
+
+def static_runner(mc, params, trace, kv_memory: int, slots: int):
+  """A function timing the trace once through train.sample.generate in
+  static batches (`static_batch` rows each, in the trace's order): each
+  batch left-padded to its longest prompt and decoded to its longest output,
+  a request's tokens past its own computed but not counted (static
+  batching's cost; no mask is passed, so the padding is attended: the cost
+  is measured, not the text). Each shape compiled here, before any clock."""
+  B = static_batch(mc, trace, kv_memory, slots)
+  model = Transformer(mc, decode=True)
+  compiled, calls = {}, []
+  for i in range(0, len(trace), B):
+    batch = trace[i:i + B]
+    P, new = max(len(p) for p, _ in batch), max(n for _, n in batch)
+    prompts_BP = np.zeros((len(batch), P), np.int32)
+    for row, (prompt, _) in enumerate(batch):
+      prompts_BP[row, P - len(prompt):] = prompt
+    args = (params, jnp.asarray(prompts_BP))
+    shape = (len(batch), P, new)
+    if shape not in compiled:
+      compiled[shape] = jax.jit(functools.partial(
+          sample.generate, model=model, max_new_tokens=new),
+          compiler_options=sample.compiler_options()).lower(*args).compile()
+    calls.append((compiled[shape], args))
+  tokens = sum(new for _, new in trace)
+
+  def run() -> dict:
+    start, cpu = time.perf_counter(), time.process_time()
+    for fn, args in calls:
+      np.asarray(fn(*args))
+    seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    return {'static_seconds': seconds, 'static_cpu_seconds': cpu,
+            'static_batch': B, 'static_tokens_per_sec': tokens / seconds,
+            'static_tokens_per_cpu_sec': tokens / cpu}
+  return run
+
+
 def summarize(runs: list[dict]) -> dict:
   """One row from the repeats' numbers: each number's median, each ratio
   of the engine to a peer (per repeat: they took turns) as its median and
@@ -247,7 +301,7 @@ def summarize(runs: list[dict]) -> dict:
   row = {key: (float(np.median([r[key] for r in runs]))
                if isinstance(value, float) else value)
          for key, value in runs[0].items()}
-  for peer in ('alone', 'hf'):
+  for peer in ('alone', 'static', 'hf'):
     if f'{peer}_tokens_per_sec' not in row:
       continue
     for unit, name in (('sec', 'speedup'), ('cpu_sec', 'cpu_speedup')):
@@ -395,7 +449,10 @@ def report(results, args) -> str:
       f'slots, --kv_memory={args.kv_memory}, pages of {args.page_size} '
       'tokens. Compile time excluded. Peers: "one at a time" is the same '
       'requests one after another through `train.sample.generate` in this '
-      'process' + (", transformers is `generate()` in batches of --slots on "
+      'process; "static batches" the same dense-cache generate on batches '
+      'of as many requests as --kv_memory holds caches for (each the '
+      'trace\'s longest request), padded to the batch\'s longest prompt and '
+      'output' + (", transformers is `generate()` in batches of --slots on "
                    'the same weights in a process of its own' if hf else '')
       + f'. {results.get("repeats", 1)} timed run(s) of each, taking turns: '
       'every number is the median over them; a ratio is the engine\'s '
@@ -415,10 +472,11 @@ def report(results, args) -> str:
       'time per later token.', '',
       '| K | page bytes | usable pages | high-water (pages) | mean in '
       'flight | tokens/s (per CPU-s) | median TTFT | median per-token | '
-      'one at a time tokens/s (per CPU-s) | vs one at a time |' + (
+      'one at a time tokens/s (per CPU-s) | vs one at a time | static '
+      'batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
           ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
           'vs transformers |' if hf else ''),
-      '|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
+      '|---|---|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
                                                     else '')]
   for r in results['rows']:
     line = (
@@ -429,7 +487,10 @@ def report(results, args) -> str:
         f'{1e3 * r["per_token_s"]:.1f} ms | '
         f'{r["alone_tokens_per_sec"]:,.0f} '
         f'({r.get("alone_tokens_per_cpu_sec", 0):,.0f}) | '
-        f'{_speedup(r, "alone")} |')
+        f'{_speedup(r, "alone")} | ({r["static_batch"]}) '
+        f'{r["static_tokens_per_sec"]:,.0f} '
+        f'({r.get("static_tokens_per_cpu_sec", 0):,.0f}) | '
+        f'{_speedup(r, "static")} |')
     if hf:
       line += (f' {r["hf_tokens_per_sec"]:,.0f} '
                f'({r["hf_tokens_per_cpu_sec"]:,.0f}) | '

@@ -2,23 +2,40 @@
 
   python -m serve.generate --workdir=DIR --prompts=FILE.jsonl --out=OUT.jsonl \
       --kv_memory=256MiB --max_new_tokens=N [--temperature=0] [--top_k=0] \
-      [--seed=0] [--slots=8] [--page_size=16] [--kv_cache_dtype=int8]
+      [--top_p=1] [--seed=0] [--stop=STR] [--slots=8] [--page_size=16] \
+      [--prefill_chunk=64] [--kv_cache_dtype=int8]
 
-A prompt line is {"id": ..., "prompt": "..."} (optionally "max_new_tokens");
-each result line, appended to OUT as its request finishes, is {"id", "text"
-(the continuation, as train.sample prints it), "tokens" (their ids),
-"time_to_first_token_s" (from the run's start, queueing included),
-"per_token_s"}, or {"id", "error"} (one line) for a request refused: a
-malformed line (then "id" is null and "line" its number), an empty prompt,
-one past the model's max_len, one needing more pages than --kv_memory holds.
-The other requests go on, and the run exits 1 when any was refused. A rerun
-into the same OUT skips the requests it holds results for and retries those
-it holds errors for (their old lines are dropped first). Progress (requests
+A thin loop over `serve.engine.Engine` (add_request, step): the prompts are
+added as the engine has room for them, and each result is written as its
+request finishes. A prompt line is {"id": ..., "prompt": "..."} (optionally
+"max_new_tokens"); each result line, appended to OUT as its request
+finishes, is {"id", "text" (the continuation, as train.sample prints it: up
+to an end-of-sequence token or a --stop string), "tokens" (their ids),
+"finish_reason" ("length", "eos" or "stop"), "time_to_first_token_s" (from
+the run's start, queueing included), "per_token_s"}, or {"id", "error"} (one
+line) for a request refused: a malformed line (then "id" is null and "line"
+its number), an empty prompt, one past the model's max_len, one needing more
+pages than --kv_memory holds. The other requests go on, and the run exits 1
+when any was refused. Sampling is `train.sampling`'s: request id's tokens
+are sampled with --seed and each token's position, so the text does not
+depend on --slots, on what shares a batch, or on the order of the file, and
+equals train.sample's with the same settings.
+
+Nothing lost: OUT is written a line at a time; a rerun into the same OUT
+(after a kill, a full disk, or a fix to a refused line) skips the requests
+it holds results for, retries those it holds errors for, and drops a line
+cut short. OUT's settings (the model's checkpoint, sampling, max_new_tokens,
+cache dtype) are kept beside it in OUT.settings.json, and a rerun under
+other settings is refused, naming the difference, rather than mixed into it.
+One process writes an OUT at a time (OUT.lock). Duplicate ids and --out equal
+to --prompts are refused before anything is written. Progress (requests
 done, tokens/s, sequences in flight, pages) goes to stderr.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import pathlib
@@ -27,16 +44,18 @@ import time
 
 from serve import engine as engine_lib
 from serve import pages
-from train import sample
+from train import sample, sampling
 from train.errors import UserError
 
 
-def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int):
+def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int,
+                 settings: sampling.SamplingParams = sampling.SamplingParams()):
   """(requests, refusals, defaulted): the prompt file's lines as engine
   Requests, a result line for each malformed one (keyed by id, or by its line
   when it has none), and the ids (as JSON) of the requests taking
-  max_new_tokens rather than a "max_new_tokens" of their own."""
-  requests, refusals, seen, defaulted = [], [], set(), set()
+  max_new_tokens rather than a "max_new_tokens" of their own. A UserError
+  when two lines share an id (the results could not be told apart)."""
+  requests, refusals, seen, defaulted = [], [], {}, set()
   try:
     lines = path.read_text(encoding='utf-8').splitlines()
   except (OSError, UnicodeDecodeError) as e:
@@ -59,9 +78,10 @@ def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int):
       continue
     key = json.dumps(entry['id'])
     if key in seen:
-      refuse(f'id {key} appears earlier; give each prompt its own id')
-      continue
-    seen.add(key)
+      raise UserError(f'--prompts={path}: id {key} is on lines {seen[key]} '
+                      f'and {n}; give each prompt its own id (nothing was '
+                      'written)')
+    seen[key] = n
     new = entry.get('max_new_tokens', max_new_tokens)
     if not isinstance(new, int) or isinstance(new, bool) or new < 1:
       refusals.append({'id': entry['id'], 'error': f'max_new_tokens={new!r} '
@@ -76,7 +96,7 @@ def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int):
     if 'max_new_tokens' not in entry:
       defaulted.add(key)
     requests.append(engine_lib.Request(entry['id'], tokens, new,
-                                       sample_index=n))
+                                       sampling=settings))
   return requests, refusals, defaulted
 
 
@@ -117,11 +137,80 @@ def _key(entry: dict) -> str:
           entry else json.dumps(entry.get('id')))
 
 
+def check_paths(prompts: pathlib.Path, out: pathlib.Path):
+  """--out must not be --prompts (a rerun would read results as prompts)."""
+  if out.resolve() == prompts.resolve() or (
+      out.exists() and prompts.exists() and out.samefile(prompts)):
+    raise UserError(f'--out={out} is the --prompts file; give another file '
+                    'for the results')
+  if out.exists() and not out.is_file():
+    raise UserError(f'--out={out} is not a file; give a file for the results')
+
+
+def settings_path(out: pathlib.Path) -> pathlib.Path:
+  return out.with_name(out.name + '.settings.json')
+
+
+def check_settings(out: pathlib.Path, settings: dict, holds_results: bool):
+  """Refuses (one line naming the first difference) an OUT holding results
+  made under other settings (OUT.settings.json records them)."""
+  if not holds_results:
+    return  # A new OUT, or one holding only errors (they are retried).
+  path = settings_path(out)
+  try:
+    made = json.loads(path.read_text(encoding='utf-8'))
+  except FileNotFoundError:
+    raise UserError(f'--out={out} holds results with no record of their '
+                    f'settings ({path.name}); give another --out') from None
+  except (OSError, json.JSONDecodeError) as e:
+    raise UserError(f'{path} cannot be read ({e}); give another --out'
+                    ) from None
+  for name, value in settings.items():
+    if made.get(name) != value:
+      raise UserError(
+          f'--out={out} holds results made with {name}={made.get(name)!r}, '
+          f'not {value!r}; rerun with the same settings or give another '
+          '--out')
+
+
+class _Lock:
+  """OUT.lock held (flock) while a run writes OUT: a second is refused."""
+
+  def __init__(self, out: pathlib.Path):
+    self.path = out.with_name(out.name + '.lock')
+
+  def __enter__(self):
+    self.file = self.path.open('a+', encoding='utf-8')
+    try:
+      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      self.file.seek(0)
+      holder = self.file.read().strip() or 'another process'
+      self.file.close()
+      raise UserError(f'{self.path.name[:-5]} is being written by '
+                      f'{holder}; wait for it to end or give another --out'
+                      ) from None
+    self.file.seek(0)
+    self.file.truncate()
+    self.file.write(f'serve.generate pid {os.getpid()}\n')
+    self.file.flush()
+    return self
+
+  def __exit__(self, *exc):
+    self.file.close()  # Releases the lock.
+
+
+def _disk_full(out: pathlib.Path, e: OSError) -> UserError:
+  return UserError(f'cannot write {out} ({e.strerror or e}); free space and '
+                   'rerun the same command: the results written are kept '
+                   'and the rest are done')
+
+
 def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
-                  max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int = 0, seed: int = 0, slots: int = 8,
-                  page_size: int = 16, kv_cache_dtype=None,
-                  progress_every: float = 10.0,
+                  max_new_tokens: int,
+                  settings: sampling.SamplingParams = sampling.SamplingParams(),
+                  slots: int = 8, page_size: int = 16, prefill_chunk: int = 64,
+                  kv_cache_dtype=None, progress_every: float = 10.0,
                   check=lambda config: None) -> engine_lib.Stats | None:
   """Runs every request of PROMPTS without a result in OUT, appending its
   line; the run's Stats (None when nothing was left to do), `refused`
@@ -129,38 +218,60 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
   for flags the model cannot take. Every check is made before OUT is
   touched."""
   memory = pages.parse_bytes(kv_memory)
-  mc, params, tokenizer = sample.load_language_model(workdir)
+  out_path, prompts_path = pathlib.Path(out), pathlib.Path(prompts)
+  check_paths(prompts_path, out_path)
+  mc, params, tokenizer, step = sample.load_language_model(workdir,
+                                                           with_step=True)
   check(mc)
-  out_path = pathlib.Path(out)
-  requests, refusals, defaulted = read_prompts(pathlib.Path(prompts),
-                                               tokenizer, max_new_tokens)
-  kept, done = read_out(out_path)
-  requests = [r for r in requests if json.dumps(r.id) not in done]
-  refusals = [r for r in refusals if _key(r) not in done]
-  engine = engine_lib.Engine(
-      mc, params, kv_memory=memory, page_size=page_size, slots=slots,
-      temperature=temperature, top_k=top_k, seed=seed,
-      eos_ids=tokenizer.eos_ids, kv_cache_dtype=kv_cache_dtype)
+  settings = settings.check(mc.vocab_size)
+  requests, refusals, defaulted = read_prompts(prompts_path, tokenizer,
+                                               max_new_tokens, settings)
+  record = {'workdir': str(pathlib.Path(workdir).resolve()), 'step': step,
+            'max_new_tokens': max_new_tokens,
+            'kv_cache_dtype': kv_cache_dtype or mc.kv_cache_dtype,
+            'temperature': settings.temperature, 'top_k': settings.top_k,
+            'top_p': settings.top_p, 'seed': settings.seed,
+            'stop': list(settings.stop)}
+  try:
+    engine = engine_lib.Engine(
+        mc, params, kv_memory=memory, page_size=page_size, slots=slots,
+        prefill_chunk=prefill_chunk, eos_ids=tokenizer.eos_ids,
+        kv_cache_dtype=kv_cache_dtype, detokenize=tokenizer.decode)
+  except engine_lib.PoolTooSmall as e:
+    raise UserError(f'--kv_memory={kv_memory}: {e}') from None
   check_max_new_tokens(max_new_tokens, mc.max_len, [
       r.id for r in requests if json.dumps(r.id) in defaulted])
-  if out_path.exists() and kept != out_path.read_text(encoding='utf-8'):
-    rewrite(out_path, kept)  # Errors dropped: they are retried below.
-  total = len(requests) + len(refusals)
-  if not total:
-    print(f'generate: all requests are already in {out}', file=sys.stderr)
-    return None
   out_path.parent.mkdir(parents=True, exist_ok=True)
-  with out_path.open('a', encoding='utf-8') as f:
-    write = lambda entry: (f.write(json.dumps(entry) + '\n'), f.flush())
-    for entry in refusals:
-      write(entry)
-    count, last = len(refusals), time.perf_counter()
-    for result in engine.run(requests):
-      write(_entry(result, tokenizer))
-      count += 1
-      if time.perf_counter() - last >= progress_every or count == total:
-        last = time.perf_counter()
-        print(_progress(count, total, engine), file=sys.stderr, flush=True)
+  with _Lock(out_path):
+    kept, done = read_out(out_path)
+    check_settings(out_path, record, bool(done))
+    requests = [r for r in requests if json.dumps(r.id) not in done]
+    refusals = [r for r in refusals if _key(r) not in done]
+    try:
+      rewrite(settings_path(out_path), json.dumps(record, indent=1) + '\n')
+      if out_path.exists() and kept != out_path.read_text(encoding='utf-8'):
+        rewrite(out_path, kept)  # Errors dropped: they are retried below.
+      total = len(requests) + len(refusals)
+      if not total:
+        print(f'generate: all requests are already in {out}',
+              file=sys.stderr)
+        return None
+      with out_path.open('a', encoding='utf-8') as f:
+        write = lambda entry: (f.write(json.dumps(entry) + '\n'), f.flush())
+        for entry in refusals:
+          write(entry)
+        count, last = len(refusals), time.perf_counter()
+        for result in engine.run(requests):
+          write(_entry(result, tokenizer, settings))
+          count += 1
+          if time.perf_counter() - last >= progress_every or count == total:
+            last = time.perf_counter()
+            print(_progress(count, total, engine), file=sys.stderr,
+                  flush=True)
+    except OSError as e:
+      if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise _disk_full(out_path, e) from None
+      raise
   engine.stats.refused += len(refusals)
   return engine.stats
 
@@ -177,23 +288,27 @@ def check_max_new_tokens(max_new_tokens: int, max_len: int, ids: list):
         f'{max_len - 1}, or a "max_new_tokens" on their lines')
 
 
-def _entry(result: engine_lib.Result, tokenizer) -> dict:
-  if result.error:
-    return {'id': result.id, 'error': result.error}
-  return {'id': result.id, 'text': tokenizer.decode(result.tokens),
-          'tokens': result.tokens,
+def _entry(result: engine_lib.Output, tokenizer,
+           settings: sampling.SamplingParams) -> dict:
+  if result.error:  # The engine's pool is this command's --kv_memory.
+    return {'id': result.id, 'error': result.error.replace(
+        'give the pool more pages', 'raise --kv_memory')}
+  done = sampling.cut(result.tokens, eos_ids=(), decode=tokenizer.decode,
+                      stop=settings.stop)
+  return {'id': result.id, 'text': done.text, 'tokens': result.tokens,
+          'finish_reason': result.finish_reason,
           'time_to_first_token_s': round(result.time_to_first_token_s, 6),
           'per_token_s': (None if result.per_token_s is None
                           else round(result.per_token_s, 6))}
 
 
 def _progress(count: int, total: int, engine: engine_lib.Engine) -> str:
-  s, a = engine.stats, engine.allocator
-  seconds = time.perf_counter() - engine.started
+  s, a = engine.stats, engine.pages
+  seconds = time.perf_counter() - (engine.started or time.perf_counter())
   return (f'generate: {count}/{total} requests, {s.tokens:,} tokens, '
           f'{s.tokens / max(seconds, 1e-9):,.1f} tokens/s, '
           f'{s.mean_in_flight:.1f} in flight, pages {a.in_use}/{a.usable} '
-          f'(high-water {a.high_water})')
+          f'(high-water {a.high_water}), {s.preemptions} preempted')
 
 
 def main(argv):
@@ -201,12 +316,15 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
+  settings = sampling.SamplingParams(
+      temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
+      stop=tuple(f.stop or ()))
   stats = generate_file(
       f.workdir, f.prompts, f.out, kv_memory=f.kv_memory,
-      max_new_tokens=f.max_new_tokens, temperature=f.temperature,
-      top_k=f.top_k, seed=f.seed, slots=f.slots, page_size=f.page_size,
+      max_new_tokens=f.max_new_tokens, settings=settings, slots=f.slots,
+      page_size=f.page_size, prefill_chunk=f.prefill_chunk,
       kv_cache_dtype=f.kv_cache_dtype,
-      check=lambda mc: sample.check_flags(f, mc.vocab_size))
+      check=lambda mc: sample.sampling_flags(f, mc.vocab_size))
   return report(stats, f.out) if stats else 0  # app.run's exit status.
 
 
@@ -217,8 +335,8 @@ def report(stats: engine_lib.Stats, out: str) -> int:
         f'({stats.tokens / max(stats.seconds, 1e-9):,.1f} tokens/s, '
         f'compiling included), {stats.mean_in_flight:.1f} sequences in '
         f'flight on average, pool high-water {stats.high_water_pages} of '
-        f'{stats.usable_pages} pages of {stats.page_bytes:,} bytes',
-        file=sys.stderr)
+        f'{stats.usable_pages} pages of {stats.page_bytes:,} bytes, '
+        f'{stats.preemptions} preemption(s)', file=sys.stderr)
   print(f'generate: {stats.done} done, {stats.refused} refused (see {out})',
         file=sys.stderr)
   return 1 if stats.refused else 0
@@ -236,10 +354,18 @@ def run():
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate per prompt')
   flags.DEFINE_float('temperature', 0.0, '0 = greedy')
   flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
-  flags.DEFINE_integer('seed', 0, 'sampling seed')
-  flags.DEFINE_integer('slots', 8, 'sequences decoded together',
-                       lower_bound=1)
+  flags.DEFINE_float('top_p', 1.0, 'sample among the likeliest tokens '
+                     'holding probability top_p (nucleus); 1 = all')
+  flags.DEFINE_integer('seed', 0, 'sampling seed (with each token\'s '
+                       'position)')
+  flags.DEFINE_multi_string('stop', [], 'a string that ends a text (not '
+                            'included); repeat the flag for several')
+  flags.DEFINE_integer('slots', 8, 'sequences in flight at most (decoded '
+                       'together)', lower_bound=1)
   flags.DEFINE_integer('page_size', 16, 'tokens per page', lower_bound=1)
+  flags.DEFINE_integer('prefill_chunk', 64, 'prompt tokens a sequence feeds '
+                       'per step (the rest in later steps, beside the '
+                       'decoding ones)', lower_bound=1)
   flags.DEFINE_string('kv_cache_dtype', None, 'how the pages store K/V: '
                       'float32, bfloat16 or int8 (default: the model\'s)')
   run_app(main, required=['workdir', 'prompts', 'out'])

@@ -285,7 +285,7 @@ class Scheduler:
       return 'empty prompt; give at least one token'
     if new < 1 or P + new > self.max_len:
       return (f'prompt ({P} tokens) + max_new_tokens ({new}) must be within '
-              f'1..max_len ({self.max_len}); shorten one')
+              f'1..model.max_len ({self.max_len}); shorten one')
     # The last sampled token is never fed, so never written.
     need = self.pages.pages_for(P + new - 1)
     if need > self.pages.usable:

@@ -20,14 +20,16 @@ from scripts import bench_serve
 from serve import engine, generate, paged, pages
 from tests.test_faults import _one_line_error, _run
 from train import checkpoint, config_lib, loop, model as model_lib, sample
+from train import sampling
 from train.errors import UserError
 from train.model import Transformer
 
 
-def _alone(mc, params, prompt, new):
-  """train.sample's greedy tokens for one prompt decoded by itself."""
-  mc = dataclasses.replace(mc, max_len=len(prompt) + new)
+def _alone(mc, params, prompt, new, settings=None):
+  """train.sample's tokens for one prompt decoded by itself (greedy unless
+  settings say otherwise)."""
   out = sample.generate(params, jnp.asarray(prompt)[None],
+                        None if settings is None else sampling.rows([settings]),
                         model=Transformer(mc, decode=True),
                         max_new_tokens=new)
   return np.asarray(out[0]).tolist()
@@ -96,7 +98,8 @@ def test_more_prompts_than_slots_in_a_small_pool_each_equal_to_decoding_alone():
   results = {r.id: r for r in served.run(requests)}
   assert served.stats.usable_pages == 8 < need
   assert 0 < served.stats.high_water_pages <= 8
-  assert served.allocator.in_use == 0  # Every page returned.
+  assert served.pages.in_use == 0  # Every page returned.
+  served.pages.check()
   assert served.stats.mean_in_flight > 1.5  # The batch was kept full.
   for r in requests:
     assert results[r.id].error is None
@@ -120,88 +123,150 @@ def test_every_cache_layout_decodes_as_train_sample_does(model):
   assert result.tokens == _alone(mc, params, prompt, 12)
 
 
+def _spy_shapes(served, monkeypatch):
+  """[(tokens [B, T], table [B, M]) shapes] of every call the runner makes."""
+  calls, step = [], served.runner._step  # pylint: disable=protected-access
+  def spy(params, pool, tokens_BT, table_BM, *args):
+    calls.append((tokens_BT.shape, table_BM.shape))
+    return step(params, pool, tokens_BT, table_BM, *args)
+  monkeypatch.setattr(served.runner, '_step', spy)
+  return calls
+
+
 @pytest.mark.slow
 def test_tables_as_wide_as_the_pages_in_use_still_decode_as_train_sample(
     monkeypatch):
   """Steps read only the bucket of the pages in use (exact up to 8, not
   max_len's 8 nor a power of two), so sequences cross width buckets as they
-  grow; prompts admitted together are prefilled in one call."""
+  grow; prompts admitted together are prefilled in one call, decode rows
+  in calls of their own (never padded to a chunk)."""
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2)
-  widths, prefills = [], []
-  decode = served._decode  # pylint: disable=protected-access
-  def spy_decode(params, pool, last, table, *args):
-    widths.append(table.shape)
-    return decode(params, pool, last, table, *args)
-  def spy_prefill(*args, prefill=engine._prefill, **kwargs):  # pylint: disable=protected-access
-    prefills.append(args[3].shape)
-    return prefill(*args, **kwargs)
-  monkeypatch.setattr(served, '_decode', spy_decode)
-  monkeypatch.setattr(engine, '_prefill', spy_prefill)
+  calls = _spy_shapes(served, monkeypatch)
   requests = [engine.Request(0, np.arange(1, 4, dtype=np.int32) * 5, 13),
               engine.Request(1, np.array([7, 11], np.int32), 3)]
   results = {r.id: r.tokens for r in served.run(requests)}
   for r in requests:
     assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
-  assert prefills == [(2, 4)]  # Both prompts, in the 1 page of the longest.
-  # Lengths 3..14 and 2..3 (the new token's position included): 1 page, then
+  assert calls[0] == ((2, 3), (2, 1))  # Both prompts, 1 page of the longest.
+  decode_widths = {table for tokens, table in calls[1:]}
+  assert {tokens for tokens, _ in calls[1:]} == {(2, 1)}
+  # Lengths 3..15 and 2..4 (the new token's position included): 1 page, then
   # 2, 3 and 4 (3 no longer read as 4).
-  assert sorted(set(widths)) == [(2, 1), (2, 2), (2, 3), (2, 4)]
+  assert sorted(decode_widths) == [(2, 1), (2, 2), (2, 3), (2, 4)]
 
 
 @pytest.mark.slow
-def test_prompts_admitted_together_are_prefilled_per_width_of_their_own(
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
     monkeypatch):
-  """A short prompt is not padded to the longest admitted with it: one
-  prefill call per bucket of prompt pages, each at least 2 rows (a one-row
-  write would update a copy of the pool), outputs still train.sample's."""
+  """Chunked prefill beside decode rows: a sequence already running gets a
+  token every step while a long prompt arrives and is fed a chunk at a
+  time; both still equal train.sample."""
   mc, params = _random_model()
-  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=3)
-  prefills = []
-  def spy_prefill(*args, prefill=engine._prefill, **kwargs):  # pylint: disable=protected-access
-    prefills.append(args[3].shape)
-    return prefill(*args, **kwargs)
-  monkeypatch.setattr(engine, '_prefill', spy_prefill)
-  requests = [engine.Request(0, np.arange(1, 10, dtype=np.int32), 4),
-              engine.Request(1, np.array([7, 11], np.int32), 5),
-              engine.Request(2, np.array([3, 5, 9], np.int32), 3)]
-  results = {r.id: r.tokens for r in served.run(requests)}
-  for r in requests:
-    assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
-  # Prompts of 2 and 3 tokens in 1 page of 4, that of 9 in 3 pages.
-  assert sorted(prefills) == [(2, 4), (2, 12)]
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
+                         prefill_chunk=4)
+  calls = _spy_shapes(served, monkeypatch)
+  short = engine.Request('short', np.array([3, 1, 4], np.int32), 12)
+  long = engine.Request('long', np.arange(1, 19, dtype=np.int32), 4)
+  served.add_request(short)
+  served.step()  # The short prompt prefilled: it decodes from now on.
+  served.add_request(long)
+  outputs, tokens_before = {}, []
+  while served.has_unfinished():
+    running = {seq.id: len(seq.generated) for seq in served.scheduler.running}
+    finished = served.step()
+    outputs.update({o.id: o.tokens for o in finished})
+    tokens_before.append(running)
+  # The 18-token prompt took 5 steps of chunks of at most 4 tokens, and in
+  # each of them the short sequence produced a token.
+  chunks = [tokens for tokens, _ in calls if tokens[1] > 1]
+  assert [T for _, T in chunks] == [3, 4, 4, 4, 4, 2]
+  assert outputs['short'] == _alone(mc, params, short.prompt, 12)
+  assert outputs['long'] == _alone(mc, params, long.prompt, 4)
 
 
 def test_buckets_pad_by_less_than_a_quarter_past_8_with_few_sizes():
-  sizes = [engine._bucket(n) for n in range(1, 129)]  # pylint: disable=protected-access
+  sizes = [engine.bucket(n) for n in range(1, 129)]
   assert sizes[:8] == list(range(1, 9))  # 9 pages read as 10, not 16:
   assert sizes[8] == 10 and sizes[18] == 20  # 19 busy slots run as 20.
   assert all(n <= size < 1.25 * n for n, size in enumerate(sizes, 1))
   assert len(set(sizes)) == 24
-  assert [engine._bucket(n, 1) for n in (1, 3, 9, 19)] == [1, 4, 16, 32]  # pylint: disable=protected-access
+  assert [engine.bucket(n, 1) for n in (1, 3, 9, 19)] == [1, 4, 16, 32]  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
 def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
+  """Each request samples by its own settings with the keys of (its seed,
+  each token's position): alone, beside others, or in train.sample, the
+  same tokens."""
   mc, params = _random_model()
-  served = engine.Engine(mc, params, kv_memory=2**20, page_size=8, slots=2,
-                         temperature=1.0, top_k=20, seed=3)
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=8, slots=2)
+  settings = [sampling.SamplingParams(temperature=1.0, top_k=20, seed=3),
+              sampling.SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+              sampling.SamplingParams(),
+              sampling.SamplingParams(temperature=1.0, top_k=20, seed=4)]
   prompts = [np.array([3, 1, 4], np.int32), np.array([1, 5, 9, 2], np.int32),
-             np.array([6, 5], np.int32)]
-  requests = [engine.Request(i, p, 9, sample_index=i)
-              for i, p in enumerate(prompts)]
+             np.array([6, 5], np.int32), np.array([3, 1, 4], np.int32)]
+  requests = [engine.Request(i, p, 9, sampling=s)
+              for i, (p, s) in enumerate(zip(prompts, settings))]
   mixed = {r.id: r.tokens for r in served.run(requests)}
   [alone] = served.run(requests[1:2])
   assert alone.tokens == mixed[1]
-  assert mixed[0] != mixed[2]  # Keys differ per request.
+  for r in requests:
+    assert mixed[r.id] == _alone(mc, params, r.prompt, 9, r.sampling), r.id
+  assert mixed[0] != mixed[3]  # The seed is the request's.
 
 
-def test_an_mla_model_is_refused_in_one_line():
-  mc = _config(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4)
-  with pytest.raises(UserError, match=r'^serve.generate does not serve '
-                     r'multi-head latent attention \(model.kv_lora_rank=8\) '
-                     'yet; use train.sample$'):
-    engine.Engine(mc, None, kv_memory=2**20)  # On the config, before params.
+@pytest.mark.slow
+@pytest.mark.parametrize('model', [
+    dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4),
+    dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4,
+         kv_cache_dtype='int8')])
+def test_mla_is_served_from_a_paged_latent_cache(model):
+  mc, params = _random_model(**model)
+  pool = paged.empty_pool(mc, 3, 4)
+  assert set(pool['layers_0']['attention']) >= {'cached_latent'}
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
+                         prefill_chunk=4)
+  requests = [engine.Request(0, np.arange(1, 12, dtype=np.int32) * 7, 10),
+              engine.Request(1, np.array([5, 2], np.int32), 6)]
+  results = {r.id: r.tokens for r in served.run(requests)}
+  for r in requests:
+    assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
+
+
+@pytest.mark.slow
+def test_a_learned_position_model_is_served_with_per_row_positions():
+  mc, params = _random_model(use_rope=False, learned_positions=True)
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
+                         prefill_chunk=4)
+  requests = [engine.Request(0, np.arange(1, 10, dtype=np.int32), 8),
+              engine.Request(1, np.array([5, 2], np.int32), 12)]
+  results = {r.id: r.tokens for r in served.run(requests)}
+  for r in requests:
+    assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
+
+
+def test_the_engine_refuses_bad_requests_typed_and_in_one_line():
+  mc, params = _random_model()
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2)
+  served.add_request(engine.Request('a', np.array([1, 2], np.int32), 4))
+  for request, reason in [
+      (engine.Request('a', np.array([3], np.int32), 4), 'already in flight'),
+      (engine.Request('b', np.array([], np.int32), 4), 'empty prompt'),
+      (engine.Request('c', np.arange(30, dtype=np.int32), 4),
+       'model.max_len (32)'),
+      (engine.Request('d', np.array([3], np.int32), 4,
+                      sampling.SamplingParams(top_p=2.0)), 'top_p=2.0'),
+      (engine.Request('e', np.array([3], np.int32), 4,
+                      sampling.SamplingParams(stop=('x',))),
+       'stop strings need')]:
+    with pytest.raises(engine.RequestRefused) as refused:
+      served.add_request(request)
+    assert reason in refused.value.reason and '\n' not in str(refused.value)
+  # The refusals took nothing: 'a' alone is served.
+  assert [(o.id, len(o.tokens)) for o in served.run([])] == [('a', 4)]
+  assert not served.has_unfinished() and served.pages.in_use == 0
 
 
 def test_a_rerun_keeps_results_and_retries_errors_and_a_cut_short_line(
@@ -262,7 +327,7 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   prompts, out = tmp_path / 'prompts.jsonl', tmp_path / 'out.jsonl'
   _write_lines(prompts, [
       {'id': 'a', 'prompt': 'def '}, 'not json', {'id': 'empty', 'prompt': ''},
-      {'id': 'long', 'prompt': 'x' * 30}, {'id': 'a', 'prompt': 'again'},
+      {'id': 'long', 'prompt': 'x' * 30}, '[1, 2]',
       {'id': 'big', 'prompt': 'y' * 20, 'max_new_tokens': 12},
       {'id': 7, 'prompt': 'import', 'max_new_tokens': 4}])
   mc, params, _ = checkpoint.load_workdir(str(trained))
@@ -277,10 +342,12 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   assert len(lines) == 7 and stats.high_water_pages <= 3
   assert (stats.done, stats.refused) == (2, 5)
   assert by_key[(None, 2)]['error'].startswith('line 2: not JSON')
-  assert by_key[(None, 5)]['error'].startswith('line 5: id "a" appears')
+  assert by_key[(None, 5)]['error'].startswith('line 5: needs an "id"')
   assert by_key[('empty', None)]['error'].startswith('empty prompt')
   assert 'model.max_len (32)' in by_key[('long', None)]['error']
-  assert 'needs 4 pages' in by_key[('big', None)]['error']
+  assert by_key[('big', None)]['error'] == (
+      'it needs up to 4 pages of 8 tokens but the pool has 3; raise '
+      '--kv_memory or shorten it')
   for key, prompt, new in [('a', b'def ', 10), (7, b'import', 4)]:
     expected = _alone(mc, params, np.frombuffer(prompt, np.uint8), new)
     assert by_key[(key, None)]['tokens'] == expected
@@ -321,8 +388,9 @@ def test_a_pool_too_small_for_any_sequence_is_one_line(trained, tmp_path):
   result = _run('serve.generate', f'--workdir={trained}',
                 f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
                 '--kv_memory=1KiB')
-  _one_line_error(result, 'too few for any sequence; give --kv_memory of at '
-                  'least')
+  _one_line_error(result, 'error: --kv_memory=1KiB: the KV memory (1,024 '
+                  'bytes) holds 0 page(s)')
+  assert 'too few for any sequence; give at least' in result.stderr
   result = _run('serve.generate', f'--workdir={trained}',
                 f'--prompts={prompts}', f'--out={tmp_path / "out.jsonl"}',
                 '--kv_memory=lots')
@@ -341,7 +409,8 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
   mc, params = _random_model(num_kv_heads=1)
   engine = bench_serve.engine_runner(mc, params, trace, 24 * 2**10, args)
   alone = bench_serve.alone_runner(mc, params, trace)
-  runs = [engine() | alone() for _ in range(3)]
+  static = bench_serve.static_runner(mc, params, trace, 24 * 2**10, 2)
+  runs = [engine() | alone() | static() for _ in range(3)]
   row = bench_serve.summarize(runs)
   assert row['tokens'] == sum(new for _, new in trace)
   assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
@@ -351,12 +420,17 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
   ratios = [r['tokens_per_sec'] / r['alone_tokens_per_sec'] for r in runs]
   assert row['alone_speedup'] == pytest.approx(np.median(ratios))
   assert row['alone_speedup_range'] == [min(ratios), max(ratios)]
+  # The static peer's batch: the dense caches --kv_memory holds, at most
+  # --slots (24 KiB holds 3 caches of the longest request's 15 tokens).
+  assert row['static_batch'] == bench_serve.static_batch(
+      mc, trace, 24 * 2**10, 2) == 2
+  assert row['static_tokens_per_sec'] > 0 and 'static_speedup' in row
   assert row['seconds'] == pytest.approx(np.median(
       [r['seconds'] for r in runs]))
   bench_serve.plot([row], tmp_path / 'serve.png')
   report = bench_serve.report({'command': 'c', 'date': 'd', 'repeats': 3,
                                'rows': [row]}, args)
-  assert '| 1 | 1,024 |' in report
+  assert '| 1 | 1,024 |' in report and '| (2) ' in report
   low, high = row['alone_speedup_range']
   assert f'wall {row["alone_speedup"]:.2f}x ({low:.2f} to {high:.2f}), CPU ' \
       in report
@@ -411,17 +485,16 @@ def _ynn_dots(compiled_text: str) -> int:
 
 
 def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
-  # pylint: disable=protected-access
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=8)
-  B = 8
+  runner, B = served.runner, 8
   rows = lambda: np.zeros(B, np.int32)
-  args = (served.params, served._pool, rows(), np.zeros((B, 2), np.int32),
-          rows(), served._key, rows(), rows())
-  ours = served._decode.lower(*args).compile().as_text()
+  args = (runner.params, runner.pool, np.zeros((B, 1), np.int32),
+          np.zeros((B, 2), np.int32), rows(), None,
+          sampling.rows([sampling.SamplingParams()] * B))
+  ours = runner._step.lower(*args).compile().as_text()  # pylint: disable=protected-access
   control = jax.jit(functools.partial(  # The same step, XLA's defaults.
-      engine._step, served.model)).lower(
-          *args).compile().as_text()
+      engine._run_rows, runner.model)).lower(*args).compile().as_text()  # pylint: disable=protected-access
   assert _ynn_dots(control) > 0
   assert _ynn_dots(ours) == 0
 

@@ -408,6 +408,12 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
 
   flag: the command-line flag that named WORKDIR, for the error messages.
   """
+  return load_workdir_step(workdir, flag)[:3]
+
+
+def load_workdir_step(workdir: str, flag: str = '--workdir'):
+  """(ModelConfig, params, ConfigDict, step): `load_workdir` and the step
+  its parameters were saved at."""
   from train import config_lib  # pylint: disable=import-outside-toplevel
   path = storage.path(workdir, flag) / 'config.json'
   if not path.parent.is_dir():
@@ -417,5 +423,5 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
     raise UserError(f'{path} not found; {flag} must be a train.main workdir '
                     'with a checkpoint')
   config = config_lib.from_json(path)
-  _, state = restore_latest(workdir)
-  return config_lib.model_config(config), state['params'], config
+  step, state = restore_latest(workdir)
+  return config_lib.model_config(config), state['params'], config, step

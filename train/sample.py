@@ -102,16 +102,18 @@ def generate(params, prompt_BT, settings: sampling.Rows | None = None, *,
   return jnp.concatenate([first_B[:, None], rest], axis=1)
 
 
-def load_language_model(workdir: str):
-  """(ModelConfig, params, tokenizer) of a WORKDIR trained on text, or a
-  UserError saying why its model cannot take text prompts."""
-  mc, params, config = checkpoint.load_workdir(workdir)
+def load_language_model(workdir: str, with_step: bool = False):
+  """(ModelConfig, params, tokenizer) of a WORKDIR trained on text (and the
+  checkpoint's step, with_step), or a UserError saying why its model cannot
+  take text prompts."""
+  mc, params, config, step = checkpoint.load_workdir_step(workdir)
   if config.data.get('task', 'lm') != 'lm':
     raise UserError(f'this model was trained on data.task='
                     f'{config.data.task!r}, not text; sample from a language '
                     'model')
   tokenizer = tokenizer_lib.for_text(workdir, mc, config)
-  return mc, params, tokenizer
+  return (mc, params, tokenizer, step) if with_step else (mc, params,
+                                                          tokenizer)
 
 
 def sampling_flags(f, vocab_size: int) -> sampling.SamplingParams:
