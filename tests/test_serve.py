@@ -5,9 +5,15 @@ is one line and the other requests go on."""
 
 import argparse
 import dataclasses
+import errno
 import functools
 import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -23,6 +29,8 @@ from train import checkpoint, config_lib, loop, model as model_lib, sample
 from train import sampling
 from train.errors import UserError
 from train.model import Transformer
+
+REPO = pathlib.Path(__file__).parent.parent
 
 
 def _alone(mc, params, prompt, new, settings=None):
@@ -510,3 +518,127 @@ def test_bench_serve_refuses_a_pool_too_small_for_the_trace_before_any_run(
   _one_line_error(result, 'K=4: the trace\'s longest request')
   assert 'give --kv_memory of at least' in result.stderr
   assert not (tmp_path / 'out').exists()
+
+
+def _prompts(path, ids):
+  _write_lines(path, [{'id': i, 'prompt': f'def f{i}'} for i in ids])
+  return path
+
+
+def _lines(out):
+  return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _generate(trained, prompts, out, **kwargs):
+  kwargs = dict(dict(kv_memory='1MiB', max_new_tokens=4, page_size=8,
+                     slots=2), **kwargs)
+  return generate.generate_file(str(trained), str(prompts), str(out),
+                                **kwargs)
+
+
+def test_duplicate_ids_are_refused_before_anything_is_written(trained,
+                                                              tmp_path):
+  prompts = tmp_path / 'prompts.jsonl'
+  _write_lines(prompts, [{'id': 'a', 'prompt': 'x'}, {'id': 'b', 'prompt': 'y'},
+                         {'id': 'a', 'prompt': 'z'}])
+  with pytest.raises(UserError, match=r'id "a" is on lines 1 and 3; give each '
+                     r'prompt its own id \(nothing was written\)$'):
+    _generate(trained, prompts, tmp_path / 'out.jsonl')
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['prompts.jsonl']
+
+
+def test_out_equal_to_prompts_is_refused_and_the_prompts_kept(trained,
+                                                              tmp_path):
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ['a'])
+  before = prompts.read_text()
+  for out in (prompts, tmp_path / '.' / 'prompts.jsonl'):
+    with pytest.raises(UserError, match=r'is the --prompts file; give another '
+                       'file for the results$'):
+      _generate(trained, prompts, out)
+  assert prompts.read_text() == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['prompts.jsonl']
+
+
+@pytest.mark.slow
+def test_a_rerun_under_other_settings_is_refused_naming_the_difference(
+    trained, tmp_path):
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ['a', 'b'])
+  out = tmp_path / 'out.jsonl'
+  _generate(trained, prompts, out)
+  before = out.read_text()
+  _prompts(prompts, ['a', 'b', 'c'])  # A new request to run.
+  for kwargs, difference in [
+      (dict(max_new_tokens=5), 'max_new_tokens=4, not 5'),
+      (dict(settings=sampling.SamplingParams(temperature=0.5)),
+       'temperature=0.0, not 0.5'),
+      (dict(settings=sampling.SamplingParams(seed=1)), 'seed=0, not 1'),
+      (dict(kv_cache_dtype='int8'), "kv_cache_dtype=None, not 'int8'")]:
+    with pytest.raises(UserError, match=f'holds results made with '
+                       f'{re.escape(difference)}; rerun with the same '
+                       'settings or give another --out$'):
+      _generate(trained, prompts, out, **kwargs)
+    assert out.read_text() == before  # Nothing mixed in.
+  # Serving settings change no text: another --slots, --page_size and
+  # --prefill_chunk complete the same OUT.
+  _generate(trained, prompts, out, slots=1, page_size=4, prefill_chunk=2)
+  assert out.read_text().startswith(before)
+  assert [e['id'] for e in _lines(out)] == ['a', 'b', 'c']
+
+
+def test_a_second_process_on_the_same_out_is_refused(trained, tmp_path):
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ['a'])
+  out = tmp_path / 'out.jsonl'
+  with generate._Lock(out):  # pylint: disable=protected-access
+    with pytest.raises(UserError, match=r'^out.jsonl is being written by '
+                       rf'serve.generate pid {os.getpid()}; wait for it to '
+                       'end or give another --out$'):
+      _generate(trained, prompts, out)
+  assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_a_rerun_completes_the_rest(
+    trained, tmp_path, monkeypatch):
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ['a', 'b', 'c', 'd'])
+  out = tmp_path / 'out.jsonl'
+  entry, written = generate._entry, []  # pylint: disable=protected-access
+  def fills_up(*args):
+    if len(written) == 2:
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    written.append(1)
+    return entry(*args)
+  monkeypatch.setattr(generate, '_entry', fills_up)
+  with pytest.raises(UserError, match=r'^cannot write .*out.jsonl \(No space '
+                     r'left on device\); free space and rerun the same '
+                     'command: the results written are kept'):
+    _generate(trained, prompts, out)
+  assert len(_lines(out)) == 2
+  monkeypatch.setattr(generate, '_entry', entry)
+  _generate(trained, prompts, out)
+  assert sorted(e['id'] for e in _lines(out)) == ['a', 'b', 'c', 'd']
+
+
+@pytest.mark.slowest
+def test_kill_9_then_rerun_gives_every_id_exactly_once(trained, tmp_path):
+  ids = [f'r{i}' for i in range(24)]
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ids)
+  out = tmp_path / 'out.jsonl'
+  command = [sys.executable, '-m', 'serve.generate', f'--workdir={trained}',
+             f'--prompts={prompts}', f'--out={out}', '--kv_memory=1MiB',
+             '--max_new_tokens=20', '--slots=2', '--page_size=8']
+  process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  deadline = time.time() + 120
+  while time.time() < deadline and (
+      not out.exists() or out.read_text().count('\n') < 3):
+    time.sleep(0.05)
+  process.kill()  # SIGKILL, mid-run.
+  process.wait()
+  done_before = out.read_text().count('\n')
+  assert 3 <= done_before < len(ids)
+  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                          timeout=180)
+  assert result.returncode == 0, result.stderr
+  lines = out.read_text().splitlines(keepends=True)
+  assert all(line.endswith('\n') for line in lines)
+  assert sorted(json.loads(line)['id'] for line in lines) == sorted(ids)
