@@ -1,0 +1,183 @@
+"""The JSON-lines command end to end against one request at a time.
+
+  python -m scripts.bench_generate [--config=gqa_small] [--requests=512]
+      [--max_new_tokens=176] [--prompt_len=8,64] [--kv_memory=256MiB]
+      [--slots=64] [--prefill_chunk=64] [--repeats=2] [--seed=0]
+      [--out=out/generate]
+
+A step-0 workdir of --config (random weights: speed does not depend on
+them; byte-level, so no end-of-sequence token cuts a request short) and
+--requests prompts of printable bytes, lengths uniform in --prompt_len
+(seeded). Contestants, taking turns --repeats times:
+  serve.generate  `python -m serve.generate` in a process of its own, timed
+                  from its start to its exit: loading, compiling and writing
+                  OUT included (nothing excluded)
+  one at a time   the same requests one after another through
+                  `train.sample.generate` in this process, each shape
+                  compiled before its clock starts (compiling excluded)
+Both generate every request's --max_new_tokens tokens. The ratio is the
+peer's wall time over the command's, per turn (median and range). Writes
+generate.json and report.md under --out, with the CPU and its flags.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scripts import bench_serve
+from train import checkpoint, config_lib, loop, provenance, sample
+from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+                       int_list, positive_int)
+from train.errors import UserError
+from train.model import Transformer
+
+
+def make_prompts(args) -> list[str]:
+  """--requests prompts of printable ASCII, lengths uniform in
+  --prompt_len, seeded by --seed."""
+  low, high = args.prompt_len
+  if low < 1 or low > high:
+    raise UserError(f'--prompt_len={low},{high} must be LOW,HIGH with '
+                    '1 <= LOW <= HIGH')
+  rng = np.random.default_rng(args.seed)
+  return [rng.integers(32, 127, int(rng.integers(low, high + 1))).astype(
+      np.uint8).tobytes().decode() for _ in range(args.requests)]
+
+
+def command_runner(workdir, prompts_file, out_dir, args):
+  """A function running serve.generate once into a fresh OUT, timed from
+  the process's start to its exit."""
+  runs = iter(range(1 << 30))
+
+  def run() -> dict:
+    out = pathlib.Path(out_dir, f'out{next(runs)}.jsonl')
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, '-m', 'serve.generate', f'--workdir={workdir}',
+         f'--prompts={prompts_file}', f'--out={out}',
+         f'--kv_memory={args.kv_memory}',
+         f'--max_new_tokens={args.max_new_tokens}', f'--slots={args.slots}',
+         f'--prefill_chunk={args.prefill_chunk}'],
+        capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if result.returncode:
+      raise RuntimeError(f'serve.generate failed:\n{result.stderr[-3000:]}')
+    tokens = sum(len(json.loads(line)['tokens'])
+                 for line in out.read_text().splitlines())
+    return {'command_seconds': seconds, 'command_tokens': tokens,
+            'command_tokens_per_sec': tokens / seconds,
+            'command_summary': result.stderr.strip().splitlines()[-2]}
+  return run
+
+
+def alone_runner(mc, params, prompts, new: int):
+  """A function timing the requests one after another through
+  train.sample.generate (compiled per prompt length before any clock)."""
+  model, compiled = Transformer(mc, decode=True), {}
+  calls = []
+  for prompt in prompts:
+    args = (params, jnp.asarray(list(prompt.encode()), jnp.int32)[None])
+    if len(prompt) not in compiled:
+      compiled[len(prompt)] = jax.jit(functools.partial(
+          sample.generate, model=model, max_new_tokens=new),
+          compiler_options=sample.compiler_options()).lower(*args).compile()
+    calls.append((compiled[len(prompt)], args))
+
+  def run() -> dict:
+    start = time.perf_counter()
+    for fn, args in calls:
+      np.asarray(fn(*args))
+    seconds = time.perf_counter() - start
+    return {'alone_seconds': seconds,
+            'alone_tokens_per_sec': len(prompts) * new / seconds}
+  return run
+
+
+def main():
+  parser = ArgumentParser(description=__doc__)
+  parser.add_argument('--config', default='gqa_small')
+  parser.add_argument('--requests', type=positive_int, default=512)
+  parser.add_argument('--max_new_tokens', type=positive_int, default=176)
+  parser.add_argument('--prompt_len', type=int_list, default=[8, 64])
+  parser.add_argument('--kv_memory', default='256MiB')
+  parser.add_argument('--slots', type=positive_int, default=64)
+  parser.add_argument('--prefill_chunk', type=positive_int, default=64)
+  parser.add_argument('--repeats', type=positive_int, default=2)
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--out', default='out/generate')
+  args = parser.parse_args()
+  check_output_dir(args.out)
+  config = config_lib.load(args.config)
+  if len(args.prompt_len) != 2:
+    raise UserError('--prompt_len must be LOW,HIGH')
+  if args.prompt_len[1] + args.max_new_tokens > config.model.max_len:
+    raise UserError(f'--prompt_len and --max_new_tokens reach '
+                    f'{args.prompt_len[1] + args.max_new_tokens} tokens, past '
+                    f'model.max_len ({config.model.max_len}); lower them')
+  prompts = make_prompts(args)
+  mc = config_lib.model_config(config)
+  params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
+  with tempfile.TemporaryDirectory() as tmp:
+    workdir = pathlib.Path(tmp, 'workdir')
+    checkpoint.save_params(workdir, params)  # A step-0 workdir.
+    (workdir / 'config.json').write_text(config.to_json(indent=2))
+    prompts_file = pathlib.Path(tmp, 'prompts.jsonl')
+    prompts_file.write_text(''.join(
+        json.dumps({'id': i, 'prompt': p}) + '\n'
+        for i, p in enumerate(prompts)))
+    contestants = [command_runner(workdir, prompts_file, tmp, args),
+                   alone_runner(mc, params, prompts, args.max_new_tokens)]
+    runs = []
+    for turn in range(args.repeats):
+      run = {}
+      for contestant in contestants:
+        run |= contestant()
+      run['speedup'] = run['alone_seconds'] / run['command_seconds']
+      print(f'turn {turn + 1}: serve.generate {run["command_seconds"]:.1f} s '
+            f'({run["command_tokens_per_sec"]:,.0f} tokens/s, everything '
+            f'included), one at a time {run["alone_seconds"]:.1f} s: '
+            f'{run["speedup"]:.2f}x', flush=True)
+      runs.append(run)
+  ratios = [r['speedup'] for r in runs]
+  results = {
+      'command': 'python -m scripts.bench_generate ' + ' '.join(sys.argv[1:]),
+      'commit': provenance.commit(), 'date': time.strftime('%Y-%m-%d'),
+      'machine': bench_serve.machine(), 'args': vars(args), 'runs': runs,
+      'speedup': float(np.median(ratios)),
+      'speedup_range': [min(ratios), max(ratios)]}
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'generate.json').write_text(json.dumps(results, indent=1))
+  m = results['machine']
+  (out / 'report.md').write_text(
+      f'# serve.generate against one request at a time\n\n'
+      f'`{results["command"]}` at commit {results["commit"]} on '
+      f'{results["date"]}; CPU {m["cpu"]} (avx2: {m["avx2"]}, avx512f: '
+      f'{m["avx512f"]}), {m["cores"]} cores, load average '
+      f'{", ".join(f"{x:.2f}" for x in m["load_average"])} at the end.\n\n'
+      f'{args.requests} requests x {args.max_new_tokens} new tokens, '
+      f'--kv_memory={args.kv_memory}, --slots={args.slots}: the command '
+      f'(everything included) is {results["speedup"]:.2f}x one request at a '
+      f'time in wall time (range {min(ratios):.2f} to {max(ratios):.2f} over '
+      f'{len(runs)} turns; the command '
+      f'{np.median([r["command_seconds"] for r in runs]):.1f} s, one at a '
+      f'time {np.median([r["alone_seconds"] for r in runs]):.1f} s, '
+      'medians).\n')
+  print(f'serve.generate is {results["speedup"]:.2f}x one request at a time '
+        f'(median of {len(runs)} turns); wrote {out}/generate.json and '
+        'report.md')
+
+
+if __name__ == '__main__':
+  exit_on_user_error(main)
