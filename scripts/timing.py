@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import loop, sample
+from train import loop, sample, sampling
 from train.model import Transformer, unroll_layers
 
 
@@ -69,11 +69,11 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
       if jax.tree_util.keystr(path).endswith(("['cache_index']",
                                               "['position_index']")) else x,
       cache)
-  rngs = jax.random.split(jax.random.key(0), steps)
+  greedy = sampling.rows([sampling.SamplingParams()] * batch)
 
   def run(cache, token_B):
-    sampled, cache = sample.decode(model, params, cache, token_B, rngs,
-                                   temperature=0.0, top_k=0)
+    sampled, cache = sample.decode(model, params, cache, token_B, greedy,
+                                   context, steps)
     return sampled, refill(cache)
 
   run = jax.jit(run, donate_argnums=0,

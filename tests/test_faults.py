@@ -637,14 +637,14 @@ def test_bad_workdirs_are_one_line_before_any_work(trained, tmp_path):
                   f'--source={tmp_path / "nope"} is not a directory')
   _one_line_error(_run('train.sample', f'--workdir={trained}', '--top_k=257',
                        '--max_new_tokens=5'),
-                  '--top_k=257 must be in 0..256')
+                  '--top_k=257 must be an integer in 0..256')
 
 
 @pytest.mark.parametrize('flag, message', [
     ('--temperature=nan', '--temperature=nan must be a number >= 0'),
     ('--temperature=inf', '--temperature=inf must be a number >= 0'),
     ('--max_new_tokens=0', '--max_new_tokens=0 must be >= 1'),
-    ('--seed=-1', '--seed=-1 must be in 0..2**32 - 1'),
+    ('--seed=-1', '--seed=-1 must be an integer in 0..2**32 - 1'),
     (b'--prompt=caf\xe9', '--prompt is not valid UTF-8 text'),  # Latin-1.
 ])
 def test_every_sampling_flag_is_range_checked(trained, flag, message):

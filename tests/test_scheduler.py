@@ -228,8 +228,8 @@ def test_refusals_say_why():
   for seq, reason in [
       (Sequence('a', [1], 1), 'already in flight'),
       (Sequence('b', [], 3), 'empty prompt'),
-      (Sequence('c', [1] * 30, 3), 'within 1..max_len'),
-      (Sequence('d', [1], 0), 'within 1..max_len'),
+      (Sequence('c', [1] * 30, 3), 'within 1..model.max_len'),
+      (Sequence('d', [1], 0), 'within 1..model.max_len'),
       # 3 usable pages hold 12 positions; 10 + 4 - 1 = 13 need 4 pages.
       (Sequence('e', [1] * 10, 4), 'needs up to 4 pages')]:
     with pytest.raises(RequestRefused, match=reason) as refused:
