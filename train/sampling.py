@@ -111,10 +111,13 @@ def sample(logits_BV, settings: Rows, position_B):
   scaled_BV = jax.lax.cond(
       jnp.any((settings.top_k > 0) | (settings.top_p < 1)),
       _truncate, lambda x, *_: x, scaled_BV, settings.top_k, settings.top_p)
-  keys_B = token_keys(settings.seed, position_B)
-  drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BV)
-  return jnp.where(settings.temperature > 0, drawn_B, greedy_B).astype(
-      jnp.int32)
+  def draw(scaled_BV):
+    keys_B = token_keys(settings.seed, position_B)
+    drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BV)
+    return jnp.where(settings.temperature > 0, drawn_B, greedy_B)
+  # A batch of greedy rows draws no random numbers.
+  return jax.lax.cond(jnp.any(settings.temperature > 0), draw,
+                      lambda _: greedy_B, scaled_BV).astype(jnp.int32)
 
 
 def _truncate(scaled_BV, top_k_B, top_p_B):
