@@ -2,7 +2,7 @@
 
   python -m scripts.bench_generate [--config=gqa_small] [--requests=512]
       [--max_new_tokens=176] [--prompt_len=8,64] [--kv_memory=256MiB]
-      [--slots=64] [--prefill_chunk=64] [--repeats=2] [--seed=0]
+      [--slots=128] [--prefill_chunk=64] [--repeats=2] [--seed=0]
       [--out=out/generate]
 
 A step-0 workdir of --config (random weights: speed does not depend on
@@ -111,7 +111,7 @@ def main():
   parser.add_argument('--max_new_tokens', type=positive_int, default=176)
   parser.add_argument('--prompt_len', type=int_list, default=[8, 64])
   parser.add_argument('--kv_memory', default='256MiB')
-  parser.add_argument('--slots', type=positive_int, default=64)
+  parser.add_argument('--slots', type=positive_int, default=128)
   parser.add_argument('--prefill_chunk', type=positive_int, default=64)
   parser.add_argument('--repeats', type=positive_int, default=2)
   parser.add_argument('--seed', type=int, default=0)

@@ -119,6 +119,10 @@ def pool_pages(config: model_lib.ModelConfig, kv_memory: int,
 # Sizes per octave of the batch, length and table-width buckets: 4 pads by
 # less than a quarter (exact up to 8), at 4 compiled sizes per doubling.
 BUCKETS_PER_OCTAVE = 4
+# Page-table widths, two per doubling (exact up to 4, then 6, 8, 12, 16, ...):
+# a sequence crosses every width as it grows, each a compile (about 1 s for
+# gqa_small on 2 cores), while a wider table costs a step little more.
+WIDTHS_PER_OCTAVE = 2
 
 
 def bucket(n: int, per_octave: int = BUCKETS_PER_OCTAVE) -> int:
@@ -131,18 +135,19 @@ def bucket(n: int, per_octave: int = BUCKETS_PER_OCTAVE) -> int:
 
 
 def _run_rows(model, params, pool, tokens_BT, table_BM, lengths_B, num_new_B,
-              settings: sampling.Rows):
+              settings: sampling.Rows, needs: sampling.Needs | None = None):
   """Each row's tokens written at positions lengths_B.. of its pages (the
   first num_new_B real; None: all T), and one token sampled from the logits
   of each row's last real token, at position lengths_B + num_new_B:
-  (tokens [B], the pool)."""
+  (tokens [B], the pool). needs (static): what the rows' sampling uses."""
   logits_BTV, pool = paged.forward(model, params, pool, tokens_BT, table_BM,
                                    lengths_B, num_new_B)
   B, T, _ = logits_BTV.shape
   num_new_B = jnp.full((B,), T) if num_new_B is None else num_new_B
   last_BV = jnp.take_along_axis(
       logits_BTV, jnp.maximum(num_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
-  return sampling.sample(last_BV, settings, lengths_B + num_new_B), pool
+  return sampling.sample(last_BV, settings, lengths_B + num_new_B,
+                         needs), pool
 
 
 class ModelRunner:
@@ -164,8 +169,10 @@ class ModelRunner:
     self.page_size = page_size
     self.max_pages = pages_lib.pages_for(self.config.max_len, page_size)
     self.pool = paged.empty_pool(self.config, num_pages, page_size)
+    # Programs specialised to what the rows' sampling needs (a greedy batch
+    # compiles in about half the time of one that samples).
     self._step = jax.jit(functools.partial(_run_rows, self.model),
-                         donate_argnums=1,
+                         donate_argnums=1, static_argnames='needs',
                          compiler_options=sample.compiler_options())
 
   def run(self, rows: list[Row], pages: kv_pages.KVPageManager
@@ -177,7 +184,8 @@ class ModelRunner:
     B = max(2, bucket(len(rows)))
     T = bucket(max(len(row.tokens) for row in rows))
     M = min(self.max_pages, bucket(max(
-        pages_lib.pages_for(row.end, self.page_size) for row in rows)))
+        pages_lib.pages_for(row.end, self.page_size) for row in rows),
+        WIDTHS_PER_OCTAVE))
     tokens_BT = np.zeros((B, T), np.int32)
     table_BM = np.zeros((B, M), np.int32)  # Idle rows: the scratch page.
     lengths_B = np.zeros(B, np.int32)
@@ -193,7 +201,8 @@ class ModelRunner:
     padded = None if T == 1 else num_new_B
     tokens_B, self.pool = self._step(self.params, self.pool, tokens_BT,
                                      table_BM, lengths_B, padded,
-                                     sampling.rows(params))
+                                     sampling.rows(params),
+                                     needs=sampling.needs(params))
     tokens_B = np.asarray(tokens_B)
     return {row.seq.id: int(tokens_B[b]) for b, row in enumerate(rows)
             if row.sample}

@@ -2,7 +2,7 @@
 
   python -m serve.generate --workdir=DIR --prompts=FILE.jsonl --out=OUT.jsonl \
       --kv_memory=256MiB --max_new_tokens=N [--temperature=0] [--top_k=0] \
-      [--top_p=1] [--seed=0] [--stop=STR] [--slots=64] [--page_size=16] \
+      [--top_p=1] [--seed=0] [--stop=STR] [--slots=128] [--page_size=16] \
       [--prefill_chunk=64] [--kv_cache_dtype=int8]
 
 A thin loop over `serve.engine.Engine` (add_request, step): the prompts are
@@ -360,7 +360,7 @@ def run():
                        'position)')
   flags.DEFINE_multi_string('stop', [], 'a string that ends a text (not '
                             'included); repeat the flag for several')
-  flags.DEFINE_integer('slots', 64, 'sequences in flight at most (decoded '
+  flags.DEFINE_integer('slots', 128, 'sequences in flight at most (decoded '
                        'together; fewer when --kv_memory holds fewer)',
                        lower_bound=1)
   flags.DEFINE_integer('page_size', 16, 'tokens per page', lower_bound=1)

@@ -135,3 +135,21 @@ def test_cut_keeps_everything_without_eos_or_stop():
   done = sampling.cut(list(b'abc'), eos_ids=(0,), decode=_decode, stop=('q',))
   assert (done.text, done.tokens, done.reason) == ('abc', list(b'abc'),
                                                    'length')
+
+
+@pytest.mark.parametrize('batch', [
+    [SamplingParams(), SamplingParams(seed=3)],
+    [SamplingParams(), SamplingParams(temperature=1.0, seed=3)],
+    [SamplingParams(temperature=0.7, top_k=5, seed=1),
+     SamplingParams(temperature=1.0, top_p=0.8), SamplingParams()]])
+def test_a_program_specialised_to_what_the_rows_need_draws_the_same(batch):
+  """`needs` leaves unused ways out of the program, not out of the result."""
+  logits_BV = jnp.asarray(np.random.default_rng(0).normal(size=(
+      len(batch), 30)), jnp.float32)
+  settings, positions = sampling.rows(batch), jnp.arange(len(batch)) + 4
+  needs = sampling.needs(batch)
+  assert needs.draw == any(p.temperature > 0 for p in batch)
+  chex.assert_trees_all_equal(
+      jax.jit(sampling.sample, static_argnames='needs')(
+          logits_BV, settings, positions, needs=needs),
+      sampling.sample(logits_BV, settings, positions))

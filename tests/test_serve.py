@@ -134,9 +134,9 @@ def test_every_cache_layout_decodes_as_train_sample_does(model):
 def _spy_shapes(served, monkeypatch):
   """[(tokens [B, T], table [B, M]) shapes] of every call the runner makes."""
   calls, step = [], served.runner._step  # pylint: disable=protected-access
-  def spy(params, pool, tokens_BT, table_BM, *args):
+  def spy(params, pool, tokens_BT, table_BM, *args, **kwargs):
     calls.append((tokens_BT.shape, table_BM.shape))
-    return step(params, pool, tokens_BT, table_BM, *args)
+    return step(params, pool, tokens_BT, table_BM, *args, **kwargs)
   monkeypatch.setattr(served.runner, '_step', spy)
   return calls
 

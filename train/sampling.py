@@ -101,23 +101,49 @@ def token_keys(seed_B, position_B):
                                         jnp.asarray(position_B, jnp.uint32))
 
 
-def sample(logits_BV, settings: Rows, position_B):
+class Needs(NamedTuple):
+  """What a batch's rows use, known on the host: some row draws
+  (temperature > 0), some row truncates (top_k or top_p). Passed as a static
+  argument, it leaves what no row uses out of the compiled program."""
+  draw: bool
+  truncate: bool
+
+
+def needs(params: Sequence[SamplingParams]) -> Needs:
+  return Needs(any(p.temperature > 0 for p in params),
+               any(p.temperature > 0 and (p.top_k or p.top_p < 1)
+                   for p in params))
+
+
+def sample(logits_BV, settings: Rows, position_B, needs: Needs | None = None):
   """[B] tokens from [B, V] logits: row b by its settings and the key of
-  (its seed, position_B[b], the absolute position of the token sampled)."""
+  (its seed, position_B[b], the absolute position of the token sampled).
+
+  needs: what the rows use (`needs`, static): a program without the rest;
+  None: decided on the device, every row's way compiled in."""
   logits_BV = logits_BV.astype(jnp.float32)
-  greedy_B = jnp.argmax(logits_BV, axis=-1)
+  greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  if needs is not None and not needs.draw:
+    return greedy_B
   temperature_B1 = settings.temperature.astype(jnp.float32)[:, None]
   scaled_BV = logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0)
-  scaled_BV = jax.lax.cond(
-      jnp.any((settings.top_k > 0) | (settings.top_p < 1)),
-      _truncate, lambda x, *_: x, scaled_BV, settings.top_k, settings.top_p)
+  if needs is None:
+    scaled_BV = jax.lax.cond(
+        jnp.any((settings.top_k > 0) | (settings.top_p < 1)),
+        _truncate, lambda x, *_: x, scaled_BV, settings.top_k, settings.top_p)
+  elif needs.truncate:
+    scaled_BV = _truncate(scaled_BV, settings.top_k, settings.top_p)
+
   def draw(scaled_BV):
     keys_B = token_keys(settings.seed, position_B)
     drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BV)
-    return jnp.where(settings.temperature > 0, drawn_B, greedy_B)
+    return jnp.where(settings.temperature > 0, drawn_B, greedy_B).astype(
+        jnp.int32)
+  if needs is not None:
+    return draw(scaled_BV)
   # A batch of greedy rows draws no random numbers.
   return jax.lax.cond(jnp.any(settings.temperature > 0), draw,
-                      lambda _: greedy_B, scaled_BV).astype(jnp.int32)
+                      lambda _: greedy_B, scaled_BV)
 
 
 def _truncate(scaled_BV, top_k_B, top_p_B):
