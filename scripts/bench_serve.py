@@ -92,6 +92,8 @@ def main():
   parser.add_argument('--prompt_len', type=int_list, default=[8, 96])
   parser.add_argument('--output_len', type=int_list, default=[8, 64])
   parser.add_argument('--length_step', type=positive_int, default=1)
+  parser.add_argument('--admission', choices=['reserve', 'optimistic'],
+                      default='reserve', help="the engine's (serve.engine)")
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--repeats', type=positive_int, default=3,
                       help='timed runs of each contestant, taking turns; '
@@ -191,7 +193,8 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
   """A function timing the trace through the engine once (compiled here,
   by a warm-up pass over the same trace) and returning its numbers."""
   served = engine_lib.Engine(mc, params, kv_memory=kv_memory,
-                             page_size=args.page_size, slots=args.slots)
+                             page_size=args.page_size, slots=args.slots,
+                             admission=getattr(args, 'admission', 'reserve'))
   requests = [engine_lib.Request(i, p, new) for i, (p, new) in
               enumerate(trace)]
   list(served.run(requests))  # Compiles every prefill and batch size used.
@@ -212,7 +215,7 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
         'tokens': s.tokens, 'seconds': s.seconds, 'cpu_seconds': cpu,
         'tokens_per_sec': s.tokens / s.seconds,
         'tokens_per_cpu_sec': s.tokens / cpu,
-        'mean_in_flight': s.mean_in_flight,
+        'mean_in_flight': s.mean_in_flight, 'preemptions': s.preemptions,
         'time_to_first_token_s': float(np.median(
             [r.time_to_first_token_s for r in results])),
         'per_token_s': float(np.median(

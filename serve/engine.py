@@ -221,7 +221,11 @@ class Engine:
   most prefill_chunk tokens.
 
   eos_ids end a sequence; detokenize(token ids) -> text is needed for
-  requests with stop strings. Errors are typed (RequestRefused,
+  requests with stop strings. admission: 'reserve' admits a request when
+  the pool can carry it and the running ones to their max_new_tokens (no
+  recompute, which on a CPU costs as much as the prefill it repeats);
+  'optimistic' (vLLM's) admits on its first chunk's pages and preempts the
+  newest when the pool runs out (`serve.scheduler`). Errors are typed (RequestRefused,
   PoolTooSmall, kv_pages.KVPageError, all UserErrors); a command turns
   them into its flags' messages.
   """
@@ -230,7 +234,10 @@ class Engine:
                kv_memory: int, page_size: int = 16, slots: int = 8,
                prefill_chunk: int = 64, eos_ids: Iterable[int] = (),
                kv_cache_dtype=None,
-               detokenize: Callable[[list[int]], str] | None = None):
+               detokenize: Callable[[list[int]], str] | None = None,
+               admission: str = 'reserve'):
+    if admission not in ('reserve', 'optimistic'):
+      raise UserError(f'admission={admission!r}; use reserve or optimistic')
     if page_size < 1 or slots < 1 or prefill_chunk < 1:
       raise UserError(f'page_size={page_size}, slots={slots} and '
                       f'prefill_chunk={prefill_chunk} must each be >= 1')
@@ -243,7 +250,9 @@ class Engine:
     self.detokenize = detokenize
     self.scheduler = Scheduler(
         self.pages, max_rows=slots, prefill_chunk=prefill_chunk,
-        max_len=config.max_len, eos_ids=self.eos_ids, stop=self._stopped)
+        max_len=config.max_len, eos_ids=self.eos_ids, stop=self._stopped,
+        reserve=admission == 'reserve')
+    self.slots = slots
     self.runner = ModelRunner(config, params, num_pages=num_pages,
                               page_size=page_size)
     self.config = self.runner.config

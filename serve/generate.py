@@ -3,7 +3,7 @@
   python -m serve.generate --workdir=DIR --prompts=FILE.jsonl --out=OUT.jsonl \
       --kv_memory=256MiB --max_new_tokens=N [--temperature=0] [--top_k=0] \
       [--top_p=1] [--seed=0] [--stop=STR] [--slots=128] [--page_size=16] \
-      [--prefill_chunk=64] [--kv_cache_dtype=int8]
+      [--prefill_chunk=64] [--admission=reserve] [--kv_cache_dtype=int8]
 
 A thin loop over `serve.engine.Engine` (add_request, step): the prompts are
 added as the engine has room for them, and each result is written as its
@@ -209,7 +209,8 @@ def _disk_full(out: pathlib.Path, e: OSError) -> UserError:
 def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
                   max_new_tokens: int,
                   settings: sampling.SamplingParams = sampling.SamplingParams(),
-                  slots: int = 8, page_size: int = 16, prefill_chunk: int = 64,
+                  slots: int = 128, page_size: int = 16,
+                  prefill_chunk: int = 64, admission: str = 'reserve',
                   kv_cache_dtype=None, progress_every: float = 10.0,
                   check=lambda config: None) -> engine_lib.Stats | None:
   """Runs every request of PROMPTS without a result in OUT, appending its
@@ -236,7 +237,8 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
     engine = engine_lib.Engine(
         mc, params, kv_memory=memory, page_size=page_size, slots=slots,
         prefill_chunk=prefill_chunk, eos_ids=tokenizer.eos_ids,
-        kv_cache_dtype=kv_cache_dtype, detokenize=tokenizer.decode)
+        kv_cache_dtype=kv_cache_dtype, detokenize=tokenizer.decode,
+        admission=admission)
   except engine_lib.PoolTooSmall as e:
     raise UserError(f'--kv_memory={kv_memory}: {e}') from None
   check_max_new_tokens(max_new_tokens, mc.max_len, [
@@ -323,6 +325,7 @@ def main(argv):
       f.workdir, f.prompts, f.out, kv_memory=f.kv_memory,
       max_new_tokens=f.max_new_tokens, settings=settings, slots=f.slots,
       page_size=f.page_size, prefill_chunk=f.prefill_chunk,
+      admission=f.admission,
       kv_cache_dtype=f.kv_cache_dtype,
       check=lambda mc: sample.sampling_flags(f, mc.vocab_size))
   return report(stats, f.out) if stats else 0  # app.run's exit status.
@@ -367,6 +370,11 @@ def run():
   flags.DEFINE_integer('prefill_chunk', 64, 'prompt tokens a sequence feeds '
                        'per step (the rest in later steps, beside the '
                        'decoding ones)', lower_bound=1)
+  flags.DEFINE_enum('admission', 'reserve', ['reserve', 'optimistic'],
+                    'reserve: admit a request when the pool can carry it and '
+                    'the running ones to their max_new_tokens (no '
+                    'recompute); optimistic: on its first chunk\'s pages, '
+                    'preempting the newest when the pool runs out')
   flags.DEFINE_string('kv_cache_dtype', None, 'how the pages store K/V: '
                       'float32, bfloat16 or int8 (default: the model\'s)')
   run_app(main, required=['workdir', 'prompts', 'out'])

@@ -17,8 +17,10 @@ Policy (vLLM v1's, with JetStream's split of scheduler and model):
      preempting the newest when the pool cannot hold it.
   3. In a step that preempted nothing, waiting sequences are admitted in
      arrival order (preempted ones are the oldest, so first) while a row, the
-     budget and the pages of their first chunk allow; the first that does not
-     fit stops admission (nothing is preempted for a newcomer).
+     budget and the pages of their first chunk allow (with reserve=True, the
+     pages of their peak need beside the running sequences' outstanding
+     growth); the first that does not fit stops admission (nothing is
+     preempted for a newcomer).
 A row that reaches the end of its sequence's context samples its next token.
 Running sequences never outnumber max_rows, so each gets a row every step.
 """
@@ -128,12 +130,19 @@ class Scheduler:
   not counted); None: prefill_chunk * max_rows, i.e. no limit beyond rows and
   chunk. max_len: the model's positions; prompt + max_new_tokens must fit.
   stop(seq) -> bool ends a sequence (reason 'stop') after any sampled token.
+  reserve: admit a request only when the free pages cover its peak need
+  (prompt + max_new_tokens) beside what the running sequences may still
+  take, so that sequences running to their max_new_tokens never preempt one
+  another; pages are still handed out as contexts grow (early ends free
+  theirs sooner). False (vLLM's optimistic admission): admit on its first
+  chunk's pages and preempt the newest when the pool runs out.
   """
 
   def __init__(self, pages: KVPageManager, *, max_rows: int,
                prefill_chunk: int, max_len: int,
                prefill_budget: int | None = None, eos_ids=(),
-               stop: Callable[[Sequence], bool] | None = None):
+               stop: Callable[[Sequence], bool] | None = None,
+               reserve: bool = False):
     if prefill_budget is None:
       prefill_budget = prefill_chunk * max_rows
     if min(max_rows, prefill_chunk, max_len, prefill_budget) < 1:
@@ -145,6 +154,7 @@ class Scheduler:
                                                        max_len)
     self.prefill_budget = prefill_budget
     self.eos_ids, self.stop = frozenset(eos_ids), stop
+    self.reserve = reserve
     self.stats = SchedulerStats()
     self._waiting: list[Sequence] = []  # By arrival.
     self._running: list[Sequence] = []  # By arrival.
@@ -198,6 +208,9 @@ class Scheduler:
            len(self._running) < self.max_rows):
       seq = self._waiting[0]
       n = min(seq.context_len, self.prefill_chunk, budget)
+      if self.reserve and self._peak(seq) > (self.pages.free_count -
+                                             self._outstanding()):
+        break
       if not self.pages.ensure(seq.id, n):
         break
       self._waiting.pop(0)
@@ -213,6 +226,16 @@ class Scheduler:
     self.stats.prefill_tokens += plan.prefill_tokens
     self._pending = plan
     return plan
+
+  def _peak(self, seq: Sequence) -> int:
+    """The most pages seq can hold: its prompt and max_new_tokens but the
+    last (never written)."""
+    return self.pages.pages_for(len(seq.prompt) + seq.max_new_tokens - 1)
+
+  def _outstanding(self) -> int:
+    """Pages the running sequences may still take before they end."""
+    return sum(self._peak(seq) - len(self.pages.pages(seq.id))
+               for seq in self._running)
 
   def update(self, plan: Plan, sampled: dict[str, int]) -> list[Sequence]:
     """Records the step: every row's tokens computed, a sampled token (one

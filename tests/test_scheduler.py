@@ -187,6 +187,31 @@ def test_the_newest_is_preempted_and_recomputed_to_the_same_tokens():
   assert pages.free_count == pages.usable
 
 
+def test_reserve_admits_only_what_the_pool_carries_to_the_end():
+  """reserve=True: the same two sequences as above never preempt; b waits
+  until a's peak need is no longer outstanding, pages still grow on demand
+  (a holds 1, then 2, then 3), and both equal their runs alone."""
+  pages = KVPageManager(5, 4)
+  sched = Scheduler(pages, max_rows=4, prefill_chunk=4, max_len=32,
+                    reserve=True)
+  model = FakeModel(pages)
+  a, b = Sequence('a', prompt(4, 1), 8), Sequence('b', prompt(4, 2), 8)
+  sched.add(a)
+  sched.add(b)
+  held = []
+  while sched.has_unfinished():
+    plan = sched.schedule()
+    assert not plan.preempted
+    if a.status is Status.RUNNING:
+      held.append(len(pages.pages('a')))
+      assert b.status is Status.WAITING  # 3 + 3 pages > 4.
+    sched.update(plan, model.step(plan))
+    pages.check()
+  assert sorted(set(held)) == [1, 2, 3] and sched.stats.preemptions == 0
+  assert a.generated == alone(a.prompt, 8) and b.generated == alone(b.prompt, 8)
+  assert pages.free_count == pages.usable
+
+
 def test_a_newcomer_waits_for_pages_instead_of_preempting():
   pages = KVPageManager(5, 4)  # 4 usable pages.
   sched = Scheduler(pages, max_rows=4, prefill_chunk=16, max_len=32)

@@ -117,6 +117,30 @@ def test_more_prompts_than_slots_in_a_small_pool_each_equal_to_decoding_alone():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('admission', ['optimistic', 'reserve'])
+def test_preempted_requests_are_recomputed_to_the_same_tokens(admission):
+  """Optimistic admission in a pool too small for every sequence's peak:
+  the newest is preempted and recomputed, greedy or sampled, each output
+  still train.sample's; reserve admission preempts nothing."""
+  mc, params = _random_model()
+  rng = np.random.default_rng(1)
+  hot = sampling.SamplingParams(temperature=1.0, top_k=30, seed=5)
+  requests = [engine.Request(i, rng.integers(0, 256, P).astype(np.int32),
+                             new, sampling=hot if i % 2 else
+                             sampling.SamplingParams())
+              for i, (P, new) in enumerate(MIXED)]
+  served = engine.Engine(mc, params, kv_memory=9 * paged.page_bytes(mc, 4),
+                         page_size=4, slots=3, prefill_chunk=8,
+                         admission=admission)
+  results = {r.id: r for r in served.run(requests)}
+  assert (served.stats.preemptions > 0) == (admission == 'optimistic')
+  for r in requests:
+    assert results[r.id].tokens == _alone(mc, params, r.prompt,
+                                          r.max_new_tokens, r.sampling), r.id
+  assert served.pages.in_use == 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('model', [
     dict(num_kv_heads=4, kv_cache_dtype='bfloat16'),  # MHA.
     dict(num_kv_heads=1, num_layers=4, attention_pattern='LG',
