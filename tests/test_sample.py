@@ -33,23 +33,37 @@ def _greedy_by_full_passes(model, params, prompt_BP, new):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('num_kv_heads, use_rope, learned_positions', [
-    (4, True, False), (2, True, False), (1, True, False),
-    (2, False, True), (2, True, True)])  # Learned positions: the index too.
+@pytest.mark.parametrize('num_kv_heads, use_rope, learned_positions, more', [
+    (4, True, False, {}), (2, True, False, {}), (1, True, False, {}),
+    (2, False, True, {}), (2, True, True, {}),  # Learned: the index too.
+    (2, False, False, {}),  # No positions at all (NoPE).
+    (2, True, False, dict(kv_cache_dtype='int8')),
+    (2, True, False, dict(num_layers=4, attention_pattern='LG',
+                          local_window=4)),  # A ring cache below max_len.
+    (4, True, False, dict(kv_lora_rank=8, qk_rope_head_dim=4)),  # MLA.
+    (4, False, False, dict(kv_lora_rank=8, qk_rope_head_dim=0)),  # NoPE MLA.
+    (4, False, True, dict(kv_lora_rank=8, qk_rope_head_dim=0))])
+@pytest.mark.parametrize('new', [12, 27])  # Below max_len (32), and at it.
 def test_greedy_decoding_with_the_cache_equals_full_passes(
-    num_kv_heads, use_rope, learned_positions):
+    num_kv_heads, use_rope, learned_positions, more, new):
+  """Issue 52: the cache sized by the call (prompt + new), the model as
+  trained (max_len 32, its position table): every position scheme, kind and
+  cache dtype, below and at max_len."""
   config = tiny.get_config()
   config.model.update(num_kv_heads=num_kv_heads, use_rope=use_rope,
-                      learned_positions=learned_positions)
+                      learned_positions=learned_positions, **more)
   mc = config_lib.model_config(config)
   model = Transformer(mc)
   params = nn.unbox(loop.init_params(model, seed=1))
   prompt = jnp.array([[10, 20, 30, 40, 50], [7, 7, 7, 7, 7]], jnp.int32)
   cached = sample.generate(params, prompt,
-                             model=Transformer(mc, decode=True),
-                             max_new_tokens=12)
-  np.testing.assert_array_equal(
-      cached, _greedy_by_full_passes(model, params, prompt, 12))
+                           model=Transformer(mc, decode=True),
+                           max_new_tokens=new)
+  expected = _greedy_by_full_passes(model, params, prompt, new)
+  if mc.kv_cache_dtype == 'int8':  # Quantized K/V: the same but for ties.
+    assert (np.asarray(cached) == np.asarray(expected)).mean() > 0.8
+  else:
+    np.testing.assert_array_equal(cached, expected)
 
 
 def _sample(workdir, *args):
