@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -44,7 +45,8 @@ from train import sample, sampling
 from train.errors import UserError
 from train.sampling import SamplingParams
 
-__all__ = ['Engine', 'ModelRunner', 'Output', 'PoolTooSmall', 'Request',
+__all__ = ['Engine', 'ModelRunner', 'Output', 'PoolSizeError', 'PoolTooLarge',
+           'PoolTooSmall', 'Request',
            'RequestRefused', 'Stats', 'pool_pages']
 
 
@@ -96,8 +98,28 @@ class Stats:
     return self.in_flight / self.steps if self.steps else 0.0
 
 
-class PoolTooSmall(UserError):
+class PoolSizeError(UserError):
+  """A KV memory budget the engine cannot use."""
+
+
+class PoolTooSmall(PoolSizeError):
   """A KV memory budget that holds no sequence at all."""
+
+
+class PoolTooLarge(PoolSizeError):
+  """A KV memory budget past what the device holds."""
+
+
+def device_memory() -> int | None:
+  """Bytes the default device holds: its allocator's limit where it says
+  (GPU, TPU), else the host's physical memory (CPU); None if unknown."""
+  try:
+    limit = (jax.devices()[0].memory_stats() or {}).get('bytes_limit')
+    if limit:
+      return int(limit)
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return None
 
 
 def pool_pages(config: model_lib.ModelConfig, kv_memory: int,
@@ -243,8 +265,17 @@ class Engine:
                       f'prefill_chunk={prefill_chunk} must each be >= 1')
     if kv_cache_dtype:
       config = dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype)
+    if page_size > config.max_len:
+      raise UserError(f'page_size={page_size} is more than model.max_len '
+                      f'({config.max_len}): a page would hold more than any '
+                      f'sequence; give at most {config.max_len} (16 is usual)')
     self.page_bytes = paged.page_bytes(config, page_size)
     num_pages = pool_pages(config, kv_memory, page_size)
+    limit = device_memory()
+    if limit is not None and num_pages * self.page_bytes > limit:
+      raise PoolTooLarge(
+          f'the KV memory ({kv_memory:,} bytes) is more than the device '
+          f'holds ({limit:,} bytes); give less (the pool is allocated whole)')
     self.pages = kv_pages.KVPageManager(num_pages, page_size)
     self.eos_ids = tuple(int(t) for t in eos_ids)
     self.detokenize = detokenize

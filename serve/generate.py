@@ -42,10 +42,16 @@ import pathlib
 import sys
 import time
 
+import numpy as np
+
 from serve import engine as engine_lib
 from serve import pages
 from train import sample, sampling
 from train.errors import UserError
+
+
+# What a prompt line may hold.
+LINE_KEYS = frozenset({'id', 'prompt', 'max_new_tokens'})
 
 
 def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int,
@@ -71,12 +77,25 @@ def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int,
     except json.JSONDecodeError as e:
       refuse(f'not JSON ({e.msg}); write {{"id": ..., "prompt": "..."}}')
       continue
-    if not isinstance(entry, dict) or 'id' not in entry or not isinstance(
-        entry.get('prompt'), str):
+    if not isinstance(entry, dict) or 'id' not in entry:
       refuse('needs an "id" and a "prompt" string; write '
              '{"id": ..., "prompt": "..."}')
       continue
     key = json.dumps(entry['id'])
+    unknown = sorted(set(entry) - LINE_KEYS)
+    if not isinstance(entry.get('prompt'), str) or unknown:
+      if key in seen:
+        raise UserError(f'--prompts={path}: id {key} is on lines {seen[key]} '
+                        f'and {n}; give each prompt its own id (nothing was '
+                        'written)')
+      seen[key] = n
+      refusals.append({'id': entry['id'], 'error': (
+          f'line {n}: unknown key(s) {", ".join(unknown)}; a line takes '
+          '"id", "prompt" and "max_new_tokens" (sampling is set by the '
+          'flags)') if unknown else (
+              f'line {n}: needs a "prompt" string; write '
+              '{"id": ..., "prompt": "..."}')})
+      continue
     if key in seen:
       raise UserError(f'--prompts={path}: id {key} is on lines {seen[key]} '
                       f'and {n}; give each prompt its own id (nothing was '
@@ -153,10 +172,16 @@ def settings_path(out: pathlib.Path) -> pathlib.Path:
 
 def check_settings(out: pathlib.Path, settings: dict, holds_results: bool):
   """Refuses (one line naming the first difference) an OUT holding results
-  made under other settings (OUT.settings.json records them)."""
+  made under other settings (OUT.settings.json records them), and an OUT
+  holding anything without that record (not this command's: not to be
+  appended to)."""
+  path = settings_path(out)
+  if not path.exists() and out.exists() and out.stat().st_size:
+    raise UserError(f'--out={out} is a file this command did not write (no '
+                    f'{path.name} beside it); give a new file for the '
+                    'results')
   if not holds_results:
     return  # A new OUT, or one holding only errors (they are retried).
-  path = settings_path(out)
   try:
     made = json.loads(path.read_text(encoding='utf-8'))
   except FileNotFoundError:
@@ -227,11 +252,18 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
   settings = settings.check(mc.vocab_size)
   requests, refusals, defaulted = read_prompts(prompts_path, tokenizer,
                                                max_new_tokens, settings)
+  if not requests and not refusals:
+    raise UserError(f'--prompts={prompts} holds no prompts; write '
+                    '{"id": ..., "prompt": "..."} lines')
+  greedy = settings.temperature == 0  # Then top_k, top_p and seed do not
   record = {'workdir': str(pathlib.Path(workdir).resolve()), 'step': step,
-            'max_new_tokens': max_new_tokens,
-            'kv_cache_dtype': kv_cache_dtype or mc.kv_cache_dtype,
-            'temperature': settings.temperature, 'top_k': settings.top_k,
-            'top_p': settings.top_p, 'seed': settings.seed,
+            'max_new_tokens': max_new_tokens,  # change a text.
+            'kv_cache_dtype': kv_cache_dtype or mc.kv_cache_dtype or np.dtype(
+                mc.dtype).name,
+            'temperature': settings.temperature,
+            'top_k': None if greedy else settings.top_k,
+            'top_p': None if greedy else settings.top_p,
+            'seed': None if greedy else settings.seed,
             'stop': list(settings.stop)}
   try:
     engine = engine_lib.Engine(
@@ -239,7 +271,7 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
         prefill_chunk=prefill_chunk, eos_ids=tokenizer.eos_ids,
         kv_cache_dtype=kv_cache_dtype, detokenize=tokenizer.decode,
         admission=admission)
-  except engine_lib.PoolTooSmall as e:
+  except engine_lib.PoolSizeError as e:
     raise UserError(f'--kv_memory={kv_memory}: {e}') from None
   check_max_new_tokens(max_new_tokens, mc.max_len, [
       r.id for r in requests if json.dumps(r.id) in defaulted])

@@ -595,8 +595,7 @@ def test_a_rerun_under_other_settings_is_refused_naming_the_difference(
       (dict(max_new_tokens=5), 'max_new_tokens=4, not 5'),
       (dict(settings=sampling.SamplingParams(temperature=0.5)),
        'temperature=0.0, not 0.5'),
-      (dict(settings=sampling.SamplingParams(seed=1)), 'seed=0, not 1'),
-      (dict(kv_cache_dtype='int8'), "kv_cache_dtype=None, not 'int8'")]:
+      (dict(kv_cache_dtype='int8'), "kv_cache_dtype='float32', not 'int8'")]:
     with pytest.raises(UserError, match=f'holds results made with '
                        f'{re.escape(difference)}; rerun with the same '
                        'settings or give another --out$'):
@@ -666,3 +665,63 @@ def test_kill_9_then_rerun_gives_every_id_exactly_once(trained, tmp_path):
   lines = out.read_text().splitlines(keepends=True)
   assert all(line.endswith('\n') for line in lines)
   assert sorted(json.loads(line)['id'] for line in lines) == sorted(ids)
+
+
+def test_an_out_this_command_did_not_write_is_refused_and_kept(trained,
+                                                               tmp_path):
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ['a'])
+  notes = tmp_path / 'notes.txt'
+  notes.write_text('my notes\nno newline at end')
+  with pytest.raises(UserError, match=r'is a file this command did not write '
+                     r'\(no notes.txt.settings.json beside it\); give a new '
+                     'file for the results$'):
+    _generate(trained, prompts, notes)
+  assert notes.read_text() == 'my notes\nno newline at end'
+
+
+def test_prompt_lines_with_unknown_keys_or_no_prompt_are_refused_by_id(
+    trained, tmp_path):
+  prompts = tmp_path / 'prompts.jsonl'
+  _write_lines(prompts, [{'id': 'hot', 'prompt': 'def ', 'temperature': 0.9},
+                         {'id': 'none'}, {'id': 'ok', 'prompt': 'def '}])
+  out = tmp_path / 'out.jsonl'
+  stats = _generate(trained, prompts, out)
+  by_id = {e['id']: e for e in _lines(out)}
+  assert by_id['hot']['error'] == (
+      'line 1: unknown key(s) temperature; a line takes "id", "prompt" and '
+      '"max_new_tokens" (sampling is set by the flags)')
+  assert by_id['none']['error'].startswith('line 2: needs a "prompt" string')
+  assert 'tokens' in by_id['ok'] and (stats.done, stats.refused) == (1, 2)
+
+
+def test_an_empty_prompt_file_is_one_line_not_a_success(trained, tmp_path):
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text('\n')
+  with pytest.raises(UserError, match=r'holds no prompts; write'):
+    _generate(trained, prompts, tmp_path / 'out.jsonl')
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['prompts.jsonl']
+
+
+def test_pools_and_pages_the_engine_cannot_use_are_typed_one_line_errors():
+  mc = _config()
+  with pytest.raises(engine.PoolTooLarge, match=r'^the KV memory '
+                     r'\(1,000,000,000,000,000 bytes\) is more than the device '
+                     r'holds \([\d,]+ bytes\); give less'):
+    engine.Engine(mc, None, kv_memory=10**15)
+  with pytest.raises(UserError, match=r'^page_size=64 is more than '
+                     r'model.max_len \(32\)'):
+    engine.Engine(mc, None, kv_memory=2**20, page_size=64)
+
+
+@pytest.mark.slow
+def test_settings_that_cannot_change_a_text_do_not_refuse_a_rerun(
+    trained, tmp_path):
+  """The model's own cache dtype named, or another seed when greedy: the
+  same texts, so the rerun goes on."""
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ['a'])
+  out = tmp_path / 'out.jsonl'
+  _generate(trained, prompts, out)
+  _prompts(prompts, ['a', 'b'])
+  _generate(trained, prompts, out, kv_cache_dtype='float32',
+            settings=sampling.SamplingParams(seed=9, top_k=3))
+  assert [e['id'] for e in _lines(out)] == ['a', 'b']

@@ -186,7 +186,8 @@ def run():
   """The command line; flags are defined here, not on import."""
   from absl import flags  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string('workdir', None, 'a train.main workdir')
-  flags.DEFINE_string('prompt', '', 'text to continue')
+  flags.DEFINE_string('prompt', '', 'text to continue (empty: from a line '
+                      'break)')
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate')
   flags.DEFINE_float('temperature', 0.8, '0 = greedy')
   flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
