@@ -22,7 +22,6 @@ generate.json and report.md under --out, with the CPU and its flags.
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import subprocess
@@ -31,12 +30,10 @@ import tempfile
 import time
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from scripts import bench_serve
-from train import checkpoint, config_lib, loop, provenance, sample
+from train import checkpoint, config_lib, loop, provenance
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from train.errors import UserError
@@ -82,26 +79,11 @@ def command_runner(workdir, prompts_file, out_dir, args):
 
 
 def alone_runner(mc, params, prompts, new: int):
-  """A function timing the requests one after another through
-  train.sample.generate (compiled per prompt length before any clock)."""
-  model, compiled = Transformer(mc, decode=True), {}
-  calls = []
-  for prompt in prompts:
-    args = (params, jnp.asarray(list(prompt.encode()), jnp.int32)[None])
-    if len(prompt) not in compiled:
-      compiled[len(prompt)] = jax.jit(functools.partial(
-          sample.generate, model=model, max_new_tokens=new),
-          compiler_options=sample.compiler_options()).lower(*args).compile()
-    calls.append((compiled[len(prompt)], args))
-
-  def run() -> dict:
-    start = time.perf_counter()
-    for fn, args in calls:
-      np.asarray(fn(*args))
-    seconds = time.perf_counter() - start
-    return {'alone_seconds': seconds,
-            'alone_tokens_per_sec': len(prompts) * new / seconds}
-  return run
+  """The requests one after another through train.sample.generate
+  (`scripts.bench_serve.generate_runner`)."""
+  return bench_serve.alone_runner(mc, params, [
+      (np.frombuffer(p.encode(), np.uint8).astype(np.int32), new)
+      for p in prompts])
 
 
 def main():

@@ -223,20 +223,22 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
   return run
 
 
-def alone_runner(mc, params, trace):
-  """A function timing the trace once, one request after another through
-  train.sample.generate, each shape compiled here, before any clock."""
-  compiled, calls = {}, []
+def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
+                    name: str, **fields):
+  """A function timing train.sample.generate once over each of `prompts`
+  ([B, P] batches, left-padded) with its `news` tokens, one call after
+  another, each shape compiled here before any clock; its numbers are
+  '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
   model = Transformer(mc, decode=True)
-  for prompt, new in trace:
-    args = (params, jnp.asarray(prompt)[None])
-    shape = (len(prompt), new)
-    if shape not in compiled:
-      compiled[shape] = jax.jit(functools.partial(
+  compiled, calls = {}, []
+  for prompts_BP, new in zip(prompts, news):
+    args = (params, jnp.asarray(prompts_BP))
+    if (prompts_BP.shape, new) not in compiled:
+      compiled[prompts_BP.shape, new] = jax.jit(functools.partial(
           sample.generate, model=model, max_new_tokens=new),
           compiler_options=sample.compiler_options()).lower(*args).compile()
-    calls.append((compiled[shape], args))
-  tokens = sum(new for _, new in trace)
+    calls.append((compiled[prompts_BP.shape, new], args))
+  tokens = fields.pop('tokens')
 
   def run() -> dict:
     start, cpu = time.perf_counter(), time.process_time()
@@ -244,10 +246,18 @@ def alone_runner(mc, params, trace):
       np.asarray(fn(*args))
     seconds = time.perf_counter() - start
     cpu = time.process_time() - cpu
-    return {'alone_seconds': seconds, 'alone_cpu_seconds': cpu,
-            'alone_tokens_per_sec': tokens / seconds,
-            'alone_tokens_per_cpu_sec': tokens / cpu}
+    return {f'{name}_seconds': seconds, f'{name}_cpu_seconds': cpu,
+            f'{name}_tokens_per_sec': tokens / seconds,
+            f'{name}_tokens_per_cpu_sec': tokens / cpu, **fields}
   return run
+
+
+def alone_runner(mc, params, trace):
+  """The trace one request after another through train.sample.generate
+  (`generate_runner`)."""
+  return generate_runner(mc, params, [p[None] for p, _ in trace],
+                         [new for _, new in trace], 'alone',
+                         tokens=sum(new for _, new in trace))
 
 
 def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
@@ -260,40 +270,24 @@ def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
 
 
 def static_runner(mc, params, trace, kv_memory: int, slots: int):
-  """A function timing the trace once through train.sample.generate in
-  static batches (`static_batch` rows each, in the trace's order): each
-  batch left-padded to its longest prompt and decoded to its longest output,
-  a request's tokens past its own computed but not counted (static
-  batching's cost; no mask is passed, so the padding is attended: the cost
-  is measured, not the text). Each shape compiled here, before any clock."""
+  """The trace through train.sample.generate in static batches
+  (`static_batch` rows each, in the trace's order): each batch left-padded
+  to its longest prompt and decoded to its longest output, a request's
+  tokens past its own computed but not counted (static batching's cost; no
+  mask is passed, so the padding is attended: the cost is measured, not the
+  text)."""
   B = static_batch(mc, trace, kv_memory, slots)
-  model = Transformer(mc, decode=True)
-  compiled, calls = {}, []
+  prompts, news = [], []
   for i in range(0, len(trace), B):
     batch = trace[i:i + B]
-    P, new = max(len(p) for p, _ in batch), max(n for _, n in batch)
+    P = max(len(p) for p, _ in batch)
     prompts_BP = np.zeros((len(batch), P), np.int32)
     for row, (prompt, _) in enumerate(batch):
       prompts_BP[row, P - len(prompt):] = prompt
-    args = (params, jnp.asarray(prompts_BP))
-    shape = (len(batch), P, new)
-    if shape not in compiled:
-      compiled[shape] = jax.jit(functools.partial(
-          sample.generate, model=model, max_new_tokens=new),
-          compiler_options=sample.compiler_options()).lower(*args).compile()
-    calls.append((compiled[shape], args))
-  tokens = sum(new for _, new in trace)
-
-  def run() -> dict:
-    start, cpu = time.perf_counter(), time.process_time()
-    for fn, args in calls:
-      np.asarray(fn(*args))
-    seconds = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    return {'static_seconds': seconds, 'static_cpu_seconds': cpu,
-            'static_batch': B, 'static_tokens_per_sec': tokens / seconds,
-            'static_tokens_per_cpu_sec': tokens / cpu}
-  return run
+    prompts.append(prompts_BP)
+    news.append(max(n for _, n in batch))
+  return generate_runner(mc, params, prompts, news, 'static',
+                         tokens=sum(new for _, new in trace), static_batch=B)
 
 
 def summarize(runs: list[dict]) -> dict:

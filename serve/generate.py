@@ -10,7 +10,8 @@ added as the engine has room for them, and each result is written as its
 request finishes. A prompt line is {"id": ..., "prompt": "..."} (optionally
 "max_new_tokens"); each result line, appended to OUT as its request
 finishes, is {"id", "text" (the continuation, as train.sample prints it: up
-to an end-of-sequence token or a --stop string), "tokens" (their ids),
+to an end-of-sequence token or a --stop string), "tokens" (the ids generated,
+up to an end-of-sequence token: a stop string's kept),
 "finish_reason" ("length", "eos" or "stop"), "time_to_first_token_s" (from
 the run's start, queueing included), "per_token_s"}, or {"id", "error"} (one
 line) for a request refused: a malformed line (then "id" is null and "line"
@@ -350,16 +351,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  settings = sampling.SamplingParams(
-      temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
-      stop=tuple(f.stop or ()))
+  settings = sample.settings_from_flags(f)  # Checked by generate_file.
   stats = generate_file(
       f.workdir, f.prompts, f.out, kv_memory=f.kv_memory,
       max_new_tokens=f.max_new_tokens, settings=settings, slots=f.slots,
       page_size=f.page_size, prefill_chunk=f.prefill_chunk,
       admission=f.admission,
       kv_cache_dtype=f.kv_cache_dtype,
-      check=lambda mc: sample.sampling_flags(f, mc.vocab_size))
+      check=lambda mc: sample.check_decode_flags(f))
   return report(stats, f.out) if stats else 0  # app.run's exit status.
 
 
@@ -387,14 +386,7 @@ def run():
   flags.DEFINE_string('kv_memory', '256MiB', "the paged cache's bytes "
                       '(e.g. 256MiB, 1GB)')
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate per prompt')
-  flags.DEFINE_float('temperature', 0.0, '0 = greedy')
-  flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
-  flags.DEFINE_float('top_p', 1.0, 'sample among the likeliest tokens '
-                     'holding probability top_p (nucleus); 1 = all')
-  flags.DEFINE_integer('seed', 0, 'sampling seed (with each token\'s '
-                       'position)')
-  flags.DEFINE_multi_string('stop', [], 'a string that ends a text (not '
-                            'included); repeat the flag for several')
+  sample.define_sampling_flags(temperature=0.0)
   flags.DEFINE_integer('slots', 128, 'sequences in flight at most (decoded '
                        'together; fewer when --kv_memory holds fewer)',
                        lower_bound=1)

@@ -116,17 +116,42 @@ def load_language_model(workdir: str, with_step: bool = False):
                                                           tokenizer)
 
 
-def sampling_flags(f, vocab_size: int) -> sampling.SamplingParams:
-  """The sampling flags as one request's settings, every flag in its range
-  (a UserError naming the first that is not), before any compiling."""
+def define_sampling_flags(temperature: float):
+  """The sampling flags every generating command takes (absl), `--temperature`
+  defaulting to `temperature`."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.DEFINE_float('temperature', temperature, '0 = greedy')
+  flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
+  flags.DEFINE_float('top_p', 1.0, 'sample among the likeliest tokens '
+                     'holding probability top_p (nucleus); 1 = all')
+  flags.DEFINE_integer('seed', 0, 'sampling seed (with each token\'s '
+                       'position)')
+  flags.DEFINE_multi_string('stop', [], 'a string that ends a text (not '
+                            'included); repeat the flag for several')
+
+
+def settings_from_flags(f) -> sampling.SamplingParams:
+  """The `define_sampling_flags` flags as one request's settings, unchecked
+  (`SamplingParams.check` once the vocabulary is known)."""
+  return sampling.SamplingParams(
+      temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
+      stop=tuple(f.stop or ()))
+
+
+def check_decode_flags(f):
+  """--max_new_tokens and --kv_cache_dtype in range, before any compiling."""
   if f.max_new_tokens < 1:
     raise UserError(f'--max_new_tokens={f.max_new_tokens} must be >= 1')
   if f.kv_cache_dtype not in (None, *layer.KV_CACHE_DTYPES):
     raise UserError(f'--kv_cache_dtype={f.kv_cache_dtype!r}; use one of '
                     f'{", ".join(layer.KV_CACHE_DTYPES)}')
-  return sampling.SamplingParams(
-      temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
-      stop=tuple(f.stop or ())).check(vocab_size)
+
+
+def sampling_flags(f, vocab_size: int) -> sampling.SamplingParams:
+  """The sampling flags as one request's settings, every flag in its range
+  (a UserError naming the first that is not), before any compiling."""
+  check_decode_flags(f)
+  return settings_from_flags(f).check(vocab_size)
 
 
 def check_length(prompt_len: int, max_new_tokens: int, max_len: int) -> str:
@@ -189,13 +214,7 @@ def run():
   flags.DEFINE_string('prompt', '', 'text to continue (empty: from a line '
                       'break)')
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate')
-  flags.DEFINE_float('temperature', 0.8, '0 = greedy')
-  flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
-  flags.DEFINE_float('top_p', 1.0, 'sample among the likeliest tokens '
-                     'holding probability top_p (nucleus); 1 = all')
-  flags.DEFINE_multi_string('stop', [], 'a string that ends the text (not '
-                            'printed); repeat the flag for several')
-  flags.DEFINE_integer('seed', 0, 'sampling seed')
+  define_sampling_flags(temperature=0.8)
   flags.DEFINE_string('kv_cache_dtype', None, 'how the decode cache stores '
                       'K/V: float32, bfloat16 or int8 (default: the '
                       "workdir's model.kv_cache_dtype, else model.dtype)")
