@@ -79,7 +79,7 @@ def evaluate(workdir: str, tasks: list[str], *, include_path=None,
   from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
   from evaluation import harness  # pylint: disable=import-outside-toplevel
   model = harness.WorkdirLM(workdir, batch_size=batch_size, seed=seed,
-                            max_gen_toks=max_gen_toks)
+                            max_gen_toks=max_gen_toks, flag='--workdir')
   manager = _task_manager(tasks, include_path)
   _check_generation_room(manager.load(tasks)['tasks'], model)
   # Its add_env_info runs torch's collect_env (pip list and more in

@@ -80,12 +80,14 @@ class WorkdirLM(TemplateLM):
   model_args: workdir (required; local or gs://), batch_size (rows per
   pass, default 8), max_gen_toks (default 256, as `hf`), kv_cache_dtype
   (generation's cache, default the model's), seed (sampling at
-  temperature > 0).
+  temperature > 0). flag: what named the workdir, for error messages
+  (`evaluation.evaluate` passes its --workdir).
   """
 
   def __init__(self, workdir: str, batch_size: int | str = 8,
                max_gen_toks: int = 256, kv_cache_dtype: str | None = None,
-               seed: int = 0, device=None, max_batch_size=None, **unused):
+               seed: int = 0, device=None, max_batch_size=None,
+               flag: str = 'model_args workdir', **unused):
     del device, max_batch_size  # lm_eval's; JAX places the model itself.
     super().__init__()
     if unused:
@@ -98,8 +100,7 @@ class WorkdirLM(TemplateLM):
     if kv_cache_dtype not in (None, *layer.KV_CACHE_DTYPES):
       raise UserError(f'kv_cache_dtype={kv_cache_dtype!r}; use one of '
                       f'{", ".join(layer.KV_CACHE_DTYPES)}')
-    mc, self.params, config = checkpoint.load_workdir(workdir,
-                                                      'model_args workdir')
+    mc, self.params, config = checkpoint.load_workdir(workdir, flag)
     if config.data.get('task', 'lm') != 'lm':
       raise UserError(f'{workdir} was trained on data.task='
                       f'{config.data.task!r}, not text; evaluate a language '

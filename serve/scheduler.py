@@ -2,8 +2,9 @@
 
 The engine (the model's shell) calls `schedule()`, runs the plan's rows
 through the model, samples one token for each row with sample=True, and
-hands them back with `update(plan, sampled)`. Pure Python (no jax): the
-policy is tested without a model.
+hands them back with `update(plan, sampled)`. Pure Python (no arrays; the
+length rule is `train.sampling.length_refusal`, the one train.sample
+applies): the policy is tested without a model.
 
 Policy (vLLM v1's, with JetStream's split of scheduler and model):
   1. Decode first: every running sequence whose context is computed but for
@@ -33,6 +34,7 @@ import enum
 from typing import Callable, Literal
 
 from serve.kv_pages import KVPageManager
+from train import sampling
 from train.errors import UserError
 
 FinishReason = Literal['length', 'eos', 'stop']
@@ -304,11 +306,9 @@ class Scheduler:
       return 'its id is already in flight; give each live request its own id'
     if seq.generated or seq.status is not Status.WAITING:
       return 'it was added before; add a fresh Sequence'
-    if P < 1:
-      return 'empty prompt; give at least one token'
-    if new < 1 or P + new > self.max_len:
-      return (f'prompt ({P} tokens) + max_new_tokens ({new}) must be within '
-              f'1..model.max_len ({self.max_len}); shorten one')
+    why = sampling.length_refusal(P, new, self.max_len)
+    if why:
+      return why
     # The last sampled token is never fed, so never written.
     need = self.pages.pages_for(P + new - 1)
     if need > self.pages.usable:

@@ -299,3 +299,13 @@ def test_a_wrong_data_path_is_refused_before_any_scoring(trained, tmp_path,
                                include_path=str(TASKS_DIR), limit=2,
                                data=str(missing))
   assert not (tmp_path / 'out').exists()
+
+
+def test_a_missing_workdir_is_named_by_the_commands_own_flag(tmp_path):
+  """evaluation.evaluate names its --workdir; lm_eval's command line, where
+  the workdir is a model_arg, names that."""
+  missing = str(tmp_path / 'nowhere')
+  with pytest.raises(UserError, match=rf'^--workdir={missing} is not a '):
+    evaluate_lib.evaluate(missing, TASKS, include_path=str(TASKS_DIR))
+  with pytest.raises(UserError, match=rf'^model_args workdir={missing} is '):
+    harness.WorkdirLM(missing)

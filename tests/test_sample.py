@@ -139,3 +139,8 @@ def test_cli_ends_the_text_at_a_stop_string(trained):
                 '--temperature=0', f'--stop={stop}')
   assert cut.returncode == 0, cut.stderr.decode()
   assert cut.stdout.decode('utf-8') == text[:text.find(stop)] + '\n'
+  # The count on stderr is of the tokens generated; it says the text ends
+  # at the stop string (the full run's does not).
+  assert b'12 tokens in ' in cut.stderr
+  assert b'ends at the first --stop string' in cut.stderr
+  assert b'--stop' not in full.stderr

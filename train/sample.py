@@ -154,18 +154,6 @@ def sampling_flags(f, vocab_size: int) -> sampling.SamplingParams:
   return settings_from_flags(f).check(vocab_size)
 
 
-def check_length(prompt_len: int, max_new_tokens: int, max_len: int) -> str:
-  """Why a prompt of prompt_len tokens cannot be continued by
-  max_new_tokens in a model of max_len positions (one line), or ''."""
-  if prompt_len < 1:
-    return 'empty prompt; give at least one token of text'
-  if max_new_tokens < 1 or prompt_len + max_new_tokens > max_len:
-    return (f'prompt ({prompt_len} tokens) + max_new_tokens '
-            f'({max_new_tokens}) must be within 1..model.max_len '
-            f'({max_len}); shorten one')
-  return ''
-
-
 def main(argv):
   from absl import flags, logging  # pylint: disable=import-outside-toplevel
   del argv
@@ -181,7 +169,7 @@ def main(argv):
                     ) from None
   if not len(prompt):
     prompt = tokenizer.encode('\n')  # Start from a line break.
-  why = check_length(len(prompt), f.max_new_tokens, mc.max_len)
+  why = sampling.length_refusal(len(prompt), f.max_new_tokens, mc.max_len)
   if why:
     raise UserError(why)
   # The model as trained (its max_len, its position table); the cache sized
@@ -204,7 +192,18 @@ def main(argv):
   sys.stdout.write('\n')
   print(f'{f.max_new_tokens} tokens in {seconds:.2f}s '
         f'({f.max_new_tokens / seconds:,.0f} tokens/s, prefill included; '
-        f'compile {compile_s:.1f}s)', file=sys.stderr)
+        f'compile {compile_s:.1f}s){_kept(done, f.max_new_tokens)}',
+        file=sys.stderr)
+
+
+def _kept(done: sampling.Finished, generated: int) -> str:
+  """What of the `generated` tokens the text keeps, when not all."""
+  if done.reason == 'eos':
+    return (f'; the text keeps {len(done.tokens)}, up to the '
+            'end-of-sequence token')
+  if done.reason == 'stop':
+    return '; the text ends at the first --stop string'
+  return ''
 
 
 def run():

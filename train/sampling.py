@@ -175,6 +175,19 @@ class Finished:
   reason: str
 
 
+def length_refusal(prompt_len: int, max_new_tokens: int, max_len: int
+                   ) -> str:
+  """Why a prompt of prompt_len tokens cannot be continued by
+  max_new_tokens in a model of max_len positions (one line), or ''."""
+  if prompt_len < 1:
+    return 'empty prompt; give at least one token of text'
+  if max_new_tokens < 1 or prompt_len + max_new_tokens > max_len:
+    return (f'prompt ({prompt_len} tokens) + max_new_tokens '
+            f'({max_new_tokens}) must be within 1..model.max_len '
+            f'({max_len}); shorten one')
+  return ''
+
+
 def stop_at(text: str, stop: Sequence[str]) -> int | None:
   """Where the earliest stop string begins in text, or None."""
   found = [i for i in (text.find(s) for s in stop) if i >= 0]
