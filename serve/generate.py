@@ -29,7 +29,9 @@ cut short. OUT's settings (the model's checkpoint, sampling, max_new_tokens,
 cache dtype) are kept beside it in OUT.settings.json, and a rerun under
 other settings is refused, naming the difference, rather than mixed into it.
 One process writes an OUT at a time (OUT.lock). Duplicate ids and --out equal
-to --prompts are refused before anything is written. Progress (requests
+to --prompts are refused before anything is written. For a pipe, --prompts=-
+reads stdin and --out=- streams the result lines to stdout (nothing to
+resume, so no OUT.settings.json or lock). Progress (requests
 done, tokens/s, sequences in flight, pages) goes to stderr.
 """
 
@@ -53,6 +55,7 @@ from train.errors import UserError
 
 # What a prompt line may hold.
 LINE_KEYS = frozenset({'id', 'prompt', 'max_new_tokens'})
+STDIO = '-'  # --prompts=- reads stdin; --out=- streams to stdout.
 
 
 def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int,
@@ -64,7 +67,8 @@ def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int,
   when two lines share an id (the results could not be told apart)."""
   requests, refusals, seen, defaulted = [], [], {}, set()
   try:
-    lines = path.read_text(encoding='utf-8').splitlines()
+    lines = (sys.stdin.read() if str(path) == STDIO
+             else path.read_text(encoding='utf-8')).splitlines()
   except (OSError, UnicodeDecodeError) as e:
     raise UserError(f'--prompts={path} cannot be read ({e}); give a UTF-8 '
                     'JSON-lines file') from None
@@ -158,7 +162,15 @@ def _key(entry: dict) -> str:
 
 
 def check_paths(prompts: pathlib.Path, out: pathlib.Path):
-  """--out must not be --prompts (a rerun would read results as prompts)."""
+  """--out must not be --prompts (a rerun would read results as prompts),
+  nor a device (OUT.lock and OUT.settings.json go beside OUT)."""
+  if str(out) == STDIO:
+    return
+  if out.absolute().parts[1:2] in (('dev',), ('proc',)):
+    raise UserError(f'--out={out} is a device; give a file for the results, '
+                    'or --out=- to stream them to stdout (no resuming)')
+  if str(prompts) == STDIO:
+    return
   if out.resolve() == prompts.resolve() or (
       out.exists() and prompts.exists() and out.samefile(prompts)):
     raise UserError(f'--out={out} is the --prompts file; give another file '
@@ -276,6 +288,9 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
     raise UserError(f'--kv_memory={kv_memory}: {e}') from None
   check_max_new_tokens(max_new_tokens, mc.max_len, [
       r.id for r in requests if json.dumps(r.id) in defaulted])
+  if out == STDIO:  # A stream: nothing kept to resume, so no lock either.
+    return _write_all(sys.stdout, engine, requests, refusals, tokenizer,
+                      settings, progress_every)
   out_path.parent.mkdir(parents=True, exist_ok=True)
   with _Lock(out_path):
     kept, done = read_out(out_path)
@@ -292,21 +307,31 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
               file=sys.stderr)
         return None
       with out_path.open('a', encoding='utf-8') as f:
-        write = lambda entry: (f.write(json.dumps(entry) + '\n'), f.flush())
-        for entry in refusals:
-          write(entry)
-        count, last = len(refusals), time.perf_counter()
-        for result in engine.run(requests):
-          write(_entry(result, tokenizer, settings))
-          count += 1
-          if time.perf_counter() - last >= progress_every or count == total:
-            last = time.perf_counter()
-            print(_progress(count, total, engine), file=sys.stderr,
-                  flush=True)
+        return _write_all(f, engine, requests, refusals, tokenizer, settings,
+                          progress_every)
     except OSError as e:
       if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         raise _disk_full(out_path, e) from None
       raise
+
+
+def _write_all(f, engine: engine_lib.Engine, requests, refusals, tokenizer,
+               settings: sampling.SamplingParams, progress_every: float
+               ) -> engine_lib.Stats:
+  """Writes the refusals' lines, then each request's as it finishes, to f
+  (flushed a line at a time); progress to stderr. The run's Stats,
+  `refused` counting the refusals too."""
+  write = lambda entry: (f.write(json.dumps(entry) + '\n'), f.flush())
+  for entry in refusals:
+    write(entry)
+  total = len(requests) + len(refusals)
+  count, last = len(refusals), time.perf_counter()
+  for result in engine.run(requests):
+    write(_entry(result, tokenizer, settings))
+    count += 1
+    if time.perf_counter() - last >= progress_every or count == total:
+      last = time.perf_counter()
+      print(_progress(count, total, engine), file=sys.stderr, flush=True)
   engine.stats.refused += len(refusals)
   return engine.stats
 
@@ -371,8 +396,9 @@ def report(stats: engine_lib.Stats, out: str) -> int:
         f'flight on average, pool high-water {stats.high_water_pages} of '
         f'{stats.usable_pages} pages of {stats.page_bytes:,} bytes, '
         f'{stats.preemptions} preemption(s)', file=sys.stderr)
-  print(f'generate: {stats.done} done, {stats.refused} refused (see {out})',
-        file=sys.stderr)
+  where = 'stdout' if out == STDIO else out
+  print(f'generate: {stats.done} done, {stats.refused} refused (see '
+        f'{where})', file=sys.stderr)
   return 1 if stats.refused else 0
 
 
@@ -381,8 +407,10 @@ def run():
   from absl import flags  # pylint: disable=import-outside-toplevel
   from train.cli import run_app  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string('workdir', None, 'a train.main workdir')
-  flags.DEFINE_string('prompts', None, 'JSON lines: {"id": ..., "prompt": ...}')
-  flags.DEFINE_string('out', None, 'JSON lines written as requests finish')
+  flags.DEFINE_string('prompts', None, 'JSON lines: {"id": ..., "prompt": '
+                      '...}; - reads stdin')
+  flags.DEFINE_string('out', None, 'JSON lines written as requests finish; '
+                      '- streams them to stdout (a file can be resumed)')
   flags.DEFINE_string('kv_memory', '256MiB', "the paged cache's bytes "
                       '(e.g. 256MiB, 1GB)')
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate per prompt')

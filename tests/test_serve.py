@@ -725,3 +725,29 @@ def test_settings_that_cannot_change_a_text_do_not_refuse_a_rerun(
   _generate(trained, prompts, out, kv_cache_dtype='float32',
             settings=sampling.SamplingParams(seed=9, top_k=3))
   assert [e['id'] for e in _lines(out)] == ['a', 'b']
+
+
+@pytest.mark.slow
+def test_a_pipe_reads_stdin_and_streams_to_stdout_leaving_no_files(
+    trained, tmp_path):
+  """--prompts=- and --out=- (nothing to resume, so no OUT.settings.json and
+  no lock), the same lines a file gets; a device as --out is refused with
+  the way to stream."""
+  lines = [json.dumps({'id': i, 'prompt': f'def f{i}'}) for i in 'ab']
+  result = subprocess.run(
+      [sys.executable, '-m', 'serve.generate', f'--workdir={trained}',
+       '--prompts=-', '--out=-', '--kv_memory=1MiB', '--max_new_tokens=4',
+       '--page_size=8'], input='\n'.join(lines) + '\n', cwd=tmp_path,
+      capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  streamed = [json.loads(line) for line in result.stdout.splitlines()]
+  assert sorted(e['id'] for e in streamed) == ['a', 'b']
+  assert 'see stdout' in result.stderr
+  assert list(tmp_path.iterdir()) == []
+  prompts = _prompts(tmp_path / 'prompts.jsonl', ['a', 'b'])
+  _generate(trained, prompts, tmp_path / 'out.jsonl')
+  by_id = {e['id']: e['tokens'] for e in _lines(tmp_path / 'out.jsonl')}
+  assert {e['id']: e['tokens'] for e in streamed} == by_id
+  with pytest.raises(UserError, match=r'^--out=/dev/stdout is a device; '
+                     r'give a file for the results, or --out=- to stream'):
+    _generate(trained, prompts, '/dev/stdout')
