@@ -936,7 +936,7 @@ def text(results: dict) -> str:
   lines = [
       '# Uptraining MHA to GQA/MQA (Ainslie et al. 2023): claims as the '
       'paper states them, with controls', '',
-      made(prov) + f' LM source {plan["steps"]} steps; targets K = '
+      made(prov), '', f'LM source {plan["steps"]} steps; targets K = '
       f'{", ".join(map(str, plan["kv_heads"]))}; seeds '
       f'{", ".join(map(str, plan["seeds"]))}; uptraining evaluated at α = '
       + ', '.join(f'{s / plan["steps"]:g}' for s in plan['alpha_steps'])

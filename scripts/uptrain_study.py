@@ -46,7 +46,7 @@ Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
 before the MLA arm: only the MLA runs train). Default: 4 seeds, 38.5
 CPU-minutes with the MLA arm (the most its wall time is on an idle 2-core
-machine; docs/results/uptrain/report.md); --quick: S/4, K = 1 only, 3
+machine; docs/results/uptrain/single_source/report.md); --quick: S/4, K = 1 only, 3
 seeds, 5 min 30 s on the idle machine (9.1 CPU-minutes, at d3fc18f).
 """
 
