@@ -134,3 +134,21 @@ def test_report_only_rebuilds_the_report_identically(tmp_path, monkeypatch):
          'and reading rebuilt by' in first
   assert '**Claim 1, GQA K = 2, read at α = 0.05' in first
   assert (tmp_path / 'sources.png').stat().st_size > 10_000
+
+
+def test_every_published_uptrain_report_is_what_its_json_makes():
+  """docs/results/uptrain/**/report.md equals the report its results.json
+  makes today (--report_only rebuilds it identically): no hand-written
+  text, no stale reading."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  from scripts import study, uptrain_report  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(__file__).resolve().parent.parent / 'docs/results/uptrain'
+  found = sorted(root.glob('**/results.json'))
+  assert len(found) >= 2
+  for path in found:
+    results = study.saved(path)
+    report = (uptrain_replication if 'sources' in results else
+              uptrain_report)
+    assert report.text(results) == (path.parent / 'report.md').read_text(), (
+        f'{path.parent}/report.md is not what its results.json makes: '
+        f'python -m scripts.uptrain_study --out={path.parent} --report_only')
