@@ -205,9 +205,11 @@ def summary(results: dict) -> dict:
                          for read in READS} for K in kv}
   longest, gate = lengths[max(lengths)], _gate(lengths, near, kv)
   K_gqa = max(kv)  # The paper's claim of nearness is for GQA, not MQA.
-  claim1 = {'K': K_gqa, **{read: claim1_verdict(
-      longest[f'gap_K{K_gqa}'][read], trend[f'gap_K{K_gqa}'][read], near,
-      gate[max(lengths)]['floor']) for read in READS}}
+  # As the paper frames it: at alpha = 0.05 of each source's steps. The
+  # fixed read is a diagnostic (its alpha falls as S grows), not judged.
+  claim1 = {'K': K_gqa, 'paper': claim1_verdict(
+      longest[f'gap_K{K_gqa}']['paper'], trend[f'gap_K{K_gqa}']['paper'],
+      near, gate[max(lengths)]['floor'])}
   ranking = _holm([{'S': S, 'K': K, **row[f'order_K{K}']['paper']}
                    for S, row in lengths.items() for K in kv])
   mla = _holm([{'S': S, **row['mla_vs_equal_bytes']['paper']}
@@ -273,19 +275,32 @@ def reading(results: dict, summ: dict) -> list[str]:
                 f'{n} ({e:+.4f})' for n, e in g['below'])
             + ' (reported, not claimed)') + '.')
   K = summ['claim1']['K']
-  for read in READS:
-    t = summ['trend'][f'gap_K{K}'][read]
-    lines.append(
-        f'- **Claim 1, GQA K = {K}, read at '
-        + (f'α = {plan["paper_alpha"]}' if read == 'paper' else
-           f'{plan["fixed_steps"]} steps')
-        + f' (uptrained GQA near MHA: ≤ {near} nats above the control, fixed '
-        f'in advance): {summ["claim1"][read]}.** Mean-pooled minus the '
-        'control by source length: ' + '; '.join(
-            f'S = {S:,}: {_cell(row[f"gap_K{K}"][read])}'
-            for S, row in lengths.items())
-        + '. Per doubling of the source\'s length (slope per source seed): '
-        + (_cell(t) if t.get('n', 0) > 1 else 'one length only') + '.')
+  t = summ['trend'][f'gap_K{K}']['paper']
+  lines.append(
+      f'- **Claim 1, GQA K = {K} (α = {plan["paper_alpha"]} of uptraining '
+      f'brings GQA near MHA: ≤ {near} nats above the control, fixed in '
+      f'advance; "contradicted" only if the gap beyond it grows with the '
+      f'source\'s length): {summ["claim1"]["paper"]}.** Mean-pooled minus '
+      'the control at α = 0.05 by source length: ' + '; '.join(
+          f'S = {S:,}: {_cell(row[f"gap_K{K}"]["paper"])}' + (
+              ', below that length\'s control gate: not claimed'
+              if any(n == f'K={K} paper' for n, _ in summ['gate'][S]['below'])
+              else '') for S, row in lengths.items())
+      + '. Per doubling of the source\'s length (slope per source seed): '
+      + (_cell(t) if t.get('n', 0) > 1 else 'one length only') + '.')
+  t = summ['trend'][f'gap_K{K}']['fixed']
+  lines.append(
+      f'- **The same gap after a fixed {plan["fixed_steps"]} uptraining '
+      'steps** (a diagnostic, not the paper\'s framing: α falls from '
+      + ' to '.join(f'{plan["fixed_steps"] / S:g}' for S in
+                    (min(lengths), max(lengths)))
+      + ' as S grows, and the warmup is α = 0.0125 of S, '
+      + ', '.join(str(row['warmup']) for row in lengths.values())
+      + ' steps): ' + '; '.join(
+          f'S = {S:,}: {_cell(row[f"gap_K{K}"]["fixed"])}'
+          for S, row in lengths.items())
+      + '. Per doubling: '
+      + (_cell(t) if t.get('n', 0) > 1 else 'one length only') + '.')
   for K in [k for k in kv if k != summ['claim1']['K']]:
     lines.append(
         f'- **MQA / K = {K}, reported, not a claim of nearness** (the paper '

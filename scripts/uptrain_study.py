@@ -1,11 +1,32 @@
 """The GQA paper's uptraining claims (Ainslie et al. 2023), tested as the
-paper states them, with controls.
+paper states them, with controls, and replicated over sources.
 
-  python -m scripts.uptrain_study --out=DIR [--quick] [--config=uptrain_source]
+  python -m scripts.uptrain_study --out=DIR [--source_seeds=3]
+      [--source_steps=400,1600,3200] [--seeds=2] [--kv_heads=K,...]
+      [--config=uptrain_source]
+  python -m scripts.uptrain_study --single_source --out=DIR [--quick]
       [--steps=S] [--seeds=n] [--kv_heads=K,...]
       [--recall_config=uptrain_recall] [--recall_steps=S_r]
       [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
+  python -m scripts.uptrain_study --out=DIR --report_only
 
+The default design: the source is the unit of replication (issue #49).
+For each length S in --source_steps and each source seed 0 .. n-1, an MHA
+source (the config's K set to its N) is trained S steps by the config's
+recipe scaled to S (OUT/sources/S{S}_s{seed}/source), converted to the
+identity control (K = N), mean-pooled and first-head to each --kv_heads
+(default N/2 and 1), and MHA -> MLA with a latent below GQA's width
+(`mla_below_plan`: half of GQA-max(K)'s cache, so R < d_model), each
+uptrained once per uptraining seed (--seeds, default 2) at RATE_RATIO x the
+source's peak rate (warmup over alpha = 0.0125 of S, then constant) and
+read at alpha = 0.05 of S and at FIXED_STEPS steps. The statistics
+(`scripts.uptrain_replication`) average within a source and give intervals
+over sources, and the alpha = 0.05 gap's trend over S paired by source
+seed. The default run (3 sources x 400, 1,600, 3,200 steps) is about 15
+minutes of wall time on the idle 2-core machine (docs/results/uptrain/).
+
+--single_source, the former design (one source, seed 0; the seeds replicate
+only the uptraining data order):
 1. An MHA source (the config's K set to its N) trained S steps, seed 0.
 2. A learning-rate pilot (seed 0, recorded): mean-pooled MQA and the identity
    control uptrained for alpha = 0.05 at the source's peak rate x 1, 1/3,
@@ -28,8 +49,9 @@ paper states them, with controls.
    by seed at each alpha; its losses also map onto GQA-K's scratch curve
    (5: the layout of equal bytes; no MLA is trained from scratch).
 5. From-scratch compute curves: MHA and each K trained (1 + 0.2) S steps per
-   seed by the source's recipe, evaluated every S/40 steps; an uptrained loss
-   maps to the steps the seed-mean scratch curve needs to reach it.
+   seed by the source's recipe, evaluated every S/40 steps; each seed's
+   uptrained loss maps to the steps the same seed's scratch curve needs to
+   reach it (paired by seed; `uptrain_report.equivalent_steps`).
 6. The recall arm: an MHA recall-probe source (accuracy 1.000 by
    construction), converted as in 3 (fresh Adam) and uptrained up to 0.2 x S_r
    steps at its peak rate; steps to regain accuracy >= 0.95 against K trained
@@ -44,10 +66,11 @@ paper states them, with controls.
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
-before the MLA arm: only the MLA runs train). Default: 4 seeds, 38.5
-CPU-minutes with the MLA arm (the most its wall time is on an idle 2-core
-machine; docs/results/uptrain/single_source/report.md); --quick: S/4, K = 1 only, 3
-seeds, 5 min 30 s on the idle machine (9.1 CPU-minutes, at d3fc18f).
+before the MLA arm: only the MLA runs train). --single_source: 4 seeds,
+38.5 CPU-minutes with the MLA arm (the most its wall time is on an idle
+2-core machine; docs/results/uptrain/single_source/report.md); with
+--quick: S/4, K = 1 only, 3 seeds, 5 min 30 s on the idle machine (9.1
+CPU-minutes, at d3fc18f).
 """
 
 from __future__ import annotations

@@ -132,7 +132,9 @@ def test_report_only_rebuilds_the_report_identically(tmp_path, monkeypatch):
   assert 'Runs trained by `python -m scripts.uptrain_study --out=x` at ' \
          'commit abc1234 (--out x) on Xeon (AVX-512F), 2 cores; statistics ' \
          'and reading rebuilt by' in first
-  assert '**Claim 1, GQA K = 2, read at α = 0.05' in first
+  assert '**Claim 1, GQA K = 2 (α = 0.05 of uptraining' in first
+  assert 'contradicted' not in json.dumps(saved['summary']['claim1']) or \
+      saved['summary']['claim1']['paper'] == 'contradicted'
   assert (tmp_path / 'sources.png').stat().st_size > 10_000
 
 
