@@ -619,8 +619,8 @@ def _mla_reading(results: dict, summ: dict) -> list[str]:
             'its needing no uptraining says nothing of MLA below that '
             'width (the regime of MHA2MLA and TransMLA; the '
             'source-replicated study has an arm there).'
-            for c in [{'d_model': recall.get('plan', {}).get('config', {}).get(
-                'model', {}).get('d_model', math.inf), **c}
+            for c in [{'d_model': results['recall'].get('plan', {}).get(
+                'config', {}).get('model', {}).get('d_model', math.inf), **c}
                       for c in recall['conversions']]
             if c['kv_lora_rank'] + c['qk_rope_head_dim'] >= c['d_model']))
   return lines
