@@ -2,8 +2,8 @@
 paper states them, with controls, and replicated over sources.
 
   python -m scripts.uptrain_study --out=DIR [--source_seeds=3]
-      [--source_steps=400,1600,3200] [--seeds=2] [--kv_heads=K,...]
-      [--config=uptrain_source]
+      [--source_steps=400,1600,3200 | --quick] [--seeds=2]
+      [--kv_heads=K,...] [--config=uptrain_source]
   python -m scripts.uptrain_study --single_source --out=DIR [--quick]
       [--steps=S] [--seeds=n] [--kv_heads=K,...]
       [--recall_config=uptrain_recall] [--recall_steps=S_r]
@@ -23,7 +23,8 @@ read at alpha = 0.05 of S and at FIXED_STEPS steps. The statistics
 (`scripts.uptrain_replication`) average within a source and give intervals
 over sources, and the alpha = 0.05 gap's trend over S paired by source
 seed. The default run (3 sources x 400, 1,600, 3,200 steps) is about 15
-minutes of wall time on the idle 2-core machine (docs/results/uptrain/).
+minutes of wall time on the idle 2-core machine (docs/results/uptrain/);
+--quick: sources of 200 and 400 steps (QUICK_SOURCE_STEPS).
 
 --single_source, the former design (one source, seed 0; the seeds replicate
 only the uptraining data order):
@@ -457,6 +458,7 @@ FIXED_STEPS = 80  # The fixed read: alpha = 0.05 of the 1,600-step source.
 # source rather than piloted again on each.
 RATE_RATIO = 1 / 3
 MLA_BELOW = 'mla_half'  # Its method: latent half of GQA-max(K)'s width.
+QUICK_SOURCE_STEPS = [200, 400]  # --quick's source lengths.
 
 
 def replicated_arms(N: int, kv_heads: list[int]) -> list[Arm]:
@@ -549,7 +551,9 @@ def main():
                 'quarter)',
           kv_heads='targets (default: N/2 and 1; --quick: 1)',
           seeds='uptraining seeds per arm (default 2 per source; '
-                '--single_source: 4, --quick: 3)'))
+                '--single_source: 4, --quick: 3)',
+          quick='sources of 200 and 400 steps (--single_source: S/4, '
+                'K = 1 only, 3 seeds)'))
   parser.add_argument('--recall_config', default='uptrain_recall',
                       help="the recall arm's source config (K set to its N)")
   parser.add_argument('--recall_steps', type=positive_int, default=None,
@@ -583,10 +587,12 @@ def main():
     _write(out, results)
     return
   if not args.single_source:
-    if args.tasks or args.quick or args.steps:
-      raise UserError('--tasks, --quick and --steps belong to the '
-                      '--single_source design; the source-replicated one '
-                      'takes --source_steps and --source_seeds')
+    if args.tasks or args.steps:
+      raise UserError('--tasks and --steps belong to the --single_source '
+                      'design; the source-replicated one takes '
+                      '--source_steps and --source_seeds')
+    if args.quick:  # Smaller sources, the same design: minutes.
+      args.source_steps = QUICK_SOURCE_STEPS
     out = pathlib.Path(args.out)
     config = source_config(args.config, args.source_steps[0])
     N = config.model.num_heads

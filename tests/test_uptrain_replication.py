@@ -154,3 +154,40 @@ def test_every_published_uptrain_report_is_what_its_json_makes():
     assert report.text(results) == (path.parent / 'report.md').read_text(), (
         f'{path.parent}/report.md is not what its results.json makes: '
         f'python -m scripts.uptrain_study --out={path.parent} --report_only')
+
+
+@pytest.mark.slowest
+@pytest.mark.slow
+def test_the_replicated_study_runs_end_to_end(tmp_path):
+  """On `tiny`: sources of two lengths, two seeds each, every arm per
+  source with two uptraining seeds read at both points, MLA below d_model,
+  the machine in the provenance; a rerun reuses everything."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  out = tmp_path / 'study'
+  command = [sys.executable, '-m', 'scripts.uptrain_study', f'--out={out}',
+             '--config=tiny', '--source_steps=40,80', '--source_seeds=2',
+             '--seeds=2', '--kv_heads=1']
+  subprocess.run(command, capture_output=True, text=True, check=True)
+  results = json.loads((out / 'results.json').read_text())
+  assert [(s['steps'], s['seed']) for s in results['sources']] == [
+      (40, 0), (40, 1), (80, 0), (80, 1)]
+  for source in results['sources']:
+    arms = {(r['method'], r['K'], r['seed']) for r in source['runs']}
+    assert arms == {(m, k, s) for m, k in (('identity', 4), ('mean', 1),
+                                           ('first', 1), ('mla_half', 1))
+                    for s in (1, 2)}
+    for r in source['runs']:
+      steps = {p['step'] for p in r['curve']}
+      assert {0, source['reads']['paper'], source['reads']['fixed']} <= steps
+    assert source['mla']['kv_lora_rank'] < source['mla']['d_model']
+    assert (out / 'sources' / f'S{source["steps"]}_s{source["seed"]}' /
+            'source' / 'final.json').exists()
+  assert 'avx512f' in results['provenance']['machine']
+  assert results['summary']['lengths']['80']['gap_K1']['paper']['n'] == 2
+  report = (out / 'report.md').read_text()
+  again = subprocess.run(command, capture_output=True, text=True, check=True)
+  assert 'source seed 0, 40 steps' in again.stdout
+  rerun = json.loads((out / 'results.json').read_text())
+  assert rerun['sources'] == results['sources']  # Reused, not retrained.
+  assert (out / 'report.md').read_text().split('\n')[4:] == \
+      report.split('\n')[4:]
