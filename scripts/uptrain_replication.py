@@ -381,7 +381,8 @@ def tables(results: dict, summ: dict) -> list[str]:
                 f'{row[n][read]["values"][i]:+.4f}' if n in row else '—'
                 for n in names) + ' |')
   lines += ['', '### Over sources: mean [95% t interval over sources] '
-            '(detectable; verdict)', '',
+            '(detectable; verdict, uncorrected: the reading\'s Holm '
+            'families decide claim 2 and the MLA arm)', '',
             '| S | read | ' + ' | '.join(label[n] for n in names) + ' |',
             '|---|---|' + '---|' * len(names)]
   for S, row in summ['lengths'].items():
