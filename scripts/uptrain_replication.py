@@ -283,7 +283,7 @@ def reading(results: dict, summ: dict) -> list[str]:
       f'source\'s length): {summ["claim1"]["paper"]}.** Mean-pooled minus '
       'the control at α = 0.05 by source length: ' + '; '.join(
           f'S = {S:,}: {_cell(row[f"gap_K{K}"]["paper"])}' + (
-              ', below that length\'s control gate: not claimed'
+              ', but withheld by that length\'s control gate: not claimed'
               if any(n == f'K={K} paper' for n, _ in summ['gate'][S]['below'])
               else '') for S, row in lengths.items())
       + '. Per doubling of the source\'s length (slope per source seed): '
@@ -428,6 +428,7 @@ def plot(out: pathlib.Path, results: dict, summ: dict):
            title=(f'α = {plan["paper_alpha"]} of S' if read == 'paper' else
                   f'{plan["fixed_steps"]} uptraining steps'),
            ylabel='held-out loss gap (nats/token)')
+    ax.minorticks_off()  # Only the lengths run are labelled.
     ax.set_xticks(list(lengths), [f'{s:,}' for s in lengths])
   axes[0].legend(fontsize=7)
   fig.tight_layout()
