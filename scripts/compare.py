@@ -2,7 +2,8 @@
 
   python -m scripts.compare --out=out/compare [--quick] [--kv_heads=8,2,1]
       [--seeds=1] [--equal_params] [--steps=N] [--config=gqa_small]
-      [--no_control] [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
+      [--no_control] [--no_aa]
+      [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
 
 Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed}
 (scripts/study.py: a finished run is reused only if it was trained with these
@@ -27,7 +28,7 @@ evaluation can see what attention does at all. If it is not resolved, the
 report says that an unresolved difference between the variants says
 nothing about K; if it is resolved better, that the reference does not use
 its context and nothing is interpretable.
-The A/A control (beside it, with the same seeds): the reference layout
+The A/A control (with 2 seeds or more; left out by --no_aa): the reference layout
 again, the same seed (data order and every other weight), but its K/V
 projections initialised from another seed (`aa_start`), into OUT/aa_s{seed}.
 A variant with other K differs from the reference in its K/V
@@ -125,6 +126,8 @@ def main():
   parser.add_argument('--equal_params', action='store_true')
   parser.add_argument('--no_control', action='store_true',
                       help='leave out the negative control (no context)')
+  parser.add_argument('--no_aa', action='store_true',
+                      help='leave out the A/A control (K/V init redrawn)')
   task_scores.add_flags(parser)
   args = parser.parse_args()
   steps = 120 if args.quick and not args.steps else args.steps
@@ -139,14 +142,12 @@ def main():
   controls = {} if args.no_control or args.seeds < 2 else {
       ('control', seed): control_config(args.config, control_K, seed, steps)
       for seed in range(args.seeds)}
-  if controls and not args.report_only:  # Older --out have none: skipped.
+  if not args.no_aa and args.seeds >= 2:  # Older --out have none: skipped.
     controls.update({('aa', seed): configs[control_K, seed]
                      for seed in range(args.seeds)
-                     if (control_K, seed) in configs})
-  elif controls:
-    controls.update({('aa', seed): configs[control_K, seed]
-                     for seed in range(args.seeds)
-                     if (out / f'aa_s{seed}' / 'final.json').exists()})
+                     if (control_K, seed) in configs and (
+                         not args.report_only or
+                         (out / f'aa_s{seed}' / 'final.json').exists())})
   everything = {**configs, **controls}
   for (K, seed), config in everything.items():  # Refused before any trains.
     config_lib.validate(config, batch_shards=1)
