@@ -160,11 +160,12 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
     partial.write_text(config.to_json(indent=2))
     partial.replace(requested)
   log.parent.mkdir(parents=True, exist_ok=True)
+  # Where this run was trained (the commit as it starts, not as it ends):
+  # a study that reuses it later says so.
+  trained = provenance.record('scripts.study', workdir)
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):
     record = loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)
-  # Where this run was trained: a study that reuses it later says so.
-  trained = provenance.record('scripts.study', workdir)
   (workdir / TRAINED_BY).write_text(json.dumps(
       {k: trained[k] for k in ('commit', 'machine')}))
   return record
