@@ -60,7 +60,6 @@ import functools
 import json
 import operator
 import os
-import platform
 import pathlib
 import subprocess
 import sys
@@ -316,16 +315,9 @@ def jax_threads() -> int:
 
 
 def machine() -> dict:
-  """The CPU family, its vector extensions, the cores used and the load."""
-  flags, model = set(), platform.processor()
-  for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines():
-    key, _, value = line.partition(':')
-    if key.strip() == 'model name':
-      model = value.strip()
-    elif key.strip() == 'flags':
-      flags = set(value.split())
-  return {'cpu': model, 'avx2': 'avx2' in flags,
-          'avx512f': 'avx512f' in flags, 'cores': jax_threads(),
+  """The CPU family, its vector extensions and the cores used
+  (`train.provenance.machine`), and the load."""
+  return {**provenance.machine(), 'cores': jax_threads(),
           'load_average': list(os.getloadavg())}
 
 

@@ -2,7 +2,8 @@
 
   python -m scripts.compare --out=out/compare [--quick] [--kv_heads=8,2,1]
       [--seeds=1] [--equal_params] [--steps=N] [--config=gqa_small]
-      [--no_control] [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
+      [--no_control] [--no_aa]
+      [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
 
 Each variant (and seed) trains with train.main's loop into OUT/K{k}_s{seed}
 (scripts/study.py: a finished run is reused only if it was trained with these
@@ -27,6 +28,15 @@ evaluation can see what attention does at all. If it is not resolved, the
 report says that an unresolved difference between the variants says
 nothing about K; if it is resolved better, that the reference does not use
 its context and nothing is interpretable.
+The A/A control (with 2 seeds or more; left out by --no_aa): the reference layout
+again, the same seed (data order and every other weight), but its K/V
+projections initialised from another seed (`aa_start`), into OUT/aa_s{seed}.
+A variant with other K differs from the reference in its K/V
+initialisation too, so the A/A difference's sd measures how much of the
+variants' paired sd that redraw alone makes.
+The verdicts read per-byte losses (this data is bytes) in their own unit:
+Shazeer's MQA cost is per subword token at equal parameters, so it is
+named, never compared.
 --quick: 120 steps per variant (README, Results, has its run times).
 --config=recall runs the recall probe instead (see configs/recall.py); the
 table then adds each variant's first-query accuracy (pure retrieval).
@@ -45,7 +55,10 @@ import pathlib
 import numpy as np
 
 from scripts import stats, study, task_scores, timing
-from train import checkpoint, config_lib, data, flops, progress
+import jax
+from flax import linen as nn
+
+from train import checkpoint, config_lib, convert, data, flops, loop, progress
 from train.cli import check_output_dir, exit_on_user_error
 from train.errors import UserError
 from train import model as model_lib
@@ -79,6 +92,26 @@ def control_config(base, K, seed, steps):
   return config
 
 
+AA_REDRAW = 1_000  # The A/A run's K/V initialisation seed: seed + this.
+
+
+def aa_start(workdir: pathlib.Path, config, seed: int):
+  """The A/A run's step 0 in WORKDIR (once): the parameters `config` starts
+  from with `seed`, its K/V projections (`convert.is_kv_kernel`) drawn with
+  seed + AA_REDRAW instead; `train.main` then trains it with `seed`'s data
+  order and a fresh optimizer."""
+  if (workdir / 'config.json').exists():
+    return
+  model = Transformer(config_lib.model_config(config))
+  base, other = (nn.unbox(loop.init_params(model, s))
+                 for s in (seed, seed + AA_REDRAW))
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, a, b: b if convert.is_kv_kernel(path) else a, base, other)
+  workdir.mkdir(parents=True, exist_ok=True)
+  checkpoint.save_params(workdir, params)
+  (workdir / 'config.json').write_text(config.to_json(indent=2))
+
+
 def reference_K(kv_heads, num_heads: int) -> int:
   """What the variants are compared against: MHA (K = num_heads) when it
   runs, else the variant with the most K/V heads."""
@@ -93,6 +126,8 @@ def main():
   parser.add_argument('--equal_params', action='store_true')
   parser.add_argument('--no_control', action='store_true',
                       help='leave out the negative control (no context)')
+  parser.add_argument('--no_aa', action='store_true',
+                      help='leave out the A/A control (K/V init redrawn)')
   task_scores.add_flags(parser)
   args = parser.parse_args()
   steps = 120 if args.quick and not args.steps else args.steps
@@ -107,6 +142,12 @@ def main():
   controls = {} if args.no_control or args.seeds < 2 else {
       ('control', seed): control_config(args.config, control_K, seed, steps)
       for seed in range(args.seeds)}
+  if not args.no_aa and args.seeds >= 2:  # Older --out have none: skipped.
+    controls.update({('aa', seed): configs[control_K, seed]
+                     for seed in range(args.seeds)
+                     if (control_K, seed) in configs and (
+                         not args.report_only or
+                         (out / f'aa_s{seed}' / 'final.json').exists())})
   everything = {**configs, **controls}
   for (K, seed), config in everything.items():  # Refused before any trains.
     config_lib.validate(config, batch_shards=1)
@@ -115,8 +156,10 @@ def main():
   runs, control_runs = [], []
   todo = list(everything.items()) if args.report_only else progress.runs(
       list(everything.items()),
-      lambda c: (f'num_kv_heads={c[0][0]}' if c[0][0] != 'control' else
-                 f'control (K={control_K}, no context)') + f' seed={c[0][1]}')
+      lambda c: {'control': f'control (K={control_K}, no context)',
+                 'aa': f'A/A (K={control_K}, K/V initialisation redrawn)'}.get(
+                     c[0][0], f'num_kv_heads={c[0][0]}') + f' seed={c[0][1]}')
+  aa_runs = []
   for (K, seed), config in todo:
     workdir = out / f'{_name(K)}_s{seed}'
     if args.report_only and K == 'control' and not (
@@ -128,14 +171,17 @@ def main():
     if args.report_only:
       record = study.saved(workdir / 'final.json')
     else:
+      if K == 'aa':
+        aa_start(workdir, config, seed)
       record = study.train(config, workdir, workdir / 'log.txt')
       print(f'{_name(K)} seed={seed}: held-out loss '
             f'{record["eval_loss"]:.4f} (log: {workdir / "log.txt"})',
             flush=True)
     run = dict(K=K, seed=seed, config=config, record=record,
                metrics=read_metrics(workdir))
-    if K == 'control':
-      control_runs.append(run | {'K': control_K})
+    if K in ('control', 'aa'):
+      (control_runs if K == 'control' else aa_runs).append(
+          run | {'K': control_K})
       continue
     if tasks:  # Its final checkpoint, as evaluation.evaluate scores it.
       record['tasks'] = task_scores.score(tasks, workdir,
@@ -150,13 +196,15 @@ def main():
         mc, DECODE_BATCH, DECODE_CONTEXT, repeats=5)
     print(f'decode K={K}: {decode[K]:,.0f} tokens/s', flush=True)
   bandwidth = timing.read_bandwidth(5)
-  write_report(out, runs, decode, bandwidth, args, control_runs)
+  write_report(out, runs, decode, bandwidth, args, control_runs, aa_runs,
+               trained=study.trained_by(
+                   out / f'{_name(K)}_s{seed}' for K, seed in everything))
   print(f'wrote {out}/report.md')
 
 
 def _name(K) -> str:
-  """A run's folder name in OUT, before _s{seed}: K{k}, or control."""
-  return 'control' if K == 'control' else f'K{K}'
+  """A run's folder name in OUT, before _s{seed}: K{k}, control or aa."""
+  return K if K in ('control', 'aa') else f'K{K}'
 
 
 def recall_accuracy_by_query(workdir, rows: int = 512) -> list[float]:
@@ -213,8 +261,17 @@ def comparisons(runs) -> list[dict]:
     found.append(dict(
         K=K, reference_K=reference, seeds=seeds, losses=a,
         reference_losses=b, difference=difference, detectable=detectable,
-        verdict=verdict(K, reference, num_heads, difference, detectable)))
+        verdict=verdict(K, reference, num_heads, difference, detectable,
+                        unit(runs[0]['config']))))
   return found
+
+
+def unit(config) -> str:
+  """What one held-out loss value is per: 'byte' (no tokenizer), 'token'
+  (a tokenizer's), or 'answer token' (the recall probe)."""
+  if config.data.task == 'recall':
+    return 'answer token'
+  return 'token' if config.data.get('tokenizer') else 'byte'
 
 
 def control_check(control_runs, runs) -> dict | None:
@@ -263,52 +320,77 @@ def seeds_to_detect(sd: float, effect: float, most: int = 100) -> int | None:
 
 
 def verdict(K: int, reference: int, num_heads: int, d: stats.Estimate,
-            detectable: float) -> str:
-  """What difference d (K - MHA, nats) lets the report say against a margin
-  fixed in advance: an MQA cost of Shazeer's size (K = 1) or GQA near MHA
-  (1 < K < N, |d| <= NEAR_MHA); the verdict names how each differs from
-  its paper's own framing.
-
-  A disagreement is claimed when d's interval excludes the paper's value;
-  an agreement only when the seeds could have detected a difference of the
-  paper's size (detectable <= it). Anything else is said to be unresolved,
-  with the seeds that would resolve it.
-  """
+            detectable: float, per: str = 'byte') -> str:
+  """What difference d (K - MHA, nats per `per`) lets the report say, by
+  `stats.decide`. K = 1: the difference alone; Shazeer's MQA cost is
+  log-perplexity per subword token at equal parameters, another unit, so it
+  is named and never compared with a loss per byte (nor with another
+  tokenizer's tokens). 1 < K < N: against this lab's margin NEAR_MHA, in
+  this loss's own unit: agrees when the interval lies within it (both edges
+  resolved inside), disagrees when resolved beyond it, otherwise cannot
+  resolve it, with the seeds that would."""
   if reference != num_heads:
     return (f'the reference is K={reference}, not MHA (K={num_heads}): no '
             "paper's claim is tested")
-  if d.n < 2:
-    return ('one seed: no interval, nothing claimed (rerun with --seeds=3 '
+  decided = stats.decide(d)
+  if decided in ('one seed', 'equal on all seeds'):
+    return (f'{decided}: no interval, nothing claimed (rerun with --seeds=3 '
             'or more)')
   more = lambda effect: (
       f'; about {n} seeds would detect {effect:.3f}'
       if (n := seeds_to_detect(d.sd, effect)) else '')
   if K == 1:
     low, high = SHAZEER_MQA_COST
-    paper = (f"an MQA cost of Shazeer's size ({low:.3f}-{high:.3f} nats; his "
-             'are per subword token, at equal parameters)')
-    if d.low > high:
-      return f'MQA costs more than {paper}: disagrees'
-    if d.high < low:
-      return f'MQA costs less than {paper}: disagrees'
-    if detectable <= low:
-      return (f'consistent with {paper}, which these seeds would detect'
-              + (' (no cost is not excluded either)' if d.low <= 0 else ''))
-    return (f'cannot resolve {paper}: {d.n} seeds detect {detectable:.3f} '
-            f'nats or more{more(low)}')
-  paper = (f'GQA near MHA (within ±{NEAR_MHA} nats, this lab\'s margin; '
-           'Ainslie et al.\'s claim is about uptrained models)')
-  if d.low > NEAR_MHA or d.high < -NEAR_MHA:
+    return (f'MQA minus MHA {d.mean:+.3f} nats per {per}: {decided} '
+            f'(detectable {detectable:.3f}). Shazeer\'s MQA cost '
+            f'({low:.3f}-{high:.3f} nats) is per subword token at equal '
+            f'parameters, another unit: not compared')
+  paper = (f'GQA near MHA (within ±{NEAR_MHA} nats per {per}, this lab\'s '
+           'margin; Ainslie et al.\'s claim is about uptrained models)')
+  above, below = (stats.decide(stats.shifted(d, m))
+                  for m in (NEAR_MHA, -NEAR_MHA))
+  if (above == 'resolved' and d.mean > NEAR_MHA) or (
+      below == 'resolved' and d.mean < -NEAR_MHA):
     return f'farther from MHA than ±{NEAR_MHA} nats: disagrees with {paper}'
-  if -NEAR_MHA <= d.low and d.high <= NEAR_MHA:
+  if (above == 'resolved' and d.mean < NEAR_MHA and below == 'resolved'
+      and d.mean > -NEAR_MHA):
     return f'agrees with {paper}: the interval lies within it'
-  return (f'cannot resolve {paper}: the interval crosses ±{NEAR_MHA}; '
-          f'{d.n} seeds detect {detectable:.3f} nats or more'
-          + more(NEAR_MHA))
+  return (f'cannot resolve {paper}: {d.n} seeds detect {detectable:.3f} '
+          'nats or more' + more(NEAR_MHA))
 
 
-def results(runs, rows, found, bandwidth, out, argv=None, control=None
-            ) -> dict:
+def aa_check(aa_runs, runs, found) -> dict | None:
+  """The A/A control against the reference, paired by seed: the
+  difference A/A - reference, its sd beside each variant's paired sd, and
+  the reading (`stats.decide`: an A/A difference should not be resolved);
+  None without A/A runs."""
+  if not aa_runs:
+    return None
+  K = aa_runs[0]['K']
+  mine = {r['seed']: r['record']['eval_loss'] for r in aa_runs}
+  base = {r['seed']: r['record']['eval_loss'] for r in runs if r['K'] == K}
+  seeds = sorted(mine.keys() & base.keys())
+  d = stats.paired([mine[s] for s in seeds], [base[s] for s in seeds])
+  decided = stats.decide(d)
+  sds = ', '.join(f'K={c["K"]} {c["difference"].sd:.4f}' for c in found
+                  if c['difference'].n > 1)
+  reading = (
+      f'the reference with only its K/V initialisation redrawn differs by '
+      f'{d.mean:+.4f} nats ({decided}), sd {d.sd:.4f} over seeds against '
+      f'the variants\' paired sd ({sds}): ' + (
+          'a redraw alone makes that much of their spread'
+          if d.n > 1 and d.sd > 0 else 'no spread to compare')
+      + ('; resolved, so the K/V initialisation alone moves the loss beyond '
+         'what the seeds detect, and a variant\'s difference of that size '
+         'says nothing about K' if decided == 'resolved' else ''))
+  return dict(K=K, seeds=seeds, losses=[mine[s] for s in seeds],
+              reference_losses=[base[s] for s in seeds], difference=d,
+              detectable=stats.detectable(d.sd, d.n), verdict=decided,
+              reading=reading)
+
+
+def results(runs, rows, found, bandwidth, out, argv=None, control=None,
+            aa=None) -> dict:
   """OUT/results.json: per variant its per-seed values and speeds, the
   paired comparisons, the command, commit and --out (`study.to_json`
   writes an unbounded interval or a missing value as 'inf' or 'nan')."""
@@ -341,24 +423,31 @@ def results(runs, rows, found, bandwidth, out, argv=None, control=None
                    for c in found],
       control=control and {**control,
                            'difference': control['difference'].as_dict()},
+      aa=aa and {**aa, 'difference': aa['difference'].as_dict()},
       **_task_results(runs))
 
 
-def write_report(out, runs, decode, bandwidth, args, control_runs=()):
+def write_report(out, runs, decode, bandwidth, args, control_runs=(),
+                 aa_runs=(), trained=None):
   """report.md (the command, a reading, the tables), results.json,
-  loss.png and throughput.png in OUT."""
+  loss.png and throughput.png in OUT. trained: where the runs were trained
+  (`study.trained_by`); without it, a rebuild names the command of the
+  results.json it replaces (which may itself have reused older runs)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use('Agg')
   rows = _rows(runs, decode, bandwidth)
   found = comparisons(runs)
   control = control_check(control_runs, runs)
-  result = results(runs, rows, found, bandwidth, out, control=control)
-  if getattr(args, 'report_only', False):  # Who trained the runs, kept.
+  aa = aa_check(aa_runs, runs, found)
+  result = results(runs, rows, found, bandwidth, out, control=control, aa=aa)
+  if trained:
+    result['provenance']['trained'] = trained
+  elif getattr(args, 'report_only', False):  # Who trained the runs, kept.
     result['provenance']['trained'] = _trained_by(out / 'results.json')
   (out / 'results.json').write_text(study.to_json(result))
   (out / 'report.md').write_text('\n'.join(
       _report_lines(runs, rows, found, bandwidth, args,
-                    result['provenance'], control)))
+                    result['provenance'], control, aa)))
   _plot_loss(out / 'loss.png', runs)
   _plot_throughput(out / 'throughput.png', rows)
 
@@ -444,14 +533,16 @@ def _reading(rows, found, control=None) -> str:
 
 
 def _report_lines(runs, rows, found, bandwidth, args, provenance,
-                  control=None) -> list[str]:
+                  control=None, aa=None) -> list[str]:
   c = runs[0]['config']
   recall = c.data.task == 'recall'
   lines = [
       '# Comparing MHA, GQA and MQA', '',
       (f'Runs trained by {provenance["trained"]}; this report made by '
        if provenance.get('trained') else 'Made by ')
-      + f'`{provenance["command"]}` at commit {provenance["commit"]}: '
+      + f'`{provenance["command"]}` at commit {provenance["commit"]}'
+      + (f' on {provenance_lib.describe(provenance["machine"])}'
+         if provenance.get('machine') else '') + ': '
       f'{c.model.num_layers} layers, d_model {c.model.d_model}, '
       f'{c.model.num_heads} query heads of {c.model.head_dim}; '
       f'{c.train.steps} steps of {c.train.batch_size} x {c.data.seq_len} '
@@ -465,7 +556,8 @@ def _report_lines(runs, rows, found, bandwidth, args, provenance,
       _reading(rows, found, control), '',
       (f'Data: the recall probe, {c.data.recall_pairs} key-value pairs per '
        'row; accuracy counts the answers only.' if recall else
-       f'Data: {c.data.path or "the embedded stdlib corpus"} (bytes).'), '',
+       f'Data: {c.data.path or "the embedded stdlib corpus"} '
+       f'({unit(c)}s; every loss is nats per {unit(c)}).'), '',
       f'Statistics: {stats.CONVENTION}', '',
       '| num_kv_heads | params | mlp_dim | KV bytes/token | held-out '
       'loss (nats) | bits/byte | next-token accuracy | '
@@ -479,6 +571,7 @@ def _report_lines(runs, rows, found, bandwidth, args, provenance,
                  + f'{r["train"]:,.0f} | {r["decode"]:,.0f} | '
                  f'{r["roofline"]:,.0f} |')
   lines += ['', *_paired_lines(runs, found, args), *_control_lines(control),
+            *_aa_lines(aa),
             *_task_lines(runs)]
   if recall:  # Later queries can be guessed by crossing out; not the first.
     lines += ['', 'Answer accuracy by query (1st ... last):', '']
@@ -521,6 +614,19 @@ def _paired_lines(runs, found, args) -> list[str]:
     lines.append(f'| {c["K"]} | {d:+.4f} | {sd} | {detectable} | '
                  f'{c["verdict"]} |')
   return lines
+
+
+def _aa_lines(aa) -> list[str]:
+  """The A/A control's paired difference and what its sd says."""
+  if not aa:
+    return []
+  d = aa['difference']
+  return ['', f'A/A control: K={aa["K"]} again, the same seeds, its K/V '
+          'projections initialised from another seed (held-out loss by '
+          'seed: ' + ', '.join(f'{a:.4f}' for a in aa['losses'])
+          + f'), minus K={aa["K"]}: {d:+.4f}, sd {d.sd:.4f}, detectable '
+          + (f'{aa["detectable"]:.4f}' if math.isfinite(aa['detectable'])
+             else '-') + f'. Reading: {aa["reading"]}.']
 
 
 def _control_lines(control) -> list[str]:

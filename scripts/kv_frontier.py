@@ -390,7 +390,7 @@ def _compare(a: dict, b: dict, cache: str = 'float') -> dict:
   out = {}
   for metric in a['seeds'][cache]:
     d = stats.paired(a['seeds'][cache][metric], b['seeds'][cache][metric])
-    out[metric] = {**d.as_dict(), 'resolved': d.resolved,
+    out[metric] = {**d.as_dict(), 'resolved': stats.decide(d) == 'resolved',
                    'detectable': stats.detectable(d.sd, d.n)}
   return out
 
@@ -488,7 +488,8 @@ def main_effects(by: dict) -> list[dict]:
                                       b['seeds']['float'][metric])
                           for a, b in pairs], axis=0)
       e = stats.mean(per_seed)
-      effect[metric] = {**e.as_dict(), 'resolved': e.resolved,
+      effect[metric] = {**e.as_dict(),
+                        'resolved': stats.decide(e) == 'resolved',
                         'detectable': stats.detectable(e.sd, e.n),
                         'p': stats.p_value(per_seed)}
     effects.append(effect)
@@ -501,10 +502,12 @@ def main_effects(by: dict) -> list[dict]:
 def frontier(pts: list[dict]) -> list[str]:
   """The points (names) whose NLL is resolved lower, paired by seed, than
   that of every point with fewer bytes per token, and not resolved higher
-  than any point with as few; cheapest first."""
+  than any point with as few; cheapest first. Resolved: `stats.decide`'s
+  (the interval excludes 0 and the difference is at least what the seeds
+  detect)."""
   on = []
   for p in sorted(pts, key=lambda p: p['kv_bytes_per_token']):
-    beats = lambda o, p=p: stats.paired(o['nll'], p['nll'])
+    beats = lambda o, p=p: _Decided(stats.paired(o['nll'], p['nll']))
     cheaper = [o for o in pts if o['kv_bytes_per_token']
                < p['kv_bytes_per_token']]
     same = [o for o in pts if o is not p
@@ -513,6 +516,14 @@ def frontier(pts: list[dict]) -> list[str]:
         not any(beats(o).resolved and beats(o).mean < 0 for o in same)):
       on.append(p['name'])
   return on
+
+
+class _Decided:
+  """A paired difference whose `resolved` is `stats.decide`'s."""
+
+  def __init__(self, est: stats.Estimate):
+    self.mean = est.mean
+    self.resolved = stats.decide(est) == 'resolved'
 
 
 # The report.
@@ -622,16 +633,18 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
     lines += ['**Conversions into MLA** (`train.convert --to_mla`: the '
               "source's K/V projections factorised jointly by SVD into the "
               "latent; converted minus source, paired by seed, as converted "
-              'and after the uptraining recipe\'s steps):', '',
-              '| model | bytes/token | ΔNLL | Δaccuracy |'
-              + (' Δfirst query |' if first_query else ''),
-              '|---|---|---|---|' + ('---|' if first_query else '')]
+              'and after the uptraining recipe\'s steps; no control for the '
+              'source training as many more steps itself, and uncorrected):',
+              '', '| model | bytes/token | ΔNLL | ΔNLL verdict (detectable) | '
+              'Δaccuracy |' + (' Δfirst query |' if first_query else ''),
+              '|---|---|---|---|---|' + ('---|' if first_query else '')]
     nbytes = {m['variant']: m['kv_bytes_per_token']['float'] for m in models}
     for e in a['conversions']:
       d = e['diff']
       lines.append(f'| {e["model"]} | {nbytes[e["source"]]:,.0f} → '
                    f'{nbytes[e["model"]]:,.0f} | {_ci(d["nll"])} | '
-                   f'{_ci(d["accuracy"], "+.3f")} |'
+                   f'{stats.decide(d["nll"])} ({d["nll"]["detectable"]:.4f})'
+                   f' | {_ci(d["accuracy"], "+.3f")} |'
                    + (f' {_ci(d["first"], "+.3f")} |' if first_query
                       else ''))
     lines.append('')

@@ -11,13 +11,19 @@ bootstrap interval (`ratio`). Per-seed values that are all equal (a
 quantity the seeds do not vary, such as a conversion of one source) are one
 measurement, not a replicated one: no interval, never resolved. A family of comparisons read together is
 corrected with Holm's method (`holm`).
+
+`decide` applies the convention: every report's verdict on a difference is
+its answer (resolved, not claimed, equal on all seeds, one seed), never a
+reading written by hand. Where the replicated unit is not a seed (a
+source-replicated study averages within each source and replicates over
+sources), "seed" reads as that unit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Literal, Mapping, Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -35,7 +41,12 @@ CONVENTION = (
     'the 5% level; nothing smaller is claimed. A value equal on every seed '
     'is given as "equal on all n seeds", without an interval (its sd is 0: '
     'a value the seeds do not vary, or one at a floor or ceiling on each), '
-    'and is not counted as resolved.')
+    'and is not counted as resolved. A difference is claimed (resolved) '
+    'only when its interval excludes 0, it is at least its detectable '
+    'effect, and, in a family, Holm\'s correction rejects it; otherwise it '
+    'is "not claimed". Where sources, not seeds, are the unit of '
+    'replication, read "seed" as "source": values are averaged within a '
+    'source and the interval is over sources.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +169,41 @@ def ratio(a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000,
   low, high = np.quantile(draws, [tail, 1 - tail])
   return Estimate(point, float(draws.std(ddof=1)), len(a), float(low),
                   float(high))
+
+
+Verdict = Literal['resolved', 'not claimed', 'equal on all seeds', 'one seed']
+
+
+def as_estimate(est: Estimate | Mapping) -> Estimate:
+  """An Estimate, or one from its as_dict() (extra keys ignored)."""
+  if isinstance(est, Estimate):
+    return est
+  return Estimate(*(float(est[k]) for k in ('mean', 'sd')), int(est['n']),
+                  *(float(est[k]) for k in ('low', 'high')))
+
+
+def decide(est: Estimate | Mapping, *, rejected: bool | None = None
+           ) -> Verdict:
+  """CONVENTION applied to a difference over seeds (or sources): 'one
+  seed' (n = 1, no interval), 'equal on all seeds' (sd 0: one measurement),
+  'resolved' when its interval excludes 0, |mean| is at least
+  `detectable(sd, n)` and, in a Holm family, `rejected` is True; otherwise
+  'not claimed' (the interval holds 0, or the effect is below what the
+  seeds detect). The one place a verdict on a difference is made."""
+  e = as_estimate(est)
+  if e.n < 2:
+    return 'one seed'
+  if e.deterministic:
+    return 'equal on all seeds'
+  if rejected is False or not e.resolved:
+    return 'not claimed'
+  if abs(e.mean) < detectable(e.sd, e.n):
+    return 'not claimed'
+  return 'resolved'
+
+
+def shifted(est: Estimate | Mapping, by: float) -> Estimate:
+  """The estimate of (value - by): a margin or a null of 1 as a difference
+  `decide` reads (the interval and sd move with it)."""
+  e = as_estimate(est)
+  return Estimate(e.mean - by, e.sd, e.n, e.low - by, e.high - by)

@@ -8,7 +8,7 @@ import json
 import math
 import pathlib
 
-from train import config_lib, loop
+from train import config_lib, loop, provenance
 from train.cli import ArgumentParser, int_list, positive_int
 from train.errors import UserError
 
@@ -160,6 +160,37 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
     partial.write_text(config.to_json(indent=2))
     partial.replace(requested)
   log.parent.mkdir(parents=True, exist_ok=True)
+  # Where this run was trained (the commit as it starts, not as it ends):
+  # a study that reuses it later says so.
+  trained = provenance.record('scripts.study', workdir)
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):
-    return loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)
+    record = loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)
+  (workdir / TRAINED_BY).write_text(json.dumps(
+      {k: trained[k] for k in ('commit', 'machine')}))
+  return record
+
+
+TRAINED_BY = 'trained_by.json'  # Beside a run `train` trained: its commit.
+
+
+def trained_by(workdirs) -> str | None:
+  """Where the runs in WORKDIRS were trained, from each one's TRAINED_BY:
+  'commit X on MACHINE (n runs); ...', with the runs that have no record
+  (trained before runs recorded it) counted; None when none has one."""
+  found, unknown = {}, 0
+  for workdir in workdirs:
+    path = pathlib.Path(workdir) / TRAINED_BY
+    if not path.exists():
+      unknown += 1
+      continue
+    t = json.loads(path.read_text())
+    key = (t['commit'], provenance.describe(t.get('machine', {})))
+    found[key] = found.get(key, 0) + 1
+  if not found:
+    return None
+  return '; '.join(
+      [f'commit {c} on {m} ({n} run{"s" * (n != 1)})'
+       for (c, m), n in sorted(found.items())]
+      + ([f'{unknown} run{"s" * (unknown != 1)} with no record'] if unknown
+         else []))

@@ -1,11 +1,33 @@
 """The GQA paper's uptraining claims (Ainslie et al. 2023), tested as the
-paper states them, with controls.
+paper states them, with controls, and replicated over sources.
 
-  python -m scripts.uptrain_study --out=DIR [--quick] [--config=uptrain_source]
+  python -m scripts.uptrain_study --out=DIR [--source_seeds=3]
+      [--source_steps=400,1600,3200 | --quick] [--seeds=2]
+      [--kv_heads=K,...] [--config=uptrain_source]
+  python -m scripts.uptrain_study --single_source --out=DIR [--quick]
       [--steps=S] [--seeds=n] [--kv_heads=K,...]
       [--recall_config=uptrain_recall] [--recall_steps=S_r]
       [--tasks=T1,T2 [--include_path=DIR] [--task_limit=N]]
+  python -m scripts.uptrain_study --out=DIR --report_only
 
+The default design: the source is the unit of replication (issue #49).
+For each length S in --source_steps and each source seed 0 .. n-1, an MHA
+source (the config's K set to its N) is trained S steps by the config's
+recipe scaled to S (OUT/sources/S{S}_s{seed}/source), converted to the
+identity control (K = N), mean-pooled and first-head to each --kv_heads
+(default N/2 and 1), and MHA -> MLA with a latent below GQA's width
+(`mla_below_plan`: half of GQA-max(K)'s cache, so R < d_model), each
+uptrained once per uptraining seed (--seeds, default 2) at RATE_RATIO x the
+source's peak rate (warmup over alpha = 0.0125 of S, then constant) and
+read at alpha = 0.05 of S and at FIXED_STEPS steps. The statistics
+(`scripts.uptrain_replication`) average within a source and give intervals
+over sources, and the alpha = 0.05 gap's trend over S paired by source
+seed. The default run (3 sources x 400, 1,600, 3,200 steps) is about 15
+minutes of wall time on the idle 2-core machine (docs/results/uptrain/);
+--quick: sources of 200 and 400 steps (QUICK_SOURCE_STEPS).
+
+--single_source, the former design (one source, seed 0; the seeds replicate
+only the uptraining data order):
 1. An MHA source (the config's K set to its N) trained S steps, seed 0.
 2. A learning-rate pilot (seed 0, recorded): mean-pooled MQA and the identity
    control uptrained for alpha = 0.05 at the source's peak rate x 1, 1/3,
@@ -28,8 +50,9 @@ paper states them, with controls.
    by seed at each alpha; its losses also map onto GQA-K's scratch curve
    (5: the layout of equal bytes; no MLA is trained from scratch).
 5. From-scratch compute curves: MHA and each K trained (1 + 0.2) S steps per
-   seed by the source's recipe, evaluated every S/40 steps; an uptrained loss
-   maps to the steps the seed-mean scratch curve needs to reach it.
+   seed by the source's recipe, evaluated every S/40 steps; each seed's
+   uptrained loss maps to the steps the same seed's scratch curve needs to
+   reach it (paired by seed; `uptrain_report.equivalent_steps`).
 6. The recall arm: an MHA recall-probe source (accuracy 1.000 by
    construction), converted as in 3 (fresh Adam) and uptrained up to 0.2 x S_r
    steps at its peak rate; steps to regain accuracy >= 0.95 against K trained
@@ -44,10 +67,11 @@ paper states them, with controls.
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
-before the MLA arm: only the MLA runs train). Default: 4 seeds, 38.5
-CPU-minutes with the MLA arm (the most its wall time is on an idle 2-core
-machine; docs/results/uptrain/report.md); --quick: S/4, K = 1 only, 3
-seeds, 5 min 30 s on the idle machine (9.1 CPU-minutes, at d3fc18f).
+before the MLA arm: only the MLA runs train). --single_source: 4 seeds,
+38.5 CPU-minutes with the MLA arm (the most its wall time is on an idle
+2-core machine; docs/results/uptrain/single_source/report.md); with
+--quick: S/4, K = 1 only, 3 seeds, 5 min 30 s on the idle machine (9.1
+CPU-minutes, at d3fc18f).
 """
 
 from __future__ import annotations
@@ -55,16 +79,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import pathlib
 import shutil
 
 import numpy as np
 
-from scripts import stats, study, task_scores, uptrain_report
+from scripts import stats, study, task_scores, uptrain_replication
+from scripts import uptrain_report
 from train import config_lib, convert, loop, progress, provenance, to_mla
 from train import model as model_lib
 from train import workdir as workdir_lib
-from train.cli import check_output_dir, exit_on_user_error, positive_int
+from train.cli import (check_output_dir, exit_on_user_error, int_list,
+                       positive_int)
 from train.errors import UserError
 from train.metrics import read_metrics
 
@@ -356,7 +383,7 @@ def score_lm(out: pathlib.Path, config, lm: dict, what) -> dict:
 MLA = uptrain_report.MLA  # Its runs: runs/fresh/mla_K{K}, K: GQA's match.
 
 
-def mla_plan(mc, K: int) -> dict:
+def mla_plan(mc, K: int, numbers: int | None = None) -> dict:
   """The MLA conversion of the MHA source `mc` [N heads of H] caching what
   GQA-K caches per token: qk_rope_head_dim Y = 2·N (one RoPE frequency pair
   per head, the fewest `train.to_mla` keeps, so the rest goes to the shared
@@ -364,14 +391,18 @@ def mla_plan(mc, K: int) -> dict:
   2·K·H numbers per token and layer, as K heads' keys and values. Where
   that R is out of `to_mla`'s range [1, min(D, 2·N·H - Y)], the nearest in
   it (the bytes then differ, and both are recorded). The bytes are
-  `train.model.kv_bytes_per_token`'s, as final.json reports them."""
+  `train.model.kv_bytes_per_token`'s, as final.json reports them.
+  numbers: R + Y other than 2·K·H (a latent below GQA-K's width, compared
+  with GQA-K's bytes all the same)."""
   N, H = mc.num_heads, mc.head_dim
   Y = 2 * N if mc.use_rope else 0
-  R = min(max(1, 2 * K * H - Y), mc.d_model, 2 * N * H - Y)
+  numbers = 2 * K * H if numbers is None else numbers
+  R = min(max(1, numbers - Y), mc.d_model, 2 * N * H - Y)
   pairs = (to_mla.select_pairs(np.zeros((N, H // 2)), Y) if mc.use_rope
            else None)  # Which pairs does not change the cache's size.
   mla_mc, _ = to_mla.target_config(mc, R, Y, pairs)
   return {'K': K, 'kv_lora_rank': R, 'qk_rope_head_dim': Y,
+          'd_model': mc.d_model,
           'kv_bytes_per_token': model_lib.kv_bytes_per_token(mla_mc),
           'gqa_kv_bytes_per_token': model_lib.kv_bytes_per_token(
               dataclasses.replace(mc, num_kv_heads=K))}
@@ -380,8 +411,9 @@ def mla_plan(mc, K: int) -> dict:
 def convert_mla(out: pathlib.Path, source: pathlib.Path, plan: dict
                 ) -> tuple[pathlib.Path, dict]:
   """PLAN's MLA conversion of SOURCE (deterministic: one for every seed)
-  and its convert.json record (the energy kept per layer)."""
-  workdir = out / 'converted' / Arm(MLA, plan['K']).name
+  and its convert.json record (the energy kept per layer); plan['method']
+  names its workdir (default MLA)."""
+  workdir = out / 'converted' / Arm(plan.get('method', MLA), plan['K']).name
   if not (workdir / 'config.json').exists():
     shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
     workdir.parent.mkdir(parents=True, exist_ok=True)
@@ -418,6 +450,98 @@ def mla_arm(out: pathlib.Path, source_dir: pathlib.Path, config, kv_heads,
   return {'conversions': conversions, 'runs': runs}
 
 
+# --- the source-replicated design (issue #49) ------------------------------
+
+FIXED_STEPS = 80  # The fixed read: alpha = 0.05 of the 1,600-step source.
+# x the source's peak rate: the rate the single-source study's pilot chose
+# (docs/results/uptrain/single_source/), fixed here in advance for every
+# source rather than piloted again on each.
+RATE_RATIO = 1 / 3
+MLA_BELOW = 'mla_half'  # Its method: latent half of GQA-max(K)'s width.
+QUICK_SOURCE_STEPS = [200, 400]  # --quick's source lengths.
+
+
+def replicated_arms(N: int, kv_heads: list[int]) -> list[Arm]:
+  """The identity control, then mean-pooled and first-head to each K."""
+  return [Arm('identity', N)] + [Arm(m, K) for m in ('mean', 'first')
+                                 for K in kv_heads]
+
+
+def mla_below_plan(mc, kv_heads: list[int]) -> dict:
+  """MLA whose cache is half of GQA-K's for the largest K (R + Y = K·H
+  numbers), so its latent R sits below d_model as in MHA2MLA and TransMLA
+  rather than at the width where 2·K·H = d_model makes it near-lossless;
+  K = the largest target, method MLA_BELOW."""
+  K = max(kv_heads)
+  return {**mla_plan(mc, K, numbers=K * mc.head_dim), 'method': MLA_BELOW}
+
+
+def reads(steps: int, fixed: int) -> dict:
+  """The uptraining steps read for a source of `steps`: alpha = 0.05 of
+  them ('paper') and `fixed`; the run's length and evaluation period."""
+  paper = max(1, round(PAPER_ALPHA * steps))
+  return {'paper': paper, 'fixed': fixed, 'top': max(paper, fixed),
+          'every': math.gcd(paper, fixed)}
+
+
+def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int
+               ) -> dict:
+  """One source (config: its steps and seed) in OUT: trained, converted to
+  each arm (`replicated_arms`, the MLA below GQA's width) and uptrained
+  once per seed at RATE_RATIO x its peak rate (warmup over alpha = 0.0125
+  of its steps, then constant) to both `reads`."""
+  S, N = config.train.steps, config.model.num_heads
+  read = reads(S, fixed)
+  rate = config.train.learning_rate * RATE_RATIO
+  source_dir = out / 'source'
+  print(f'=== source seed {config.seed}, {S} steps', flush=True)
+  source = train_source(source_dir, config)
+  runs = []
+  for arm, seed in progress.runs(
+      [(a, s) for a in replicated_arms(N, kv_heads) for s in seeds],
+      lambda p: f'S={S} seed {config.seed}: {p[0].method} -> K={p[0].K}, '
+      f'uptraining seed {p[1]}'):
+    curve = uptrain(out, f'runs/{arm.name}/s{seed}',
+                    convert_one(out, source_dir, arm, seed), config,
+                    read['top'], rate, seed, read['every'])
+    runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve})
+  plan = mla_below_plan(config_lib.model_config(config), kv_heads)
+  converted, info = convert_mla(out, source_dir, plan)
+  for seed in seeds:
+    curve = uptrain(out, f'runs/{Arm(MLA_BELOW, plan["K"]).name}/s{seed}',
+                    converted, config, read['top'], rate, seed, read['every'])
+    runs.append({'method': MLA_BELOW, 'K': plan['K'], 'start': 'fresh',
+                 'seed': seed, 'curve': curve})
+  return {'steps': S, 'seed': config.seed, 'source': source, 'runs': runs,
+          'reads': read, 'rate': rate,
+          'warmup': min(unit_steps(S), read['top'] - 1),  # uptrain_config's.
+          'mla': {**plan, 'energy_kept': info['energy_kept'],
+                  'rope_pairs': info['rope_pairs'],
+                  'converted_kv_bytes_per_token': info['kv_bytes_per_token']}}
+
+
+def replicated(out: pathlib.Path, name: str, source_steps: list[int],
+               source_seeds: int, kv_heads: list[int], seeds: list[int],
+               fixed: int = FIXED_STEPS) -> dict:
+  """Every (source length, source seed): `one_source` in
+  OUT/sources/S{steps}_s{seed}; the plan beside them."""
+  sources = []
+  for steps in source_steps:
+    for seed in range(source_seeds):
+      config = source_config(name, steps)
+      config.seed = seed
+      sources.append(one_source(out / 'sources' / f'S{steps}_s{seed}',
+                                config, kv_heads, seeds, fixed))
+  config = source_config(name, source_steps[0])
+  return {'sources': sources, 'plan': {
+      'design': 'sources', 'source_steps': source_steps,
+      'source_seeds': list(range(source_seeds)), 'seeds': seeds,
+      'kv_heads': kv_heads, 'num_heads': config.model.num_heads,
+      'head_dim': config.model.head_dim, 'd_model': config.model.d_model,
+      'paper_alpha': PAPER_ALPHA, 'fixed_steps': fixed, 'near': NEAR,
+      'rate_ratio': RATE_RATIO, 'config': config.to_dict()}}
+
+
 def main():
   parser = study.parser(
       __doc__, config='uptrain_source', report_only='results.json in --out',
@@ -426,11 +550,24 @@ def main():
           steps="LM source steps (default: the config's; --quick: a "
                 'quarter)',
           kv_heads='targets (default: N/2 and 1; --quick: 1)',
-          seeds='seeds per arm (default 4; --quick: 3)'))
+          seeds='uptraining seeds per arm (default 2 per source; '
+                '--single_source: 4, --quick: 3)',
+          quick='sources of 200 and 400 steps (--single_source: S/4, '
+                'K = 1 only, 3 seeds)'))
   parser.add_argument('--recall_config', default='uptrain_recall',
                       help="the recall arm's source config (K set to its N)")
   parser.add_argument('--recall_steps', type=positive_int, default=None,
                       help="its steps (default: the config's)")
+  parser.add_argument('--single_source', action='store_true',
+                      help='the former design: one source (seed 0) of '
+                      '--steps, a pilot, every conversion, scratch curves '
+                      'and the recall arm')
+  parser.add_argument('--source_seeds', type=positive_int, default=3,
+                      help='sources per length, seeds 0.. (not with '
+                      '--single_source)')
+  parser.add_argument('--source_steps', type=int_list,
+                      default=[400, 1600, 3200],
+                      help='the sources\' lengths (not with --single_source)')
   task_scores.add_flags(parser)
   args = parser.parse_args()
   check_output_dir(args.out)
@@ -445,10 +582,33 @@ def main():
     results = study.saved(out / 'results.json')
     now = provenance.record('scripts.uptrain_study', out)
     results['provenance'].update(statistics=stats.CONVENTION, rebuilt={
-        'command': now['command'], 'commit': now['commit']})
-    results['summary'] = uptrain_report.summary(results)
+        'command': now['command'], 'commit': now['commit'],
+        'machine': now['machine']})
+    _write(out, results)
+    return
+  if not args.single_source:
+    if args.tasks or args.steps:
+      raise UserError('--tasks and --steps belong to the --single_source '
+                      'design; the source-replicated one takes '
+                      '--source_steps and --source_seeds')
+    if args.quick:  # Smaller sources, the same design: minutes.
+      args.source_steps = QUICK_SOURCE_STEPS
+    out = pathlib.Path(args.out)
+    config = source_config(args.config, args.source_steps[0])
+    N = config.model.num_heads
+    kv_heads = args.kv_heads or sorted({max(1, N // 2), 1}, reverse=True)
+    bad = [k for k in kv_heads if k < 1 or N % k or k == N]
+    if bad:
+      raise UserError(f'--kv_heads={bad[0]}: give divisors of the source\'s '
+                      f'{N} query heads below {N}')
+    config_lib.validate(config, batch_shards=1)
+    results = {'provenance': provenance.record(
+        'scripts.uptrain_study', out, statistics=stats.CONVENTION),
+               **replicated(out, args.config, args.source_steps,
+                            args.source_seeds, kv_heads,
+                            list(range(1, 1 + (args.seeds or 2))))}
     (out / 'results.json').write_text(study.to_json(results))
-    uptrain_report.write(out, results)
+    _write(out, results)
     return
   config = source_config(args.config, args.steps)
   if args.quick and not args.steps:
@@ -475,9 +635,16 @@ def main():
              'recall': recall_arm(out, recall, kv_heads, seeds)}
   if tasks:
     results['lm']['tasks'] = score_lm(out, config, results['lm'], tasks)
-  results['summary'] = uptrain_report.summary(results)
+  _write(out, results)
+
+
+def _write(out: pathlib.Path, results: dict):
+  """OUT/results.json with its summary, and the report of its design."""
+  report = (uptrain_replication if 'sources' in results else
+            uptrain_report)
+  results['summary'] = report.summary(results)
   (out / 'results.json').write_text(study.to_json(results))
-  uptrain_report.write(out, results)
+  report.write(out, results)
 
 
 if __name__ == '__main__':

@@ -12,7 +12,20 @@ def test_a_record_names_the_command_commit_out_and_given_fields():
                         ['--quick', '--out=runs/x'], statistics='sd over seeds')
   assert p == {'command': 'python -m scripts.compare --quick --out=runs/x',
                'commit': provenance.commit(), 'out': 'runs/x',
+               'machine': provenance.machine(),
                'statistics': 'sd over seeds'}
+
+
+def test_the_machine_names_the_cpu_and_its_vector_extensions():
+  info = ('processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum\n'
+          'flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n')
+  m = provenance.machine(info)
+  assert (m['cpu'], m['avx2'], m['avx512f']) == (
+      'Intel(R) Xeon(R) Platinum', True, True)
+  older = provenance.machine(info.replace(' avx512f avx512bw', ''))
+  assert (older['avx2'], older['avx512f']) == (True, False)
+  assert 'AVX2, no AVX-512F' in provenance.describe(older)
+  assert provenance.machine('')['avx512f'] is None  # Unknown, not False.
 
 
 def test_without_argv_the_command_is_this_process_flags(monkeypatch):

@@ -79,3 +79,25 @@ def test_values_equal_on_every_seed_have_no_interval_and_are_not_resolved():
 def test_the_convention_names_the_bootstrap_for_ratios():
   assert 'bootstrap' in stats.CONVENTION
   assert 'equal on all n seeds' in stats.CONVENTION
+
+
+def test_decide_claims_nothing_below_the_detectable_effect():
+  # The optimizer-start control of the single-source study: an interval that
+  # excludes 0, but a mean (0.0006) below what its seeds detect (0.0007).
+  est = stats.Estimate(-0.0006, 0.00035, 4, -0.0012, -0.0001)
+  assert est.resolved and abs(est.mean) < stats.detectable(est.sd, est.n)
+  assert stats.decide(est) == 'not claimed'
+  assert stats.decide(est.as_dict()) == 'not claimed'  # As a report saves it.
+  big = stats.paired([1.0, 1.1, 0.9, 1.05], [0.0, 0.0, 0.0, 0.0])
+  assert stats.decide(big) == 'resolved'
+  assert stats.decide(big, rejected=False) == 'not claimed'  # Holm kept it.
+  assert stats.decide(stats.mean([0.1, -0.1, 0.05])) == 'not claimed'
+  assert stats.decide(stats.mean([0.3, 0.3, 0.3])) == 'equal on all seeds'
+  assert stats.decide(stats.mean([0.3])) == 'one seed'
+
+
+def test_shifted_reads_a_margin_as_a_difference():
+  est = stats.mean([0.18, 0.17, 0.19, 0.18])
+  assert stats.decide(stats.shifted(est, 0.02)) == 'resolved'
+  assert stats.shifted(est, 0.02).low == pytest.approx(est.low - 0.02)
+  assert stats.decide(stats.shifted(est, 0.18)) == 'not claimed'

@@ -1,11 +1,17 @@
 """How a results file was made: the command as a user would retype it, the
-commit it ran at, and where it wrote. Every command that writes results
-(train/, evaluation/, scripts/) records this; scripts add their statistics
-convention as a field (`scripts.stats.CONVENTION`)."""
+commit it ran at, where it wrote, and the machine it ran on (the CPU and its
+vector extensions: a number measured on an AVX-512 VM names it). Every
+command that writes results (train/, evaluation/, scripts/) records this;
+scripts add their statistics convention as a field
+(`scripts.stats.CONVENTION`). A report rebuilt from saved results records
+its own `record` beside the one that trained them (`rebuilt`), never in
+its place."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import platform
 import subprocess
 import sys
 from typing import Sequence
@@ -26,10 +32,42 @@ def commit() -> str:
   return head + ('+dirty' if dirty else '')
 
 
+def machine(cpuinfo: str | None = None) -> dict:
+  """{'cpu', 'avx2', 'avx512f', 'cores'}: the CPU model and whether it has
+  AVX2 and AVX-512F (from /proc/cpuinfo, or the text given; None where it
+  cannot be read), and the cores this process may run on."""
+  if cpuinfo is None:
+    try:
+      cpuinfo = pathlib.Path('/proc/cpuinfo').read_text()
+    except OSError:
+      cpuinfo = ''
+  model, flags = platform.processor() or 'unknown', None
+  for line in cpuinfo.splitlines():
+    key, _, value = line.partition(':')
+    if key.strip() == 'model name':
+      model = value.strip()
+    elif key.strip() == 'flags' and flags is None:
+      flags = set(value.split())
+  return {'cpu': model,
+          'avx2': None if flags is None else 'avx2' in flags,
+          'avx512f': None if flags is None else 'avx512f' in flags,
+          'cores': len(os.sched_getaffinity(0))}
+
+
+def describe(m: dict) -> str:
+  """One line naming a `machine()` record: 'CPU (AVX-512F), 2 cores'."""
+  ext = ('AVX-512F' if m.get('avx512f') else 'AVX2, no AVX-512F'
+         if m.get('avx2') else 'vector extensions not recorded'
+         if m.get('avx2') is None else 'no AVX2')
+  return f'{m.get("cpu", "unknown CPU")} ({ext}), {m.get("cores", "?")} cores'
+
+
 def record(module: str, out: str | pathlib.Path,
            argv: Sequence[str] | None = None, **fields) -> dict:
-  """{'command', 'commit', 'out', **fields}: `python -m MODULE ARGV` (argv
-  defaults to this process's flags), `commit()` and str(out)."""
+  """{'command', 'commit', 'out', 'machine', **fields}: `python -m MODULE
+  ARGV` (argv defaults to this process's flags), `commit()`, str(out) and
+  `machine()`."""
   argv = sys.argv[1:] if argv is None else list(argv)
   return {'command': ' '.join(['python -m', module, *argv]),
-          'commit': commit(), 'out': str(out), **fields}
+          'commit': commit(), 'out': str(out), 'machine': machine(),
+          **fields}
