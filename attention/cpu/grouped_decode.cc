@@ -1,0 +1,500 @@
+// Grouped decode attention for XLA's CPU, as two FFI custom calls
+// (attention/cpu_kernel.py registers and calls them).
+//
+// Letters as in attention/core.py: B batch rows, T queries per row, S cached
+// positions per row, N query heads, K KV heads, G = N / K, H head dim; R = G·T
+// query rows of one KV head; P pages of p positions in a paged pool, M pages
+// per row's table.
+//
+// One work unit is one (batch row, KV head): its G·T query rows stream that
+// head's keys and values once, block by block (a page, or kDenseBlock
+// positions of a dense cache), with an online softmax, so each K/V byte read
+// serves G query heads. A block no query sees is not read at all (the
+// positions past a row's length). Units are shared among XLA's intra-op
+// threads and the calling thread.
+//
+//   gqa_lab_paged_decode: keys and values [K, P, p, H] read in place through
+//     page_table [B, M] (position s of row b: page page_table[b, s / p],
+//     offset s % p; S = M·p).
+//   gqa_lab_dense_decode: keys [B·K, H, S], values [B·K, S, H] (the layout of
+//     attention.Attention's cache).
+//
+// Both take query [B, T, N, H] float32, a visibility mask [B or 1, T, S]
+// (true = attend), int8 scales per position and KV head (paged [K, P, p],
+// dense [B·K, S]; empty [0] for a float cache) and return [B, T, N, H]
+// float32. Logits are q·k · scale (· the key's scale), soft-capped where
+// soft_cap > 0; a query that sees no position gets zeros.
+//
+// One build serves AVX2 and AVX-512 machines: the hot loops are compiled
+// three times (x86-64-v4, v3 and baseline) and chosen at load time by the
+// CPU's features (GCC/Clang function multi-versioning), not -march=native.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GQA_LAB_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define GQA_LAB_CLONES
+#endif
+#define GQA_LAB_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kDenseBlock = 64;  // A dense cache's positions per block.
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+using bf16 = uint16_t;  // bfloat16's bits: a float32's upper half.
+
+GQA_LAB_INLINE float ToFloat(float x) { return x; }
+GQA_LAB_INLINE float ToFloat(int8_t x) { return static_cast<float>(x); }
+GQA_LAB_INLINE float ToFloat(bf16 x) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16);
+}
+
+enum class Layout { kPaged, kDense };
+
+struct Problem {
+  int64_t B, T, N, K, H, S;
+  int64_t L;         // Positions per block: p, or kDenseBlock.
+  int64_t P, M;      // Paged only.
+  const float* query;
+  const void* key;
+  const void* value;
+  const float* key_scale;    // Null for a float cache.
+  const float* value_scale;
+  const int32_t* page_table;  // Paged only.
+  const bool* visible;
+  bool visible_per_row;  // [B, T, S], else [1, T, S].
+  float scale, soft_cap;
+  float* out;
+};
+
+// One worker's buffers, sized for any unit of the problem.
+struct Scratch {
+  std::vector<float> q_RH, acc_RH, logits_RL, max_R, total_R;
+  std::vector<char> seen_L;
+  explicit Scratch(const Problem& pr) {
+    const int64_t R = pr.N / pr.K * pr.T;
+    q_RH.resize(R * pr.H);
+    acc_RH.resize(R * pr.H);
+    logits_RL.resize(R * pr.L);
+    max_R.resize(R);
+    total_R.resize(R);
+    seen_L.resize(pr.L);
+  }
+};
+
+// Unit (b, k): out[b, :, k·G:(k+1)·G, :] for its R = G·T query rows,
+// row r = g·T + t.
+template <typename E, Layout layout>
+GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
+  const int64_t K = pr.K, G = pr.N / pr.K, T = pr.T, H = pr.H, S = pr.S;
+  const int64_t L = pr.L, R = G * T;
+  const int64_t b = unit / K, k = unit % K;
+  float* q_RH = s.q_RH.data();
+  float* acc_RH = s.acc_RH.data();
+  float* logits_RL = s.logits_RL.data();
+  char* seen_L = s.seen_L.data();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* q = pr.query + ((b * T + t) * pr.N + k * G + g) * H;
+      float* row = q_RH + (g * T + t) * H;
+      for (int64_t h = 0; h < H; ++h) row[h] = q[h] * pr.scale;
+    }
+  }
+  std::fill(acc_RH, acc_RH + R * H, 0.0f);
+  std::fill(s.max_R.begin(), s.max_R.end(), kMinusInf);
+  std::fill(s.total_R.begin(), s.total_R.end(), 0.0f);
+  const bool* visible_TS = pr.visible + (pr.visible_per_row ? b * T * S : 0);
+  const E* keys = static_cast<const E*>(pr.key);
+  const E* values = static_cast<const E*>(pr.value);
+
+  for (int64_t s0 = 0, j = 0; s0 < S; s0 += L, ++j) {
+    const int64_t n = std::min(L, S - s0);
+    bool any = false;
+    for (int64_t i = 0; i < n; ++i) {
+      bool seen = false;
+      for (int64_t t = 0; t < T; ++t) seen |= visible_TS[t * S + s0 + i];
+      seen_L[i] = seen;
+      any |= seen;
+    }
+    if (!any) continue;  // Not one byte of this block is read.
+
+    // The block's keys, values and scales. Paged: [p, H] rows of page
+    // page_table[b, j] (clamped into the pool, as a JAX gather clamps).
+    // Dense: keys [H, S] from column s0, values [n, H] from row s0.
+    const E *key_block, *value_block;
+    const float *key_scale = nullptr, *value_scale = nullptr;
+    int64_t first;  // Of the block's scales.
+    if constexpr (layout == Layout::kPaged) {
+      const int64_t page = std::clamp<int64_t>(pr.page_table[b * pr.M + j],
+                                               0, pr.P - 1);
+      first = (k * pr.P + page) * L;
+      key_block = keys + first * H;
+      value_block = values + first * H;
+    } else {
+      const int64_t z = b * K + k;
+      first = z * S + s0;
+      key_block = keys + z * H * S + s0;
+      value_block = values + first * H;
+    }
+    if (pr.key_scale != nullptr) {
+      key_scale = pr.key_scale + first;
+      value_scale = pr.value_scale + first;
+    }
+
+    // Logits [R, n]: each key read once for the R rows.
+    if constexpr (layout == Layout::kPaged) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (!seen_L[i]) continue;
+        const E* key = key_block + i * H;
+        for (int64_t r = 0; r < R; ++r) {
+          const float* q = q_RH + r * H;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t h = 0; h < H; ++h) dot += q[h] * ToFloat(key[h]);
+          logits_RL[r * L + i] = dot;
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < R; ++r) {
+        std::fill(logits_RL + r * L, logits_RL + r * L + n, 0.0f);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const E* key_h = key_block + h * S;
+        for (int64_t r = 0; r < R; ++r) {
+          const float q = q_RH[r * H + h];
+          float* logits = logits_RL + r * L;
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i) logits[i] += q * ToFloat(key_h[i]);
+        }
+      }
+    }
+
+    // Online softmax: the logits become this block's weights against the
+    // row's running max; earlier blocks' sums are rescaled to it.
+    for (int64_t r = 0; r < R; ++r) {
+      const bool* visible_S = visible_TS + (r % T) * S + s0;
+      float* logits = logits_RL + r * L;
+      float block_max = kMinusInf;
+      for (int64_t i = 0; i < n; ++i) {
+        float x = logits[i];
+        if (key_scale != nullptr) x *= key_scale[i];
+        if (pr.soft_cap > 0.0f) x = pr.soft_cap * std::tanh(x / pr.soft_cap);
+        x = visible_S[i] ? x : kMinusInf;
+        logits[i] = x;
+        block_max = std::max(block_max, x);
+      }
+      if (block_max == kMinusInf) {
+        std::fill(logits, logits + n, 0.0f);
+        continue;
+      }
+      const float new_max = std::max(s.max_R[r], block_max);
+      const float rescale = std::exp(s.max_R[r] - new_max);  // 0 at first.
+      s.max_R[r] = new_max;
+      float total = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        logits[i] = std::exp(logits[i] - new_max);
+        total += logits[i];
+      }
+      s.total_R[r] = s.total_R[r] * rescale + total;
+      if (rescale != 1.0f) {
+        float* acc = acc_RH + r * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] *= rescale;
+      }
+    }
+
+    // acc [R, H] += weights [R, n] x values [n, H]: each value read once.
+    for (int64_t i = 0; i < n; ++i) {
+      if (!seen_L[i]) continue;
+      const E* value = value_block + i * H;
+      const float value_scale_i = value_scale ? value_scale[i] : 1.0f;
+      for (int64_t r = 0; r < R; ++r) {
+        const float w = logits_RL[r * L + i] * value_scale_i;
+        if (w == 0.0f) continue;
+        float* acc = acc_RH + r * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) acc[h] += w * ToFloat(value[h]);
+      }
+    }
+  }
+
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = g * T + t;
+      const float total = s.total_R[r];
+      const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+      float* out = pr.out + ((b * T + t) * pr.N + k * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) out[h] = acc_RH[r * H + h] * inverse;
+    }
+  }
+}
+
+using UnitFn = void (*)(const Problem&, int64_t, Scratch&);
+
+#define GQA_LAB_UNIT(name, E, layout)                                   \
+  GQA_LAB_CLONES void name(const Problem& pr, int64_t u, Scratch& s) { \
+    AttendUnit<E, layout>(pr, u, s);                                    \
+  }
+GQA_LAB_UNIT(PagedF32, float, Layout::kPaged)
+GQA_LAB_UNIT(PagedBF16, bf16, Layout::kPaged)
+GQA_LAB_UNIT(PagedS8, int8_t, Layout::kPaged)
+GQA_LAB_UNIT(DenseF32, float, Layout::kDense)
+GQA_LAB_UNIT(DenseBF16, bf16, Layout::kDense)
+GQA_LAB_UNIT(DenseS8, int8_t, Layout::kDense)
+#undef GQA_LAB_UNIT
+
+// Runs every unit (b, k) of the problem on the calling thread and up to
+// pool.num_threads() - 1 of XLA's intra-op threads, each with its own
+// Scratch. Units are claimed from a shared counter, and the call returns
+// once every claimed unit is done, so a scheduled task that starts late (or
+// never, on a busy pool) holds up nothing: it finds no unit left and touches
+// nothing of this call's.
+void Run(ffi::ThreadPool& pool, const Problem& pr, UnitFn unit_fn) {
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mutex;
+    std::condition_variable all_done;
+  };
+  const int64_t count = pr.B * pr.K;
+  auto progress = std::make_shared<Progress>();
+  auto work = [progress, count, &pr, unit_fn] {
+    std::unique_ptr<Scratch> scratch;  // Made on the first unit claimed.
+    int64_t finished = 0;
+    for (int64_t u; (u = progress->next.fetch_add(1)) < count; ++finished) {
+      if (scratch == nullptr) scratch = std::make_unique<Scratch>(pr);
+      unit_fn(pr, u, *scratch);
+    }
+    if (finished && progress->done.fetch_add(finished) + finished == count) {
+      std::lock_guard<std::mutex> lock(progress->mutex);
+      progress->all_done.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  std::unique_lock<std::mutex> lock(progress->mutex);
+  progress->all_done.wait(lock, [&] { return progress->done == count; });
+}
+
+std::string Dims(ffi::Span<const int64_t> dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    text += (i ? ", " : "") + std::to_string(dims[i]);
+  }
+  return text + "]";
+}
+
+// The unit function for a cache dtype, or null.
+UnitFn Select(Layout layout, ffi::DataType dtype) {
+  const bool paged = layout == Layout::kPaged;
+  switch (dtype) {
+    case ffi::DataType::F32: return paged ? PagedF32 : DenseF32;
+    case ffi::DataType::BF16: return paged ? PagedBF16 : DenseBF16;
+    case ffi::DataType::S8: return paged ? PagedS8 : DenseS8;
+    default: return nullptr;
+  }
+}
+
+// Checks what both layouts share and fills the problem's common fields;
+// the caller has set B, T, N, K, H, S from the cache's shape.
+ffi::Error CheckCommon(Problem& pr, const char* target,
+                       ffi::Buffer<ffi::F32>& query, ffi::AnyBuffer& key,
+                       ffi::AnyBuffer& value, ffi::Buffer<ffi::F32>& key_scale,
+                       ffi::Buffer<ffi::F32>& value_scale,
+                       ffi::Buffer<ffi::PRED>& visible, float scale,
+                       float soft_cap, ffi::Result<ffi::Buffer<ffi::F32>>& out,
+                       int64_t scale_count) {
+  auto fail = [&](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
+  };
+  if (key.element_type() != value.element_type()) {
+    return fail("keys and values differ in dtype");
+  }
+  const bool int8 = key.element_type() == ffi::DataType::S8;
+  if (int8 != (key_scale.element_count() > 0) ||
+      key_scale.element_count() != value_scale.element_count()) {
+    return fail("an int8 cache takes key and value scales, a float one none");
+  }
+  if (int8 && static_cast<int64_t>(key_scale.element_count()) != scale_count) {
+    return fail("scales " + Dims(key_scale.dimensions()) + " hold " +
+                std::to_string(key_scale.element_count()) +
+                " values, the cache " + std::to_string(scale_count) +
+                " positions and KV heads");
+  }
+  auto vd = visible.dimensions();
+  if (vd.size() != 3 || (vd[0] != 1 && vd[0] != pr.B) || vd[1] != pr.T ||
+      vd[2] != pr.S) {
+    return fail("visible " + Dims(vd) + " is not [B or 1, T, S] = [" +
+                std::to_string(pr.B) + " or 1, " + std::to_string(pr.T) +
+                ", " + std::to_string(pr.S) + "]");
+  }
+  auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != pr.B || od[1] != pr.T || od[2] != pr.N ||
+      od[3] != pr.H) {
+    return fail("output " + Dims(od) + " is not the query's shape");
+  }
+  pr.query = query.typed_data();
+  pr.key = key.untyped_data();
+  pr.value = value.untyped_data();
+  pr.key_scale = int8 ? key_scale.typed_data() : nullptr;
+  pr.value_scale = int8 ? value_scale.typed_data() : nullptr;
+  pr.visible = visible.typed_data();
+  pr.visible_per_row = vd[0] == pr.B && pr.B > 1;
+  pr.scale = scale;
+  pr.soft_cap = soft_cap;
+  pr.out = out->typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckQuery(const char* target, ffi::Buffer<ffi::F32>& query,
+                      int64_t K, int64_t H, Problem& pr) {
+  auto qd = query.dimensions();
+  if (qd.size() != 4 || qd[3] != H || K < 1 || qd[2] % K) {
+    return ffi::Error::InvalidArgument(
+        std::string(target) + ": query " + Dims(qd) +
+        " is not [B, T, N, H] with H = " + std::to_string(H) +
+        " and N a multiple of K = " + std::to_string(K));
+  }
+  pr.B = qd[0];
+  pr.T = qd[1];
+  pr.N = qd[2];
+  pr.K = K;
+  pr.H = H;
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
+                       ffi::AnyBuffer key, ffi::AnyBuffer value,
+                       ffi::Buffer<ffi::F32> key_scale,
+                       ffi::Buffer<ffi::F32> value_scale,
+                       ffi::BufferR2<ffi::S32> page_table,
+                       ffi::Buffer<ffi::PRED> visible, float scale,
+                       float soft_cap, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const char* target = "gqa_lab_paged_decode";
+  auto kd = key.dimensions();
+  if (kd.size() != 4 || Dims(kd) != Dims(value.dimensions())) {
+    return ffi::Error::InvalidArgument(
+        std::string(target) + ": keys " + Dims(kd) + " and values " +
+        Dims(value.dimensions()) + " are not both [K, P, p, H]");
+  }
+  Problem pr{};
+  if (auto e = CheckQuery(target, query, kd[0], kd[3], pr); e.failure()) {
+    return e;
+  }
+  auto td = page_table.dimensions();
+  if (td[0] != pr.B) {
+    return ffi::Error::InvalidArgument(
+        std::string(target) + ": page table " + Dims(td) + " has not B = " +
+        std::to_string(pr.B) + " rows");
+  }
+  pr.P = kd[1];
+  pr.L = kd[2];
+  pr.M = td[1];
+  pr.S = pr.M * pr.L;
+  pr.page_table = page_table.typed_data();
+  if (auto e = CheckCommon(pr, target, query, key, value, key_scale,
+                           value_scale, visible, scale, soft_cap, out,
+                           kd[0] * kd[1] * kd[2]);
+      e.failure()) {
+    return e;
+  }
+  UnitFn fn = Select(Layout::kPaged, key.element_type());
+  if (fn == nullptr) {
+    return ffi::Error::InvalidArgument(
+        std::string(target) + ": cache dtype not float32, bfloat16 or int8");
+  }
+  Run(pool, pr, fn);
+  return ffi::Error::Success();
+}
+
+ffi::Error DenseDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
+                       ffi::AnyBuffer key, ffi::AnyBuffer value,
+                       ffi::Buffer<ffi::F32> key_scale,
+                       ffi::Buffer<ffi::F32> value_scale,
+                       ffi::Buffer<ffi::PRED> visible, float scale,
+                       float soft_cap, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const char* target = "gqa_lab_dense_decode";
+  auto kd = key.dimensions(), vd = value.dimensions();
+  if (kd.size() != 3 || vd.size() != 3 || kd[0] != vd[0] || kd[1] != vd[2] ||
+      kd[2] != vd[1]) {
+    return ffi::Error::InvalidArgument(
+        std::string(target) + ": keys " + Dims(kd) + " and values " +
+        Dims(vd) + " are not [B·K, H, S] and [B·K, S, H]");
+  }
+  auto qd = query.dimensions();
+  const int64_t B = qd.size() == 4 ? qd[0] : 0;
+  if (B < 1 || kd[0] % B) {
+    return ffi::Error::InvalidArgument(
+        std::string(target) + ": query " + Dims(qd) + " is not [B, T, N, H]" +
+        " with B dividing the cache's " + std::to_string(kd[0]) + " rows");
+  }
+  Problem pr{};
+  if (auto e = CheckQuery(target, query, kd[0] / B, kd[1], pr); e.failure()) {
+    return e;
+  }
+  pr.S = kd[2];
+  pr.L = std::min<int64_t>(kDenseBlock, std::max<int64_t>(pr.S, 1));
+  if (auto e = CheckCommon(pr, target, query, key, value, key_scale,
+                           value_scale, visible, scale, soft_cap, out,
+                           kd[0] * kd[2]);
+      e.failure()) {
+    return e;
+  }
+  UnitFn fn = Select(Layout::kDense, key.element_type());
+  if (fn == nullptr) {
+    return ffi::Error::InvalidArgument(
+        std::string(target) + ": cache dtype not float32, bfloat16 or int8");
+  }
+  Run(pool, pr, fn);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The two symbols Python loads (built with -fvisibility=hidden, all else
+// stays private to the library).
+#define GQA_LAB_EXPORT extern "C" __attribute__((visibility("default")))
+GQA_LAB_EXPORT XLA_FFI_Error* GqaLabPagedDecode(XLA_FFI_CallFrame* call_frame);
+GQA_LAB_EXPORT XLA_FFI_Error* GqaLabDenseDecode(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GqaLabPagedDecode, PagedDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // query
+                                  .Arg<ffi::AnyBuffer>()  // key [K, P, p, H]
+                                  .Arg<ffi::AnyBuffer>()  // value
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // key_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // value_scale
+                                  .Arg<ffi::BufferR2<ffi::S32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // visible
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GqaLabDenseDecode, DenseDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // query
+                                  .Arg<ffi::AnyBuffer>()  // key [B·K, H, S]
+                                  .Arg<ffi::AnyBuffer>()  // value [B·K, S, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // key_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // value_scale
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // visible
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

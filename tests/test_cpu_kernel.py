@@ -1,0 +1,205 @@
+"""The CPU decode kernel (`attention.cpu_kernel`, an XLA FFI custom call)
+against the einsum path, `attention.dot_product_attention`, on the same
+cache contents: every K of N = 8, each cache dtype, each kind of mask, one
+and several queries per row, both layouts; and in the model's decode step,
+where a test shows the kernel is the one that ran (its custom call in the
+compiled step) and that the check can fail (not there when turned off)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import cpu_kernel, kv_cache, layer
+from attention.core import attention_mask, dot_product_attention
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernel.available(),
+    reason='the CPU kernel is not built (python setup.py build_ext --inplace)')
+
+B, N, H, P, p, M = 3, 8, 16, 16, 4, 5  # S = M·p = 20 positions per row.
+S = M * p
+LENGTHS_B = np.array([20, 9, 5])  # Tokens each row holds, the step's last.
+MASKS = ('none', 'causal', 'padding', 'window')
+
+
+def _visible(kind: str, T: int) -> jax.Array:
+  """[B, 1, T, S] True = attend: the step's T queries are each row's last T
+  tokens (positions LENGTHS_B - T ..)."""
+  pos_BT = jnp.asarray(LENGTHS_B[:, None] - T + np.arange(T))
+  k_pos_S = jnp.arange(S)
+  held_BTS = jnp.broadcast_to(k_pos_S < jnp.asarray(LENGTHS_B)[:, None, None],
+                              (B, T, S))
+  if kind == 'none':  # Every slot the row holds.
+    visible_BTS = held_BTS
+  elif kind == 'causal':
+    visible_BTS = attention_mask(pos_BT, k_pos_S, is_causal=True)
+  elif kind == 'window':
+    visible_BTS = attention_mask(pos_BT, k_pos_S, is_causal=True,
+                                 local_window=3)
+  else:  # Key padding; row 1 sees nothing (its output must be zeros).
+    pad_BS = jax.random.bernoulli(jax.random.key(7), 0.6, (B, S))
+    pad_BS = pad_BS.at[1].set(False)
+    visible_BTS = held_BTS & pad_BS[:, None, :]
+  return visible_BTS[:, None]
+
+
+def _cache(K: int, dtype, seed: int):
+  """(stored keys and values [B, S, K, H], their int8 scales [B, S, K] or
+  None, the float32 values they stand for)."""
+  keys = jax.random.split(jax.random.key(seed), 2)
+  kv = [jax.random.normal(k, (B, S, K, H), jnp.float32) for k in keys]
+  if dtype == jnp.int8:
+    (k8, ks), (v8, vs) = (kv_cache.quantize(x, axis=3) for x in kv)
+    return (k8, v8), (ks, vs), (k8 * ks[..., None], v8 * vs[..., None])
+  stored = [x.astype(dtype) for x in kv]
+  return stored, None, [x.astype(jnp.float32) for x in stored]
+
+
+def _dense_kv(stored, scales) -> kv_cache.KV:
+  """The dense layout: keys [B·K, H, S], values [B·K, S, H], scales
+  [B·K, S]."""
+  k_BSKH, v_BSKH = stored
+  K = k_BSKH.shape[2]
+  rows = lambda x_BSK: x_BSK.transpose(0, 2, 1).reshape(B * K, S)
+  return kv_cache.KV(
+      k_BSKH.transpose(0, 2, 3, 1).reshape(B * K, H, S),
+      v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H),
+      *((None, None) if scales is None else map(rows, scales)),
+      positions_S=jnp.arange(S))
+
+
+def _paged_kv(stored, scales) -> kv_cache.KV:
+  """A pool [K, P, p, H] (scales [K, P, p]) holding each row's positions on
+  pages of a shuffled table; every other page, and page 0 that unused table
+  entries name, holds noise the kernel must not read into the result."""
+  k_BSKH = stored[0]
+  K = k_BSKH.shape[2]
+  order = np.random.default_rng(0).permutation(np.arange(1, P))
+  table_BM = order[:B * M].reshape(B, M)
+  table_BM[2, 2:] = 0  # Row 2 holds 5 tokens: 2 pages, the rest unused.
+  arrays = {}
+  names = ('cached_key', 'cached_value') + (
+      () if scales is None else ('key_scale', 'value_scale'))
+  for name, x in zip(names, (*stored, *(scales or ()))):
+    noise = jax.random.normal(jax.random.key(3), (K, P, p, *x.shape[3:]))
+    pool = (noise * 50).astype(x.dtype)
+    x_KBMp = jnp.moveaxis(x, 2, 0).reshape(K, B, M, p, *x.shape[3:])
+    used_BM = table_BM != 0
+    pool = pool.at[:, table_BM[used_BM]].set(x_KBMp[:, used_BM])
+    arrays[name] = pool
+  paged = kv_cache.PagedCache(arrays, jnp.asarray(table_BM, jnp.int32),
+                              jnp.asarray(LENGTHS_B))
+  return kv_cache.KV(None, None, positions_S=jnp.arange(S), paged=paged)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.int8],
+                         ids=['float32', 'bfloat16', 'int8'])
+@pytest.mark.parametrize('T', [1, 4])
+@pytest.mark.parametrize('K', [8, 4, 2, 1])
+def test_the_kernel_matches_the_einsum_path(layout, dtype, T, K):
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H)
+  stored, scales, reference_kv = _cache(K, dtype, seed=K)
+  kv = (_paged_kv if layout == 'paged' else _dense_kv)(stored, scales)
+  q_BTNH = jax.random.normal(jax.random.key(T), (B, T, N, H), jnp.float32)
+  kernel = jax.jit(lambda q, vis: cpu_kernel.attention(options, q, kv, vis))
+  for kind in MASKS:  # One compiled kernel: the masks are arrays.
+    visible = _visible(kind, T)
+    assert cpu_kernel.refusal(options, kv, visible) is None
+    got_BTNH = kernel(q_BTNH, visible)
+    want_BTNH = dot_product_attention(q_BTNH, *reference_kv, mask=visible,
+                                      scale=options.scale)
+    chex.assert_shape(got_BTNH, (B, T, N, H))
+    chex.assert_trees_all_close(got_BTNH, want_BTNH, atol=2e-5, rtol=2e-5,
+                                custom_message=f'mask {kind}')
+    if kind == 'padding':
+      np.testing.assert_array_equal(got_BTNH[1], 0.0)
+
+
+def test_soft_cap_and_bfloat16_queries():
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
+                          logits_soft_cap=2.0)
+  stored, scales, reference_kv = _cache(2, jnp.float32, seed=1)
+  kv = _paged_kv(stored, scales)
+  q_BTNH = 3 * jax.random.normal(jax.random.key(0), (B, 1, N, H))
+  visible = _visible('causal', 1)
+  got = jax.jit(lambda q: cpu_kernel.attention(options, q, kv, visible))(
+      q_BTNH.astype(jnp.bfloat16))
+  want = dot_product_attention(q_BTNH.astype(jnp.bfloat16).astype(
+      jnp.float32), *reference_kv, mask=visible, scale=options.scale,
+                               logits_soft_cap=2.0)
+  assert got.dtype == jnp.bfloat16
+  chex.assert_trees_all_close(got.astype(jnp.float32), want, atol=1e-2)
+
+
+def test_what_the_kernel_refuses_is_named():
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H)
+  stored, scales, _ = _cache(2, jnp.float32, seed=0)
+  kv = _dense_kv(stored, scales)
+  per_head = jnp.ones((B, N, 1, S), bool)
+  assert 'differs between heads' in cpu_kernel.refusal(options, kv, per_head)
+  half = _dense_kv([x.astype(jnp.float16) for x in stored], None)
+  assert 'float16' in cpu_kernel.refusal(options, half, _visible('none', 1))
+
+
+def test_an_unknown_mode_is_one_clear_error(monkeypatch):
+  monkeypatch.setenv(cpu_kernel.ENV, 'on')
+  with pytest.raises(ValueError, match="GQA_LAB_CPU_KERNEL='on'; use one of"):
+    cpu_kernel.mode()
+
+
+def test_a_missing_library_is_named(tmp_path):
+  why = cpu_kernel.load(tmp_path / 'libgrouped_decode.so')
+  assert 'libgrouped_decode.so is not built' in why
+
+
+def _decode_step(options, paged: bool):
+  """A jitted decode step of one layer (T = 1) over a paged pool or a dense
+  cache, and its arguments."""
+  D = 32
+  params = {name: 0.1 * jax.random.normal(jax.random.key(i), shape)
+            for i, (name, shape) in enumerate(
+                options.param_shapes(D).items())}
+  x_BTD = jax.random.normal(jax.random.key(9), (B, 1, D))
+  if paged:
+    arrays = {name: jnp.zeros(s.shape, s.dtype) for name, s in
+              kv_cache.paged_spec(options, P, p, jnp.float32).items()}
+    table_BM = jnp.arange(1, 1 + B * M, dtype=jnp.int32).reshape(B, M)
+    def step(arrays, x_BTD):
+      cache = kv_cache.PagedCache(arrays, table_BM, jnp.asarray(LENGTHS_B - 1))
+      return layer.apply(options, params, x_BTD, cache=cache)[:2]
+  else:
+    arrays = {name: jnp.zeros(s.shape, s.dtype) for name, s in
+              options.cache_spec(B, S, jnp.float32).items()}
+    arrays['cache_index'] = jnp.array(7, jnp.int32)
+    def step(arrays, x_BTD):
+      return layer.apply(options, params, x_BTD, cache=arrays)[:2]
+  return jax.jit(step), (arrays, x_BTD)
+
+
+@pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
+def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
+    paged, monkeypatch):
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
+                          kv_cache_dtype='int8')
+  target = cpu_kernel.PAGED_TARGET if paged else cpu_kernel.DENSE_TARGET
+  step, args = _decode_step(options, paged)
+  assert target in step.lower(*args).compile().as_text()
+  out_kernel, cache_kernel = step(*args)
+  monkeypatch.setenv(cpu_kernel.ENV, 'off')
+  step, args = _decode_step(options, paged)  # Traced again: the JAX path.
+  assert target not in step.lower(*args).compile().as_text()  # The control.
+  out_jax, cache_jax = step(*args)
+  chex.assert_trees_all_close(out_kernel, out_jax, atol=1e-5)
+  chex.assert_trees_all_equal(cache_kernel, cache_jax)
+
+
+@pytest.mark.parametrize('platform', ['tpu', 'cuda'])
+def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform):
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=128)
+  step, args = _decode_step(options, paged=True)
+  text = jax.export.export(step, platforms=[platform])(*args).mlir_module()
+  assert cpu_kernel.PAGED_TARGET not in text
+  assert cpu_kernel.PAGED_TARGET in step.lower(*args).as_text()  # Control.
