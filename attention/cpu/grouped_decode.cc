@@ -98,6 +98,30 @@ struct Scratch {
   }
 };
 
+// The index of block j's first position in the cache's [.., positions]
+// order: its values start at this times H, its scales here. Paged: page
+// page_table[b, j] of KV head k (clamped into the pool, as a JAX gather
+// clamps); dense: row b·K + k, position s0.
+template <Layout layout>
+GQA_LAB_INLINE int64_t FirstOfBlock(const Problem& pr, int64_t b, int64_t k,
+                                    int64_t j, int64_t s0) {
+  if constexpr (layout == Layout::kPaged) {
+    const int64_t page =
+        std::clamp<int64_t>(pr.page_table[b * pr.M + j], 0, pr.P - 1);
+    return (k * pr.P + page) * pr.L;
+  } else {
+    return (b * pr.K + k) * pr.S + s0;
+  }
+}
+
+template <typename E>
+GQA_LAB_INLINE void Prefetch(const E* data, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(data);
+  for (int64_t i = 0; i < count * int64_t{sizeof(E)}; i += 64) {
+    __builtin_prefetch(bytes + i);
+  }
+}
+
 // Unit (b, k): out[b, :, k·G:(k+1)·G, :] for its R = G·T query rows,
 // row r = g·T + t.
 template <typename E, Layout layout>
@@ -134,27 +158,24 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
     }
     if (!any) continue;  // Not one byte of this block is read.
 
-    // The block's keys, values and scales. Paged: [p, H] rows of page
-    // page_table[b, j] (clamped into the pool, as a JAX gather clamps).
-    // Dense: keys [H, S] from column s0, values [n, H] from row s0.
-    const E *key_block, *value_block;
-    const float *key_scale = nullptr, *value_scale = nullptr;
-    int64_t first;  // Of the block's scales.
-    if constexpr (layout == Layout::kPaged) {
-      const int64_t page = std::clamp<int64_t>(pr.page_table[b * pr.M + j],
-                                               0, pr.P - 1);
-      first = (k * pr.P + page) * L;
-      key_block = keys + first * H;
-      value_block = values + first * H;
-    } else {
-      const int64_t z = b * K + k;
-      first = z * S + s0;
-      key_block = keys + z * H * S + s0;
-      value_block = values + first * H;
-    }
-    if (pr.key_scale != nullptr) {
-      key_scale = pr.key_scale + first;
-      value_scale = pr.value_scale + first;
+    // The block's keys (paged [p, H]; dense [H, S] from column s0), values
+    // [n, H] and scales [n].
+    const int64_t first = FirstOfBlock<layout>(pr, b, k, j, s0);
+    const E* key_block =
+        keys + (layout == Layout::kPaged ? first * H : (b * K + k) * H * S + s0);
+    const E* value_block = values + first * H;
+    const float* key_scale = pr.key_scale ? pr.key_scale + first : nullptr;
+    const float* value_scale = pr.value_scale ? pr.value_scale + first : nullptr;
+    if (layout == Layout::kPaged && s0 + L < S) {
+      // The next page lies elsewhere in the pool, where the CPU's prefetcher
+      // does not look: its lines are fetched while this page is computed.
+      const int64_t next = FirstOfBlock<layout>(pr, b, k, j + 1, s0 + L);
+      Prefetch(keys + next * H, L * H);
+      Prefetch(values + next * H, L * H);
+      if (key_scale != nullptr) {
+        Prefetch(pr.key_scale + next, L);
+        Prefetch(pr.value_scale + next, L);
+      }
     }
 
     // Logits [R, n]: each key read once for the R rows.
