@@ -27,6 +27,7 @@ the library: CI's setting).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -78,6 +79,22 @@ def _loaded() -> str | None:
     logging.warning('attention: no CPU decode kernel (%s); decoding on the '
                     'CPU uses the pure-JAX path', why)
   return why
+
+
+@contextlib.contextmanager
+def disabled():
+  """The pure-JAX path for the steps traced inside (GQA_LAB_CPU_KERNEL=off
+  meanwhile), e.g. to benchmark both paths in one process. A function jax
+  has traced already keeps the path it was traced with."""
+  before = os.environ.get(ENV)
+  os.environ[ENV] = 'off'
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ[ENV]
+    else:
+      os.environ[ENV] = before
 
 
 def available() -> bool:
