@@ -5,6 +5,12 @@ and several queries per row, both layouts; and in the model's decode step,
 where a test shows the kernel is the one that ran (its custom call in the
 compiled step) and that the check can fail (not there when turned off)."""
 
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,6 +24,7 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(),
     reason='the CPU kernel is not built (python setup.py build_ext --inplace)')
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 B, N, H, P, p, M = 3, 8, 16, 16, 4, 5  # S = M·p = 20 positions per row.
 S = M * p
 LENGTHS_B = np.array([20, 9, 5])  # Tokens each row holds, the step's last.
@@ -203,3 +210,24 @@ def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform):
   text = jax.export.export(step, platforms=[platform])(*args).mlir_module()
   assert cpu_kernel.PAGED_TARGET not in text
   assert cpu_kernel.PAGED_TARGET in step.lower(*args).as_text()  # Control.
+
+
+@pytest.mark.slow
+def test_require_fails_the_import_without_the_library_and_passes_with_it(
+    tmp_path):
+  """GQA_LAB_CPU_KERNEL=require (CI's setting): `import attention` from a
+  copy of the package without the library fails, naming it; from this one
+  it succeeds."""
+  shutil.copytree(REPO / 'attention', tmp_path / 'attention',
+                  ignore=shutil.ignore_patterns('cpu', '__pycache__'))
+  env = {**os.environ, cpu_kernel.ENV: 'require'}
+  run = lambda where: subprocess.run(
+      [sys.executable, '-c', 'import attention'], capture_output=True,
+      text=True, env={**env, 'PYTHONPATH': str(where)}, cwd=where)
+  without = run(tmp_path)
+  assert without.returncode != 0
+  assert without.stderr.strip().splitlines()[-1] == (
+      'ImportError: GQA_LAB_CPU_KERNEL=require but libgrouped_decode.so is '
+      'not built (pip install -e . with a C++ compiler builds it)')
+  with_library = run(REPO)
+  assert with_library.returncode == 0, with_library.stderr[-2000:]
