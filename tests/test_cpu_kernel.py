@@ -52,11 +52,11 @@ def _visible(kind: str, T: int) -> jax.Array:
   return visible_BTS[:, None]
 
 
-def _cache(K: int, dtype, seed: int):
+def _cache(K: int, dtype, seed: int, head_dim: int = H):
   """(stored keys and values [B, S, K, H], their int8 scales [B, S, K] or
   None, the float32 values they stand for)."""
   keys = jax.random.split(jax.random.key(seed), 2)
-  kv = [jax.random.normal(k, (B, S, K, H), jnp.float32) for k in keys]
+  kv = [jax.random.normal(k, (B, S, K, head_dim), jnp.float32) for k in keys]
   if dtype == jnp.int8:
     (k8, ks), (v8, vs) = (kv_cache.quantize(x, axis=3) for x in kv)
     return (k8, v8), (ks, vs), (k8 * ks[..., None], v8 * vs[..., None])
@@ -68,11 +68,11 @@ def _dense_kv(stored, scales) -> kv_cache.KV:
   """The dense layout: keys [B·K, H, S], values [B·K, S, H], scales
   [B·K, S]."""
   k_BSKH, v_BSKH = stored
-  K = k_BSKH.shape[2]
+  K, head_dim = k_BSKH.shape[2:]
   rows = lambda x_BSK: x_BSK.transpose(0, 2, 1).reshape(B * K, S)
   return kv_cache.KV(
-      k_BSKH.transpose(0, 2, 3, 1).reshape(B * K, H, S),
-      v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, H),
+      k_BSKH.transpose(0, 2, 3, 1).reshape(B * K, head_dim, S),
+      v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, head_dim),
       *((None, None) if scales is None else map(rows, scales)),
       positions_S=jnp.arange(S))
 
@@ -107,10 +107,20 @@ def _paged_kv(stored, scales) -> kv_cache.KV:
 @pytest.mark.parametrize('T', [1, 4])
 @pytest.mark.parametrize('K', [8, 4, 2, 1])
 def test_the_kernel_matches_the_einsum_path(layout, dtype, T, K):
-  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H)
-  stored, scales, reference_kv = _cache(K, dtype, seed=K)
+  _check_against_the_einsum_path(layout, dtype, T, K, H)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+def test_a_head_dim_off_the_vector_width(layout):
+  """H = 24: the kernel's loops without its 16-float vectors."""
+  _check_against_the_einsum_path(layout, jnp.int8, 4, 2, 24)
+
+
+def _check_against_the_einsum_path(layout, dtype, T, K, head_dim):
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=head_dim)
+  stored, scales, reference_kv = _cache(K, dtype, seed=K, head_dim=head_dim)
   kv = (_paged_kv if layout == 'paged' else _dense_kv)(stored, scales)
-  q_BTNH = jax.random.normal(jax.random.key(T), (B, T, N, H), jnp.float32)
+  q_BTNH = jax.random.normal(jax.random.key(T), (B, T, N, head_dim))
   kernel = jax.jit(lambda q, vis: cpu_kernel.attention(options, q, kv, vis))
   for kind in MASKS:  # One compiled kernel: the masks are arrays.
     visible = _visible(kind, T)
@@ -118,7 +128,7 @@ def test_the_kernel_matches_the_einsum_path(layout, dtype, T, K):
     got_BTNH = kernel(q_BTNH, visible)
     want_BTNH = dot_product_attention(q_BTNH, *reference_kv, mask=visible,
                                       scale=options.scale)
-    chex.assert_shape(got_BTNH, (B, T, N, H))
+    chex.assert_shape(got_BTNH, (B, T, N, head_dim))
     chex.assert_trees_all_close(got_BTNH, want_BTNH, atol=2e-5, rtol=2e-5,
                                 custom_message=f'mask {kind}')
     if kind == 'padding':

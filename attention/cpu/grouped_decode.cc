@@ -65,6 +65,103 @@ GQA_LAB_INLINE float ToFloat(bf16 x) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16);
 }
 
+// 16 floats, the hot loops' unit: one AVX-512 register, two AVX2 ones, four
+// SSE ones (GCC/Clang vector extensions, lowered for each clone's target).
+typedef float F16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRows = 4;  // Query rows whose sums are kept in registers.
+
+GQA_LAB_INLINE F16 Load16(const float* x) {
+  F16 v;
+  __builtin_memcpy(&v, x, sizeof(v));
+  return v;
+}
+GQA_LAB_INLINE F16 Load16(const bf16* x) {
+  typedef uint16_t U16 __attribute__((vector_size(32)));
+  typedef uint32_t U32 __attribute__((vector_size(64)));
+  U16 bits;
+  __builtin_memcpy(&bits, x, sizeof(bits));
+  return reinterpret_cast<F16>(__builtin_convertvector(bits, U32) << 16);
+}
+GQA_LAB_INLINE F16 Load16(const int8_t* x) {
+  typedef int8_t I8 __attribute__((vector_size(16)));
+  I8 bytes;
+  __builtin_memcpy(&bytes, x, sizeof(bytes));
+  return __builtin_convertvector(bytes, F16);
+}
+GQA_LAB_INLINE void Store16(float* x, F16 v) {
+  __builtin_memcpy(x, &v, sizeof(v));
+}
+GQA_LAB_INLINE float Sum16(F16 v) {
+  float sum = 0.0f;
+  for (int j = 0; j < kLanes; ++j) sum += v[j];
+  return sum;
+}
+
+// e^x, 16 at a time: Cephes' expf (relative error ~1e-7); 0 below -87
+// (where e^x leaves float32's normal range), so a masked logit (-inf)
+// weighs exactly 0.
+GQA_LAB_INLINE F16 Exp16(F16 x) {
+  typedef int32_t I32 __attribute__((vector_size(64)));
+  const F16 low = x < -87.0f ? F16{} + 1.0f : F16{};  // 1 where e^x -> 0.
+  x = x < -87.0f ? F16{} - 87.0f : x;
+  x = x > 88.0f ? F16{} + 88.0f : x;
+  // x = n·ln 2 + r, n rounded to nearest (the 1.5·2^23 trick), |r| <= ln2/2.
+  const F16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F16 p = 1.9875691500e-4f * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  p = p * x * x + x + 1.0f;
+  const I32 two_n = (__builtin_convertvector(n, I32) + 127) << 23;
+  return low != 0.0f ? F16{} : p * reinterpret_cast<F16>(two_n);
+}
+
+// Logits of rows r0..r0+RC-1 against one key [H] (H a multiple of 16).
+template <int RC, typename E>
+GQA_LAB_INLINE void DotRows(const float* q_RH, int64_t r0, int64_t H,
+                            const E* key, float* logits_RL, int64_t L,
+                            int64_t i) {
+  F16 sum[RC] = {};
+  for (int64_t h = 0; h < H; h += kLanes) {
+    const F16 k = Load16(key + h);
+    for (int j = 0; j < RC; ++j) sum[j] += Load16(q_RH + (r0 + j) * H + h) * k;
+  }
+  for (int j = 0; j < RC; ++j) logits_RL[(r0 + j) * L + i] = Sum16(sum[j]);
+}
+
+// Logits of rows r0..r0+RC-1 at 16 positions from keys [H, stride].
+template <int RC, typename E>
+GQA_LAB_INLINE void DotColumns(const float* q_RH, int64_t r0, int64_t H,
+                               const E* keys, int64_t stride,
+                               float* logits_RL, int64_t L) {
+  F16 sum[RC] = {};
+  for (int64_t h = 0; h < H; ++h) {
+    const F16 k = Load16(keys + h * stride);
+    for (int j = 0; j < RC; ++j) sum[j] += q_RH[(r0 + j) * H + h] * k;
+  }
+  for (int j = 0; j < RC; ++j) Store16(logits_RL + (r0 + j) * L, sum[j]);
+}
+
+// acc[r0..r0+RC-1, h:h+16] += weights[rows, i] · values[i, h:h+16] over the
+// block's seen positions.
+template <int RC, typename E>
+GQA_LAB_INLINE void Accumulate(const float* weights_RL, int64_t L, int64_t r0,
+                               int64_t h, int64_t H, int64_t n,
+                               const char* seen_L, const E* values,
+                               float* acc_RH) {
+  F16 sum[RC];
+  for (int j = 0; j < RC; ++j) sum[j] = Load16(acc_RH + (r0 + j) * H + h);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!seen_L[i]) continue;
+    const F16 v = Load16(values + i * H + h);
+    for (int j = 0; j < RC; ++j) sum[j] += weights_RL[(r0 + j) * L + i] * v;
+  }
+  for (int j = 0; j < RC; ++j) Store16(acc_RH + (r0 + j) * H + h, sum[j]);
+}
+
 enum class Layout { kPaged, kDense };
 
 struct Problem {
@@ -176,32 +273,54 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
         Prefetch(pr.key_scale + next, L);
         Prefetch(pr.value_scale + next, L);
       }
+    } else if (layout == Layout::kDense && s0 + L < S) {
+      // The next block's keys: H runs of L positions, S apart, more streams
+      // than the prefetcher follows.
+      const int64_t ahead = std::min(L, S - s0 - L);
+      for (int64_t h = 0; h < H; ++h) Prefetch(key_block + h * S + L, ahead);
     }
 
-    // Logits [R, n]: each key read once for the R rows.
+    // Logits [R, n]: each key read once for the R rows, kRows rows at a time
+    // (their sums in registers), the remaining rows one by one.
+    const int64_t R4 = R - R % kRows;
+    const int64_t n16 = n - n % kLanes;  // Positions in whole vectors.
     if constexpr (layout == Layout::kPaged) {
       for (int64_t i = 0; i < n; ++i) {
         if (!seen_L[i]) continue;
         const E* key = key_block + i * H;
-        for (int64_t r = 0; r < R; ++r) {
-          const float* q = q_RH + r * H;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t h = 0; h < H; ++h) dot += q[h] * ToFloat(key[h]);
-          logits_RL[r * L + i] = dot;
+        if (H % kLanes == 0) {
+          for (int64_t r = 0; r < R4; r += kRows) {
+            DotRows<kRows>(q_RH, r, H, key, logits_RL, L, i);
+          }
+          for (int64_t r = R4; r < R; ++r) {
+            DotRows<1>(q_RH, r, H, key, logits_RL, L, i);
+          }
+        } else {
+          for (int64_t r = 0; r < R; ++r) {
+            float dot = 0.0f;
+            for (int64_t h = 0; h < H; ++h) {
+              dot += q_RH[r * H + h] * ToFloat(key[h]);
+            }
+            logits_RL[r * L + i] = dot;
+          }
         }
       }
     } else {
-      for (int64_t r = 0; r < R; ++r) {
-        std::fill(logits_RL + r * L, logits_RL + r * L + n, 0.0f);
+      for (int64_t i = 0; i < n16; i += kLanes) {
+        for (int64_t r = 0; r < R4; r += kRows) {
+          DotColumns<kRows>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
+        }
+        for (int64_t r = R4; r < R; ++r) {
+          DotColumns<1>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
+        }
       }
-      for (int64_t h = 0; h < H; ++h) {
-        const E* key_h = key_block + h * S;
+      for (int64_t i = n16; i < n; ++i) {  // A last block's odd positions.
         for (int64_t r = 0; r < R; ++r) {
-          const float q = q_RH[r * H + h];
-          float* logits = logits_RL + r * L;
-#pragma omp simd
-          for (int64_t i = 0; i < n; ++i) logits[i] += q * ToFloat(key_h[i]);
+          float dot = 0.0f;
+          for (int64_t h = 0; h < H; ++h) {
+            dot += q_RH[r * H + h] * ToFloat(key_block[h * S + i]);
+          }
+          logits_RL[r * L + i] = dot;
         }
       }
     }
@@ -211,15 +330,25 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
     for (int64_t r = 0; r < R; ++r) {
       const bool* visible_S = visible_TS + (r % T) * S + s0;
       float* logits = logits_RL + r * L;
-      float block_max = kMinusInf;
-      for (int64_t i = 0; i < n; ++i) {
-        float x = logits[i];
-        if (key_scale != nullptr) x *= key_scale[i];
-        if (pr.soft_cap > 0.0f) x = pr.soft_cap * std::tanh(x / pr.soft_cap);
-        x = visible_S[i] ? x : kMinusInf;
-        logits[i] = x;
-        block_max = std::max(block_max, x);
+      if (key_scale != nullptr) {
+        for (int64_t i = 0; i < n; ++i) logits[i] *= key_scale[i];
       }
+      if (pr.soft_cap > 0.0f) {
+        for (int64_t i = 0; i < n; ++i) {
+          logits[i] = pr.soft_cap * std::tanh(logits[i] / pr.soft_cap);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        logits[i] = visible_S[i] ? logits[i] : kMinusInf;
+      }
+      F16 max16 = F16{} + kMinusInf;
+      for (int64_t i = 0; i < n16; i += kLanes) {
+        const F16 x = Load16(logits + i);
+        max16 = x > max16 ? x : max16;
+      }
+      float block_max = kMinusInf;
+      for (int j = 0; j < kLanes; ++j) block_max = std::max(block_max, max16[j]);
+      for (int64_t i = n16; i < n; ++i) block_max = std::max(block_max, logits[i]);
       if (block_max == kMinusInf) {
         std::fill(logits, logits + n, 0.0f);
         continue;
@@ -227,8 +356,14 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
       const float new_max = std::max(s.max_R[r], block_max);
       const float rescale = std::exp(s.max_R[r] - new_max);  // 0 at first.
       s.max_R[r] = new_max;
-      float total = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
+      F16 total16 = {};
+      for (int64_t i = 0; i < n16; i += kLanes) {
+        const F16 w = Exp16(Load16(logits + i) - new_max);
+        Store16(logits + i, w);
+        total16 += w;
+      }
+      float total = Sum16(total16);
+      for (int64_t i = n16; i < n; ++i) {
         logits[i] = std::exp(logits[i] - new_max);
         total += logits[i];
       }
@@ -239,17 +374,32 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
       }
     }
 
-    // acc [R, H] += weights [R, n] x values [n, H]: each value read once.
-    for (int64_t i = 0; i < n; ++i) {
-      if (!seen_L[i]) continue;
-      const E* value = value_block + i * H;
-      const float value_scale_i = value_scale ? value_scale[i] : 1.0f;
+    // acc [R, H] += weights [R, n] x values [n, H]: each value read once
+    // per kRows rows (from L1). An int8 value's scale joins its weight.
+    if (value_scale != nullptr) {
       for (int64_t r = 0; r < R; ++r) {
-        const float w = logits_RL[r * L + i] * value_scale_i;
-        if (w == 0.0f) continue;
-        float* acc = acc_RH + r * H;
-#pragma omp simd
-        for (int64_t h = 0; h < H; ++h) acc[h] += w * ToFloat(value[h]);
+        for (int64_t i = 0; i < n; ++i) logits_RL[r * L + i] *= value_scale[i];
+      }
+    }
+    if (H % kLanes == 0) {
+      for (int64_t h = 0; h < H; h += kLanes) {
+        for (int64_t r = 0; r < R4; r += kRows) {
+          Accumulate<kRows>(logits_RL, L, r, h, H, n, seen_L, value_block,
+                            acc_RH);
+        }
+        for (int64_t r = R4; r < R; ++r) {
+          Accumulate<1>(logits_RL, L, r, h, H, n, seen_L, value_block, acc_RH);
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        if (!seen_L[i]) continue;
+        for (int64_t r = 0; r < R; ++r) {
+          const float w = logits_RL[r * L + i];
+          for (int64_t h = 0; h < H; ++h) {
+            acc_RH[r * H + h] += w * ToFloat(value_block[i * H + h]);
+          }
+        }
       }
     }
   }
