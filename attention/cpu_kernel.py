@@ -108,8 +108,9 @@ def refusal(options, kv, visible) -> str | None:
   [B or 1, 1 or N, T, S] mask), else why not. Read when the step is traced."""
   if mode() == 'off':
     return f'{ENV}=off'
-  if _loaded() is not None:
-    return _loaded()
+  why = _loaded()
+  if why is not None:
+    return why
   if options.kv_lora_rank:
     return 'a latent (MLA) cache'
   if visible.shape[1] != 1:

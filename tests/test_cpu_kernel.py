@@ -7,11 +7,13 @@ compiled step) and that the check can fail (not there when turned off)."""
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,10 @@ import pytest
 
 from attention import cpu_kernel, kv_cache, layer
 from attention.core import attention_mask, dot_product_attention
+from configs import tiny
+from serve import paged
+from train import config_lib, loop
+from train.model import Transformer
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(),
@@ -167,6 +173,19 @@ def test_an_unknown_mode_is_one_clear_error(monkeypatch):
     cpu_kernel.mode()
 
 
+def test_a_bad_input_is_one_line_naming_the_shapes():
+  """The kernel checks its operands itself (a call that bypasses
+  `cpu_kernel.attention`): the error names the target and the shapes."""
+  call = jax.ffi.ffi_call(cpu_kernel.DENSE_TARGET,
+                          jax.ShapeDtypeStruct((2, 1, 8, 16), jnp.float32))
+  with pytest.raises(Exception, match=re.escape(
+      'gqa_lab_dense_decode: visible [2, 1, 31] is not [B or 1, T, S] = '
+      '[2 or 1, 1, 32]')):
+    call(jnp.ones((2, 1, 8, 16)), jnp.ones((4, 16, 32)), jnp.ones((4, 32, 16)),
+         jnp.zeros((0,)), jnp.zeros((0,)), jnp.ones((2, 1, 31), bool),
+         scale=np.float32(1), soft_cap=np.float32(0))
+
+
 def test_a_missing_library_is_named(tmp_path):
   why = cpu_kernel.load(tmp_path / 'libgrouped_decode.so')
   assert 'libgrouped_decode.so is not built' in why
@@ -211,6 +230,34 @@ def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
   out_jax, cache_jax = step(*args)
   chex.assert_trees_all_close(out_kernel, out_jax, atol=1e-5)
   chex.assert_trees_all_equal(cache_kernel, cache_jax)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kv_cache_dtype', [None, 'int8'])
+def test_the_serving_step_reads_the_pool_in_place(kv_cache_dtype):
+  """The engine's decode step (`serve.paged.forward`) compiled for this CPU:
+  every layer's attention is the kernel, and no page of the pool is
+  gathered; with the kernel off (the control) each layer gathers its keys
+  and values."""
+  config = tiny.get_config()
+  config.model.update(num_heads=4, num_kv_heads=2, head_dim=H, max_len=64,
+                      kv_cache_dtype=kv_cache_dtype)
+  mc = config_lib.model_config(config)
+  serving, params = paged.serving_model(
+      mc, nn.unbox(loop.init_params(Transformer(mc), 0)))
+  pool = paged.empty_pool(serving.config, 9, p)
+  args = (params, pool, jnp.zeros((B, 1), jnp.int32),
+          jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32))
+  step = lambda: jax.jit(lambda *args: paged.forward(serving, *args))
+  gathers = lambda text: sum(f'x{M}x{p}x{H}x' in line for line in
+                             text.splitlines() if 'stablehlo.gather' in line)
+  text = step().lower(*args).as_text()
+  assert text.count(f'@{cpu_kernel.PAGED_TARGET}(') == mc.num_layers
+  assert gathers(text) == 0
+  with cpu_kernel.disabled():
+    text = step().lower(*args).as_text()
+  assert cpu_kernel.PAGED_TARGET not in text
+  assert gathers(text) == 2 * mc.num_layers
 
 
 @pytest.mark.parametrize('platform', ['tpu', 'cuda'])
