@@ -50,7 +50,7 @@ kernels = [] if include is None else [Extension(
     include_dirs=[include],
     language='c++',
     extra_compile_args=['-std=c++17', '-O3', '-fvisibility=hidden',
-                        '-fopenmp-simd', '-fno-math-errno'],
+                        '-fno-math-errno'],
     optional=True,  # No compiler, or it fails: install without it.
 )]
 

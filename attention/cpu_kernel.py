@@ -54,9 +54,10 @@ def mode() -> str:
   return value
 
 
-def load(path: pathlib.Path = LIBRARY) -> str | None:
-  """Registers the library's two FFI targets with jax; None when done, else
-  why the library could not be loaded."""
+def load(path: pathlib.Path | None = None) -> str | None:
+  """Registers the two FFI targets of the library at `path` (None: LIBRARY)
+  with jax; None when done, else why the library could not be loaded."""
+  path = path or LIBRARY
   if not path.is_file():
     return (f'{path.name} is not built (pip install -e . with a C++ '
             'compiler builds it)')

@@ -288,3 +288,41 @@ def test_require_fails_the_import_without_the_library_and_passes_with_it(
       'not built (pip install -e . with a C++ compiler builds it)')
   with_library = run(REPO)
   assert with_library.returncode == 0, with_library.stderr[-2000:]
+
+
+_EACH_TARGET = '''
+import itertools, pathlib, sys
+from attention import cpu_kernel
+cpu_kernel.LIBRARY = pathlib.Path(sys.argv[1])  # Before the first load.
+import jax.numpy as jnp
+from tests import test_cpu_kernel as t
+assert cpu_kernel.available()
+for layout, dtype, K in itertools.product(
+    ['paged', 'dense'], [jnp.float32, jnp.bfloat16, jnp.int8], [4, 1]):
+  t._check_against_the_einsum_path(layout, dtype, 4, K, t.H)
+t._check_against_the_einsum_path('paged', jnp.int8, 1, 2, 24)
+'''
+
+
+@pytest.mark.slowest
+@pytest.mark.slow
+@pytest.mark.parametrize('target', ['arch=x86-64-v3', 'default'])
+@pytest.mark.skipif(shutil.which('g++') is None, reason='no C++ compiler')
+def test_each_target_the_build_dispatches_to_matches_the_einsum_path(
+    target, tmp_path):
+  """The library built for one target only (AVX2, or the x86-64 baseline),
+  as the AVX2 and older machines run it whatever machine the test runs on:
+  it equals the einsum path."""
+  clones = '' if target == 'default' else (
+      f'__attribute__((target("{target}")))')
+  library = tmp_path / 'libgrouped_decode.so'
+  subprocess.run(
+      ['g++', '-std=c++17', '-O3', '-shared', '-fPIC', '-fvisibility=hidden',
+       '-fno-math-errno', f'-I{jax.ffi.include_dir()}',
+       f'-DGQA_LAB_CLONES={clones}', str(REPO / 'attention' / 'cpu' /
+                                         'grouped_decode.cc'),
+       '-o', str(library)], check=True, capture_output=True)
+  result = subprocess.run([sys.executable, '-c', _EACH_TARGET, str(library)],
+                          capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, 'PYTHONPATH': str(REPO)})
+  assert result.returncode == 0, result.stderr[-3000:]

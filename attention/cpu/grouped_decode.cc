@@ -46,11 +46,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// -DGQA_LAB_CLONES=... builds one target only (how the tests check each).
+#ifndef GQA_LAB_CLONES
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GQA_LAB_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define GQA_LAB_CLONES
+#endif
 #endif
 #define GQA_LAB_INLINE inline __attribute__((always_inline))
 
