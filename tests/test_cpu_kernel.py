@@ -141,6 +141,40 @@ def _check_against_the_einsum_path(layout, dtype, T, K, head_dim):
       np.testing.assert_array_equal(got_BTNH[1], 0.0)
 
 
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('K', [8, 2], ids=['mha', 'gqa'])
+def test_whole_blocks_and_a_wide_head(layout, K):
+  """H = 64 and 160 positions (two whole blocks of a dense cache and half of
+  one; ten pages): the vector loops that the small cases above do not
+  reach (a single query row's four sums at once)."""
+  B_, S_, H_, p_ = 2, 160, 64, 16
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H_)
+  keys = jax.random.split(jax.random.key(K), 3)
+  q_BTNH = jax.random.normal(keys[0], (B_, 1, N, H_))
+  k_BSKH, v_BSKH = (jax.random.normal(k, (B_, S_, K, H_)) for k in keys[1:])
+  # Row 0 holds 150 positions, row 1 all 160.
+  visible = (jnp.arange(S_) < jnp.array([150, 160])[:, None])[:, None, None]
+  if layout == 'dense':
+    kv = kv_cache.KV(k_BSKH.transpose(0, 2, 3, 1).reshape(B_ * K, H_, S_),
+                     v_BSKH.transpose(0, 2, 1, 3).reshape(B_ * K, S_, H_),
+                     positions_S=jnp.arange(S_))
+  else:  # Row b's page m is page 1 + m·B + b of the pool.
+    M_ = S_ // p_
+    pool = lambda x: jnp.zeros((K, 1 + B_ * M_, p_, H_)).at[:, 1:].set(
+        x.reshape(B_, M_, p_, K, H_).transpose(3, 1, 0, 2, 4).reshape(
+            K, M_ * B_, p_, H_))
+    table_BM = 1 + jnp.arange(M_)[None, :] * B_ + jnp.arange(B_)[:, None]
+    kv = kv_cache.KV(None, None, positions_S=jnp.arange(S_), paged=(
+        kv_cache.PagedCache({'cached_key': pool(k_BSKH),
+                             'cached_value': pool(v_BSKH)},
+                            table_BM.astype(jnp.int32), jnp.zeros(B_, int))))
+  got = jax.jit(lambda q: cpu_kernel.attention(options, q, kv, visible))(
+      q_BTNH)
+  want = dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible,
+                               scale=options.scale)
+  chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_soft_cap_and_bfloat16_queries():
   options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
                           logits_soft_cap=2.0)

@@ -135,34 +135,56 @@ GQA_LAB_INLINE void DotRows(const float* q_RH, int64_t r0, int64_t H,
   for (int j = 0; j < RC; ++j) logits_RL[(r0 + j) * L + i] = Sum16(sum[j]);
 }
 
-// Logits of rows r0..r0+RC-1 at 16 positions from keys [H, stride].
-template <int RC, typename E>
+// Logits of rows r0..r0+RC-1 at 16·PV positions from keys [H, stride].
+// RC·PV independent sums: one row (MHA) takes PV = 4, so that its additions
+// do not wait on each other.
+template <int RC, int PV, typename E>
 GQA_LAB_INLINE void DotColumns(const float* q_RH, int64_t r0, int64_t H,
                                const E* keys, int64_t stride,
                                float* logits_RL, int64_t L) {
-  F16 sum[RC] = {};
+  F16 sum[RC][PV] = {};
   for (int64_t h = 0; h < H; ++h) {
-    const F16 k = Load16(keys + h * stride);
-    for (int j = 0; j < RC; ++j) sum[j] += q_RH[(r0 + j) * H + h] * k;
+    F16 k[PV];
+    for (int u = 0; u < PV; ++u) k[u] = Load16(keys + h * stride + u * kLanes);
+    for (int j = 0; j < RC; ++j) {
+      const float q = q_RH[(r0 + j) * H + h];
+      for (int u = 0; u < PV; ++u) sum[j][u] += q * k[u];
+    }
   }
-  for (int j = 0; j < RC; ++j) Store16(logits_RL + (r0 + j) * L, sum[j]);
+  for (int j = 0; j < RC; ++j) {
+    for (int u = 0; u < PV; ++u) {
+      Store16(logits_RL + (r0 + j) * L + u * kLanes, sum[j][u]);
+    }
+  }
 }
 
-// acc[r0..r0+RC-1, h:h+16] += weights[rows, i] · values[i, h:h+16] over the
-// block's seen positions.
-template <int RC, typename E>
+// acc[r0..r0+RC-1, h:h+16·HV] += weights[rows, i] · values[i, h:h+16·HV]
+// over the block's seen positions; one row takes HV = 4 (as PV above).
+template <int RC, int HV, typename E>
 GQA_LAB_INLINE void Accumulate(const float* weights_RL, int64_t L, int64_t r0,
                                int64_t h, int64_t H, int64_t n,
                                const char* seen_L, const E* values,
                                float* acc_RH) {
-  F16 sum[RC];
-  for (int j = 0; j < RC; ++j) sum[j] = Load16(acc_RH + (r0 + j) * H + h);
+  F16 sum[RC][HV];
+  for (int j = 0; j < RC; ++j) {
+    for (int u = 0; u < HV; ++u) {
+      sum[j][u] = Load16(acc_RH + (r0 + j) * H + h + u * kLanes);
+    }
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (!seen_L[i]) continue;
-    const F16 v = Load16(values + i * H + h);
-    for (int j = 0; j < RC; ++j) sum[j] += weights_RL[(r0 + j) * L + i] * v;
+    F16 v[HV];
+    for (int u = 0; u < HV; ++u) v[u] = Load16(values + i * H + h + u * kLanes);
+    for (int j = 0; j < RC; ++j) {
+      const float w = weights_RL[(r0 + j) * L + i];
+      for (int u = 0; u < HV; ++u) sum[j][u] += w * v[u];
+    }
   }
-  for (int j = 0; j < RC; ++j) Store16(acc_RH + (r0 + j) * H + h, sum[j]);
+  for (int j = 0; j < RC; ++j) {
+    for (int u = 0; u < HV; ++u) {
+      Store16(acc_RH + (r0 + j) * H + h + u * kLanes, sum[j][u]);
+    }
+  }
 }
 
 enum class Layout { kPaged, kDense };
@@ -200,8 +222,9 @@ struct Scratch {
 
 // The index of block j's first position in the cache's [.., positions]
 // order: its values start at this times H, its scales here. Paged: page
-// page_table[b, j] of KV head k (clamped into the pool, as a JAX gather
-// clamps); dense: row b·K + k, position s0.
+// page_table[b, j] of KV head k (clamped into the pool: a bad table entry
+// reads a wrong page, never outside the pool); dense: row b·K + k, position
+// s0.
 template <Layout layout>
 GQA_LAB_INLINE int64_t FirstOfBlock(const Problem& pr, int64_t b, int64_t k,
                                     int64_t j, int64_t s0) {
@@ -311,10 +334,16 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
     } else {
       for (int64_t i = 0; i < n16; i += kLanes) {
         for (int64_t r = 0; r < R4; r += kRows) {
-          DotColumns<kRows>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
+          DotColumns<kRows, 1>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
         }
-        for (int64_t r = R4; r < R; ++r) {
-          DotColumns<1>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
+      }
+      for (int64_t r = R4; r < R; ++r) {
+        int64_t i = 0;
+        for (; i + 4 * kLanes <= n16; i += 4 * kLanes) {
+          DotColumns<1, 4>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
+        }
+        for (; i < n16; i += kLanes) {
+          DotColumns<1, 1>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
         }
       }
       for (int64_t i = n16; i < n; ++i) {  // A last block's odd positions.
@@ -387,11 +416,19 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
     if (H % kLanes == 0) {
       for (int64_t h = 0; h < H; h += kLanes) {
         for (int64_t r = 0; r < R4; r += kRows) {
-          Accumulate<kRows>(logits_RL, L, r, h, H, n, seen_L, value_block,
-                            acc_RH);
+          Accumulate<kRows, 1>(logits_RL, L, r, h, H, n, seen_L, value_block,
+                               acc_RH);
         }
-        for (int64_t r = R4; r < R; ++r) {
-          Accumulate<1>(logits_RL, L, r, h, H, n, seen_L, value_block, acc_RH);
+      }
+      for (int64_t r = R4; r < R; ++r) {
+        int64_t h = 0;
+        for (; h + 4 * kLanes <= H; h += 4 * kLanes) {
+          Accumulate<1, 4>(logits_RL, L, r, h, H, n, seen_L, value_block,
+                           acc_RH);
+        }
+        for (; h < H; h += kLanes) {
+          Accumulate<1, 1>(logits_RL, L, r, h, H, n, seen_L, value_block,
+                           acc_RH);
         }
       }
     } else {
