@@ -49,7 +49,7 @@ kernels = [] if include is None else [Extension(
     sources=['attention/cpu/grouped_decode.cc'],
     include_dirs=[include],
     language='c++',
-    extra_compile_args=['-std=c++17', '-O3', '-fvisibility=hidden',
+    extra_compile_args=['-std=c++17', '-O3', '-g0', '-fvisibility=hidden',
                         '-fno-math-errno'],
     optional=True,  # No compiler, or it fails: install without it.
 )]
