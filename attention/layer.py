@@ -29,13 +29,14 @@ in place (a test checks the compiled step for copies).
 That is the dense cache (`attention.kv_cache.DenseCache`); the same step
 reads and writes a paged pool (`PagedCache`, the serving engine's) by
 gathering each row's pages into this layout, or, lowering for TPU, by JAX's
-paged-attention kernel (`attention.paged`). A causal local layer keeps only
-its window: slot s holds the latest position p with p % w == s (a ring
-buffer), so its cache is w/max_len the size. An
-int8 cache stores each token's K and V per KV head as int8 times one float32
-scale (symmetric, absmax/127); the matmuls read the int8 arrays and the
-scales multiply the [G, S] logits and probabilities, so no float copy of the
-cache is made.
+paged-attention kernel (`attention.paged`); lowering for the CPU, by a C++
+kernel (`attention.cpu_kernel`) that reads either cache where it lies, a
+paged pool through its page tables, when it is built. A causal local layer
+keeps only its window: slot s holds the latest position p with p % w == s (a
+ring buffer), so its cache is w/max_len the size. An int8 cache stores each
+token's K and V per KV head as int8 times one float32 scale (symmetric,
+absmax/127); the matmuls read the int8 arrays and the scales multiply the
+[G, S] logits and probabilities, so no float copy of the cache is made.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from attention import decode, kv_cache, latent, paged
+from attention import cpu_kernel, decode, kv_cache, latent, paged
 from attention.core import dot_product_attention
 from attention.kv_cache import KV
 from attention.rope import RopeScaling, apply_rope
@@ -271,21 +272,27 @@ class _grouped:  # pylint: disable=invalid-name
 
   @staticmethod
   def attend_cached(options: Options, w, q_BTNH, kv: KV, visible) -> Array:
-    """Against the cache: [B, T, N, H]; a paged cache's step by the TPU
-    kernel where lowering for TPU and it takes the call
-    (`attention.paged.kernel_refusal`), else the cache's rows gathered."""
-    def dense():
+    """Against the cache: [B, T, N, H]. Per platform lowered for, where its
+    kernel takes the call: on the CPU the C++ kernel (`attention.cpu_kernel`,
+    a paged pool read in place), on TPU a paged pool's step by JAX's kernel
+    (`attention.paged`); else the pure-JAX path, a paged cache's rows
+    gathered first."""
+    def jax_path():
       rows = kv_cache.gathered(kv, options)
       return decode.heads_major_attention(
           q_BTNH, rows.key, rows.value, visible, scale=options.scale,
           logits_soft_cap=options.logits_soft_cap,
           key_scale_ZS=rows.key_scale, value_scale_ZS=rows.value_scale)
-    if kv.paged is None or paged.kernel_refusal(options, q_BTNH.shape[1],
-                                                kv.paged.arrays):
-      return dense()
-    return jax.lax.platform_dependent(
-        tpu=lambda: paged.kernel_attention(options, q_BTNH, kv),
-        default=dense)
+    kernels = {}
+    if cpu_kernel.refusal(options, kv, visible) is None:
+      kernels['cpu'] = lambda: cpu_kernel.attention(options, q_BTNH, kv,
+                                                    visible)
+    if kv.paged is not None and not paged.kernel_refusal(
+        options, q_BTNH.shape[1], kv.paged.arrays):
+      kernels['tpu'] = lambda: paged.kernel_attention(options, q_BTNH, kv)
+    if not kernels:
+      return jax_path()
+    return jax.lax.platform_dependent(**kernels, default=jax_path)
 
 
 def project(options: Options, params: dict[str, Array], w: dict[str, Array],

@@ -22,12 +22,14 @@ config's parameter count, as `scripts.compare --equal_params` trains them.
 
 --layer: one attention layer's decode step (N=16, H=64, D=1024, float32),
 `attention.layer.apply` with its cache as `attention.Attention(decode=True)`
-runs it, against the same step in PyTorch eager: the same projections and
-RoPE, a preallocated [B, K, S, H] cache written in place, and SDPA
-(`enable_gqa`) over the filled prefix; both from the same weights and cache
-(a test checks they agree), in this process, taking turns. The cache is
-filled to `context` - 8 and every timed step writes the same slot. Writes
-decode_layer.json under --out.
+runs it, twice: as users get it (on the CPU, the C++ decode kernel,
+`attention.cpu_kernel`, where it is built) and by the pure-JAX path
+(`cpu_kernel.disabled`); against the same step in PyTorch eager: the same
+projections and RoPE, a preallocated [B, K, S, H] cache written in place,
+and SDPA (`enable_gqa`) over the filled prefix; all from the same weights
+and cache (a test checks they agree), in this process, taking turns. The
+cache is filled to `context` - 8 and every timed step writes the same slot.
+Writes decode_layer.json under --out.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention import layer
+from attention import cpu_kernel, layer
 from scripts import stats, timing
 from train import config_lib, flops, provenance
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -197,20 +199,23 @@ def main_layer(args):
   for batch in batches:
     for context in contexts:
       for K in kv_heads:
-        ours, theirs = layer_contestants(K, batch, context)
-        times = timing.median_times({'ours': ours, 'torch': theirs},
-                                    args.repeats)
-        del ours, theirs  # The caches, before the next ones are built.
+        contestants = layer_contestants(K, batch, context)
+        times = timing.median_times(contestants, args.repeats)
+        del contestants  # The caches, before the next ones are built.
         rows.append(dict(num_kv_heads=K, batch=batch, context=context,
                          ours_seconds=times['ours'],
+                         ours_jax_seconds=times['ours_jax'],
                          torch_seconds=times['torch'],
                          ours_over_torch=times['ours'] / times['torch']))
         print(f'K={K:>2} batch={batch:>4} context={context}: ours '
-              f'{times["ours"] * 1e3:7.2f} ms  torch '
+              f'{times["ours"] * 1e3:7.2f} ms  pure-JAX path '
+              f'{times["ours_jax"] * 1e3:7.2f} ms  torch '
               f'{times["torch"] * 1e3:7.2f} ms  ours/torch '
               f'{times["ours"] / times["torch"]:.2f}', flush=True)
   env = {'jax': jax.__version__, 'torch': torch.__version__,
          'torch_threads': torch.get_num_threads(),
+         'cpu_kernel': (jax.default_backend() == 'cpu'
+                        and cpu_kernel.available()),
          'date': time.strftime('%Y-%m-%d')}
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -247,24 +252,30 @@ def layer_inputs(K: int, batch: int, context: int, seed: int = 0):
   return options, params, cache, jnp.asarray(normal((batch, 1, D)))
 
 
-def layer_contestants(K: int, batch: int, context: int):
-  """(ours, torch): callables running one decode step each, on the same
+def layer_contestants(K: int, batch: int, context: int) -> dict:
+  """{'ours', 'ours_jax', 'torch'}: callables running one decode step each
+  (ours as users get it, ours by the pure-JAX path, PyTorch's), on the same
   weights and cache; each returns its output [B, 1, D]."""
   options, params, cache, x = layer_inputs(K, batch, context)
   theirs = torch_layer_step(options, params, cache, x)
-  return ours_layer_step(options, params, cache, x), theirs
+  ours = ours_layer_step(options, params, cache, x)
+  with cpu_kernel.disabled():
+    ours_jax = ours_layer_step(options, params, cache, x)
+  return {'ours': ours, 'ours_jax': ours_jax, 'torch': theirs}
 
 
 def ours_layer_step(options, params, cache, x_B1D):
   """`attention.layer.apply` on a decode cache, jitted with the cache
-  donated (written in place, as `train.sample` keeps it); every call writes
-  the same slot."""
+  donated (written in place, as `train.sample` keeps it) and compiled here,
+  so that the path chosen now is the one timed; every call writes the same
+  slot."""
   def step(params, cache, x_B1D):
     out_B1D, new, _ = layer.apply(options, params, x_B1D, cache=cache)
     return out_B1D, {**new, 'cache_index': cache['cache_index']}
 
-  run = jax.jit(step, donate_argnums=1)
   state = {'cache': jax.tree.map(jnp.copy, cache)}
+  run = jax.jit(step, donate_argnums=1).lower(params, state['cache'],
+                                              x_B1D).compile()
 
   def go():
     out_B1D, state['cache'] = run(params, state['cache'], x_B1D)
@@ -312,17 +323,22 @@ def torch_layer_step(options, params, cache, x_B1D):
 
 def layer_markdown(env, rows, args) -> str:
   argv = ' '.join(sys.argv[1:])
+  kernel = ('the C++ decode kernel (`attention.cpu_kernel`)'
+            if env['cpu_kernel'] else 'no C++ decode kernel (not built)')
   lines = [
       f'Written by `python -m scripts.bench_decode {argv}` on {env["date"]}: '
       f'jax {env["jax"]}, torch {env["torch"]} ({env["torch_threads"]} '
       f'threads), float32; one layer, N={N}, H={H}, D={D}, one token per '
-      'step against a cache filled to context - 8. Medians of '
-      f'{args.repeats} steps, the two taking turns in one process.', '',
-      '| K | batch | context | ours ms | PyTorch ms | ours / PyTorch |',
-      '|---|---|---|---|---|---|']
+      'step against a cache filled to context - 8. Ours as users get it, '
+      f'here with {kernel}, and by the pure-JAX path. Medians of '
+      f'{args.repeats} steps, the three taking turns in one process.', '',
+      '| K | batch | context | ours ms | pure-JAX path ms | PyTorch ms '
+      '| ours / PyTorch |',
+      '|---|---|---|---|---|---|---|']
   for r in rows:
     lines.append(f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
                  f'{r["ours_seconds"] * 1e3:.2f} | '
+                 f'{r["ours_jax_seconds"] * 1e3:.2f} | '
                  f'{r["torch_seconds"] * 1e3:.2f} | '
                  f'{r["ours_over_torch"]:.2f} |')
   return '\n'.join(lines)

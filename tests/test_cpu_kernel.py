@@ -1,0 +1,371 @@
+"""The CPU decode kernel (`attention.cpu_kernel`, an XLA FFI custom call)
+against the einsum path, `attention.dot_product_attention`, on the same
+cache contents: every K of N = 8, each cache dtype, each kind of mask, one
+and several queries per row, both layouts; and in the model's decode step,
+where a test shows the kernel is the one that ran (its custom call in the
+compiled step) and that the check can fail (not there when turned off)."""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import cpu_kernel, kv_cache, layer
+from attention.core import attention_mask, dot_product_attention
+from configs import tiny
+from serve import paged
+from train import config_lib, loop
+from train.model import Transformer
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernel.available(),
+    reason='the CPU kernel is not built (python setup.py build_ext --inplace)')
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+B, N, H, P, p, M = 3, 8, 16, 16, 4, 5  # S = M·p = 20 positions per row.
+S = M * p
+LENGTHS_B = np.array([20, 9, 5])  # Tokens each row holds, the step's last.
+MASKS = ('none', 'causal', 'padding', 'window')
+
+
+def _visible(kind: str, T: int) -> jax.Array:
+  """[B, 1, T, S] True = attend: the step's T queries are each row's last T
+  tokens (positions LENGTHS_B - T ..)."""
+  pos_BT = jnp.asarray(LENGTHS_B[:, None] - T + np.arange(T))
+  k_pos_S = jnp.arange(S)
+  held_BTS = jnp.broadcast_to(k_pos_S < jnp.asarray(LENGTHS_B)[:, None, None],
+                              (B, T, S))
+  if kind == 'none':  # Every slot the row holds.
+    visible_BTS = held_BTS
+  elif kind == 'causal':
+    visible_BTS = attention_mask(pos_BT, k_pos_S, is_causal=True)
+  elif kind == 'window':
+    visible_BTS = attention_mask(pos_BT, k_pos_S, is_causal=True,
+                                 local_window=3)
+  else:  # Key padding; row 1 sees nothing (its output must be zeros).
+    pad_BS = jax.random.bernoulli(jax.random.key(7), 0.6, (B, S))
+    pad_BS = pad_BS.at[1].set(False)
+    visible_BTS = held_BTS & pad_BS[:, None, :]
+  return visible_BTS[:, None]
+
+
+def _cache(K: int, dtype, seed: int, head_dim: int = H):
+  """(stored keys and values [B, S, K, H], their int8 scales [B, S, K] or
+  None, the float32 values they stand for)."""
+  keys = jax.random.split(jax.random.key(seed), 2)
+  kv = [jax.random.normal(k, (B, S, K, head_dim), jnp.float32) for k in keys]
+  if dtype == jnp.int8:
+    (k8, ks), (v8, vs) = (kv_cache.quantize(x, axis=3) for x in kv)
+    return (k8, v8), (ks, vs), (k8 * ks[..., None], v8 * vs[..., None])
+  stored = [x.astype(dtype) for x in kv]
+  return stored, None, [x.astype(jnp.float32) for x in stored]
+
+
+def _dense_kv(stored, scales) -> kv_cache.KV:
+  """The dense layout: keys [B·K, H, S], values [B·K, S, H], scales
+  [B·K, S]."""
+  k_BSKH, v_BSKH = stored
+  K, head_dim = k_BSKH.shape[2:]
+  rows = lambda x_BSK: x_BSK.transpose(0, 2, 1).reshape(B * K, S)
+  return kv_cache.KV(
+      k_BSKH.transpose(0, 2, 3, 1).reshape(B * K, head_dim, S),
+      v_BSKH.transpose(0, 2, 1, 3).reshape(B * K, S, head_dim),
+      *((None, None) if scales is None else map(rows, scales)),
+      positions_S=jnp.arange(S))
+
+
+def _paged_kv(stored, scales) -> kv_cache.KV:
+  """A pool [K, P, p, H] (scales [K, P, p]) holding each row's positions on
+  pages of a shuffled table; every other page, and page 0 that unused table
+  entries name, holds noise the kernel must not read into the result."""
+  k_BSKH = stored[0]
+  K = k_BSKH.shape[2]
+  order = np.random.default_rng(0).permutation(np.arange(1, P))
+  table_BM = order[:B * M].reshape(B, M)
+  table_BM[2, 2:] = 0  # Row 2 holds 5 tokens: 2 pages, the rest unused.
+  arrays = {}
+  names = ('cached_key', 'cached_value') + (
+      () if scales is None else ('key_scale', 'value_scale'))
+  for name, x in zip(names, (*stored, *(scales or ()))):
+    noise = jax.random.normal(jax.random.key(3), (K, P, p, *x.shape[3:]))
+    pool = (noise * 50).astype(x.dtype)
+    x_KBMp = jnp.moveaxis(x, 2, 0).reshape(K, B, M, p, *x.shape[3:])
+    used_BM = table_BM != 0
+    pool = pool.at[:, table_BM[used_BM]].set(x_KBMp[:, used_BM])
+    arrays[name] = pool
+  paged = kv_cache.PagedCache(arrays, jnp.asarray(table_BM, jnp.int32),
+                              jnp.asarray(LENGTHS_B))
+  return kv_cache.KV(None, None, positions_S=jnp.arange(S), paged=paged)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.int8],
+                         ids=['float32', 'bfloat16', 'int8'])
+@pytest.mark.parametrize('T', [1, 4])
+@pytest.mark.parametrize('K', [8, 4, 2, 1])
+def test_the_kernel_matches_the_einsum_path(layout, dtype, T, K):
+  _check_against_the_einsum_path(layout, dtype, T, K, H)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+def test_a_head_dim_off_the_vector_width(layout):
+  """H = 24: the kernel's loops without its 16-float vectors."""
+  _check_against_the_einsum_path(layout, jnp.int8, 4, 2, 24)
+
+
+def _check_against_the_einsum_path(layout, dtype, T, K, head_dim):
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=head_dim)
+  stored, scales, reference_kv = _cache(K, dtype, seed=K, head_dim=head_dim)
+  kv = (_paged_kv if layout == 'paged' else _dense_kv)(stored, scales)
+  q_BTNH = jax.random.normal(jax.random.key(T), (B, T, N, head_dim))
+  kernel = jax.jit(lambda q, vis: cpu_kernel.attention(options, q, kv, vis))
+  for kind in MASKS:  # One compiled kernel: the masks are arrays.
+    visible = _visible(kind, T)
+    assert cpu_kernel.refusal(options, kv, visible) is None
+    got_BTNH = kernel(q_BTNH, visible)
+    want_BTNH = dot_product_attention(q_BTNH, *reference_kv, mask=visible,
+                                      scale=options.scale)
+    chex.assert_shape(got_BTNH, (B, T, N, head_dim))
+    chex.assert_trees_all_close(got_BTNH, want_BTNH, atol=2e-5, rtol=2e-5,
+                                custom_message=f'mask {kind}')
+    if kind == 'padding':
+      np.testing.assert_array_equal(got_BTNH[1], 0.0)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('K', [8, 2], ids=['mha', 'gqa'])
+def test_whole_blocks_and_a_wide_head(layout, K):
+  """H = 64 and 160 positions (two whole blocks of a dense cache and half of
+  one; ten pages): the vector loops that the small cases above do not
+  reach (a single query row's four sums at once)."""
+  B_, S_, H_, p_ = 2, 160, 64, 16
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H_)
+  keys = jax.random.split(jax.random.key(K), 3)
+  q_BTNH = jax.random.normal(keys[0], (B_, 1, N, H_))
+  k_BSKH, v_BSKH = (jax.random.normal(k, (B_, S_, K, H_)) for k in keys[1:])
+  # Row 0 holds 150 positions, row 1 all 160.
+  visible = (jnp.arange(S_) < jnp.array([150, 160])[:, None])[:, None, None]
+  if layout == 'dense':
+    kv = kv_cache.KV(k_BSKH.transpose(0, 2, 3, 1).reshape(B_ * K, H_, S_),
+                     v_BSKH.transpose(0, 2, 1, 3).reshape(B_ * K, S_, H_),
+                     positions_S=jnp.arange(S_))
+  else:  # Row b's page m is page 1 + m·B + b of the pool.
+    M_ = S_ // p_
+    pool = lambda x: jnp.zeros((K, 1 + B_ * M_, p_, H_)).at[:, 1:].set(
+        x.reshape(B_, M_, p_, K, H_).transpose(3, 1, 0, 2, 4).reshape(
+            K, M_ * B_, p_, H_))
+    table_BM = 1 + jnp.arange(M_)[None, :] * B_ + jnp.arange(B_)[:, None]
+    kv = kv_cache.KV(None, None, positions_S=jnp.arange(S_), paged=(
+        kv_cache.PagedCache({'cached_key': pool(k_BSKH),
+                             'cached_value': pool(v_BSKH)},
+                            table_BM.astype(jnp.int32), jnp.zeros(B_, int))))
+  got = jax.jit(lambda q: cpu_kernel.attention(options, q, kv, visible))(
+      q_BTNH)
+  want = dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=visible,
+                               scale=options.scale)
+  chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_soft_cap_and_bfloat16_queries():
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
+                          logits_soft_cap=2.0)
+  stored, scales, reference_kv = _cache(2, jnp.float32, seed=1)
+  kv = _paged_kv(stored, scales)
+  q_BTNH = 3 * jax.random.normal(jax.random.key(0), (B, 1, N, H))
+  visible = _visible('causal', 1)
+  got = jax.jit(lambda q: cpu_kernel.attention(options, q, kv, visible))(
+      q_BTNH.astype(jnp.bfloat16))
+  want = dot_product_attention(q_BTNH.astype(jnp.bfloat16).astype(
+      jnp.float32), *reference_kv, mask=visible, scale=options.scale,
+                               logits_soft_cap=2.0)
+  assert got.dtype == jnp.bfloat16
+  chex.assert_trees_all_close(got.astype(jnp.float32), want, atol=1e-2)
+
+
+def test_what_the_kernel_refuses_is_named():
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H)
+  stored, scales, _ = _cache(2, jnp.float32, seed=0)
+  kv = _dense_kv(stored, scales)
+  per_head = jnp.ones((B, N, 1, S), bool)
+  assert 'differs between heads' in cpu_kernel.refusal(options, kv, per_head)
+  half = _dense_kv([x.astype(jnp.float16) for x in stored], None)
+  assert 'float16' in cpu_kernel.refusal(options, half, _visible('none', 1))
+
+
+def test_an_unknown_mode_is_one_clear_error(monkeypatch):
+  monkeypatch.setenv(cpu_kernel.ENV, 'on')
+  with pytest.raises(ValueError, match="GQA_LAB_CPU_KERNEL='on'; use one of"):
+    cpu_kernel.mode()
+
+
+def test_a_bad_input_is_one_line_naming_the_shapes():
+  """The kernel checks its operands itself (a call that bypasses
+  `cpu_kernel.attention`): the error names the target and the shapes."""
+  call = jax.ffi.ffi_call(cpu_kernel.DENSE_TARGET,
+                          jax.ShapeDtypeStruct((2, 1, 8, 16), jnp.float32))
+  with pytest.raises(Exception, match=re.escape(
+      'gqa_lab_dense_decode: visible [2, 1, 31] is not [B or 1, T, S] = '
+      '[2 or 1, 1, 32]')):
+    call(jnp.ones((2, 1, 8, 16)), jnp.ones((4, 16, 32)), jnp.ones((4, 32, 16)),
+         jnp.zeros((0,)), jnp.zeros((0,)), jnp.ones((2, 1, 31), bool),
+         scale=np.float32(1), soft_cap=np.float32(0))
+
+
+def test_a_missing_library_is_named(tmp_path):
+  why = cpu_kernel.load(tmp_path / 'libgrouped_decode.so')
+  assert 'libgrouped_decode.so is not built' in why
+
+
+def _decode_step(options, paged: bool):
+  """A jitted decode step of one layer (T = 1) over a paged pool or a dense
+  cache, and its arguments."""
+  D = 32
+  params = {name: 0.1 * jax.random.normal(jax.random.key(i), shape)
+            for i, (name, shape) in enumerate(
+                options.param_shapes(D).items())}
+  x_BTD = jax.random.normal(jax.random.key(9), (B, 1, D))
+  if paged:
+    arrays = {name: jnp.zeros(s.shape, s.dtype) for name, s in
+              kv_cache.paged_spec(options, P, p, jnp.float32).items()}
+    table_BM = jnp.arange(1, 1 + B * M, dtype=jnp.int32).reshape(B, M)
+    def step(arrays, x_BTD):
+      cache = kv_cache.PagedCache(arrays, table_BM, jnp.asarray(LENGTHS_B - 1))
+      return layer.apply(options, params, x_BTD, cache=cache)[:2]
+  else:
+    arrays = {name: jnp.zeros(s.shape, s.dtype) for name, s in
+              options.cache_spec(B, S, jnp.float32).items()}
+    arrays['cache_index'] = jnp.array(7, jnp.int32)
+    def step(arrays, x_BTD):
+      return layer.apply(options, params, x_BTD, cache=arrays)[:2]
+  return jax.jit(step), (arrays, x_BTD)
+
+
+@pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
+def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
+    paged, monkeypatch):
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
+                          kv_cache_dtype='int8')
+  target = cpu_kernel.PAGED_TARGET if paged else cpu_kernel.DENSE_TARGET
+  step, args = _decode_step(options, paged)
+  assert target in step.lower(*args).compile().as_text()
+  out_kernel, cache_kernel = step(*args)
+  monkeypatch.setenv(cpu_kernel.ENV, 'off')
+  step, args = _decode_step(options, paged)  # Traced again: the JAX path.
+  assert target not in step.lower(*args).compile().as_text()  # The control.
+  out_jax, cache_jax = step(*args)
+  chex.assert_trees_all_close(out_kernel, out_jax, atol=1e-5)
+  chex.assert_trees_all_equal(cache_kernel, cache_jax)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kv_cache_dtype', [None, 'int8'])
+def test_the_serving_step_reads_the_pool_in_place(kv_cache_dtype):
+  """The engine's decode step (`serve.paged.forward`) compiled for this CPU:
+  every layer's attention is the kernel, and no page of the pool is
+  gathered; with the kernel off (the control) each layer gathers its keys
+  and values."""
+  config = tiny.get_config()
+  config.model.update(num_heads=4, num_kv_heads=2, head_dim=H, max_len=64,
+                      kv_cache_dtype=kv_cache_dtype)
+  mc = config_lib.model_config(config)
+  serving, params = paged.serving_model(
+      mc, nn.unbox(loop.init_params(Transformer(mc), 0)))
+  pool = paged.empty_pool(serving.config, 9, p)
+  args = (params, pool, jnp.zeros((B, 1), jnp.int32),
+          jnp.zeros((B, M), jnp.int32), jnp.zeros((B,), jnp.int32))
+  step = lambda: jax.jit(lambda *args: paged.forward(serving, *args))
+  gathers = lambda text: sum(f'x{M}x{p}x{H}x' in line for line in
+                             text.splitlines() if 'stablehlo.gather' in line)
+  text = step().lower(*args).as_text()
+  assert text.count(f'@{cpu_kernel.PAGED_TARGET}(') == mc.num_layers
+  assert gathers(text) == 0
+  with cpu_kernel.disabled():
+    text = step().lower(*args).as_text()
+  assert cpu_kernel.PAGED_TARGET not in text
+  assert gathers(text) == 2 * mc.num_layers
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+def test_the_benchmark_times_two_paths_that_agree(layout):
+  """scripts.bench_cpu_kernel's contestants: the same step's output."""
+  from scripts import bench_cpu_kernel  # pylint: disable=import-outside-toplevel
+  runs = bench_cpu_kernel.contestants(layout, K=2, batch=3, context=64,
+                                      fill=0.5)
+  chex.assert_trees_all_close(runs['kernel'](), runs['jax'](), atol=1e-5)
+
+
+@pytest.mark.parametrize('platform', ['tpu', 'cuda'])
+def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform):
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=128)
+  step, args = _decode_step(options, paged=True)
+  text = jax.export.export(step, platforms=[platform])(*args).mlir_module()
+  assert cpu_kernel.PAGED_TARGET not in text
+  assert cpu_kernel.PAGED_TARGET in step.lower(*args).as_text()  # Control.
+
+
+@pytest.mark.slow
+def test_require_fails_the_import_without_the_library_and_passes_with_it(
+    tmp_path):
+  """GQA_LAB_CPU_KERNEL=require (CI's setting): `import attention` from a
+  copy of the package without the library fails, naming it; from this one
+  it succeeds."""
+  shutil.copytree(REPO / 'attention', tmp_path / 'attention',
+                  ignore=shutil.ignore_patterns('cpu', '__pycache__'))
+  env = {**os.environ, cpu_kernel.ENV: 'require'}
+  run = lambda where: subprocess.run(
+      [sys.executable, '-c', 'import attention'], capture_output=True,
+      text=True, env={**env, 'PYTHONPATH': str(where)}, cwd=where)
+  without = run(tmp_path)
+  assert without.returncode != 0
+  assert without.stderr.strip().splitlines()[-1] == (
+      'ImportError: GQA_LAB_CPU_KERNEL=require but libgrouped_decode.so is '
+      'not built (pip install -e . with a C++ compiler builds it)')
+  with_library = run(REPO)
+  assert with_library.returncode == 0, with_library.stderr[-2000:]
+
+
+_EACH_TARGET = '''
+import itertools, pathlib, sys
+from attention import cpu_kernel
+cpu_kernel.LIBRARY = pathlib.Path(sys.argv[1])  # Before the first load.
+import jax.numpy as jnp
+from tests import test_cpu_kernel as t
+assert cpu_kernel.available()
+for layout, dtype, K in itertools.product(
+    ['paged', 'dense'], [jnp.float32, jnp.bfloat16, jnp.int8], [4, 1]):
+  t._check_against_the_einsum_path(layout, dtype, 4, K, t.H)
+t._check_against_the_einsum_path('paged', jnp.int8, 1, 2, 24)
+'''
+
+
+@pytest.mark.slowest
+@pytest.mark.slow
+@pytest.mark.parametrize('target', ['arch=x86-64-v3', 'default'])
+@pytest.mark.skipif(shutil.which('g++') is None, reason='no C++ compiler')
+def test_each_target_the_build_dispatches_to_matches_the_einsum_path(
+    target, tmp_path):
+  """The library built for one target only (AVX2, or the x86-64 baseline),
+  as the AVX2 and older machines run it whatever machine the test runs on:
+  it equals the einsum path."""
+  clones = '' if target == 'default' else (
+      f'__attribute__((target("{target}")))')
+  library = tmp_path / 'libgrouped_decode.so'
+  subprocess.run(
+      ['g++', '-std=c++17', '-O3', '-shared', '-fPIC', '-fvisibility=hidden',
+       '-fno-math-errno', f'-I{jax.ffi.include_dir()}',
+       f'-DGQA_LAB_CLONES={clones}', str(REPO / 'attention' / 'cpu' /
+                                         'grouped_decode.cc'),
+       '-o', str(library)], check=True, capture_output=True)
+  result = subprocess.run([sys.executable, '-c', _EACH_TARGET, str(library)],
+                          capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, 'PYTHONPATH': str(REPO)})
+  assert result.returncode == 0, result.stderr[-3000:]
