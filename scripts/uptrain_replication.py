@@ -27,7 +27,7 @@ import pathlib
 
 import numpy as np
 
-from scripts import stats
+from scripts import stats, uptrain_report
 from train import provenance
 
 MLA_BELOW = 'mla_half'  # scripts.uptrain_study's method for that arm.
@@ -436,20 +436,6 @@ def plot(out: pathlib.Path, results: dict, summ: dict):
   plt.close(fig)
 
 
-def _made(prov: dict) -> str:
-  """Where the runs were trained and where this report was rebuilt."""
-  text = (f'Runs trained by `{prov["command"]}` at commit {prov["commit"]} '
-          f'(--out {prov["out"]}) on '
-          + provenance.describe(prov.get('machine', {})))
-  if 'rebuilt' in prov:
-    r = prov['rebuilt']
-    text += (f'; statistics and reading rebuilt by `{r["command"]}` at '
-             f'commit {r["commit"]}' + (
-                 f' on {provenance.describe(r["machine"])}'
-                 if 'machine' in r else ''))
-  return text + '.' + (f' {prov["note"]}' if prov.get('note') else '')
-
-
 def text(results: dict) -> str:
   """report.md: a function of results.json's per-run curves and provenance
   alone (the summary recomputed), so a rebuild is identical."""
@@ -457,7 +443,7 @@ def text(results: dict) -> str:
   prov = results['provenance']
   return '\n'.join([
       '# Uptraining MHA to GQA/MQA (Ainslie et al. 2023), replicated over '
-      'sources and source lengths', '', _made(prov), '', prov['statistics'],
+      'sources and source lengths', '', uptrain_report.made(prov), '', prov['statistics'],
       '', '## Reading', '', *reading(results, summ), '',
       '![the gap against the source\'s length](sources.png)', '',
       '## Tables', '', *tables(results, summ), ''])
