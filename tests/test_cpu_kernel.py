@@ -147,13 +147,28 @@ def test_whole_blocks_and_a_wide_head(layout, K):
   """H = 64 and 160 positions (two whole blocks of a dense cache and half of
   one; ten pages): the vector loops that the small cases above do not
   reach (a single query row's four sums at once)."""
-  B_, S_, H_, p_ = 2, 160, 64, 16
+  _check_wide(layout, K, B_=2, S_=160)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+def test_a_call_large_enough_to_share_its_rows_among_threads(layout):
+  """8 rows x 8 KV heads x 512 float32 positions of H = 64 (16 MiB of keys
+  and values): past the kernel's kMinBytesPerThread (1 MiB) per thread, so
+  its units are shared between the calling thread and XLA's intra-op
+  threads (the smaller calls above run on the calling thread alone)."""
+  _check_wide(layout, 8, B_=8, S_=512)
+
+
+def _check_wide(layout, K, B_, S_):
+  """The kernel against the einsum path: B_ rows of S_ positions of H = 64,
+  row 0 holding 10 fewer than the others."""
+  H_, p_ = 64, 16
   options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H_)
   keys = jax.random.split(jax.random.key(K), 3)
   q_BTNH = jax.random.normal(keys[0], (B_, 1, N, H_))
   k_BSKH, v_BSKH = (jax.random.normal(k, (B_, S_, K, H_)) for k in keys[1:])
-  # Row 0 holds 150 positions, row 1 all 160.
-  visible = (jnp.arange(S_) < jnp.array([150, 160])[:, None])[:, None, None]
+  held_B = jnp.full(B_, S_).at[0].add(-10)
+  visible = (jnp.arange(S_) < held_B[:, None])[:, None, None]
   if layout == 'dense':
     kv = kv_cache.KV(k_BSKH.transpose(0, 2, 3, 1).reshape(B_ * K, H_, S_),
                      v_BSKH.transpose(0, 2, 1, 3).reshape(B_ * K, S_, H_),

@@ -58,6 +58,16 @@ namespace {
 #define GQA_LAB_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kDenseBlock = 64;  // A dense cache's positions per block.
+// The cache bytes a call spans per thread it wakes: below it, waking an
+// intra-op thread (tens of microseconds while the pool sleeps, as it does
+// between one-request decode steps) costs more than the thread saves. At 1
+// MiB per thread: train.sample's one-request step (gqa_small, 2 units of 256
+// positions, 256 KiB) runs on the calling thread alone, 87-90 ms for 176
+// tokens against 107-115 ms waking one helper per call (and 92 ms on the
+// pure-JAX path); one layer's step at B=1, K=8, 1,024 positions (4 MiB) is
+// 0.72 ms with a helper, 0.81 ms without (2-core AVX-512 Xeon,
+// 2026-12-03; docs/speed.md).
+constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 using bf16 = uint16_t;  // bfloat16's bits: a float32's upper half.
@@ -470,12 +480,15 @@ GQA_LAB_UNIT(DenseS8, int8_t, Layout::kDense)
 #undef GQA_LAB_UNIT
 
 // Runs every unit (b, k) of the problem on the calling thread and up to
-// pool.num_threads() - 1 of XLA's intra-op threads, each with its own
+// pool.num_threads() - 1 of XLA's intra-op threads (one per
+// kMinBytesPerThread of the cache the call spans, bytes_per_position each
+// for a key and a value of one KV head), each with its own
 // Scratch. Units are claimed from a shared counter, and the call returns
 // once every claimed unit is done, so a scheduled task that starts late (or
 // never, on a busy pool) holds up nothing: it finds no unit left and touches
 // nothing of this call's.
-void Run(ffi::ThreadPool& pool, const Problem& pr, UnitFn unit_fn) {
+void Run(ffi::ThreadPool& pool, const Problem& pr, UnitFn unit_fn,
+         int64_t bytes_per_position) {
   struct Progress {
     std::atomic<int64_t> next{0}, done{0};
     std::mutex mutex;
@@ -495,7 +508,10 @@ void Run(ffi::ThreadPool& pool, const Problem& pr, UnitFn unit_fn) {
       progress->all_done.notify_all();
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  const int64_t spanned = count * pr.S * bytes_per_position;
+  const int64_t helpers =
+      std::min({pool.num_threads(), count,
+                std::max<int64_t>(spanned / kMinBytesPerThread, 1)}) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
   work();
   std::unique_lock<std::mutex> lock(progress->mutex);
@@ -629,7 +645,8 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
     return ffi::Error::InvalidArgument(
         std::string(target) + ": cache dtype not float32, bfloat16 or int8");
   }
-  Run(pool, pr, fn);
+  Run(pool, pr, fn,
+      2 * pr.H * static_cast<int64_t>(ffi::ByteWidth(key.element_type())));
   return ffi::Error::Success();
 }
 
@@ -671,7 +688,8 @@ ffi::Error DenseDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
     return ffi::Error::InvalidArgument(
         std::string(target) + ": cache dtype not float32, bfloat16 or int8");
   }
-  Run(pool, pr, fn);
+  Run(pool, pr, fn,
+      2 * pr.H * static_cast<int64_t>(ffi::ByteWidth(key.element_type())));
   return ffi::Error::Success();
 }
 
