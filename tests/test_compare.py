@@ -6,6 +6,8 @@ function of results.json alone, the published ones rebuilt identically
 
 import json
 import math
+import pathlib
+import shutil
 import sys
 import types
 
@@ -14,6 +16,8 @@ import pytest
 
 from scripts import compare, stats, study
 from train.errors import UserError
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / 'docs' / 'results'
 
 
 def _losses(losses: dict[int, list[float]]) -> dict[int, dict[int, float]]:
@@ -305,6 +309,23 @@ def test_an_older_results_json_says_what_it_does_not_hold(tmp_path,
           'compute dtype, data): not in this results.json') in report
   assert 'Training curves: not in this results.json' in report
   assert 'results.json does not record the query heads' in report
+
+
+@pytest.mark.parametrize('folder', ['.', 'compare_aa'])
+def test_a_published_report_rebuilds_identically_from_its_json(
+    tmp_path, monkeypatch, folder):
+  """docs/results/{folder}/report.md is what `python -m scripts.compare
+  --out=DIR --report_only` makes from the results.json beside it, byte for
+  byte, rebuilt here into a fresh folder from a copy of that JSON alone.
+  Only the rebuild's own line (study.REBUILT: the command, commit and
+  machine of the rebuild) is normalised, in both."""
+  published = DOCS / folder
+  shutil.copy(published / 'results.json', tmp_path / 'results.json')
+  monkeypatch.setattr(sys, 'argv', ['compare', f'--out={tmp_path}',
+                                    '--report_only'])
+  compare.main()
+  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      study.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def test_the_aa_control_measures_the_paired_sd_of_a_kv_redraw():
