@@ -365,6 +365,73 @@ def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():
           in report)
 
 
+def _with_first(model, first):
+  """MODEL (`_fake_model`'s) with first-query accuracies by seed, the same
+  through both caches."""
+  for cache in kv_frontier.CACHES:
+    model['seeds'][cache]['first'] = [float(f) for f in first]
+  return model
+
+
+def test_kv_frontier_reading_is_made_from_the_numbers_by_stats_decide():
+  """The report's reading (no hand-written text): the control, retrieval
+  counted k of n seeds, the pairs and effects with stats.decide's verdicts,
+  and a text that reads an outcome only where that outcome holds."""
+  noise = np.array([0.01, -0.02, 0.015])
+  models = _fake_grid(control_accuracy=0.03)
+  firsts = {'K1_G_share1': [0.2, 0.19, 0.93], 'K2_G_share2': [0.18, 0.2, 0.21],
+            'K1_LLGG_share1': [1.0, 1.0, 0.99],
+            'K2_LLGG_share2': [1.0, 0.98, 1.0],
+            'K1_L_share1': [0.03, 0.04, 0.02]}
+  for m in models:
+    _with_first(m, firsts[m['variant']])
+  analysis = kv_frontier.analyse(models)
+  panel = dict(config='kv_recall', window=2, steps=10, seeds=[1, 2, 3],
+               task='the recall probe', layers=4, models=models,
+               analysis=analysis)
+  text = '\n'.join(kv_frontier.reading(dict(panels={'recall': panel})))
+  assert text.startswith('## What it shows')
+  assert ('- **recall** (10 steps of `kv_recall`), **the negative control**'
+          in text)
+  assert 'The setup sees attention reaching the pairs' in text
+  # Retrieval is counted, a seed near the rule named.
+  assert 'K1_G_share1 0/3 (first query 0.440, all answers' in text
+  assert 'seed 3 at 0.930' in text and 'K1_LLGG_share1 3/3' in text
+  assert 'a reading this run does not test is that local layers' in text
+  # Both LLGG arms retrieve on every seed: the pair is at the floor.
+  assert 'at the floor, so the pair cannot show a limit' in text
+  # Every verdict is stats.decide's, with what the seeds detect.
+  pair = next(e for e in analysis['equal_bytes']
+              if e['a'] == 'K2_G_share2')['diff']['nll']
+  places = kv_frontier._decimals(pair)  # pylint: disable=protected-access
+  assert (f'NLL {kv_frontier._ci(pair, f"+.{places}f")} nats '
+          f'({stats.decide(pair)}; detectable {pair["detectable"]:.2g})'
+          ) in text
+  # Nothing retrieves: no reading of a retrieval gap.
+  for m in models:
+    _with_first(m, [0.2, 0.2, 0.2])
+  flat = '\n'.join(kv_frontier.reading(dict(panels={'recall': dict(
+      panel, analysis=kv_frontier.analyse(models))})))
+  assert 'a reading this run does not test' not in flat
+  assert 'at the floor' not in flat
+  # A blind setup says so, in bold.
+  blind = _fake_grid(control_accuracy=0.9, control_nll=1.0)
+  blind_text = '\n'.join(kv_frontier.reading(dict(panels={'recall': dict(
+      panel, models=blind, analysis=kv_frontier.analyse(blind))})))
+  assert '**The control is not resolved worse: the setup is blind' \
+      in blind_text
+
+
+def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
+  """An interval that excludes 0 with an effect below what the seeds
+  detect is 'not claimed' in the reading, as in the tables."""
+  d = stats.paired([0.036, 0.004, 0.032, 0.008, 0.02], [0.0] * 5)
+  assert d.resolved and stats.decide(d) == 'not claimed'
+  said = kv_frontier._said({**d.as_dict(),  # pylint: disable=protected-access
+                            'detectable': stats.detectable(d.sd, d.n)})
+  assert '(not claimed; detectable' in said
+
+
 def test_kv_frontier_mla_variant_costs_what_mqa_costs():
   """The recall panel's MLA point: the latent as wide as MQA's K and V,
   so its float cache has MQA's bytes per token (int8 has fewer: one scale
