@@ -432,6 +432,28 @@ def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
   assert '(not claimed; detectable' in said
 
 
+@pytest.mark.parametrize('folder', ['kv_frontier', 'kv_frontier/quick'])
+def test_a_published_kv_frontier_report_rebuilds_identically(
+    tmp_path, monkeypatch, folder):
+  """docs/results/{folder}/report.md is what `python -m scripts.kv_frontier
+  --out=DIR --report_only` makes from the frontier.json beside it, byte for
+  byte, rebuilt here into a fresh folder from a copy of that JSON alone:
+  the reading included (nothing hand-written). Only the rebuild's own line
+  (study.REBUILT: the command, commit and machine of the rebuild) is
+  normalised, in both."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+  from scripts import study  # pylint: disable=import-outside-toplevel
+  published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
+               'results' / folder)
+  shutil.copy(published / 'frontier.json', tmp_path / 'frontier.json')
+  monkeypatch.setattr(sys, 'argv', ['kv_frontier', f'--out={tmp_path}',
+                                    '--report_only'])
+  kv_frontier.main()
+  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      study.normalise_rebuilt((published / 'report.md').read_text()))
+
+
 def test_kv_frontier_mla_variant_costs_what_mqa_costs():
   """The recall panel's MLA point: the latent as wide as MQA's K and V,
   so its float cache has MQA's bytes per token (int8 has fewer: one scale
