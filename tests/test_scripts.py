@@ -223,6 +223,46 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
     recall_sweep.main()
 
 
+def _sweep_cell(K, H, learnt):
+  """A recall_sweep cell as sweep.json holds it: per seed, learnt (reached
+  0.95 at step 500) or not (0.2)."""
+  return dict(K=K, H=H, kv_bytes=2 * 2 * K * H * 4, runs=[
+      dict(seed=s, first=1.0 if ok else 0.2, reached=500 if ok else None)
+      for s, ok in enumerate(learnt)])
+
+
+def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
+  """Whether a seed learns retrieval is all or nothing: each K against the
+  most K/V heads is paired by seed on it (1 or 0), and the verdict is
+  stats.decide's: every seed alike is 'equal on all seeds', never a
+  claim; the reading claims nothing it does not resolve."""
+  cells = [_sweep_cell(8, 16, [1, 1, 1]), _sweep_cell(1, 16, [1, 1, 1]),
+           _sweep_cell(8, 8, [0, 1, 0]), _sweep_cell(1, 8, [1, 1, 0])]
+  cell = {(c['K'], c['H']): c for c in cells}
+  found = {(c['H'], c['K']): c for c in recall_sweep.comparisons(
+      cell, [8, 1], [16, 8])}
+  assert found[16, 1]['verdict'] == 'equal on all seeds'
+  d = found[8, 1]['difference']
+  assert (found[8, 1]['learnt'], found[8, 1]['reference_learnt']) == (2, 1)
+  assert d.mean == pytest.approx(1 / 3)
+  assert found[8, 1]['verdict'] == stats.decide(d) == 'not claimed'
+  meta = dict(argv=['--out=x'], description='recall', model='m', steps=500,
+              batch_size=64, seeds=3, minutes=1.0, pairs=8)
+  report = '\n'.join(recall_sweep._report_lines(cell, [8, 1], [16, 8],  # pylint: disable=protected-access
+                                                meta))
+  assert ('no difference of K is claimed at any head size (1 equal on all '
+          'seeds, 1 not claimed)') in report
+  assert '| 8 | 1 | 2/3 / 1/3 | +0.33 [' in report
+  assert report.count('| not claimed |') == 1
+  # Six seeds that all learn with K = 1 and half with K = 8: still the
+  # seeds' counts and stats.decide's verdict, whatever it is.
+  cells = [_sweep_cell(8, 8, [0, 1, 0, 1, 0, 1]),
+           _sweep_cell(1, 8, [1, 1, 1, 1, 1, 1])]
+  (c,) = recall_sweep.comparisons({(x['K'], x['H']): x for x in cells},
+                                  [8, 1], [8])
+  assert c['verdict'] == stats.decide(c['difference'])
+
+
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
                 int8_shift=(0.003, -0.002, 0.002), latent=0):
   """A model's record as kv_frontier.measure writes it, per-seed values
