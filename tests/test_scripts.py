@@ -263,6 +263,26 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   assert c['verdict'] == stats.decide(c['difference'])
 
 
+def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
+                                                         monkeypatch):
+  """docs/results/recall/sweep/report.md is what `python -m
+  scripts.recall_sweep --out=DIR --report_only` makes from the sweep.json
+  beside it, byte for byte, rebuilt here into a fresh folder from a copy of
+  that JSON alone. Only the rebuild's own line (study.REBUILT: the command,
+  commit and machine of the rebuild) is normalised, in both."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+  from scripts import study  # pylint: disable=import-outside-toplevel
+  published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
+               'results' / 'recall' / 'sweep')
+  shutil.copy(published / 'sweep.json', tmp_path / 'sweep.json')
+  monkeypatch.setattr(sys, 'argv', ['recall_sweep', f'--out={tmp_path}',
+                                    '--report_only'])
+  recall_sweep.main()
+  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      study.normalise_rebuilt((published / 'report.md').read_text()))
+
+
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
                 int8_shift=(0.003, -0.002, 0.002), latent=0):
   """A model's record as kv_frontier.measure writes it, per-seed values
