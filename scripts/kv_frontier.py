@@ -40,7 +40,10 @@ negative control is a control, not a design: it is left out of the frontier.
 
 Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
 DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
---report_only rebuilds the report from DIR/frontier.json. The default: the
+--report_only rebuilds the report from DIR/frontier.json alone (report.md is
+a function of it: the reading included, every verdict `stats.decide`'s; the
+provenance's `note`, where a run's history is recorded, rendered as saved),
+recording the rebuild beside the command that measured. The default: the
 recall panel's 6 layouts at 1,000 steps and the conversion; the LM panel's
 3 at 40 steps of gqa_small; 3 seeds each (about 53 CPU-minutes here,
 docs/results/kv_frontier/report.md). --quick: the recall
@@ -182,7 +185,12 @@ def main():
   check_output_dir(args.out)
   out = pathlib.Path(args.out)
   if args.report_only:
-    write(out, study.saved(out / 'frontier.json'))
+    # The per-seed values as measured; the statistics and the reading as
+    # this commit makes them (the provenance says which did which).
+    result = study.saved(out / 'frontier.json')
+    study.record_rebuild(result['provenance'], 'scripts.kv_frontier', out)
+    write(out, result)
+    print(f'wrote {out}/report.md and frontier.png (from frontier.json)')
     return
   names = (args.panels.split(',') if args.panels else
            ['recall'] if args.quick else list(PANELS))
@@ -240,6 +248,9 @@ def main():
 
 
 def write(out: pathlib.Path, result: dict):
+  """DIR/frontier.json (each panel analysed again from its per-seed
+  values), DIR/report.md (`report`: a function of frontier.json alone, so
+  --report_only rebuilds it identically) and DIR/frontier.png."""
   for panel in result['panels'].values():
     panel['analysis'] = analyse(panel['models'])
   (out / 'frontier.json').write_text(study.to_json(result))
@@ -541,16 +552,26 @@ def _sd(values, fmt='.4f') -> str:
 
 
 def report(result: dict) -> str:
+  """report.md from frontier.json alone: where it was made (and rebuilt),
+  the convention, the reading (`reading`: from the numbers, every verdict
+  `stats.decide`'s) and each panel's tables."""
   prov = result['provenance']
   lines = ['# The KV-memory frontier on a task where the cache matters', '',
            f'Made by `{prov["command"]}` at commit {prov["commit"]} (--out '
-           f'{prov["out"]}): {result["minutes"]:.1f} minutes, '
+           f'{prov["out"]})'
+           + (f' on {provenance.describe(prov["machine"])}'
+              if prov.get('machine') else '')
+           + f': {result["minutes"]:.1f} minutes, '
            f'{result.get("cpu_minutes", math.nan):.1f} minutes of CPU time '
            '(what the wall time is at most on an idle machine).'
            + (' A `--quick` run: the recall panel alone, at fewer steps than '
               'the default and without the conversion: too short for '
               'retrieval to be learnt.' if '--quick' in prov['command'].split()
-              else ''), '',
+              else '')
+           + (f' Runs trained: {prov["trained"]}.' if prov.get('trained')
+              else '')
+           + (f' {prov["note"]}' if prov.get('note') else ''), '',
+           *study.rebuilt_lines(prov, 'frontier.json'),
            stats.CONVENTION, '',
            'Bytes: the decode cache per token of context at max_len '
            '(`model.kv_bytes_per_token`: every layer that owns a cache, local '
@@ -558,10 +579,235 @@ def report(result: dict) -> str:
            'K/V head). NLL and accuracy: the scored targets of the loop\'s '
            'held-out batches, read through the decode cache (float or int8, '
            'the whole row prefilled); KL: from the float cache\'s next-token '
-           'distribution to the int8 cache\'s.', '']
+           'distribution to the int8 cache\'s.', '', *reading(result)]
   for name, panel in result['panels'].items():
     lines += _panel_lines(name, panel)
   return '\n'.join(lines) + '\n![frontier](frontier.png)\n'
+
+
+# The reading: what the tables show, in sentences made from the numbers.
+# Every verdict on a difference is stats.decide's; a text that reads an
+# outcome (the control seen or not, seeds retrieving or not, a pair at the
+# floor) is chosen by that outcome.
+
+
+def _decimals(d: dict) -> int:
+  """Decimals that show a difference's interval half-width to two
+  significant digits (at least 2; 4 without an interval)."""
+  half = (d['high'] - d['low']) / 2
+  if not (math.isfinite(half) and half > 0):
+    return 4
+  return max(2, 1 - math.floor(math.log10(half)))
+
+
+def _said(d: dict, unit: str = '', rejected: bool | None = None) -> str:
+  """A difference with its interval, `stats.decide`'s verdict and what
+  the seeds detect: '+0.05 [-0.16, +0.26] nats (not claimed; detectable
+  0.26)'."""
+  verdict = stats.decide(d, rejected=rejected)
+  text = _ci(d, f'+.{_decimals(d)}f')
+  if verdict in ('equal on all seeds', 'one seed'):
+    return text + unit  # The Estimate says it: no interval.
+  lead, _, interval = text.partition(' ')
+  return (f'{lead} {interval}{unit} ({verdict}; detectable '
+          f'{d["detectable"]:.2g})')
+
+
+def _retrieves(m: dict) -> tuple[int, int]:
+  """(seeds whose first-query accuracy is at least RETRIEVES, seeds)."""
+  first = m['seeds']['float']['first']
+  return sum(f >= RETRIEVES for f in first), len(first)
+
+
+def _pct(ratios) -> str:
+  low, high = (f'{100 * min(ratios):.0f}', f'{100 * max(ratios):.0f}')
+  return f'{low}%' if low == high else f'{low}-{high}%'
+
+
+def reading(result: dict) -> list[str]:
+  """'## What it shows': per panel, bullets from its analysis."""
+  lines = ['## What it shows', '',
+           'Made from frontier.json as the tables below are: every verdict '
+           'is `stats.decide`\'s (resolved, not claimed, equal on all '
+           'seeds), at the detectable effect the seeds give; the tables '
+           'have every interval.', '']
+  for name, panel in result['panels'].items():
+    lines += [f'- {b}' for b in _panel_reading(name, panel)]
+  return lines + ['']
+
+
+def _panel_reading(name: str, panel: dict) -> list[str]:
+  a, models = panel['analysis'], panel['models']
+  by_name = {m['variant']: m for m in models}
+  control = a['control']
+  designs = [m for m in models if m['variant'] != CONTROL.name]
+  first_query = 'first' in models[0]['seeds']['float']
+  mean = lambda m, metric, cache='float': float(
+      np.mean(m['seeds'][cache][metric]))
+  bullets = []
+  head = '{head}'  # The panel's name: with its budget on its first bullet.
+  if control:
+    nll, acc = control['diff']['nll'], control['diff']['accuracy']
+    c = by_name[control['control']]
+    bullets.append(
+        f'{head}, **the negative control**: all-local {control["control"]} '
+        f'(every layer a window of {panel["window"]} keys) minus all-global '
+        f'{control["reference"]}: NLL {_said(nll, " nats")}, accuracy '
+        f'{_said(acc)}; the control\'s NLL is {mean(c, "nll"):.3f} and its '
+        f'accuracy {mean(c, "accuracy"):.3f}. ' + (
+            f'The setup sees attention reaching the pairs (a '
+            f'{nll["mean"]:.2f}-nat effect); that does not show that it can '
+            'see an effect of K or of the cache\'s capacity, which may be far '
+            'smaller.' if control['sees_attention'] else
+            '**The control is not resolved worse: the setup is blind to '
+            'attention here, and nothing below can be read as an effect of '
+            'the cache.**'))
+  if first_query:
+    seeds = panel['seeds']
+    parts = []
+    for m in designs:
+      k, n = _retrieves(m)
+      near = [(s, f, acc) for s, f, acc in zip(
+          seeds, m['seeds']['float']['first'],
+          m['seeds']['float']['accuracy']) if 0.5 <= f < RETRIEVES]
+      parts.append(f'{m["variant"]} {k}/{n} (first query '
+                   f'{mean(m, "first"):.3f}, all answers '
+                   f'{mean(m, "accuracy"):.3f}' + ''.join(
+                       f'; seed {s} at {f:.3f}, all answers {acc:.3f}, short '
+                       f'of {RETRIEVES}' for s, f, acc in near) + ')')
+    local = [m for m in designs if 'L' in m['attention_pattern']
+             and 'source' not in m]
+    glob = [m for m in designs if m['attention_pattern'] == 'G'
+            and 'source' not in m]
+    bullets.append(
+        f'{head}, **retrieval by content** (a seed retrieves when its '
+        f'first-query accuracy is at least {RETRIEVES}: all or nothing, so '
+        'counted, k of n seeds): ' + '; '.join(parts) + '.' + (
+            ' The layouts with local layers retrieve on every seed and the '
+            'all-global ones on none: a reading this run does not test is '
+            f'that local layers of {panel["window"]} keys make the '
+            'previous-token half of the induction circuit easy to find; '
+            'whether the all-global layouts only learn later, rather than '
+            'hold less, is not tested either.'
+            if local and glob and all(_retrieves(m)[0] == _retrieves(m)[1]
+                                      for m in local)
+            and not any(_retrieves(m)[0] for m in glob) else ''))
+  if a['main_effects']:
+    family = len(a['main_effects'])
+    effects = []
+    for e in a['main_effects']:
+      text = f'{e["factor"]} {_said(e["nll"], " nats", rejected=e["holm"])}'
+      if e['factor'] == 'LLGG vs G':
+        ratios = [m['kv_bytes_per_token']['float']
+                  / t['kv_bytes_per_token']['float']
+                  for m in designs for t in designs
+                  if m['attention_pattern'] == 'LLGG'
+                  and t['attention_pattern'] == 'G'
+                  and _key(m)[0] == _key(t)[0] and _key(m)[2:] == _key(t)[2:]]
+        if ratios:
+          text += f', LLGG at {_pct(ratios)} of G\'s bytes'
+      effects.append(text)
+    bullets.append(
+        f'{head}, **main effects on NLL** ('
+        + (f'Holm over the family of {family}' if family > 1 else
+           'a family of 1, uncorrected') + '): ' + '; '.join(effects) + '.')
+  if a['equal_bytes']:
+    pairs = []
+    for e in a['equal_bytes']:
+      x, y = by_name[e['a']], by_name[e['b']]
+      text = (f'{e["a"]} − {e["b"]} at '
+              f'{e["kv_bytes_per_token"]["float"]:,.0f} bytes/token: NLL '
+              f'{_said(e["diff"]["nll"], " nats")}, accuracy '
+              f'{_said(e["diff"]["accuracy"])}')
+      if first_query:
+        floor = all(_retrieves(m)[0] == _retrieves(m)[1] for m in (x, y))
+        jumps = any(abs(f - g) >= 0.5 for f, g in zip(
+            x['seeds']['float']['first'], y['seeds']['float']['first']))
+        if floor:
+          nlls = [v for m in (x, y) for v in (mean(m, 'nll'),)]
+          text += (f'; both retrieve on every seed (NLL '
+                   f'{min(nlls):.4f}-{max(nlls):.4f}): at the floor, so the '
+                   'pair cannot show a limit of the cache\'s capacity, and '
+                   'nothing here tests Brandon et al.\'s capacity claim')
+        elif jumps:
+          text += ('; on some seed one arm has jumped to retrieval and the '
+                   'other not, so the per-seed differences are that jump and '
+                   'the seeds detect only large effects')
+      pairs.append(text)
+    claimed = [e for e in a['equal_bytes']
+               if stats.decide(e['diff']['nll']) == 'resolved']
+    bullets.append(f'{head}, **equal bytes**: ' + '; '.join(pairs) + '. ' + (
+        'On NLL nothing is claimed either way.' if not claimed else
+        'Resolved on NLL: ' + '; '.join(
+            f'{e["a"]} {"worse" if e["diff"]["nll"]["mean"] > 0 else "better"}'
+            f' than {e["b"]}' for e in claimed) + '; the rest not claimed.'))
+  for e in a.get('conversions', []):
+    d = e['diff']['nll']
+    verdict = stats.decide(d)
+    nbytes = {m['variant']: m['kv_bytes_per_token']['float'] for m in models}
+    bullets.append(
+        f'{head}, **{e["model"]}** minus its source {e["source"]} '
+        f'({nbytes[e["source"]]:,.0f} → {nbytes[e["model"]]:,.0f} '
+        f'bytes/token): NLL {_said(d, " nats")}'
+        + (f', after {e["uptrain_steps"]} steps of the conversion\'s '
+           'uptraining recipe; uncorrected, and with no control for the '
+           f'source itself training {e["uptrain_steps"]} more steps'
+           if e['uptrain_steps'] else ', as converted (no training)')
+        + ('. Not claimed: it says neither that the conversion recovers '
+           'past its source nor that it falls short of it.'
+           if e['uptrain_steps'] and verdict != 'resolved' else '.'))
+  deltas = [e for e in a['int8'] if e['variant'] != CONTROL.name]
+  if deltas:
+    nlls = [e['delta']['nll'] for e in deltas]
+    verdicts = [stats.decide(d) for d in nlls]
+    counts = ', '.join(f'{verdicts.count(v)} {v}' for v in dict.fromkeys(
+        verdicts))
+    bound = max(max(abs(d['low']), abs(d['high'])) for d in nlls
+                if math.isfinite(d['low']))
+    ratios = [m['kv_bytes_per_token']['int8'] / m['kv_bytes_per_token'][
+        'float'] for m in designs]
+    resolved = [e['variant'] for e, v in zip(deltas, verdicts)
+                if v == 'resolved']
+    bullets.append(
+        f'{head}, **int8 cache** (every model'
+        + (' but the control' if len(deltas) < len(a['int8']) else '')
+        + '): '
+        + (f'NLL resolved for {", ".join(resolved)} ({counts}); '
+           if resolved else f'no NLL difference from the float cache is '
+           f'resolved ({counts}); ')
+        + ('every interval contains 0 and ' if all(
+            d['low'] <= 0 <= d['high'] for d in nlls) else '')
+        + f'none reaches past ±{bound:.2g} nats; the KL from the float '
+        f'cache\'s predictions is at most '
+        f'{max(e["kl"]["mean"] for e in deltas):.1e} nats (a mean over '
+        f'seeds); int8 caches hold {_pct(ratios)} of the float bytes.')
+  on = a['frontier']
+  pts = {p['name']: p for p in points(designs)}
+  vacuous = [n for n in on if n in pts and not any(
+      q['kv_bytes_per_token'] < pts[n]['kv_bytes_per_token']
+      for q in pts.values())]
+  bullets.append(
+      f'{head}, **frontier**: {", ".join(on) or "no point"}'
+      + (f'; {", ".join(vacuous)} on it only because no point'
+         + (' but the control' if len(designs) < len(models) else '')
+         + ' is cheaper, not by beating a cheaper one' if vacuous else '')
+      + '.')
+  if first_query:
+    glob = [m for m in designs if m['attention_pattern'] == 'G'
+            and 'source' not in m]
+    floor = any(all(_retrieves(by_name[e[k]])[0] == _retrieves(
+        by_name[e[k]])[1] for k in ('a', 'b')) for e in a['equal_bytes'])
+    wants = ([f'steps enough that every all-global seed retrieves']
+             if any(_retrieves(m)[0] < _retrieves(m)[1] for m in glob)
+             else []) + (['more pairs per head or narrower heads, so that '
+                          'capacity binds where every arm retrieves']
+                         if floor else [])
+    if wants:
+      bullets.append(f'{head}, **what would make it say more**: '
+                     + ', and '.join(wants) + '.')
+  heads = [f'**{name}** ({panel["steps"]} steps of `{panel["config"]}`)'] + [
+      f'**{name}**'] * (len(bullets) - 1)
+  return [b.replace('{head}', h, 1) for b, h in zip(bullets, heads)]
 
 
 def _panel_lines(name: str, panel: dict) -> list[str]:
@@ -621,11 +867,12 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
                  'effect' if family > 1 else
                  'a family of 1, uncorrected; H0: no effect') + '):', '',
               f'| factor | pairs | ΔNLL | {"Holm" if family > 1 else "test"} '
-              '| Δaccuracy | detectable ΔNLL |',
-              '|---|---|---|---|---|---|']
+              '| ΔNLL verdict | Δaccuracy | detectable ΔNLL |',
+              '|---|---|---|---|---|---|---|']
     for e in a['main_effects']:
       lines.append(f'| {e["factor"]} | {e["pairs"]} | {_ci(e["nll"])} | '
                    f'{"rejects H0" if e["holm"] else "does not reject H0"} | '
+                   f'{stats.decide(e["nll"], rejected=e["holm"])} | '
                    f'{_ci(e["accuracy"], "+.3f")} | '
                    f'{e["nll"]["detectable"]:.4f} |')
     lines.append('')
@@ -691,16 +938,18 @@ def _retrieving(first: list[float]) -> str:
 
 
 def _mark(d: dict) -> str:
-  return ' (resolved)' if d['resolved'] else ''
+  return ' (resolved)' if stats.decide(d) == 'resolved' else ''
 
 
 def _below_detectable(a: dict) -> list[str]:
   """The comparisons whose NLL difference is not resolved, and the smallest
   difference the seeds could have found."""
-  unresolved = [(f'{e["a"]} − {e["b"]}', e['diff']['nll'])
+  unresolved = [(f'{e["a"]} − {e["b"]}', e['diff']['nll'], None)
                 for e in a['equal_bytes']] + [
-                    (e['factor'], e['nll']) for e in a['main_effects']]
-  unresolved = [(n, d) for n, d in unresolved if not d['resolved']]
+                    (e['factor'], e['nll'], e['holm'])
+                    for e in a['main_effects']]
+  unresolved = [(n, d) for n, d, holm in unresolved
+                if stats.decide(d, rejected=holm) != 'resolved']
   if not unresolved:
     return []
   return ['Not resolved on NLL (not claimed either way): ' + '; '.join(

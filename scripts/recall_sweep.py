@@ -17,15 +17,22 @@ answered at >= 0.99.
 
 OUT/report.md gets, per cell, the first-query accuracy (pure retrieval:
 crossing out answered values cannot help it) as mean ± sd over seeds, the
-steps to reach 0.95 on it, and the KV cache bytes per token; a heat map and
-accuracy curves beside it (recall.png); everything as JSON (sweep.json).
+seeds that reached 0.95 on it (k of n: a seed learns retrieval or not, all
+or nothing, so the seeds are counted) and their median step, and the KV
+cache bytes per token; then, at each head size, each K against the most K/V
+heads, paired by seed on whether the seed learnt (1) or not (0), with
+`stats.decide`'s verdict (resolved, not claimed, equal on all seeds): the
+only verdicts the report makes. A heat map and accuracy curves beside it
+(recall.png); everything as JSON (sweep.json).
 --quick: H = 16 only, 500 steps at most (under 10 minutes here).
---report_only rewrites the report from OUT/sweep.json.
+--report_only rewrites the report from OUT/sweep.json alone (report.md is a
+function of it), recording the rebuild in it beside the run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import sys
@@ -164,17 +171,83 @@ def write_report(out: pathlib.Path, cells: list[dict], meta: dict):
   _plot(out / 'recall.png', cell, kvs, dims)
 
 
+def learnt(run: dict) -> int:
+  """1 if the run reached REACHED on the first query (it learnt retrieval),
+  else 0: all or nothing, so a cell's seeds are counted."""
+  return int(run['reached'] is not None)
+
+
+def comparisons(cell, kvs, dims) -> list[dict]:
+  """At each head size H, each K against the most K/V heads (kvs[0]),
+  paired by seed (the same seed: the same data order) on `learnt`: the
+  counts, the paired difference of the 0/1 outcomes (a `stats.Estimate`),
+  what the seeds detect, and `stats.decide`'s verdict."""
+  found = []
+  for H in dims:
+    base = {r['seed']: learnt(r) for r in cell[kvs[0], H]['runs']}
+    for K in kvs[1:]:
+      mine = {r['seed']: learnt(r) for r in cell[K, H]['runs']}
+      seeds = sorted(mine.keys() & base.keys())
+      d = stats.paired([mine[s] for s in seeds], [base[s] for s in seeds])
+      found.append(dict(H=H, K=K, reference=kvs[0], seeds=seeds,
+                        learnt=sum(mine[s] for s in seeds),
+                        reference_learnt=sum(base[s] for s in seeds),
+                        difference=d,
+                        detectable=stats.detectable(d.sd, d.n),
+                        verdict=stats.decide(d)))
+  return found
+
+
 def _reading(cell, kvs, dims) -> str:
-  """Two sentences on the table, from its numbers."""
+  """The table's range, then what the paired counts let it say: every
+  verdict `stats.decide`'s."""
   means = {key: np.mean(_first(c)) for key, c in cell.items()}
   (K_lo, H_lo), (K_hi, H_hi) = (min(means, key=means.get),
                                 max(means, key=means.get))
   by_h = ', '.join(f'H={H}: {min(means[K, H] for K in kvs):.2f}-'
                    f'{max(means[K, H] for K in kvs):.2f}' for H in dims)
-  return (f'First-query accuracy runs from {means[K_lo, H_lo]:.2f} (K={K_lo}, '
-          f'H={H_lo}) to {means[K_hi, H_hi]:.2f} (K={K_hi}, H={H_hi}); over '
-          f'K at each head size, {by_h}. Compare a difference with the '
-          'spread over seeds before reading it as an effect of K.')
+  text = (f'First-query accuracy runs from {means[K_lo, H_lo]:.2f} '
+          f'(K={K_lo}, H={H_lo}) to {means[K_hi, H_hi]:.2f} (K={K_hi}, '
+          f'H={H_hi}); over K at each head size, {by_h}.')
+  found = comparisons(cell, kvs, dims)
+  if not found:
+    return text + ' One K: nothing to compare.'
+  resolved = [c for c in found if c['verdict'] == 'resolved']
+  return text + (
+      f' Against K={kvs[0]}, paired by seed on whether each seed learnt '
+      'retrieval (the table below): ' + (
+          '; '.join(f'K={c["K"]} at H={c["H"]} '
+                    f'{"more" if c["difference"].mean > 0 else "fewer"} '
+                    'seeds learnt' for c in resolved)
+          + ' (resolved); no other difference is claimed.' if resolved else
+          'no difference of K is claimed at any head size (' + ', '.join(
+              f'{sum(c["verdict"] == v for c in found)} {v}'
+              for v in dict.fromkeys(c['verdict'] for c in found))
+          + '): an effect of K smaller than what these seeds detect is '
+          'not excluded.'))
+
+
+def _comparison_lines(cell, kvs, dims) -> list[str]:
+  """The paired counts' table, one row a (H, K)."""
+  found = comparisons(cell, kvs, dims)
+  if not found:
+    return []
+  lines = ['', f'Each K against K={kvs[0]} at each head size, paired by seed '
+           f'on whether the seed learnt retrieval (first-query accuracy ≥ '
+           f'{REACHED}: 1, else 0; all or nothing, so counted k of n): the '
+           'difference of the two arms\' outcomes over seeds, its 95% '
+           'interval, the smallest difference these seeds detect and '
+           '`stats.decide`\'s verdict.', '',
+           f'| head_dim H | K | learnt (K / K={kvs[0]}) | difference '
+           '[95% interval] | detectable | verdict |',
+           '|---|---|---|---|---|---|']
+  for c in found:
+    d, n = c['difference'], len(c['seeds'])
+    lines.append(f'| {c["H"]} | {c["K"]} | {c["learnt"]}/{n} / '
+                 f'{c["reference_learnt"]}/{n} | {d:+.2f} | '
+                 + (f'{c["detectable"]:.2f}' if math.isfinite(c['detectable'])
+                    else '-') + f' | {c["verdict"]} |')
+  return lines
 
 
 def _report_lines(cell, kvs, dims, meta) -> list[str]:
@@ -186,7 +259,9 @@ def _report_lines(cell, kvs, dims, meta) -> list[str]:
       f'is at ≥ {SOLVED}), {meta["seeds"]} seeds per cell, '
       f'{meta["minutes"]:.1f} minutes in all'
       + (f'; commit {meta["provenance"]["commit"]}' if 'provenance' in meta
-         else '') + '.', '',
+         else '') + '.' + (f' {meta["note"]}' if meta.get('note') else ''),
+      '', *study.rebuilt_lines(meta, 'sweep.json'),
+      f'Statistics: {stats.CONVENTION}', '',
       _reading(cell, kvs, dims), '',
       'First-query accuracy (retrieval alone; chance 1/P = '
       f'{1 / meta["pairs"]:.3f}), mean ± sd over seeds; in brackets how '
@@ -206,7 +281,8 @@ def _report_lines(cell, kvs, dims, meta) -> list[str]:
   lines.append('| KV bytes/token at H=' + ', '.join(map(str, dims)) + ' | '
                + ' | '.join(', '.join(f'{cell[K, H]["kv_bytes"]:,.0f}'
                                       for H in dims) for K in kvs) + ' |')
-  return lines + ['', '![recall](recall.png)', '']
+  return lines + [*_comparison_lines(cell, kvs, dims), '',
+                  '![recall](recall.png)', '']
 
 
 def _plot(path, cell, kvs, dims):
@@ -266,7 +342,11 @@ def main():
   check_output_dir(args.out)
   out = pathlib.Path(args.out)
   if args.report_only:
+    # The runs as saved; the statistics and the reading as this commit
+    # makes them, the rebuild recorded beside the run (meta).
     sweep = study.saved(out / 'sweep.json')
+    study.record_rebuild(sweep['meta'], 'scripts.recall_sweep', out)
+    (out / 'sweep.json').write_text(study.to_json(sweep))
     write_report(out, sweep['cells'], sweep['meta'])
     print(f'wrote {out}/report.md')
     return

@@ -1,16 +1,33 @@
 """scripts/compare.py's report: per-seed losses, paired differences against
 MHA with the smallest difference the seeds detect, and claims about the
-papers only where the seeds can tell (issue 38, item 4). From made-up runs:
-nothing trains."""
+papers only where the seeds can tell (issue 38, item 4); the report a
+function of results.json alone, the published ones rebuilt identically
+(issue #49). From made-up runs: nothing trains."""
 
 import json
 import math
+import pathlib
+import shutil
+import sys
 import types
 
 import numpy as np
 import pytest
 
-from scripts import compare, stats
+from scripts import compare, stats, study
+from train.errors import UserError
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / 'docs' / 'results'
+
+
+def _losses(losses: dict[int, list[float]]) -> dict[int, dict[int, float]]:
+  """K -> loss by seed, as compare.comparisons takes them."""
+  return {K: dict(enumerate(by_seed)) for K, by_seed in losses.items()}
+
+
+def _arm(losses: list[float], K: int = 8) -> dict:
+  """A control arm as results.json holds it."""
+  return dict(K=K, seeds=list(range(len(losses))), losses=list(losses))
 
 
 def _runs(losses: dict[int, list[float]]) -> list[dict]:
@@ -34,7 +51,7 @@ def test_differences_are_paired_by_seed_with_their_detectable_effect():
   mqa = SEEDS + 0.1 + np.array([0.001, -0.002, 0.002, -0.001])
   gqa = SEEDS + np.array([0.001, -0.001, 0.002, 0.0])
   found = {c['K']: c for c in compare.comparisons(
-      _runs({8: list(SEEDS), 2: list(gqa), 1: list(mqa)}))}
+      _losses({8: list(SEEDS), 2: list(gqa), 1: list(mqa)}), 8)}
   d = found[1]['difference']
   assert found[1]['reference_K'] == 8 and d.n == 4
   assert d.mean == pytest.approx(0.1)
@@ -54,8 +71,8 @@ def test_differences_are_paired_by_seed_with_their_detectable_effect():
 def test_a_per_byte_loss_is_never_compared_with_shazeers_per_token_cost(
     cost):
   jitter = 0.002 * np.array([1.0, -1.0, 0.5, -0.5])
-  found = compare.comparisons(_runs({8: list(SEEDS),
-                                     1: list(SEEDS + cost + jitter)}))[0]
+  found = compare.comparisons(_losses({8: list(SEEDS),
+                                       1: list(SEEDS + cost + jitter)}), 8)[0]
   assert 'nats per byte' in found['verdict']
   assert found['verdict'].endswith('another unit: not compared')
   for word in ('disagrees', 'consistent', 'agrees'):
@@ -64,11 +81,13 @@ def test_a_per_byte_loss_is_never_compared_with_shazeers_per_token_cost(
 
 def test_gqa_resolved_inside_the_margin_agrees_and_names_the_seeds_needed():
   inside = SEEDS + 0.001 * np.array([1.0, -1.0, 0.5, -0.5])
-  found = compare.comparisons(_runs({8: list(SEEDS), 2: list(inside)}))[0]
+  found = compare.comparisons(_losses({8: list(SEEDS), 2: list(inside)}),
+                              8)[0]
   assert found['verdict'].startswith('agrees with GQA near MHA (within '
                                      '±0.02 nats per byte')
   noisy = SEEDS + 0.03 * np.array([1.0, -1.0, 0.5, -0.5])
-  found = compare.comparisons(_runs({8: list(SEEDS), 2: list(noisy)}))[0]
+  found = compare.comparisons(_losses({8: list(SEEDS), 2: list(noisy)}),
+                              8)[0]
   n = compare.seeds_to_detect(found['difference'].sd, 0.020)
   assert f'about {n} seeds would detect 0.020' in found['verdict']
   assert stats.detectable(found['difference'].sd, n) <= 0.020 < (
@@ -77,18 +96,26 @@ def test_gqa_resolved_inside_the_margin_agrees_and_names_the_seeds_needed():
 
 def test_gqa_crossing_the_near_margin_is_unresolved():
   gqa = SEEDS + np.array([0.03, -0.01, 0.02, 0.0])
-  found = compare.comparisons(_runs({8: list(SEEDS), 2: list(gqa)}))[0]
+  found = compare.comparisons(_losses({8: list(SEEDS), 2: list(gqa)}), 8)[0]
   assert found['verdict'].startswith('cannot resolve GQA near MHA (within '
                                      "±0.02 nats per byte, this lab's margin")
 
 
 def test_one_seed_and_no_mha_claim_nothing():
-  one = compare.comparisons(_runs({8: [2.2], 1: [2.3]}))[0]
+  one = compare.comparisons(_losses({8: [2.2], 1: [2.3]}), 8)[0]
   assert one['verdict'].startswith('one seed') and math.isinf(
       one['detectable'])
-  no_mha = compare.comparisons(_runs({4: list(SEEDS), 1: list(SEEDS)}))[0]
+  no_mha = compare.comparisons(_losses({4: list(SEEDS), 1: list(SEEDS)}),
+                               8)[0]
   assert no_mha['reference_K'] == 4
   assert 'no paper' in no_mha['verdict']
+  # A results.json that does not record the query heads cannot say which
+  # K is MHA: no claim.
+  unknown = compare.comparisons(_losses({8: list(SEEDS), 1: list(SEEDS)}),
+                                None)[0]
+  assert unknown['reference_K'] == 8
+  assert unknown['verdict'].startswith('results.json does not record the '
+                                       'query heads')
 
 
 def test_the_report_and_results_json_carry_every_seed(tmp_path, monkeypatch):
@@ -98,22 +125,24 @@ def test_the_report_and_results_json_carry_every_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(compare, plot, lambda *_: None)
   mqa = SEEDS + 0.012 + np.array([0.03, -0.03, 0.015, -0.015])
   runs = _runs({8: list(SEEDS), 1: list(mqa)})
-  args = types.SimpleNamespace(seeds=4, equal_params=False)
-  control_runs = _control(list(SEEDS + 0.3 + np.array([0.01, -0.01, 0.0,
-                                                       0.002])))
+  args = types.SimpleNamespace(seeds=4, equal_params=False,
+                               config='gqa_small')
+  control_losses = list(SEEDS + 0.3 + np.array([0.01, -0.01, 0.0, 0.002]))
   compare.write_report(tmp_path, runs, {8: 1000.0, 1: 3000.0}, 20e9, args,
-                       control_runs)
+                       _control(control_losses))
   report = (tmp_path / 'report.md').read_text()
-  control = compare.control_check(control_runs, runs)
+  losses = _losses({8: list(SEEDS), 1: list(mqa)})
+  control = compare.control_check(_arm(control_losses), losses)
   d = control['difference']
   assert (f'| no context | {d:+.4f} | {d.sd:.4f} | '
           f'{control["detectable"]:.4f} | {control["reading"]} |') in report
   assert control['seen']
-  saved = json.loads((tmp_path / 'results.json').read_text())['control']
+  result = json.loads((tmp_path / 'results.json').read_text())
+  saved = result['control']
   assert saved['difference']['mean'] == pytest.approx(d.mean)
   assert saved['losses'] == pytest.approx(control['losses'])
   # Every seed the same difference: no interval, not counted as seen.
-  equal = compare.control_check(_control(list(SEEDS + 0.3)), runs)
+  equal = compare.control_check(_arm(list(SEEDS + 0.3)), losses)
   assert not equal['seen'] and equal['reading'].startswith(
       'equal on all 4 seeds (+0.300 nats)')
   assert stats.CONVENTION in report
@@ -122,13 +151,14 @@ def test_the_report_and_results_json_carry_every_seed(tmp_path, monkeypatch):
   # The losses by seed, one row a seed, MHA's column first.
   assert '| seed | K=8 | K=1 |' in report
   assert f'| 2 | {SEEDS[2]:.4f} | {mqa[2]:.4f} |' in report
-  found = compare.comparisons(runs)[0]
+  found = compare.comparisons(losses, 8)[0]
   d = found['difference']
   assert (f'| 1 | {d:+.4f} | {d.sd:.4f} | {found["detectable"]:.4f} | '
           f'{found["verdict"]} |') in report
   assert 'Shazeer compared at equal parameters: --equal_params' in report
-  assert f'detectable: {found["detectable"]:.3f}' in report  # The reading.
-  result = json.loads((tmp_path / 'results.json').read_text())
+  # The reading: each difference with stats.decide's verdict.
+  assert (f'K=1 {d.mean:+.3f} nats, {stats.decide(d)} (detectable: '
+          f'{found["detectable"]:.3f})') in report
   assert result['provenance']['command'] == (
       f'python -m scripts.compare --seeds=4 --out={tmp_path}')
   assert result['provenance']['out'] == str(tmp_path)
@@ -139,6 +169,14 @@ def test_the_report_and_results_json_carry_every_seed(tmp_path, monkeypatch):
   assert c['losses'] == pytest.approx(mqa) and c['seeds'] == [0, 1, 2, 3]
   assert c['difference']['low'] == pytest.approx(d.low)
   assert by_K[8]['decode_tokens_per_sec'] == 1000.0
+  # Everything the report states is in results.json: the settings, and
+  # each run's curve (for loss.png).
+  assert result['settings']['num_heads'] == 8
+  assert (result['settings']['steps'], result['settings']['unit']) == (
+      10, 'byte')
+  assert by_K[1]['seeds'][0]['curve'] == [
+      dict(step=10, loss=mqa[0], eval_loss=mqa[0])]
+  assert '4 layers, d_model 256, 8 query heads of 32; 10 steps of' in report
 
 
 def _control(losses):
@@ -154,22 +192,43 @@ def test_the_negative_control_says_whether_the_setup_sees_attention(
   """MHA without context, the same seeds: resolved worse, or a report that
   says no difference between the variants is evidence of anything."""
   jitter = np.array([0.01, -0.01, 0.005, -0.004])
-  runs = _runs({8: list(SEEDS), 1: list(SEEDS + 0.01)})
-  control = compare.control_check(_control(list(SEEDS + offset + jitter)),
-                                  runs)
+  losses = _losses({8: list(SEEDS), 1: list(SEEDS + 0.01)})
+  control = compare.control_check(_arm(list(SEEDS + offset + jitter)),
+                                  losses)
   assert control['K'] == 8 and control['seeds'] == [0, 1, 2, 3]
   assert control['difference'].mean == pytest.approx(offset + jitter.mean())
   assert control['seen'] == seen
   assert control['reading'].startswith({
       0.3: 'the setup sees attention: without context the held-out loss '
            'is +0.300 nats worse',
-      0.0: 'not resolved (4 seeds detect',
+      0.0: 'not claimed (4 seeds detect',
       -0.3: 'resolved BETTER without context (-0.300 nats): K=8 does not '
             'use its context'}[offset])
   reading = compare._reading([dict(K=8, decode=1.0), dict(K=1, decode=2.0)],  # pylint: disable=protected-access
-                             compare.comparisons(runs), control)
+                             compare.comparisons(losses, 8), control)
   assert reading.startswith('Negative control (a model without context): '
                             f'{control["reading"]}.')
+
+
+def test_the_control_is_seen_only_as_stats_decide_resolves_it():
+  """An interval that excludes 0 but an effect below what the seeds detect
+  is not claimed (stats.decide), so the control is not counted as seen."""
+  base = np.array([2.2, 2.3, 2.1, 2.25, 2.15])
+  # Mean 0.02 with a tight interval: resolved by the interval alone.
+  diffs = 0.02 + np.array([0.004, -0.004, 0.003, -0.003, 0.0])
+  d = stats.paired(base + diffs, base)
+  assert d.resolved and stats.decide(d) == 'resolved'
+  tight = compare.control_check(_arm(list(base + diffs)),
+                                {8: dict(enumerate(base))})
+  assert tight['seen']
+  # Wider spread: the interval still excludes 0, the effect is below the
+  # detectable one.
+  diffs = 0.02 + np.array([0.016, -0.016, 0.012, -0.012, 0.0])
+  d = stats.paired(base + diffs, base)
+  assert d.resolved and abs(d.mean) < stats.detectable(d.sd, d.n)
+  loose = compare.control_check(_arm(list(base + diffs)),
+                                {8: dict(enumerate(base))})
+  assert not loose['seen'] and loose['reading'].startswith('not claimed')
 
 
 def test_a_control_needs_seeds_and_the_model_it_controls():
@@ -177,46 +236,114 @@ def test_a_control_needs_seeds_and_the_model_it_controls():
   assert (config.model.attention_pattern, config.model.local_window) == (
       'L', 1)
   assert config.model.num_kv_heads == 8
-  one = compare.control_check(_control([2.5]), _runs({8: [2.2]}))
+  one = compare.control_check(_arm([2.5]), _losses({8: [2.2]}))
   assert one['reading'].startswith('one seed') and not one['seen']
-  assert compare.control_check([], _runs({8: [2.2]})) is None
+  assert compare.control_check(None, _losses({8: [2.2]})) is None
   assert compare.reference_K([2, 1], 8) == 2
   assert compare.reference_K([8, 2, 1], 8) == 8
 
 
-def test_a_rebuilt_report_names_the_command_that_trained_its_runs(
-    tmp_path, monkeypatch):
+def test_report_only_rebuilds_from_results_json_alone(tmp_path, monkeypatch):
+  """--report_only reads OUT/results.json and nothing else (no run folder,
+  no timing): the provenance as saved, the rebuild beside it, the report
+  as the training command wrote it but for the rebuild's line."""
   for plot in ('_plot_loss', '_plot_throughput'):
     monkeypatch.setattr(compare, plot, lambda *_: None)
+  monkeypatch.setattr(compare.timing, 'decode_step_seconds', None)  # Unused.
   runs = _runs({8: list(SEEDS), 1: list(SEEDS + 0.01)})
-  trained = ['compare', '--seeds=4', f'--out={tmp_path}']
-  for argv, report_only in ((trained, False),
-                            (trained + ['--report_only'], True),
-                            (trained + ['--report_only'], True)):
-    monkeypatch.setattr('sys.argv', argv)
-    args = types.SimpleNamespace(seeds=4, equal_params=False,
-                                 report_only=report_only)
-    compare.write_report(tmp_path, runs, {8: 1000.0, 1: 3000.0}, 20e9, args)
+  monkeypatch.setattr('sys.argv', ['compare', '--seeds=4',
+                                   f'--out={tmp_path}'])
+  args = types.SimpleNamespace(seeds=4, equal_params=False, config='gqa_small')
+  compare.write_report(tmp_path, runs, {8: 1000.0, 1: 3000.0}, 20e9, args,
+                       trained='commit abc1234 on Xeon (AVX-512F), 2 cores '
+                       '(8 runs)')
+  trained = (tmp_path / 'report.md').read_text()
+  monkeypatch.setattr('sys.argv', ['compare', f'--out={tmp_path}',
+                                   '--report_only'])
+  compare.main()
+  rebuilt = (tmp_path / 'report.md').read_text()
+  compare.main()
+  assert (tmp_path / 'report.md').read_text() == rebuilt  # Idempotent.
+  lines = rebuilt.split('\n')
+  assert lines[2].startswith(
+      'Runs trained by commit abc1234 on Xeon (AVX-512F), 2 cores (8 runs); '
+      'decode timed and results.json written by `python -m scripts.compare '
+      f'--seeds=4 --out={tmp_path}` at commit ')
+  assert lines[4].startswith(
+      f'{study.REBUILT} from results.json by `python -m scripts.compare '
+      f'--out={tmp_path} --report_only` at commit ')
+  assert study.normalise_rebuilt(rebuilt).replace(
+      f'{study.REBUILT}\n\n', '') == trained
+  saved = json.loads((tmp_path / 'results.json').read_text())
+  assert saved['provenance']['command'] == (
+      f'python -m scripts.compare --seeds=4 --out={tmp_path}')
+  assert saved['provenance']['rebuilt']['command'].endswith('--report_only')
+  monkeypatch.setattr('sys.argv', ['compare', f'--out={tmp_path}',
+                                   '--report_only', '--tasks=x'])
+  with pytest.raises(UserError, match='^--tasks scores runs as compare '
+                     'trains them, not with --report_only'):
+    compare.main()
+
+
+def test_an_older_results_json_says_what_it_does_not_hold(tmp_path,
+                                                          monkeypatch):
+  """A results.json written before compare saved its settings and curves:
+  the report renders what it holds and names what it lacks (no number
+  made up), and redraws no loss.png."""
+  monkeypatch.setattr('sys.argv', ['compare', '--seeds=4',
+                                   f'--out={tmp_path}'])
+  drawn = []
+  monkeypatch.setattr(compare, '_plot_loss', lambda *a: drawn.append(a))
+  monkeypatch.setattr(compare, '_plot_throughput', lambda *_: None)
+  args = types.SimpleNamespace(seeds=4, equal_params=False, config='gqa_small')
+  result = compare.results(_runs({8: list(SEEDS), 1: list(SEEDS + 0.01)}),
+                           {8: 1000.0, 1: 3000.0}, 20e9, tmp_path, args)
+  del result['settings']
+  for v in result['variants']:
+    for s in v['seeds']:
+      del s['curve']
+  compare.write(tmp_path, result)
   report = (tmp_path / 'report.md').read_text()
-  assert report.split('\n')[2].startswith(
-      f'Runs trained by `python -m scripts.compare --seeds=4 --out={tmp_path}`'
-      ' at commit ')
-  assert (f'; this report made by `python -m scripts.compare --seeds=4 '
-          f'--out={tmp_path} --report_only` at commit ') in report
+  assert not drawn
+  assert ('Settings (layers, width, heads, steps, batch, sequence length, '
+          'compute dtype, data): not in this results.json') in report
+  assert 'Training curves: not in this results.json' in report
+  assert 'results.json does not record the query heads' in report
+
+
+@pytest.mark.parametrize('folder', ['.', 'compare_aa'])
+def test_a_published_report_rebuilds_identically_from_its_json(
+    tmp_path, monkeypatch, folder):
+  """docs/results/{folder}/report.md is what `python -m scripts.compare
+  --out=DIR --report_only` makes from the results.json beside it, byte for
+  byte, rebuilt here into a fresh folder from a copy of that JSON alone.
+  Only the rebuild's own line (study.REBUILT: the command, commit and
+  machine of the rebuild) is normalised, in both."""
+  published = DOCS / folder
+  shutil.copy(published / 'results.json', tmp_path / 'results.json')
+  monkeypatch.setattr(sys, 'argv', ['compare', f'--out={tmp_path}',
+                                    '--report_only'])
+  compare.main()
+  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      study.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def test_the_aa_control_measures_the_paired_sd_of_a_kv_redraw():
-  runs = _runs({8: list(SEEDS), 1: list(SEEDS + 0.01 + 0.02 * np.array(
+  losses = _losses({8: list(SEEDS), 1: list(SEEDS + 0.01 + 0.02 * np.array(
       [1.0, -1.0, 0.5, -0.5]))})
-  found = compare.comparisons(runs)
-  aa = [dict(r, K=8) for r in _runs({8: list(SEEDS + 0.004 * np.array(
-      [1.0, -1.0, -0.5, 0.5]))})]
-  check = compare.aa_check(aa, runs, found)
+  found = compare.comparisons(losses, 8)
+  aa = _arm(list(SEEDS + 0.004 * np.array([1.0, -1.0, -0.5, 0.5])))
+  check = compare.aa_check(aa, losses, found)
   assert check['difference'].mean == pytest.approx(0.0)
   assert check['verdict'] == 'not claimed'
   assert check['difference'].sd < found[0]['difference'].sd
   assert 'K=1 0.0' in check['reading'] and 'not claimed' in check['reading']
-  assert compare.aa_check([], runs, found) is None
+  assert compare.aa_check(None, losses, found) is None
+  # With no variant beside it, nothing to set its sd against: said so.
+  alone = compare.aa_check(aa, _losses({8: list(SEEDS)}), [])
+  assert alone['reading'].endswith('no other variant ran beside it here, so '
+                                   'there is no paired sd of a variant to '
+                                   'set it against')
 
 
 def test_aa_start_redraws_only_the_kv_projections(tmp_path):

@@ -223,6 +223,66 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
     recall_sweep.main()
 
 
+def _sweep_cell(K, H, learnt):
+  """A recall_sweep cell as sweep.json holds it: per seed, learnt (reached
+  0.95 at step 500) or not (0.2)."""
+  return dict(K=K, H=H, kv_bytes=2 * 2 * K * H * 4, runs=[
+      dict(seed=s, first=1.0 if ok else 0.2, reached=500 if ok else None)
+      for s, ok in enumerate(learnt)])
+
+
+def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
+  """Whether a seed learns retrieval is all or nothing: each K against the
+  most K/V heads is paired by seed on it (1 or 0), and the verdict is
+  stats.decide's: every seed alike is 'equal on all seeds', never a
+  claim; the reading claims nothing it does not resolve."""
+  cells = [_sweep_cell(8, 16, [1, 1, 1]), _sweep_cell(1, 16, [1, 1, 1]),
+           _sweep_cell(8, 8, [0, 1, 0]), _sweep_cell(1, 8, [1, 1, 0])]
+  cell = {(c['K'], c['H']): c for c in cells}
+  found = {(c['H'], c['K']): c for c in recall_sweep.comparisons(
+      cell, [8, 1], [16, 8])}
+  assert found[16, 1]['verdict'] == 'equal on all seeds'
+  d = found[8, 1]['difference']
+  assert (found[8, 1]['learnt'], found[8, 1]['reference_learnt']) == (2, 1)
+  assert d.mean == pytest.approx(1 / 3)
+  assert found[8, 1]['verdict'] == stats.decide(d) == 'not claimed'
+  meta = dict(argv=['--out=x'], description='recall', model='m', steps=500,
+              batch_size=64, seeds=3, minutes=1.0, pairs=8)
+  report = '\n'.join(recall_sweep._report_lines(cell, [8, 1], [16, 8],  # pylint: disable=protected-access
+                                                meta))
+  assert ('no difference of K is claimed at any head size (1 equal on all '
+          'seeds, 1 not claimed)') in report
+  assert '| 8 | 1 | 2/3 / 1/3 | +0.33 [' in report
+  assert report.count('| not claimed |') == 1
+  # Six seeds that all learn with K = 1 and half with K = 8: still the
+  # seeds' counts and stats.decide's verdict, whatever it is.
+  cells = [_sweep_cell(8, 8, [0, 1, 0, 1, 0, 1]),
+           _sweep_cell(1, 8, [1, 1, 1, 1, 1, 1])]
+  (c,) = recall_sweep.comparisons({(x['K'], x['H']): x for x in cells},
+                                  [8, 1], [8])
+  assert c['verdict'] == stats.decide(c['difference'])
+
+
+def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
+                                                         monkeypatch):
+  """docs/results/recall/sweep/report.md is what `python -m
+  scripts.recall_sweep --out=DIR --report_only` makes from the sweep.json
+  beside it, byte for byte, rebuilt here into a fresh folder from a copy of
+  that JSON alone. Only the rebuild's own line (study.REBUILT: the command,
+  commit and machine of the rebuild) is normalised, in both."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+  from scripts import study  # pylint: disable=import-outside-toplevel
+  published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
+               'results' / 'recall' / 'sweep')
+  shutil.copy(published / 'sweep.json', tmp_path / 'sweep.json')
+  monkeypatch.setattr(sys, 'argv', ['recall_sweep', f'--out={tmp_path}',
+                                    '--report_only'])
+  recall_sweep.main()
+  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      study.normalise_rebuilt((published / 'report.md').read_text()))
+
+
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
                 int8_shift=(0.003, -0.002, 0.002), latent=0):
   """A model's record as kv_frontier.measure writes it, per-seed values
@@ -363,6 +423,95 @@ def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():
   assert '| MLA32_G_share1 − K1_G_share1 | 128 | +0.2000 [' in report
   assert ('| MLA16_G_share1_from_K1_G_share1 +100 | 128 → 64 | +0.3000 ['
           in report)
+
+
+def _with_first(model, first):
+  """MODEL (`_fake_model`'s) with first-query accuracies by seed, the same
+  through both caches."""
+  for cache in kv_frontier.CACHES:
+    model['seeds'][cache]['first'] = [float(f) for f in first]
+  return model
+
+
+def test_kv_frontier_reading_is_made_from_the_numbers_by_stats_decide():
+  """The report's reading (no hand-written text): the control, retrieval
+  counted k of n seeds, the pairs and effects with stats.decide's verdicts,
+  and a text that reads an outcome only where that outcome holds."""
+  noise = np.array([0.01, -0.02, 0.015])
+  models = _fake_grid(control_accuracy=0.03)
+  firsts = {'K1_G_share1': [0.2, 0.19, 0.93], 'K2_G_share2': [0.18, 0.2, 0.21],
+            'K1_LLGG_share1': [1.0, 1.0, 0.99],
+            'K2_LLGG_share2': [1.0, 0.98, 1.0],
+            'K1_L_share1': [0.03, 0.04, 0.02]}
+  for m in models:
+    _with_first(m, firsts[m['variant']])
+  analysis = kv_frontier.analyse(models)
+  panel = dict(config='kv_recall', window=2, steps=10, seeds=[1, 2, 3],
+               task='the recall probe', layers=4, models=models,
+               analysis=analysis)
+  text = '\n'.join(kv_frontier.reading(dict(panels={'recall': panel})))
+  assert text.startswith('## What it shows')
+  assert ('- **recall** (10 steps of `kv_recall`), **the negative control**'
+          in text)
+  assert 'The setup sees attention reaching the pairs' in text
+  # Retrieval is counted, a seed near the rule named.
+  assert 'K1_G_share1 0/3 (first query 0.440, all answers' in text
+  assert 'seed 3 at 0.930' in text and 'K1_LLGG_share1 3/3' in text
+  assert 'a reading this run does not test is that local layers' in text
+  # Both LLGG arms retrieve on every seed: the pair is at the floor.
+  assert 'at the floor, so the pair cannot show a limit' in text
+  # Every verdict is stats.decide's, with what the seeds detect.
+  pair = next(e for e in analysis['equal_bytes']
+              if e['a'] == 'K2_G_share2')['diff']['nll']
+  places = kv_frontier._decimals(pair)  # pylint: disable=protected-access
+  assert (f'NLL {kv_frontier._ci(pair, f"+.{places}f")} nats '
+          f'({stats.decide(pair)}; detectable {pair["detectable"]:.2g})'
+          ) in text
+  # Nothing retrieves: no reading of a retrieval gap.
+  for m in models:
+    _with_first(m, [0.2, 0.2, 0.2])
+  flat = '\n'.join(kv_frontier.reading(dict(panels={'recall': dict(
+      panel, analysis=kv_frontier.analyse(models))})))
+  assert 'a reading this run does not test' not in flat
+  assert 'at the floor' not in flat
+  # A blind setup says so, in bold.
+  blind = _fake_grid(control_accuracy=0.9, control_nll=1.0)
+  blind_text = '\n'.join(kv_frontier.reading(dict(panels={'recall': dict(
+      panel, models=blind, analysis=kv_frontier.analyse(blind))})))
+  assert '**The control is not resolved worse: the setup is blind' \
+      in blind_text
+
+
+def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
+  """An interval that excludes 0 with an effect below what the seeds
+  detect is 'not claimed' in the reading, as in the tables."""
+  d = stats.paired([0.036, 0.004, 0.032, 0.008, 0.02], [0.0] * 5)
+  assert d.resolved and stats.decide(d) == 'not claimed'
+  said = kv_frontier._said({**d.as_dict(),  # pylint: disable=protected-access
+                            'detectable': stats.detectable(d.sd, d.n)})
+  assert '(not claimed; detectable' in said
+
+
+@pytest.mark.parametrize('folder', ['kv_frontier', 'kv_frontier/quick'])
+def test_a_published_kv_frontier_report_rebuilds_identically(
+    tmp_path, monkeypatch, folder):
+  """docs/results/{folder}/report.md is what `python -m scripts.kv_frontier
+  --out=DIR --report_only` makes from the frontier.json beside it, byte for
+  byte, rebuilt here into a fresh folder from a copy of that JSON alone:
+  the reading included (nothing hand-written). Only the rebuild's own line
+  (study.REBUILT: the command, commit and machine of the rebuild) is
+  normalised, in both."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+  from scripts import study  # pylint: disable=import-outside-toplevel
+  published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
+               'results' / folder)
+  shutil.copy(published / 'frontier.json', tmp_path / 'frontier.json')
+  monkeypatch.setattr(sys, 'argv', ['kv_frontier', f'--out={tmp_path}',
+                                    '--report_only'])
+  kv_frontier.main()
+  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      study.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def test_kv_frontier_mla_variant_costs_what_mqa_costs():

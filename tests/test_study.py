@@ -182,11 +182,13 @@ def _refuse(constant):
 
 
 @pytest.mark.slow
-def test_compare_report_only_on_runs_without_a_control_says_what_to_add(
+def test_compare_report_only_rebuilds_what_results_json_holds(
     tmp_path, monkeypatch):
   """Runs trained with --no_control (or before the control existed):
-  --report_only names --no_control rather than advising a rerun that would
-  train; one seed trains no control (it could not be tested)."""
+  --report_only rebuilds from results.json alone, which says the control
+  was left out (the flags given with it do not matter); without a
+  results.json it says to run without it first. One seed trains no control
+  (it could not be tested)."""
   out = tmp_path / 'out'
   for plot in ('_plot_loss', '_plot_throughput'):
     monkeypatch.setattr(compare, plot, lambda *_: None)
@@ -195,13 +197,20 @@ def test_compare_report_only_on_runs_without_a_control_says_what_to_add(
   monkeypatch.setattr(compare.timing, 'read_bandwidth', lambda *_: 1e10)
   argv = ['compare', f'--out={out}', '--config=tiny', '--kv_heads=4',
           '--steps=2']
+  monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1', '--report_only'])
+  with pytest.raises(UserError, match=r'results.json not found: '
+                     r'--report_only rebuilds the report'):
+    compare.main()
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=2', '--no_control'])
   compare.main()
+  trained = (out / 'report.md').read_text()
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=2', '--report_only'])
-  with pytest.raises(UserError, match=r'control_s0/final.json not found: '
-                     r'this --out has no negative control .*; add '
-                     r'--no_control, or rerun without --report_only'):
-    compare.main()
+  compare.main()
+  rebuilt = (out / 'report.md').read_text()
+  assert ('Negative control (a model without context): left out '
+          '(--no_control, or one seed)') in rebuilt
+  assert study.normalise_rebuilt(rebuilt).replace(
+      f'{study.REBUILT}\n\n', '') == trained
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1'])
   compare.main()
   assert not list(out.glob('control_s*'))
