@@ -91,7 +91,10 @@ class ModelConfig:
   qk_nope_head_dim: int | None
   v_head_dim: int | None
   latent_norm: bool
-  rope_pairs: tuple[int, ...] | None  # Converted MLA's RoPE frequencies.
+  rope_pairs: tuple[int, ...] | None  # Converted MLA's/GTA's RoPE frequencies.
+  # Grouped-tied attention (attention.tied): one tied K/V state per KV head
+  # and a qk_rope_head_dim RoPE key shared by the heads.
+  tie_kv: bool
 
   def attention(self, i: int) -> layer.Options:
     """Layer i's attention options (a causal LM), passed whole to
