@@ -107,8 +107,8 @@ def _problem(o) -> str | None:
 def param_shapes(options, d_model: int, *, shared_kv: bool = False
                  ) -> dict[str, tuple[int, ...]]:
   """Parameter name -> shape (the module docstring's table)."""
-  D, N, K, H = d_model, options.num_heads, options.num_kv_heads, options.head_dim
-  Y = options.qk_rope_head_dim
+  D, N, K = d_model, options.num_heads, options.num_kv_heads
+  H, Y = options.head_dim, options.qk_rope_head_dim
   shapes = {'query': (D, N, H)}
   if not shared_kv:
     shapes |= {'kv': (D, K, H)}
