@@ -19,7 +19,8 @@ and, where they occur (one meaning each across the codebase):
   b  query rows of one block     (k, g, b: blockwise)
   A  MLA's latent (kv_lora_rank) Q  MLA's query latent (q_lora_rank)
   I, Y, U  MLA's per-head key features without RoPE, RoPE key features,
-           value features (attention.latent)
+           value features (attention.latent); I and Y mean the same in
+           grouped-tied attention (attention.tied)
 
 K == N is multi-head attention, 1 < K < N grouped-query attention, K == 1
 multi-query attention. Query head n attends with KV head n // G: the order of

@@ -114,6 +114,8 @@ def refusal(options, kv, visible) -> str | None:
     return why
   if options.kv_lora_rank:
     return 'a latent (MLA) cache'
+  if options.tie_kv:
+    return 'a tied (GTA) cache (the kernel reads separate keys and values)'
   if visible.shape[1] != 1:
     return 'a mask that differs between heads'
   cache = kv.paged.arrays['cached_key'] if kv.paged is not None else kv.key

@@ -13,7 +13,9 @@ shared by both (D model width; the letters of `attention.core`):
           int32; kv_cache_dtype='int8': key_scale and value_scale [B·K, S]
           float32. S = max_len, or the window w for causal local attention.
           Multi-head latent attention (kv_lora_rank set) has its own
-          parameters and a latent cache: `attention.latent`.
+          parameters and a latent cache: `attention.latent`; grouped-tied
+          attention (tie_kv) one tied K/V state per KV head and a shared
+          RoPE key: `attention.tied`.
 
 The cache is heads-major (Z = B·K rows, one per batch row and KV head, as
 MaxText's and the TPU kernels' [B, K, S, H] with its first two axes as one):
@@ -47,7 +49,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from attention import cpu_kernel, decode, kv_cache, latent, paged
+from attention import cpu_kernel, decode, kv_cache, latent, paged, tied
 from attention.core import dot_product_attention
 from attention.kv_cache import KV
 from attention.rope import RopeScaling, apply_rope
@@ -59,6 +61,9 @@ CACHE_NAMES = ('cached_key', 'cached_value', 'key_scale', 'value_scale',
                # Multi-head latent attention's (`attention.latent`).
                'cached_latent', 'cached_rope_key', 'latent_scale',
                'rope_key_scale',
+               # Grouped-tied attention's (`attention.tied`; with the RoPE
+               # key's above).
+               'cached_tied', 'tied_scale',
                'cache_index')  # The scales: int8 caches only.
 
 
@@ -109,6 +114,11 @@ class Options:
   # RoPE key and queries turns at frequency rope_pairs[j] of a head_dim-wide
   # RoPE (pairs kept from the source's); None: a qk_rope_head_dim-wide RoPE.
   rope_pairs: tuple[int, ...] | None = None
+  # Grouped-tied attention (GTA, `attention.tied`): per KV head one tied
+  # state, the value and (its first head_dim - qk_rope_head_dim features)
+  # the key, beside a qk_rope_head_dim RoPE key shared by the heads (None:
+  # head_dim / 2 with use_rope, else 0; rope_pairs as MLA's).
+  tie_kv: bool = False
 
   def __post_init__(self):
     if self.num_kv_heads is None:  # As for the modules: None means N (MHA).
@@ -121,7 +131,9 @@ class Options:
     if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
       raise ValueError(f'kv_cache_dtype={self.kv_cache_dtype!r}; use None '
                        f'(the compute dtype) or one of {KV_CACHE_DTYPES}')
-    latent.resolve(self)
+    tied.resolve(self)  # Refuses tie_kv with MLA's kv_lora_rank.
+    if not self.tie_kv:
+      latent.resolve(self)
 
   @classmethod
   def of(cls, source, **given) -> 'Options':
@@ -139,7 +151,7 @@ class Options:
   @property
   def scale(self) -> float:
     """The logits' multiplier: query_pre_attn_scalar (or H; MLA: the
-    query's qk_nope_head_dim + qk_rope_head_dim) ** -0.5."""
+    query's qk_nope_head_dim + qk_rope_head_dim; GTA: H) ** -0.5."""
     if self.kv_lora_rank:
       return latent.scale(self)
     return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -150,6 +162,8 @@ class Options:
     K/V (cross-layer sharing) and has only the query's and output's."""
     if self.kv_lora_rank:
       return latent.param_shapes(self, d_model, shared_kv=shared_kv)
+    if self.tie_kv:
+      return tied.param_shapes(self, d_model, shared_kv=shared_kv)
     D, N, K, H = d_model, self.num_heads, self.num_kv_heads, self.head_dim
     if shared_kv:
       heads = {'query': N}
@@ -201,8 +215,8 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
 
   The one attention step of every path: the projections, RoPE at the
   tokens' positions, the cache's write and read, the attention and the
-  output projection, for grouped-query and latent (MLA, `attention.latent`)
-  layers alike. Where K/V live is the cache strategy's
+  output projection, for grouped-query, latent (MLA, `attention.latent`)
+  and grouped-tied (GTA, `attention.tied`) layers alike. Where K/V live is the cache strategy's
   (`attention.kv_cache`): none (a full pass: the T tokens attend to each
   other), a `DenseCache` (or its arrays as a dict: one position for every
   row, a ring buffer for a causal local layer) or a `PagedCache` (a page
@@ -222,7 +236,8 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
   else:
     pos_bT = jnp.arange(T)[None]
   w = {name: p.astype(dtype) for name, p in params.items()}
-  kind = latent if options.kv_lora_rank else _grouped
+  kind = latent if options.kv_lora_rank else tied if options.tie_kv else (
+      _grouped)
   queries, new = kind.project(options, params, w, x_BTD.astype(dtype),
                               pos_bT, shared is not None)
   arrays = None
@@ -246,7 +261,8 @@ def apply(options: Options, params: dict[str, Array], x_BTD: Array, *,
 
 
 class _grouped:  # pylint: disable=invalid-name
-  """Grouped-query attention's parts of `apply` (MLA's: `attention.latent`)."""
+  """Grouped-query attention's parts of `apply` (MLA's: `attention.latent`,
+  GTA's: `attention.tied`)."""
 
   @staticmethod
   def project(options: Options, params, w, x_BTD, pos_bT, shared: bool

@@ -45,6 +45,10 @@ LOGICAL_AXES = {
     'kv_down': ('embed', 'kv_lora'),
     'kv_norm': ('norm',),
     'kv_up': ('kv_lora', 'q_heads', 'head_dim'),
+    # Grouped-tied attention's (attention.tied): the tied states, and the
+    # RoPE key shared by the heads (whole on every shard, as head_dim).
+    'kv': ('embed', 'kv_heads', 'head_dim'),
+    'rope_key': ('embed', 'head_dim'),
 }
 
 
@@ -67,7 +71,8 @@ class Attention(_OptionFields):
       1 < K < N GQA, K = 1 MQA; None means N), head_dim (H), is_causal,
       use_rope, rope_base, local_window, logits_soft_cap,
       query_pre_attn_scalar, fused_qkv, qkv_bias, qk_norm, norm_eps,
-      norm_scale_offset, rope_scaling, kv_cache_dtype.
+      norm_scale_offset, rope_scaling, kv_cache_dtype, MLA's
+      (`attention.latent`) and tie_kv (`attention.tied`).
     dtype: computation dtype (e.g. bfloat16 on GPU/TPU); logits and softmax
       stay float32.
     param_dtype: parameter dtype.

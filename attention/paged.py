@@ -8,7 +8,8 @@ one query per row, the causal mask as a length and a logits soft cap; it
 cannot take several new tokens (prefill), a local window (it masks by length
 only), int8 pages (it wants a scale per element [K, P, p, H] of absmax /
 127.5: broadcasting our per-token scales would copy 4·H bytes per token every
-step, four times the int8 pages themselves), latent (MLA) entries, a head dim
+step, four times the int8 pages themselves), latent (MLA) or tied (GTA)
+entries, a head dim
 that is not a multiple of 128 (the TPU's lane width) or a page of fewer
 positions than a TPU tile of its dtype has rows (8 for float32, 16 for
 bfloat16).
@@ -29,6 +30,8 @@ def kernel_refusal(options, T: int, pool: dict) -> str | None:
   the pool's arrays), else why not."""
   if options.kv_lora_rank:
     return 'a latent (MLA) cache (the kernel reads per-head K/V)'
+  if options.tie_kv:
+    return 'a tied (GTA) cache (the kernel reads separate keys and values)'
   p, H = pool['cached_value'].shape[2:]
   dtype = pool['cached_value'].dtype
   rows = 32 // dtype.itemsize  # A TPU tile's rows (8 x 128 words).

@@ -58,9 +58,16 @@ def model() -> config_dict.ConfigDict:
       qk_nope_head_dim=config_dict.placeholder(int),
       v_head_dim=config_dict.placeholder(int),
       latent_norm=True,
-      # Set by train.convert --to_mla from a RoPE model: the frequency index
-      # (of a head_dim-wide RoPE) each pair of the RoPE key turns at.
+      # Set by train.convert --to_mla/--to_gta from a RoPE model: the
+      # frequency index (of a head_dim-wide RoPE) each pair of the RoPE key
+      # turns at.
       rope_pairs=config_dict.placeholder(list),
+      # Grouped-tied attention (GTA, Zadouri et al. 2025; docs/kv_memory.md):
+      # per KV head one tied state of head_dim numbers cached per token, the
+      # value and (its first head_dim - qk_rope_head_dim) the key, beside a
+      # qk_rope_head_dim RoPE key shared by the heads (None: head_dim / 2, 0
+      # without RoPE): (K·H + Y) / (2·K·H) of GQA's cache at the same K.
+      tie_kv=False,
       logits_soft_cap=config_dict.placeholder(float),  # Attention's (Gemma 2).
       final_logits_soft_cap=config_dict.placeholder(float),  # Output's.
       # Attention logits are q·k x query_pre_attn_scalar ** -0.5 (None:

@@ -8,6 +8,8 @@
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
       --kv_lora_rank=A --qk_rope_head_dim=Y     # into latent attention
+  python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_gta \
+      [--num_kv_heads=K --method=mean] --qk_rope_head_dim=Y   # tied K/V
 
 `mean` averages the key and value projection heads of each group (the
 paper's method), `first` keeps the first of them, `random` re-initialises the
@@ -31,6 +33,13 @@ attention (`train.to_mla`: partial RoPE on the best qk_rope_head_dim / (2K)
 frequency pairs per KV head, a joint SVD of the rest of [W_K | W_V], the energy kept per
 layer and the held-out loss before any uptraining in NEWDIR/convert.json and
 on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
+
+--to_gta pools the K/V heads to K as above, then ties them into grouped-tied
+attention (`train.to_gta`: each KV head's value becomes its tied state, the
+keys' best qk_rope_head_dim / 2 RoPE pairs, averaged over the heads, the
+shared RoPE key; K·H + Y numbers per token and layer instead of 2·K·H). It
+is lossy: convert.json and stdout give the held-out loss before uptraining.
+No Hugging Face architecture computes GTA, so --to_hf refuses such a model.
 
 Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma
 and DeepSeek-V2/V3 with dense MLPs (`train.hf`, `train.hf_deepseek`); it
@@ -57,7 +66,7 @@ import numpy as np
 import optax
 
 from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
-from train import hf_deepseek, to_mla
+from train import hf_deepseek, to_gta, to_mla
 from train import model as model_lib
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
@@ -99,6 +108,10 @@ def convert_params(params, model_config, num_kv_heads: int, method: Method,
                    seed: int = 0):
   """Params of `model_config` with K/V projections for `num_kv_heads` heads."""
   new_config = dataclasses.replace(model_config, num_kv_heads=num_kv_heads)
+  if model_config.tie_kv:
+    raise UserError('--num_kv_heads pools key and value heads, which a GTA '
+                    'model (model.tie_kv=True) has tied; convert its MHA/GQA '
+                    'source with --to_gta --num_kv_heads=K instead')
   if model_config.kv_lora_rank:
     raise UserError('--num_kv_heads pools K/V heads, which an MLA model '
                     f'(model.kv_lora_rank={model_config.kv_lora_rank}) has '
@@ -235,12 +248,9 @@ def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
     to_mla.check_source(model_config, kv_lora_rank, qk_rope_head_dim)
     source = storage.path(source, '--source')
     scores, calibration = None, None
-    if model_config.use_rope:  # Calibration: training windows of the data.
-      dataset = loop.training_data(config, str(source))
-      tokens = dataset.batch('train', seed=0, step=0, batch_size=8,
-                             seq_len=config.data.seq_len)[:, :-1]
+    if model_config.use_rope:
+      tokens, calibration = _calibration_tokens(config, source)
       scores = to_mla.calibration_scores(model_config, params, tokens)
-      calibration = f'{tokens.shape[0]} x {tokens.shape[1]} training tokens'
     new_params, new_mc, energies = to_mla.convert_params(
         params, model_config, kv_lora_rank, qk_rope_head_dim, scores)
     config.model.update(to_mla.target_config(
@@ -261,11 +271,68 @@ def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
             'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
                 model_config), 'recipe': recipe}
     _write_step0(path, new_params, config, info)
-    info['source_eval_loss'] = loop.evaluate_workdir(str(source))['eval_loss']
-    info['eval_loss_before_uptraining'] = loop.evaluate_workdir(
-        str(path))['eval_loss']
-    (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
+    _record_losses(info, source, path)
   return info
+
+
+def convert_to_gta(source: str, workdir: str, num_kv_heads: int,
+                   qk_rope_head_dim: int, method: Method = 'mean',
+                   seed: int = 0) -> dict:
+  """Writes WORKDIR: SOURCE's model with its K/V heads pooled to
+  num_kv_heads (-1: the source's) by `method`, then tied (grouped-tied
+  attention, `train.to_gta`), with the uptraining recipe; returns
+  convert.json's record (the RoPE pairs kept, the cache bytes, the held-out
+  loss of the source and of the converted model before uptraining)."""
+  _check_method(method)
+  with _new_workdir(workdir) as path:
+    model_config, params, config = checkpoint.load_workdir(source, '--source')
+    to_gta.check_source(model_config, qk_rope_head_dim)
+    k_source = model_config.num_kv_heads
+    k = _target_heads(k_source, num_kv_heads)
+    pooled, pooled_mc = convert_params(params, model_config, k, method, seed)
+    pooled = jax.tree.map(np.asarray, pooled)
+    source = storage.path(source, '--source')
+    scores, calibration = None, None
+    if pooled_mc.use_rope:
+      tokens, calibration = _calibration_tokens(config, source)
+      scores = to_mla.calibration_scores(pooled_mc, pooled, tokens)
+    new_params, new_mc = to_gta.convert_params(pooled, pooled_mc,
+                                               qk_rope_head_dim, scores)
+    config.model.update(to_gta.target_config(
+        pooled_mc, qk_rope_head_dim, None if scores is None else
+        to_gta.select_pairs(scores, qk_rope_head_dim))[1])
+    recipe = apply_recipe(config, source_rate(source, config))
+    for name in ('tokenizer.json', 'hf'):
+      storage.copy(source / name, path / name)
+    info = {'source': str(source), 'to_gta': True, 'num_kv_heads': k,
+            'source_num_kv_heads': k_source, 'method': method,
+            'qk_rope_head_dim': qk_rope_head_dim,
+            'rope_pairs': new_mc.rope_pairs, 'calibration': calibration,
+            'kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                config_lib.model_config(config)),
+            'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                model_config), 'recipe': recipe}
+    _write_step0(path, new_params, config, info)
+    _record_losses(info, source, path)
+  return info
+
+
+def _calibration_tokens(config, source: epath.Path):
+  """(tokens [8, seq_len], in words) to score RoPE pairs on: training
+  windows of SOURCE's data."""
+  dataset = loop.training_data(config, str(source))
+  tokens = dataset.batch('train', seed=0, step=0, batch_size=8,
+                         seq_len=config.data.seq_len)[:, :-1]
+  return tokens, f'{tokens.shape[0]} x {tokens.shape[1]} training tokens'
+
+
+def _record_losses(info: dict, source: epath.Path, path: epath.Path):
+  """Adds the held-out losses of SOURCE and of the converted workdir
+  (before uptraining) to `info` and rewrites its convert.json."""
+  info['source_eval_loss'] = loop.evaluate_workdir(str(source))['eval_loss']
+  info['eval_loss_before_uptraining'] = loop.evaluate_workdir(
+      str(path))['eval_loss']
+  (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
 
 
 def _kv_converter(k: int, method: Method, seed: int):
@@ -460,8 +527,19 @@ def main(argv):
   if bool(f.workdir) == bool(f.to_hf) or (f.from_hf and f.to_hf):
     raise UserError('give --workdir (to write a workdir) or, with --source, '
                     '--to_hf (to write a Hugging Face folder)')
-  if f.to_mla and not (f.source and f.workdir):
-    raise UserError('--to_mla converts --source=WORKDIR into a new --workdir')
+  if f.to_mla and f.to_gta:
+    raise UserError('give one of --to_mla and --to_gta')
+  for name in ('to_mla', 'to_gta'):
+    if f[name].value and not (f.source and f.workdir):
+      raise UserError(f'--{name} converts --source=WORKDIR into a new '
+                      '--workdir')
+  ignored = [f'--{name}' for name in ('kv_lora_rank', 'optimizer',
+                                      'param_dtype')
+             if f.to_gta and f[name].present]
+  if ignored:
+    raise UserError(f'--to_gta takes no {", ".join(ignored)} (an MLA '
+                    'conversion\'s, a GQA conversion\'s or an import\'s); '
+                    'leave them out')
   ignored = [f'--{name}' for name in ('num_kv_heads', 'method', 'seed',
                                       'optimizer', 'param_dtype')
              if f.to_mla and f[name].present]
@@ -486,6 +564,17 @@ def main(argv):
             f'{f.workdir} can train only on token ids (.bin files); to train '
             f'on text, copy the model\'s {tokenizer_lib.FILE} into both',
             file=sys.stderr)
+    return
+  if f.to_gta:
+    info = convert_to_gta(f.source, f.workdir, f.num_kv_heads,
+                          f.qk_rope_head_dim, f.method, f.seed)
+    print(f'wrote {f.workdir}: GTA, '
+          f"{_heads(info['source_num_kv_heads'], info['num_kv_heads'], f.method)}"
+          f', tied with a RoPE key of {f.qk_rope_head_dim}, '
+          f"{info['source_kv_bytes_per_token']:g} -> "
+          f"{info['kv_bytes_per_token']:g} KV bytes/token; held-out loss "
+          f'{info["source_eval_loss"]:.4f} -> '
+          f'{info["eval_loss_before_uptraining"]:.4f} before uptraining')
     return
   if f.to_mla:
     info = convert_to_mla(f.source, f.workdir, f.kv_lora_rank,
@@ -526,7 +615,10 @@ def run():
   flags.DEFINE_bool('to_mla', False, 'convert --source into multi-head '
                     'latent attention (train.to_mla)')
   flags.DEFINE_integer('kv_lora_rank', None, '--to_mla: the latent\'s width')
-  flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept, 2·r·K (r pairs per KV head); 0 without RoPE')
+  flags.DEFINE_bool('to_gta', False, 'convert --source into grouped-tied '
+                    'attention (train.to_gta), its K/V heads pooled to '
+                    '--num_kv_heads first')
+  flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept, 2·r·K (r pairs per KV head); --to_gta: the shared RoPE key\'s width, even, below head_dim; 0 without RoPE')
   flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '': "
                       "float32 master weights (the uptraining recipe)")
   run_app(main)

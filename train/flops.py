@@ -7,6 +7,9 @@ K key/value heads, H head dim, F MLP hidden, V vocabulary:
   Q and output projections   2·D·N·H + 2·N·H·D
   K and V projections        2·2·D·K·H              <- shrinks with K; none in
                                                       a layer sharing K/V
+                             (GTA, tie_kv: 2·D·(K·H + Y), the tied states
+                             and a Y-wide RoPE key shared by the heads; its
+                             scores and mix are GQA's)
   attention scores and mix   2·2·N·H·C              C = mean keys a query sees
   gated MLP                  3·2·D·F
 and once per token the output logits, 2·D·V. A multi-head latent attention
@@ -81,10 +84,19 @@ def _forward_flops(config, context, absorbed: bool = False) -> float:
     if options.kv_lora_rank:
       total += _latent_flops(options, D, C, config.shares_kv(i), absorbed)
     else:
-      kv = 0 if config.shares_kv(i) else 2 * 2 * D * K * H
+      kv = 0 if config.shares_kv(i) else _kv_projection_flops(options, D)
       total += 2 * D * N * H + 2 * N * H * D + kv + 2 * 2 * N * H * C
     total += 3 * 2 * D * F
   return total
+
+
+def _kv_projection_flops(o, D: int) -> float:
+  """A layer's K and V projections per token: 2·2·D·K·H, or, tied (GTA),
+  the tied states' 2·D·K·H and the shared RoPE key's 2·D·Y."""
+  K, H = o.num_kv_heads, o.head_dim
+  if o.tie_kv:
+    return 2 * D * (K * H + o.qk_rope_head_dim)
+  return 2 * 2 * D * K * H
 
 
 def _latent_flops(o, D: int, C: float, shares_kv: bool,

@@ -268,6 +268,10 @@ def _default_kind(hf: dict, family: str, i: int) -> str:
 
 def family_of(mc, remembered: str | None = None) -> str:
   """The Hugging Face model_type that computes what `mc` computes."""
+  if mc.tie_kv:
+    raise UserError('no Hugging Face architecture computes grouped-tied '
+                    'attention (model.tie_kv=True); keep the workdir, or '
+                    'export the MHA/GQA model it was converted from')
   if mc.kv_lora_rank:
     problems = hf_deepseek.family_problems(mc)
     if problems:

@@ -437,6 +437,9 @@ def _cached_per_token(mc) -> str:
   if o.kv_lora_rank:
     return (f'MLA: a latent of {o.kv_lora_rank} + a RoPE key of '
             f'{o.qk_rope_head_dim}')
+  if o.tie_kv:
+    return (f'GTA: {mc.num_kv_heads} tied KV heads x {mc.head_dim} + a RoPE '
+            f'key of {o.qk_rope_head_dim}')
   return f'{mc.num_kv_heads} KV heads x {mc.head_dim}'
 
 

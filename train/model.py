@@ -32,6 +32,7 @@ from typing import Any, Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention import Attention, kv_cache, layer, numerics
 from attention.rope import RopeScaling
@@ -91,7 +92,10 @@ class ModelConfig:
   qk_nope_head_dim: int | None
   v_head_dim: int | None
   latent_norm: bool
-  rope_pairs: tuple[int, ...] | None  # Converted MLA's RoPE frequencies.
+  rope_pairs: tuple[int, ...] | None  # Converted MLA's/GTA's RoPE frequencies.
+  # Grouped-tied attention (attention.tied): one tied K/V state per KV head
+  # and a qk_rope_head_dim RoPE key shared by the heads.
+  tie_kv: bool
 
   def attention(self, i: int) -> layer.Options:
     """Layer i's attention options (a causal LM), passed whole to
@@ -369,6 +373,28 @@ def layer_subtrees(config: ModelConfig, params) -> list:
       tree = tree[key]
     return tree if index is None else jax.tree.map(lambda x: x[index], tree)
   return [get(i) for i in range(config.num_layers)]
+
+
+def with_layer_subtrees(params, config: ModelConfig, layers: list) -> dict:
+  """params with its layers replaced by `layers` (one subtree per layer,
+  as `layer_subtrees` gives them), stacked as `config` stores them
+  (`layer_slot`): the converters' way back."""
+  out = {k: v for k, v in params.items()
+         if k != 'layers' and not k.startswith('layers_')}
+  slots: dict[tuple, list] = {}
+  for i, tree in enumerate(layers):
+    path, index = layer_slot(config, i)
+    if index is None:
+      out[path[0]] = tree
+    else:
+      slots.setdefault(path, []).append(tree)
+  for path, trees in slots.items():
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *trees)
+    target = out
+    for key in path[:-1]:
+      target = target.setdefault(key, {})
+    target[path[-1]] = stacked
+  return out
 
 
 def unroll_layers(model: Transformer, params) -> tuple[Transformer, Any]:

@@ -44,6 +44,9 @@ def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
   if mc.kv_lora_rank:
     raise UserError(f'--source already is MLA (model.kv_lora_rank='
                     f'{mc.kv_lora_rank}); --to_mla converts MHA/GQA models')
+  if mc.tie_kv:
+    raise UserError('--source is GTA (model.tie_kv=True); --to_mla converts '
+                    'MHA/GQA models: convert the model it came from')
   for name in ('qk_norm', 'qkv_bias', 'fused_qkv'):
     if getattr(mc, name):
       raise UserError(f'--to_mla: the source has model.{name}=True, which '
@@ -190,29 +193,8 @@ def convert_params(params, mc, kv_lora_rank: int, qk_rope_head_dim: int = 0,
     attention['kv_up'] = owner['kv_up']
     tree['attention'] = attention
     layers.append(tree)
-  return _with_layers(params, new_mc, layers), new_mc, energies
-
-
-def _with_layers(params, mc, layers: list) -> dict:
-  """params with its layers replaced by `layers` (one subtree per layer),
-  stacked as `mc` stores them (model.layer_slot)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  out = {k: v for k, v in params.items()
-         if k != 'layers' and not k.startswith('layers_')}
-  slots: dict[tuple, list] = {}
-  for i, tree in enumerate(layers):
-    path, index = model_lib.layer_slot(mc, i)
-    if index is None:
-      out[path[0]] = tree
-    else:
-      slots.setdefault(path, []).append(tree)
-  for path, trees in slots.items():
-    stacked = jax.tree.map(lambda *xs: np.stack(xs), *trees)
-    target = out
-    for key in path[:-1]:
-      target = target.setdefault(key, {})
-    target[path[-1]] = stacked
-  return out
+  return model_lib.with_layer_subtrees(params, new_mc, layers), new_mc, (
+      energies)
 
 
 def calibration_scores(mc, params, tokens_BT) -> np.ndarray:

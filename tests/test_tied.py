@@ -1,0 +1,502 @@
+"""Specification of grouped-tied attention (GTA, `attention.tied`): the full
+pass equals per-query-head keys and values assembled by hand; cached
+decoding (dense, ring buffers, int8, a paged pool) equals the full pass; the
+cache holds (K·H + Y) / (2·K·H) of grouped-query attention's bytes; the
+decode step lowers for TPU and CUDA; bad options and conversions are one
+line; train.convert --to_gta ties an MHA/GQA model."""
+
+import dataclasses
+import fractions
+import json
+
+import chex
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import Attention, cpu_kernel, kv_cache, layer, paged
+from attention import nnx as attention_nnx
+from attention.rope import apply_rope
+from configs import tiny
+from serve import engine
+from tests import hlo, reference
+from tests.test_faults import _one_line_error, _run
+from tests.test_kv_memory import _decode_in_chunks, _full_pass
+from tests.test_serve import _alone
+from train import config_lib, convert, flops, hf, loop, sample, to_gta, to_mla
+from train import model as model_lib
+from train.errors import UserError
+from train.model import Transformer, unroll_layers
+
+# N query heads of H features from D-wide inputs; Y the default RoPE key.
+N, H, D = 8, 8, 16
+Y = H // 2
+
+
+def _options(K, **fields):
+  return layer.Options(num_heads=N, num_kv_heads=K, head_dim=H, tie_kv=True,
+                       **fields)
+
+
+def _params(options, seed=0):
+  return {name: jax.random.normal(jax.random.key(seed + i), shape) * 0.4
+          for i, (name, shape) in enumerate(options.param_shapes(D).items())}
+
+
+def _by_hand(params, x_BTD, K, rope: bool, local_window=None):
+  """The layer written out head by head: every query head's key and value
+  assembled from its KV head's tied state (jnp.repeat) and the one RoPE
+  key, then the repeat-free reference attention."""
+  B, T, _ = x_BTD.shape
+  G, Y_ = N // K, (Y if rope else 0)
+  I = H - Y_
+  t = jnp.einsum('BTD,DKH->BTKH', x_BTD, params['kv'])
+  q = jnp.einsum('BTD,DNH->BTNH', x_BTD, params['query'])
+  k = v = jnp.repeat(t, G, axis=2)
+  if rope:
+    r = apply_rope((x_BTD @ params['rope_key'])[:, :, None], jnp.arange(T))
+    q = jnp.concatenate([q[..., :I], apply_rope(q[..., I:], jnp.arange(T))],
+                        -1)
+    k = jnp.concatenate([k[..., :I], jnp.repeat(r, N, axis=2)], -1)
+  allowed = reference.allowed_positions(B, N, T, T, is_causal=True,
+                                        local_window=local_window)
+  o = reference.attention_repeated(q, k, v, allowed, scale=H ** -0.5)
+  return jnp.einsum('BTNH,NHD->BTD', o, params['out'])
+
+
+@pytest.mark.parametrize('rope', [True, False], ids=['rope', 'nope'])
+@pytest.mark.parametrize('K', [8, 2, 1])
+def test_the_full_pass_and_its_gradients_equal_keys_built_per_query_head(
+    K, rope):
+  options = _options(K, use_rope=rope)
+  params = _params(options)
+  assert set(params) == {'query', 'kv', 'out'} | ({'rope_key'} if rope
+                                                  else set())
+  x = jax.random.normal(jax.random.key(9), (2, 7, D))
+  out, _, kv = layer.apply(options, params, x)
+  chex.assert_shape(out, (2, 7, D))
+  chex.assert_shape(kv.key, (2, 7, K, H))  # Tied states, one per KV head.
+  chex.assert_trees_all_close(out, _by_hand(params, x, K, rope), atol=1e-5)
+  cotangent = jax.random.normal(jax.random.key(3), out.shape)
+  grads = [jax.grad(lambda p, f=f: jnp.sum(f(p) * cotangent))(params)
+           for f in (lambda p: layer.apply(options, p, x)[0],
+                     lambda p: _by_hand(p, x, K, rope))]
+  chex.assert_trees_all_close(*grads, atol=1e-4)
+
+
+def _decode(module, params, x, chunks):
+  """[B, T, D]: x fed through the module's cache `chunks` at a time."""
+  variables = module.init(jax.random.key(0), x)  # The [B, max_len] cache.
+  cache, outs, start = variables['cache'], [], 0
+  for n in chunks:
+    out, mutated = module.apply({'params': params, 'cache': cache},
+                                x[:, start:start + n], mutable=['cache'])
+    cache, start = mutated['cache'], start + n
+    outs.append(out)
+  return jnp.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize('K, fields', [
+    (8, {}), (2, {}), (1, {}), (2, dict(use_rope=False)),
+    (2, dict(local_window=3)), (1, dict(local_window=3, logits_soft_cap=2.0))],
+    ids=['mha', 'gqa', 'mqa', 'gqa_nope', 'gqa_ring', 'mqa_ring_softcap'])
+def test_cached_decoding_equals_the_full_pass(K, fields):
+  """A 4-token prefill (past a 3-slot ring buffer's end), then one token at
+  a time, against the full pass; the cache holds tied states of K heads
+  and one RoPE key, nothing per query head."""
+  options = _options(K, **fields)
+  params = _params(options)
+  x = jax.random.normal(jax.random.key(5), (2, 9, D))
+  full = layer.apply(options, params, x)[0]
+  cached, cache = _decode(Attention.from_options(options, decode=True),
+                          params, x, [4, 1, 1, 1, 1, 1])
+  chex.assert_trees_all_close(cached, full, atol=1e-5)
+  S = options.cache_length(9)
+  chex.assert_shape(cache['cached_tied'], (2 * K, S, H))
+  assert ('cached_rope_key' in cache) == options.use_rope
+  if options.use_rope:
+    chex.assert_shape(cache['cached_rope_key'], (2, S, Y))
+
+
+def test_an_int8_cache_decodes_within_a_stated_tolerance():
+  """int8 tied states and RoPE keys (a float32 scale per token and head)
+  move the outputs by less than 5% of their spread (max |error| / std;
+  measured on three inputs 1.2-2.8%, and 1.4-2.8% for a grouped-query
+  layer's int8 cache of the same K: these small random layers move that
+  much under int8)."""
+  for K in (2, 1):
+    options = _options(K, kv_cache_dtype='int8')
+    params = _params(options)
+    x = jax.random.normal(jax.random.key(5), (2, 9, D))
+    full = layer.apply(options, params, x)[0]
+    cached, cache = _decode(Attention.from_options(options, decode=True),
+                            params, x, [4, 1, 1, 1, 1, 1])
+    assert cache['cached_tied'].dtype == jnp.int8
+    chex.assert_shape(cache['tied_scale'], (2 * K, 9))
+    chex.assert_shape(cache['rope_key_scale'], (2, 9))
+    error = float(jnp.max(jnp.abs(cached - full)) / jnp.std(full))
+    assert 0 < error < 0.05, (K, error)
+
+
+def _config(**model):
+  config = tiny.get_config()  # N = 4, K = 2, H = 8, 2 layers.
+  config.model.update(**{'tie_kv': True, **model})
+  config_lib.validate(config, batch_shards=1)
+  return config
+
+
+def _model(seed=1, **model):
+  mc = config_lib.model_config(_config(**model))
+  return mc, nn.unbox(loop.init_params(Transformer(mc), seed=seed))
+
+
+@pytest.mark.slow
+def test_a_model_with_local_layers_and_shared_kv_decodes_as_its_full_pass():
+  """Gemma 2's LG pattern (ring buffers of 5) with pairs of layers sharing
+  one tied cache (kv_share=2), fed in chunks that wrap the rings."""
+  mc, params = _model(num_layers=4, attention_pattern='LLGG', local_window=5,
+                      kv_share=2)
+  tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, mc.vocab_size)
+  cached, cache = _decode_in_chunks(mc, params, tokens, [7, 1, 1, 6, 1, 4])
+  chex.assert_trees_all_close(cached, _full_pass(mc, params, tokens),
+                              atol=1e-5)
+  assert set(cache) == {'layers_0', 'layers_2'}  # The owners only.
+  assert 'kv' not in params['layers']['block_1']['attention']
+
+
+@pytest.mark.slow
+def test_linen_and_nnx_shells_compute_the_same_and_decode_alike():
+  x = jax.random.normal(jax.random.key(0), (2, 7, D))
+  linen = Attention(num_heads=N, num_kv_heads=2, head_dim=H, tie_kv=True)
+  params = linen.init(jax.random.key(1), x)['params']
+  ours = attention_nnx.Attention.from_linen(linen, params)
+  full = linen.apply({'params': params}, x)
+  chex.assert_trees_all_close(ours(x), full, atol=1e-6)
+  ours.init_cache(2, 7)
+  steps = [ours(x[:, :3])] + [ours(x[:, t:t + 1]) for t in range(3, 7)]
+  chex.assert_trees_all_close(jnp.concatenate(steps, 1), full, atol=1e-5)
+  assert set(nnx.state(ours, nnx.Param)) == set(params)
+  assert ours.cached_tied is not None and ours.cached_key is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model', [
+    dict(num_kv_heads=2), dict(num_kv_heads=1, kv_cache_dtype='int8')],
+    ids=['gqa', 'mqa_int8'])
+def test_gta_is_served_from_a_paged_tied_cache(model):
+  """The serving engine (paged pool, chunked prefill beside decoding) gives
+  each request the tokens of decoding it alone from a dense cache."""
+  mc, params = _model(**model)
+  served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
+                         prefill_chunk=4)
+  requests = [engine.Request(0, np.arange(1, 12, dtype=np.int32) * 7, 10),
+              engine.Request(1, np.array([5, 2], np.int32), 6)]
+  results = {r.id: r.tokens for r in served.run(requests)}
+  for r in requests:
+    assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
+  spec = kv_cache.paged_spec(mc.attention(0), 3, 4, jnp.float32)
+  K = mc.num_kv_heads
+  assert spec['cached_tied'].shape == (K, 3, 4, H)
+  assert spec['cached_rope_key'].shape == (1, 3, 4, Y)
+
+
+@pytest.mark.parametrize('rope', [True, False], ids=['rope', 'nope'])
+@pytest.mark.parametrize('K', [8, 2, 1])
+def test_the_cache_is_k_h_plus_y_over_2_k_h_of_gqas(K, rope):
+  tied = _options(K, use_rope=rope)
+  grouped = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H,
+                          use_rope=rope)
+  ratio = fractions.Fraction(layer.kv_cache_bytes(tied, 3, 40, jnp.float32),
+                             layer.kv_cache_bytes(grouped, 3, 40, jnp.float32))
+  assert ratio == fractions.Fraction(K * H + (Y if rope else 0), 2 * K * H)
+
+
+def test_kv_bytes_per_token_is_the_tied_states_and_rope_key_per_layer():
+  """(K·H + Y) x layers x 4 bytes (float32); int8 a byte each and a float32
+  scale per tied head and for the key; what the decode cache holds."""
+  K = 2
+  for model, expected in (
+      ({}, (K * H + Y) * 2 * 4),
+      (dict(use_rope=False), K * H * 2 * 4),
+      (dict(num_layers=4, kv_share=2), (K * H + Y) * 2 * 4),
+      (dict(kv_cache_dtype='int8'), (K * H + Y + (K + 1) * 4) * 2)):
+    mc = config_lib.model_config(_config(**model))
+    assert model_lib.kv_bytes_per_token(mc) == expected, model
+    cache = sample.empty_cache(Transformer(dataclasses.replace(
+        mc, scan_layers=False), decode=True), batch=1)
+    held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
+        cache) if 'index' not in jax.tree_util.keystr(path))
+    assert held == expected * mc.max_len
+
+
+def test_flops_count_the_tied_projection_once():
+  mc = config_lib.model_config(_config(num_layers=1))
+  Dm, F, V, Nm, K = mc.d_model, mc.mlp_dim, mc.vocab_size, mc.num_heads, 2
+  C = 8
+  expected = (2 * Dm * V + 3 * 2 * Dm * F + 2 * Dm * Nm * H + 2 * Nm * H * Dm
+              + 2 * Dm * (K * H + Y) + 2 * 2 * Nm * H * C)
+  assert flops.forward_flops_per_token(mc, 2 * C - 1) == expected
+  assert flops.decode_flops_per_token(mc, C - 1) == expected
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(kv_lora_rank=8), 'kv_lora_rank=8 with tie_kv=True: .*set '
+     'kv_lora_rank=None, or tie_kv=False'),
+    (dict(fused_qkv=True), 'fused_qkv=True with tie_kv=True: .*set '
+     'fused_qkv=False'),
+    (dict(qkv_bias=True), 'qkv_bias=True with tie_kv=True: .*set '
+     'qkv_bias=False'),
+    (dict(qk_norm=True), 'qk_norm=True with tie_kv=True: .*set qk_norm=False'),
+    (dict(qk_rope_head_dim=3), r'qk_rope_head_dim=3 with tie_kv=True and '
+     r'use_rope=True: .*even .*; set it \(None: head_dim / 2 = 4\)'),
+    (dict(qk_rope_head_dim=8), 'qk_rope_head_dim=8 with tie_kv=True'),
+    (dict(qk_rope_head_dim=0), 'qk_rope_head_dim=0 with tie_kv=True'),
+    (dict(use_rope=False, qk_rope_head_dim=4), 'qk_rope_head_dim=4 with '
+     'tie_kv=True and use_rope=False: .*set qk_rope_head_dim=0'),
+    (dict(q_lora_rank=4), 'q_lora_rank=4 with tie_kv=True: an MLA field; '
+     'unset it'),
+    (dict(rope_pairs=(0,)), r'rope_pairs=\[0\] must list qk_rope_head_dim / '
+     '2 = 2 frequency indices'),
+    (dict(tie_kv='yes'), "tie_kv='yes' must be True or False"),
+])
+def test_bad_options_are_refused_in_one_line_naming_the_fix(fields, message):
+  with pytest.raises(ValueError, match=message):
+    layer.Options(**{**dict(num_heads=N, num_kv_heads=2, head_dim=H,
+                            tie_kv=True), **fields})
+  if fields.get('tie_kv', True) is not True:
+    return  # The config's tie_kv is a bool field: ml_collections refuses it.
+  config = tiny.get_config()
+  config.model.update(**{'tie_kv': True, **fields})
+  if 'rope_pairs' in fields:
+    config.model.rope_pairs = list(fields['rope_pairs'])
+  with pytest.raises(UserError, match=f'model.{message}'):
+    config_lib.validate(config, batch_shards=1)
+
+
+def test_the_cpu_and_tpu_kernels_refuse_a_tied_cache():
+  options = _options(2)
+  if not cpu_kernel.available():
+    pytest.skip('the CPU kernel is not built')
+  kv = layer.KV(jnp.zeros((4, 5, H)), jnp.zeros((2, 5, Y)),
+                positions_S=jnp.arange(5))
+  assert 'GTA' in cpu_kernel.refusal(options, kv, jnp.ones((1, 1, 1, 5),
+                                                           bool))
+  pool = {name: jnp.zeros(s.shape, s.dtype) for name, s in
+          kv_cache.paged_spec(options, 4, 8, jnp.bfloat16).items()}
+  assert paged.kernel_refusal(options, 1, pool).startswith(
+      'a tied (GTA) cache')
+
+
+@pytest.mark.slow
+def test_the_decode_step_lowers_for_tpu_and_cuda_reading_the_cache_in_place():
+  """jax.export lowers a bfloat16 GTA model's decode step (and with an int8
+  cache) for TPU and CUDA on this host; for TPU nothing of the tied cache's
+  size is transposed, broadcast, copied or converted. The control: a
+  per-query-head copy of the tied cache is caught by the same check."""
+  config = _config(dtype='bfloat16', param_dtype='bfloat16', max_len=1024,
+                   num_heads=8, num_kv_heads=2)
+  mc = config_lib.model_config(config)
+  batch, K = 4, 2
+  tied_size = batch * K * mc.max_len * H
+  for kv_cache_dtype in (None, 'int8'):
+    mc_ = dataclasses.replace(mc, kv_cache_dtype=kv_cache_dtype)
+    decoder, params = unroll_layers(
+        Transformer(mc_, decode=True),
+        nn.unbox(loop.init_params(Transformer(mc_), 0)))
+    cache = sample.empty_cache(decoder, batch)
+    assert cache['layers_0']['attention']['cached_tied'].size == tied_size
+    step = lambda params, cache, token, d=decoder: d.apply(
+        {'params': params, 'cache': cache}, token, mutable=['cache'])
+    token = jnp.zeros((batch, 1), jnp.int32)
+    assert 'dot_general' in hlo.lowered(step, params, cache, token,
+                                        platform='cuda')
+    text = hlo.lowered(step, params, cache, token, platform='tpu')
+    assert 'dot_general' in text
+    assert not hlo.big_shapes(text, tied_size), kv_cache_dtype
+  repeat = lambda c: jnp.repeat(c.reshape(batch, K, mc.max_len, H), 4, 1)
+  assert hlo.big_shapes(hlo.lowered(
+      repeat, jnp.zeros((batch * K, mc.max_len, H), jnp.bfloat16),
+      platform='tpu'), tied_size)
+
+
+@pytest.mark.slow
+def test_train_main_writes_the_tied_kv_bytes_per_token(tmp_path):
+  config = _config()
+  config.train.update(steps=2, eval_every=2, checkpoint_every=2, log_every=1,
+                      warmup_steps=1)
+  loop.train_and_evaluate(config, str(tmp_path))
+  final = json.loads((tmp_path / 'final.json').read_text())
+  assert final['kv_bytes_per_token'] == (2 * H + Y) * 2 * 4  # 2 layers.
+  assert np.isfinite(final['eval_loss'])
+
+
+# --- Conversion into GTA (train.to_gta, train.convert --to_gta) -----------
+
+def _source(seed=3, **model):
+  config = tiny.get_config()
+  config.model.update(**model)
+  mc = config_lib.model_config(config)
+  return mc, jax.tree.map(np.asarray, nn.unbox(
+      loop.init_params(Transformer(mc), seed=seed)))
+
+
+def _tied_by_construction(params, zero_pair=None):
+  """params with every value kernel replaced by its key kernel (K/V already
+  tied) and, given zero_pair, the queries' features at that RoPE pair
+  zeroed (it carries no logit)."""
+  def edit(tree):
+    if not isinstance(tree, dict):
+      return tree
+    tree = {k: edit(v) for k, v in tree.items()}
+    if 'query' in tree and 'out' in tree:
+      if 'key' in tree:
+        tree['value'] = tree['key'].copy()
+      if zero_pair is not None:
+        tree['query'] = tree['query'].copy()
+        tree['query'][..., [zero_pair, zero_pair + H // 2]] = 0.0
+    return tree
+  return edit(params)
+
+
+@pytest.mark.parametrize('model, rope_dims, zero_pair', [
+    (dict(use_rope=False), 0, None),
+    (dict(use_rope=False, num_layers=4, kv_share=2), 0, None),
+    (dict(num_kv_heads=1), H - 2, 1)], ids=['nope', 'nope_cla2',
+                                            'rope_mqa_one_pair_unused'])
+def test_a_source_with_tied_kv_converts_exactly(model, rope_dims, zero_pair):
+  """The identity controls: a source whose values equal its keys keeps its
+  logits (1e-5) when it has no RoPE, or one KV head and queries that give
+  the one pair left out no weight (the shared key is then its key, and the
+  calibration scores leave that pair out). The same conversion of the
+  untied source moves the logits."""
+  mc, untied = _source(**model)
+  params = _tied_by_construction(untied, zero_pair)
+  tokens = jax.random.randint(jax.random.key(4), (2, 24), 0, mc.vocab_size)
+  scores = (to_mla.calibration_scores(mc, params, tokens) if mc.use_rope
+            else None)
+  converted, new_mc = to_gta.convert_params(params, mc, rope_dims, scores)
+  assert new_mc.tie_kv and new_mc.qk_rope_head_dim == rope_dims
+  if mc.use_rope:
+    assert zero_pair not in new_mc.rope_pairs
+  chex.assert_trees_all_close(_full_pass(new_mc, converted, tokens),
+                              _full_pass(mc, params, tokens), atol=1e-5)
+  lossy, lossy_mc = to_gta.convert_params(untied, mc, rope_dims, scores)
+  assert float(jnp.max(jnp.abs(_full_pass(lossy_mc, lossy, tokens)
+                               - _full_pass(mc, untied, tokens)))) > 1e-2
+
+
+def test_conversion_gives_the_documented_parameters():
+  """query [D, N, H] and out [N, H, D] in GTA's feature order, kv [D, K, H]
+  the values in it, rope_key [D, Y] the keys' chosen pairs averaged over
+  the KV heads; the tree is a tied model's, whose loss is finite."""
+  mc, params = _source()  # K = 2, H = 8, N = 4, d_model = 32.
+  tokens = jax.random.randint(jax.random.key(4), (2, 24), 0, mc.vocab_size)
+  scores = to_mla.calibration_scores(mc, params, tokens)
+  converted, new_mc = to_gta.convert_params(params, mc, Y, scores)
+  pairs = np.array(new_mc.rope_pairs)
+  assert len(pairs) == Y // 2 and list(pairs) == sorted(pairs)
+  np.testing.assert_array_equal(pairs, to_mla.select_pairs(
+      scores.sum(0, keepdims=True), Y)[0])
+  assert jax.tree.map(np.shape, converted) == jax.tree.map(
+      np.shape, model_lib.parameter_shapes(new_mc))
+  L, Dm = mc.num_layers, mc.d_model
+  before, after = params['layers']['attention'], converted['layers'][
+      'attention']
+  assert {k: v.shape for k, v in after.items()} == {
+      'query': (L, Dm, 4, H), 'kv': (L, Dm, 2, H), 'rope_key': (L, Dm, Y),
+      'out': (L, 4, H, Dm)}
+  kept = np.concatenate([pairs, pairs + H // 2])
+  order = np.concatenate([np.setdiff1d(np.arange(H), kept), kept])
+  np.testing.assert_array_equal(after['kv'], before['value'][..., order])
+  np.testing.assert_array_equal(after['query'], before['query'][..., order])
+  np.testing.assert_array_equal(after['out'], before['out'][:, :, order])
+  np.testing.assert_allclose(after['rope_key'],
+                             before['key'][..., kept].mean(2), rtol=1e-6)
+  logits = _full_pass(new_mc, converted, tokens)
+  assert np.isfinite(float(_next_token_loss(logits, tokens)))
+
+
+def _next_token_loss(logits_BTV, tokens_BT):
+  """Mean next-token cross-entropy."""
+  logp = jax.nn.log_softmax(logits_BTV[:, :-1])
+  return -jnp.mean(jnp.take_along_axis(logp, tokens_BT[:, 1:, None], -1))
+
+
+@pytest.mark.parametrize('model, rope_dims, message', [
+    (dict(tie_kv=True), 4, r'--source already is GTA \(model.tie_kv=True\); '
+     '--to_gta converts MHA/GQA models'),
+    (dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4), 4,
+     r'--source is MLA \(model.kv_lora_rank=8\); --to_gta converts MHA/GQA'),
+    ({}, 0, r"no --qk_rope_head_dim: the source uses RoPE, so give "
+     r"--qk_rope_head_dim, the shared RoPE key's width: even, from 2 to "
+     r"head_dim - 2 = 6 \(GTA's default is head_dim / 2 = 4\)"),
+    ({}, 3, '--qk_rope_head_dim=3: the source uses RoPE'),
+    ({}, 8, '--qk_rope_head_dim=8: the source uses RoPE'),
+    (dict(use_rope=False), 4, r'--qk_rope_head_dim=4: the source has no '
+     r'RoPE \(model.use_rope=False\); give 0'),
+    (dict(qk_norm=True), 4, 'the source has model.qk_norm=True'),
+])
+def test_to_gta_refuses_what_it_cannot_convert_in_one_line(model, rope_dims,
+                                                           message):
+  config = tiny.get_config()
+  config.model.update(**model)
+  with pytest.raises(UserError, match=message):
+    to_gta.check_source(config_lib.model_config(config), rope_dims)
+
+
+def test_other_conversions_and_hugging_face_refuse_a_gta_model():
+  mc = config_lib.model_config(_config())
+  with pytest.raises(UserError, match=r'no Hugging Face architecture '
+                     r'computes grouped-tied attention \(model.tie_kv=True\)'):
+    hf.family_of(mc)
+  with pytest.raises(UserError, match='--source is GTA'):
+    to_mla.check_source(mc, 8, 4)
+  with pytest.raises(UserError, match='--to_gta --num_kv_heads=K instead'):
+    convert.convert_params({}, mc, 1, 'mean')
+
+
+@pytest.mark.slow  # A subprocess: 2-5 s.
+def test_to_gta_refuses_the_flags_it_does_not_use_in_one_line(tmp_path):
+  result = _run('train.convert', f'--source={tmp_path / "src"}',
+                f'--workdir={tmp_path / "new"}', '--to_gta',
+                '--kv_lora_rank=8', '--optimizer=pooled')
+  _one_line_error(result, '--to_gta takes no --kv_lora_rank, --optimizer')
+  assert not (tmp_path / 'new').exists()
+
+
+@pytest.mark.slowest
+@pytest.mark.slow
+def test_a_trained_gqa_model_converts_trains_on_and_refuses_export(
+    trained, tmp_path):
+  """train.convert --to_gta on the trained tiny GQA workdir (K = 2 -> 1, a
+  RoPE key of 4): convert.json records the pairs, the cache bytes and a
+  finite held-out loss before uptraining; the workdir trains on with its
+  recipe; --to_hf refuses it, and so does a second --to_gta."""
+  target = tmp_path / 'gta'
+  result = _run('train.convert', f'--source={trained}', f'--workdir={target}',
+                '--to_gta', '--num_kv_heads=1', '--qk_rope_head_dim=4')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'GTA, 2 -> 1 KV heads by mean' in result.stdout
+  info = json.loads((target / 'convert.json').read_text())
+  assert info['kv_bytes_per_token'] == (1 * H + 4) * 2 * 4
+  assert info['source_kv_bytes_per_token'] == 2 * 2 * H * 2 * 4
+  assert len(info['rope_pairs']) == 2 and info['calibration']
+  assert np.isfinite(info['eval_loss_before_uptraining'])
+  uptrain = config_lib.load(str(target))
+  assert uptrain.model.tie_kv and uptrain.model.num_kv_heads == 1
+  assert list(uptrain.model.rope_pairs) == info['rope_pairs']
+  uptrain.train.update(steps=4, eval_every=4, checkpoint_every=4,
+                       warmup_steps=1)
+  assert np.isfinite(loop.train_and_evaluate(uptrain, str(target))[
+      'eval_loss'])
+  _one_line_error(_run('train.convert', f'--source={target}',
+                       f'--to_hf={tmp_path / "hf"}'),
+                  'no Hugging Face architecture computes grouped-tied '
+                  'attention (model.tie_kv=True)')
+  _one_line_error(_run('train.convert', f'--source={target}',
+                       f'--workdir={tmp_path / "again"}', '--to_gta',
+                       '--qk_rope_head_dim=4'),
+                  '--source already is GTA (model.tie_kv=True)')
