@@ -4,8 +4,8 @@ strategies for where it is written and read.
 Every attention kind describes its cache as `Entry`s: per token and layer,
 `heads` (E) vectors of `features` (F) numbers. Grouped-query attention
 stores its keys and values (E = K KV heads, F = H); multi-head latent
-attention (`attention.latent`) its latent (E = 1, F = A) and shared RoPE key
-(E = 1, F = Y). One table, read by both strategies and by the byte counts,
+attention (`attention.latent`) its latents (E = G latent groups, F = A / G;
+G = 1 is MLA's one latent) and shared RoPE key (E = 1, F = Y). One table, read by both strategies and by the byte counts,
 so no layout is declared twice.
 
 `DenseCache`: one sequence per batch row, every row at the same position
@@ -58,10 +58,11 @@ class Entry(NamedTuple):
 
 def entries(options) -> tuple[Entry, ...]:
   """The cache entries of a layer with `options` (attention.layer.Options):
-  keys and values of K heads, or MLA's latent and RoPE key (none when its
-  qk_rope_head_dim is 0)."""
+  keys and values of K heads, or MLA's latent, as G groups (GLA), and RoPE
+  key (none when its qk_rope_head_dim is 0)."""
   if options.kv_lora_rank:
-    out = [Entry('cached_latent', 1, options.kv_lora_rank, False,
+    G = options.latent_groups
+    out = [Entry('cached_latent', G, options.kv_lora_rank // G, False,
                  'latent_scale')]
     if options.qk_rope_head_dim:
       out.append(Entry('cached_rope_key', 1, options.qk_rope_head_dim, False,
@@ -115,9 +116,10 @@ class KV(NamedTuple):
   attention) attends to the same.
 
   Full pass: the new tokens' entries, token-major: key and value
-  [B, S, E, F] (MLA: the latent and the RoPE key, E = 1). Decoding: the
-  cache's entries in the dense layout (keys [Z, H, S], values [Z, S, H],
-  int8 scales [Z, S] or None; MLA: latent and RoPE key [Z, S, F]) with each
+  [B, S, E, F] (MLA: the latent, E = G groups, and the RoPE key, E = 1).
+  Decoding: the cache's entries in the dense layout (keys [Z, H, S], values
+  [Z, S, H], int8 scales [Z, S] or None; MLA: latent and RoPE key
+  [Z, S, F]) with each
   slot's position (-1: empty), or, for a paged cache not yet gathered,
   `paged` (`gathered` reads it).
   """
