@@ -4,10 +4,11 @@ strategies for where it is written and read.
 Every attention kind describes its cache as `Entry`s: per token and layer,
 `heads` (E) vectors of `features` (F) numbers. Grouped-query attention
 stores its keys and values (E = K KV heads, F = H); multi-head latent
-attention (`attention.latent`) its latent (E = 1, F = A) and shared RoPE key
-(E = 1, F = Y); grouped-tied attention (`attention.tied`) its tied states
-(E = K, F = H) and shared RoPE key (E = 1, F = Y). One table, read by both
-strategies and by the byte counts, so no layout is declared twice.
+attention (`attention.latent`) its latents (E = G latent groups, F = A / G;
+G = 1 is MLA's one latent) and shared RoPE key (E = 1, F = Y); grouped-tied
+attention (`attention.tied`) its tied states (E = K, F = H) and shared RoPE
+key (E = 1, F = Y). One table, read by both strategies and by the byte
+counts, so no layout is declared twice.
 
 `DenseCache`: one sequence per batch row, every row at the same position
 (`cache_index`), laid out heads-major, Z = B·E rows: an entry is [Z, S, F],
@@ -59,10 +60,12 @@ class Entry(NamedTuple):
 
 def entries(options) -> tuple[Entry, ...]:
   """The cache entries of a layer with `options` (attention.layer.Options):
-  keys and values of K heads, MLA's latent and RoPE key, or GTA's tied
-  states of K heads and RoPE key (no RoPE key when qk_rope_head_dim is 0)."""
+  keys and values of K heads, MLA's latent as G groups (GLA) and RoPE key,
+  or GTA's tied states of K heads and RoPE key (no RoPE key when
+  qk_rope_head_dim is 0)."""
   if options.kv_lora_rank:
-    out = [Entry('cached_latent', 1, options.kv_lora_rank, False,
+    G = options.latent_groups
+    out = [Entry('cached_latent', G, options.kv_lora_rank // G, False,
                  'latent_scale')]
     if options.qk_rope_head_dim:
       out.append(Entry('cached_rope_key', 1, options.qk_rope_head_dim, False,
@@ -122,10 +125,10 @@ class KV(NamedTuple):
   attention) attends to the same.
 
   Full pass: the new tokens' entries, token-major: key and value
-  [B, S, E, F] (MLA: the latent and the RoPE key, E = 1; GTA: the tied
-  states, E = K, and the RoPE key, E = 1). Decoding: the cache's entries in
-  the dense layout (keys [Z, H, S], values [Z, S, H], int8 scales [Z, S] or
-  None; MLA and GTA: their entries [Z, S, F]) with each
+  [B, S, E, F] (MLA: the latent, E = G groups, and the RoPE key, E = 1;
+  GTA: the tied states, E = K, and the RoPE key, E = 1). Decoding: the
+  cache's entries in the dense layout (keys [Z, H, S], values [Z, S, H],
+  int8 scales [Z, S] or None; MLA and GTA: their entries [Z, S, F]) with each
   slot's position (-1: empty), or, for a paged cache not yet gathered,
   `paged` (`gathered` reads it).
   """

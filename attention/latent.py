@@ -1,31 +1,41 @@
-"""Multi-head latent attention (MLA, DeepSeek-V2/V3) as pure functions.
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) and its grouped form
+(GLA, Zadouri, Strauss & Dao 2025) as pure functions.
 
 `attention.layer.apply` hands a layer here when its options set
-kv_lora_rank. Letters (with those of `attention.core`: B, T, S, N, D):
+kv_lora_rank. Letters (with those of `attention.core`: B, T, S, N, D, Z):
 
   A  kv_lora_rank, the latent's width    Q  q_lora_rank (optional)
   I  qk_nope_head_dim, a head's key      Y  qk_rope_head_dim, the RoPE key
      features without position              shared by the heads
-  U  v_head_dim
+  U  v_head_dim                          G  latent_groups (here only: not
+  M  N / G, query heads per latent          core's N // K); 1 is MLA
+  F  A / G, a group's latent width (a cache entry's features)
 
-  params  kv_down [D, A + Y] (the latent and the RoPE key, DeepSeek's
-          kv_a_proj_with_mqa), kv_norm [A] (latent_norm), kv_up [A, N, I + U]
-          (DeepSeek's kv_b_proj: head n's key_up [A, I], then its
-          value_up [A, U]), out [N, U, D]; the query: query
-          [D, N, I + Y], or query_down [D, Q], query_down_norm [Q] and
-          query_up [Q, N, I + Y]. A layer sharing another's K/V (kv_share)
-          reads that layer's latent: it has no kv_down or kv_norm.
-  cache   cached_latent [B, S, A], cached_rope_key [B, S, Y] (none when
-          Y = 0); int8: latent_scale and rope_key_scale [B, S] float32.
+  params  kv_down [D, A + Y] (the G latents, group-major, then the RoPE key;
+          DeepSeek's kv_a_proj_with_mqa), kv_norm [A] (latent_norm: an
+          RMSNorm of each group's F features, its weight viewed [G, F]),
+          kv_up [F, N, I + U] (DeepSeek's kv_b_proj: head n's key_up [F, I],
+          then its value_up [F, U], reading its group's latent), out
+          [N, U, D]; the query: query [D, N, I + Y], or query_down [D, Q],
+          query_down_norm [Q] and query_up [Q, N, I + Y]. A layer sharing
+          another's K/V (kv_share) reads that layer's latents: it has no
+          kv_down or kv_norm.
+  cache   cached_latent [B, S, G, F] per token (dense: [Z, S, F], Z = B·G
+          rows), cached_rope_key [B, S, 1, Y] (none when Y = 0); int8:
+          latent_scale (one per token and group) and rope_key_scale, float32.
 
-Head n's key is [c·key_up[:, n], RoPE(k_rope)] and its value c·value_up[:, n]
-for the normed latent c. The full pass (training, and any pass without a
-cache) builds them and runs `dot_product_attention`. Decoding never does
+Query head n = g·M + m reads latent group g = n // M (the order of
+`jnp.repeat`, as a KV head's in `attention.core`). Its key is
+[c_g·key_up[:, n], RoPE(k_rope)] and its value c_g·value_up[:, n] for the
+normed latent c_g of its group. The full pass (training, and any pass without
+a cache) builds them and runs `dot_product_attention`. Decoding never does
 ("absorbed", as DeepSeek's inference code): the query absorbs key_up,
-q_lat = q_nope·key_upᵀ [B, T, N, A], so a logit is q_lat·c + q_rope·k_rope
-against the cache as it lies, and value_up is applied after the weighted sum
-of the latents, o = (Σ_s p_s c_s)·value_up. The cache holds A + Y numbers per
-token and layer (N·(I + U) for a per-head K/V of the same heads).
+q_lat = q_nope·key_upᵀ [B, T, N, F], so a logit is q_lat·c_g + q_rope·k_rope
+against the cache as it lies, each group's latents read once for its M query
+heads, and value_up is applied after the weighted sum of the latents,
+o = (Σ_s p_s c_g,s)·value_up. The cache holds A + Y numbers per token and
+layer whatever G (N·(I + U) for a per-head K/V of the same heads); G > 1
+splits the work of decoding by groups, which tensor parallelism shards.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ def resolve(options) -> None:
   """Fills the MLA fields left None (qk_nope_head_dim and v_head_dim:
   head_dim; qk_rope_head_dim: head_dim / 2 with use_rope, else 0) and
   raises ValueError, naming the field and the fix, for a combination MLA
-  cannot take. kv_lora_rank 0 means None (not MLA)."""
+  (or GLA) cannot take. kv_lora_rank 0 means None (not MLA)."""
   set_ = lambda name, value: object.__setattr__(options, name, value)
   rank = options.kv_lora_rank
   if rank is not None and (isinstance(rank, bool) or not isinstance(
@@ -55,6 +65,10 @@ def resolve(options) -> None:
     raise ValueError(f'kv_lora_rank={rank!r} must be an integer >= 1, or '
                      '0/None (not MLA)')
   if not rank:
+    if options.latent_groups != 1:
+      raise ValueError(f'latent_groups={options.latent_groups!r} without '
+                       'kv_lora_rank: the groups split a latent; set '
+                       'kv_lora_rank (a multiple of them), or latent_groups=1')
     if options.rope_pairs is not None:
       raise ValueError('rope_pairs is set, but kv_lora_rank is not: the '
                        'pairs are an MLA RoPE key\'s; unset rope_pairs')
@@ -86,6 +100,14 @@ def _problem(o) -> str | None:
       return f'{name}={value!r} must be an integer >= {low} with kv_lora_rank'
   if Q is not None and not is_int(Q, 1):
     return f'q_lora_rank={Q!r} must be an integer >= 1, or None (no query latent)'
+  G, N = o.latent_groups, o.num_heads
+  if not is_int(G, 1):
+    return f'latent_groups={G!r} must be an integer >= 1 (1: MLA)'
+  if N % G or A % G:
+    fits = [g for g in range(1, min(N, A) + 1) if N % g == 0 == A % g]
+    return (f'latent_groups={G} must divide num_heads={N} and kv_lora_rank='
+            f'{A} (each latent group holds kv_lora_rank / G features for '
+            f'num_heads / G query heads); pick latent_groups in {fits}')
   if o.qk_nope_head_dim + Y == 0:
     return ('qk_nope_head_dim=0 and qk_rope_head_dim=0 leave the keys '
             'empty; give one of them > 0')
@@ -139,6 +161,7 @@ def param_shapes(options, d_model: int, *, shared_kv: bool = False
                 options.q_lora_rank)
   I, Y, U = (options.qk_nope_head_dim, options.qk_rope_head_dim,
              options.v_head_dim)
+  F = A // options.latent_groups
   if Q:
     shapes = {'query_down': (D, Q), 'query_down_norm': (Q,),
               'query_up': (Q, N, I + Y)}
@@ -148,14 +171,14 @@ def param_shapes(options, d_model: int, *, shared_kv: bool = False
     shapes |= {'kv_down': (D, A + Y)}
     if options.latent_norm:
       shapes |= {'kv_norm': (A,)}
-  return {**shapes, 'kv_up': (A, N, I + U), 'out': (N, U, D)}
+  return {**shapes, 'kv_up': (F, N, I + U), 'out': (N, U, D)}
 
 
 def project(options, params, w, x_BTD, pos_bT, shared: bool
             ) -> tuple[tuple[Array, Array], dict[str, Array]]:
   """`attention.layer.apply`'s projections for an MLA layer: ((q_nope
   [B, T, N, I], q_rope [B, T, N, Y] turned by RoPE), the cache entries of
-  the new tokens: the normed latent [B, T, 1, A] and the turned RoPE key
+  the new tokens: the normed latents [B, T, G, F] and the turned RoPE key
   [B, T, 1, Y]; none when shared)."""
   B, T, D = x_BTD.shape
   x_XD = x_BTD.reshape(B * T, D)
@@ -167,8 +190,8 @@ def project(options, params, w, x_BTD, pos_bT, shared: bool
     q_BTNY = rope(q_BTNY)
   if shared:
     return (q_BTNI, q_BTNY), {}
-  c_BTA, k_BTY = _latent(options, params, w, x_XD, B, T)
-  new = {'cached_latent': c_BTA[:, :, None]}
+  c_BTGF, k_BTY = _latent(options, params, w, x_XD, B, T)
+  new = {'cached_latent': c_BTGF}
   if options.qk_rope_head_dim:
     new['cached_rope_key'] = rope(k_BTY[:, :, None])  # One head, shared.
   return (q_BTNI, q_BTNY), new
@@ -176,12 +199,12 @@ def project(options, params, w, x_BTD, pos_bT, shared: bool
 
 def attend(options, w, queries, kv, mask) -> Array:
   """The full pass: [B, T, N, U], against per-head keys and values built
-  from the latent (`expand`)."""
+  from the latents (`expand`)."""
   q_BTNI, q_BTNY = queries
-  c_BSA = kv.key[:, :, 0]
-  k_BSY = (jnp.zeros(c_BSA.shape[:2] + (0,), c_BSA.dtype) if kv.value is None
-           else kv.value[:, :, 0])
-  return _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSA, k_BSY, mask)
+  c_BSGF = kv.key
+  k_BSY = (jnp.zeros(c_BSGF.shape[:2] + (0,), c_BSGF.dtype)
+           if kv.value is None else kv.value[:, :, 0])
+  return _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSGF, k_BSY, mask)
 
 
 def attend_cached(options, w, queries, kv, visible) -> Array:
@@ -189,11 +212,11 @@ def attend_cached(options, w, queries, kv, visible) -> Array:
   absorbed (`absorbed_attention`)."""
   q_BTNI, q_BTNY = queries
   rows = kv_cache.gathered(kv, options)
-  key_up_ANI, value_up_ANU = split_up(w['kv_up'], options.qk_nope_head_dim)
+  key_up_FNI, value_up_FNU = split_up(w['kv_up'], options.qk_nope_head_dim)
   return absorbed_attention(
-      q_BTNI, q_BTNY, key_up_ANI, value_up_ANU, rows.key, rows.value,
+      q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, rows.key, rows.value,
       visible, scale=options.scale, logits_soft_cap=options.logits_soft_cap,
-      latent_scale_BS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
+      latent_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
 
 
 def _queries(options, params, w, x_XD, B: int, T: int
@@ -212,42 +235,48 @@ def _queries(options, params, w, x_XD, B: int, T: int
 
 
 def _latent(options, params, w, x_XD, B: int, T: int) -> tuple[Array, Array]:
-  """(the normed latent c [B, T, A], the RoPE key, not yet turned,
+  """(the normed latents c [B, T, G, F], the RoPE key, not yet turned,
   [B, T, Y]) of the tokens."""
-  A = options.kv_lora_rank
+  A, G = options.kv_lora_rank, options.latent_groups
   ck_X = x_XD @ w['kv_down']  # [B·T, A + Y].
-  c_XA, k_XY = ck_X[:, :A], ck_X[:, A:]
-  if options.latent_norm:
-    c_XA = kv_cache.head_rms_norm(c_XA, params['kv_norm'], options)
-  return c_XA.reshape(B, T, A), k_XY.reshape(B, T, -1)
+  c_XGF, k_XY = ck_X[:, :A].reshape(B * T, G, A // G), ck_X[:, A:]
+  if options.latent_norm:  # Each group's latent by itself (GLA's).
+    c_XGF = kv_cache.head_rms_norm(c_XGF, params['kv_norm'].reshape(G, -1),
+                                   options)
+  return c_XGF.reshape(B, T, G, -1), k_XY.reshape(B, T, -1)
 
 
 def split_up(kv_up, I: int) -> tuple[Array, Array]:
-  """(key_up [A, N, I], value_up [A, N, U]) of kv_up [A, N, I + U]."""
+  """(key_up [F, N, I], value_up [F, N, U]) of kv_up [F, N, I + U]."""
   return kv_up[..., :I], kv_up[..., I:]
 
 
-def expand(key_up_ANI, value_up_ANU, c_BSA, k_BSY
+def expand(key_up_FNI, value_up_FNU, c_BSGF, k_BSY
            ) -> tuple[Array, Array]:
-  """Per-head keys [B, S, N, I + Y] ([c·key_up[:, n], k_rope]) and values
-  [B, S, N, U] (c·value_up[:, n]) from the latent and the RoPE key: what the
-  full pass attends to, and what decoding never builds."""
-  A, N, I = key_up_ANI.shape
-  B, S, _ = c_BSA.shape
-  c_XA = c_BSA.reshape(B * S, A)  # Plain 2-D matmuls (see layer.project).
-  k_BSNI = (c_XA @ key_up_ANI.reshape(A, -1)).reshape(B, S, N, I)
-  v_BSNU = (c_XA @ value_up_ANU.reshape(A, -1)).reshape(B, S, N, -1)
+  """Per-head keys [B, S, N, I + Y] ([c_g·key_up[:, n], k_rope]) and values
+  [B, S, N, U] (c_g·value_up[:, n]) from the latents (head n = g·M + m reads
+  group g's) and the RoPE key: what the full pass attends to, and what
+  decoding never builds."""
+  F, N, I = key_up_FNI.shape
+  B, S, G, _ = c_BSGF.shape
+  # Per group, a plain [B·S, F] x [F, M·W] matmul (see layer.project),
+  # batched over the G groups: [G, B·S, F] x [G, F, M·W].
+  c_GXF = c_BSGF.reshape(B * S, G, F).transpose(1, 0, 2)
+  per_head = lambda up_FNW: jnp.matmul(
+      c_GXF, up_FNW.reshape(F, G, -1).transpose(1, 0, 2)).reshape(
+          G, B, S, N // G, -1).transpose(1, 2, 0, 3, 4).reshape(B, S, N, -1)
+  k_BSNI, v_BSNU = per_head(key_up_FNI), per_head(value_up_FNU)
   k_BSNY = jnp.broadcast_to(k_BSY[:, :, None].astype(k_BSNI.dtype),
                             (B, S, N, k_BSY.shape[-1]))
   return jnp.concatenate([k_BSNI, k_BSNY], axis=-1), v_BSNU
 
 
-def _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSA, k_BSY, mask):
+def _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSGF, k_BSY, mask):
   """[B, T, N, U]: the queries against the keys and values expanded from
-  the latent, by `dot_product_attention` (keys and values zero-padded to
+  the latents, by `dot_product_attention` (keys and values zero-padded to
   one width, which changes no logit and no output feature)."""
   k_BSNH, v_BSNU = expand(*split_up(w['kv_up'], options.qk_nope_head_dim),
-                          c_BSA, k_BSY)
+                          c_BSGF, k_BSY)
   q_BTNH = jnp.concatenate([q_BTNI, q_BTNY.astype(q_BTNI.dtype)], axis=-1)
   H, U = q_BTNH.shape[-1], v_BSNU.shape[-1]
   pad = lambda x, width: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
@@ -260,52 +289,70 @@ def _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSA, k_BSY, mask):
   return out_BTNH[..., :U]
 
 
-def absorbed_attention(q_BTNI, q_BTNY, key_up_ANI, value_up_ANU, latent_BSA,
+def absorbed_attention(q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, latent_ZSF,
                        rope_key_BSY, visible, *, scale: float,
                        logits_soft_cap: float | None,
-                       latent_scale_BS=None, rope_key_scale_BS=None):
+                       latent_scale_ZS=None, rope_key_scale_BS=None):
   """[B, T, N, U]: T queries against S cached latents, with the key
   up-projection absorbed into the query and the value up-projection applied
   after the weighted sum, so no per-head key or value is formed.
 
-  latent [B, S, A] and rope_key [B, S, Y] (None when Y = 0) are read as
-  stored (int8 with their [B, S] float32 scales, which multiply the [.., S]
-  logits and probabilities); visible: boolean broadcastable to [B, N, T, S]
-  (True = attend).
+  latent [Z, S, F] (Z = B·G rows, batch row b's group g at b·G + g) and
+  rope_key [B, S, Y] (None when Y = 0) are read as stored (int8 with their
+  [Z, S] and [B, S] float32 scales, which multiply the [.., S] logits and
+  probabilities); visible: boolean broadcastable to [B, N, T, S] (True =
+  attend).
   """
   B, T, N, I = q_BTNI.shape
-  A = latent_BSA.shape[-1]
-  # W_UK absorbed: q_lat[n] = q_nope[n]·key_up[:, n]ᵀ, [B, T·N, A].
-  q_BRA = jnp.einsum('BTNI,ANI->BTNA', q_BTNI, key_up_ANI).reshape(
-      B, T * N, A)  # R = T·N query rows, one matmul per batch row.
-  logits_BRS = _matmul(q_BRA, latent_BSA, contract=2)
-  if latent_scale_BS is not None:
-    logits_BRS = logits_BRS * latent_scale_BS[:, None, :]
-  if rope_key_BSY is not None:
+  Z, S, F = latent_ZSF.shape
+  G = Z // B
+  # W_UK absorbed: q_lat[n] = q_nope[n]·key_up[:, n]ᵀ, [B, T, N, F].
+  q_BTNF = jnp.einsum('BTNI,FNI->BTNF', q_BTNI, key_up_FNI)
+  # Group g's R = T·M query rows against its latents, one matmul per row of
+  # the cache: each group's latents read once for its M query heads.
+  logits_ZRS = _matmul(_by_group(q_BTNF, G), latent_ZSF, contract=2)
+  if latent_scale_ZS is not None:
+    logits_ZRS = logits_ZRS * latent_scale_ZS[:, None, :]
+  logits_BTNS = _by_head(logits_ZRS, B, T)
+  if rope_key_BSY is not None:  # One RoPE key for all N heads.
     rope_BRS = _matmul(q_BTNY.reshape(B, T * N, -1).astype(q_BTNI.dtype),
                        rope_key_BSY, contract=2)
     if rope_key_scale_BS is not None:
       rope_BRS = rope_BRS * rope_key_scale_BS[:, None, :]
-    logits_BRS = logits_BRS + rope_BRS
-  S = logits_BRS.shape[-1]
-  logits_BTNS = numerics.soft_cap(logits_BRS * scale, logits_soft_cap
-                                  ).reshape(B, T, N, S)
+    logits_BTNS = logits_BTNS + rope_BRS.reshape(B, T, N, S)
+  logits_BTNS = numerics.soft_cap(logits_BTNS * scale, logits_soft_cap)
   mask_BTNS = None if visible is None else jnp.swapaxes(visible, 1, 2)
   probs_BTNS = numerics.masked_softmax(logits_BTNS, mask_BTNS)
-  probs_BRS = probs_BTNS.reshape(B, T * N, S)
-  if latent_scale_BS is not None:
-    probs_BRS = probs_BRS * latent_scale_BS[:, None, :]
-  # The latents' weighted sum, then W_UV: [B, T, N, A] -> [B, T, N, U].
-  o_BRA = _matmul(probs_BRS.astype(q_BTNI.dtype), latent_BSA, contract=1)
-  out_BTNU = jnp.einsum('BTNA,ANU->BTNU',
-                        o_BRA.reshape(B, T, N, A).astype(q_BTNI.dtype),
-                        value_up_ANU)
+  probs_ZRS = _by_group(probs_BTNS, G)
+  if latent_scale_ZS is not None:
+    probs_ZRS = probs_ZRS * latent_scale_ZS[:, None, :]
+  # The latents' weighted sum, then W_UV: [B, T, N, F] -> [B, T, N, U].
+  o_ZRF = _matmul(probs_ZRS.astype(q_BTNI.dtype), latent_ZSF, contract=1)
+  out_BTNU = jnp.einsum('BTNF,FNU->BTNU',
+                        _by_head(o_ZRF, B, T).astype(q_BTNI.dtype),
+                        value_up_FNU)
   return out_BTNU.astype(q_BTNI.dtype)
 
 
-def _matmul(a_BRC, b_BSC, contract: int):
-  """Per batch row, [R, C] x the cache [S, C] as stored: contract=2, its
-  features (-> [B, R, S]), or [R, S] x [S, C], contract=1, its slots (->
-  [B, R, C]); float32, the cache in its own dtype (as decode's)."""
-  return jax.lax.dot_general(a_BRC, b_BSC, (((2,), (contract,)), ((0,), (0,))),
+def _by_group(x_BTNW, G: int):
+  """[B, T, N, W] -> [Z, R, W]: each latent group's rows (Z = B·G), its M
+  heads' T·M query rows (R) in (t, m) order, a [.., G, M, ..] view."""
+  B, T, N, W = x_BTNW.shape
+  return x_BTNW.reshape(B, T, G, N // G, W).transpose(0, 2, 1, 3, 4).reshape(
+      B * G, T * (N // G), W)
+
+
+def _by_head(x_ZRW, B: int, T: int):
+  """`_by_group`'s inverse: [Z, R, W] -> [B, T, N, W]."""
+  Z, R, W = x_ZRW.shape
+  G, M = Z // B, R // T
+  return x_ZRW.reshape(B, G, T, M, W).transpose(0, 2, 1, 3, 4).reshape(
+      B, T, G * M, W)
+
+
+def _matmul(a_ZRC, b_ZSC, contract: int):
+  """Per row of the cache, [R, C] x the cache [S, C] as stored: contract=2,
+  its features (-> [Z, R, S]), or [R, S] x [S, C], contract=1, its slots (->
+  [Z, R, C]); float32, the cache in its own dtype (as decode's)."""
+  return jax.lax.dot_general(a_ZRC, b_ZSC, (((2,), (contract,)), ((0,), (0,))),
                              preferred_element_type=jnp.float32)

@@ -107,6 +107,10 @@ class Options:
   qk_rope_head_dim: int | None = None
   qk_nope_head_dim: int | None = None
   v_head_dim: int | None = None
+  # Grouped latent attention (GLA, Zadouri et al. 2025): the latent split
+  # into latent_groups latents of kv_lora_rank / latent_groups features,
+  # group g serving query heads [g·N/G, (g+1)·N/G); 1 is MLA.
+  latent_groups: int = 1
   # MLA's RMSNorm of the latent (DeepSeek's kv_a_layernorm); a checkpoint
   # converted into MLA has none (an RMSNorm is not linear).
   latent_norm: bool = True

@@ -43,7 +43,7 @@ LOGICAL_AXES = {
     'query_down_norm': ('norm',),
     'query_up': ('q_lora', 'q_heads', 'head_dim'),
     'kv_down': ('embed', 'kv_lora'),
-    'kv_norm': ('norm',),
+    'kv_norm': ('latent_groups',),  # [A]: G groups of F, group-major.
     'kv_up': ('kv_lora', 'q_heads', 'head_dim'),
     # Grouped-tied attention's (attention.tied): the tied states, and the
     # RoPE key shared by the heads (whole on every shard, as head_dim).

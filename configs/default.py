@@ -57,6 +57,11 @@ def model() -> config_dict.ConfigDict:
       qk_rope_head_dim=config_dict.placeholder(int),
       qk_nope_head_dim=config_dict.placeholder(int),
       v_head_dim=config_dict.placeholder(int),
+      # Grouped latent attention (GLA): the latent as latent_groups latents
+      # of kv_lora_rank / latent_groups features, each serving num_heads /
+      # latent_groups query heads (and a shard of tensor parallelism); the
+      # cache holds the same kv_lora_rank numbers per token. 1: MLA.
+      latent_groups=1,
       latent_norm=True,
       # Set by train.convert --to_mla/--to_gta from a RoPE model: the
       # frequency index (of a head_dim-wide RoPE) each pair of the RoPE key

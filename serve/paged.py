@@ -4,7 +4,7 @@ The pool is P pages per layer that owns K/V (not those sharing another's,
 kv_share), each page `page_size` (p) consecutive positions of one sequence,
 laid out as `attention.kv_cache.paged_spec` says (JAX's TPU paged-attention
 kernel's layout: grouped-query keys and values [K, P, p, H]; an MLA layer's
-latent and RoPE key [1, P, p, F]; int8 pages' float32 scales [E, P, p]).
+latents [G, P, p, F] (G latent groups) and RoPE key [1, P, p, Y]; int8 pages' float32 scales [E, P, p]).
 Page j of every layer belongs to the same sequence. A sequence's page table
 [M] lists its pages in position order (M = max pages per sequence,
 ceil(max_len / p)). Page 0 is never handed out: unused page-table entries,

@@ -170,13 +170,15 @@ def test_flops_count_the_expanded_pass_and_the_absorbed_decode():
       2 * N * I * A + 2 * N * A * U + 2 * N * (A + Y) * C + 2 * N * A * C)
 
 
-def _expanding_attention(q_BTNI, q_BTNY, key_up, value_up, latent_BSA,
+def _expanding_attention(q_BTNI, q_BTNY, key_up, value_up, latent_ZSF,
                          rope_key_BSY, visible, *, scale, logits_soft_cap,
-                         latent_scale_BS=None, rope_key_scale_BS=None):
+                         latent_scale_ZS=None, rope_key_scale_BS=None):
   """The control: decoding as MaxText and transformers' DeepseekV3 do,
-  per-head K and V rebuilt from the cached latent at every step."""
-  del logits_soft_cap, latent_scale_BS, rope_key_scale_BS
-  k_BSNH, v_BSNU = latent.expand(key_up, value_up, latent_BSA, rope_key_BSY)
+  per-head K and V rebuilt from the cached latent(s) at every step."""
+  del logits_soft_cap, latent_scale_ZS, rope_key_scale_BS
+  B, (Z, S, F) = q_BTNI.shape[0], latent_ZSF.shape
+  c_BSGF = latent_ZSF.reshape(B, Z // B, S, F).transpose(0, 2, 1, 3)
+  k_BSNH, v_BSNU = latent.expand(key_up, value_up, c_BSGF, rope_key_BSY)
   q_BTNH = jnp.concatenate([q_BTNI, q_BTNY], -1)
   return reference.attention_repeated(q_BTNH, k_BSNH, v_BSNU, visible,
                                       scale=scale)

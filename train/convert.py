@@ -7,7 +7,8 @@
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
-      --kv_lora_rank=A --qk_rope_head_dim=Y     # into latent attention
+      --kv_lora_rank=A --qk_rope_head_dim=Y [--latent_groups=G]
+                                            # into latent attention (GLA)
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_gta \
       [--num_kv_heads=K --method=mean] --qk_rope_head_dim=Y   # tied K/V
 
@@ -33,6 +34,8 @@ attention (`train.to_mla`: partial RoPE on the best qk_rope_head_dim / (2K)
 frequency pairs per KV head, a joint SVD of the rest of [W_K | W_V], the energy kept per
 layer and the held-out loss before any uptraining in NEWDIR/convert.json and
 on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
+--latent_groups=G (a divisor of the source's K) converts into grouped latent
+attention: each of G latents factorised from its own K/G KV heads.
 
 --to_gta pools the K/V heads to K as above, then ties them into grouped-tied
 attention (`train.to_gta`: each KV head's value becomes its tied state, the
@@ -238,31 +241,35 @@ def pool_moments(source: epath.Path, new_params, config, num_kv_heads: int,
 
 
 def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
-                   qk_rope_head_dim: int = 0) -> dict:
+                   qk_rope_head_dim: int = 0, latent_groups: int = 1) -> dict:
   """Writes WORKDIR: SOURCE's model as multi-head latent attention
-  (`train.to_mla`), with the uptraining recipe; returns convert.json's
-  record (energy kept per layer, held-out loss of the source and of the
-  converted model before uptraining)."""
+  (`train.to_mla`; grouped, GLA, with latent_groups > 1), with the
+  uptraining recipe; returns convert.json's record (energy kept per layer,
+  held-out loss of the source and of the converted model before
+  uptraining)."""
   with _new_workdir(workdir) as path:
     model_config, params, config = checkpoint.load_workdir(source, '--source')
-    to_mla.check_source(model_config, kv_lora_rank, qk_rope_head_dim)
+    to_mla.check_source(model_config, kv_lora_rank, qk_rope_head_dim,
+                        latent_groups)
     source = storage.path(source, '--source')
     scores, calibration = None, None
     if model_config.use_rope:
       tokens, calibration = _calibration_tokens(config, source)
       scores = to_mla.calibration_scores(model_config, params, tokens)
     new_params, new_mc, energies = to_mla.convert_params(
-        params, model_config, kv_lora_rank, qk_rope_head_dim, scores)
+        params, model_config, kv_lora_rank, qk_rope_head_dim, scores,
+        latent_groups)
     config.model.update(to_mla.target_config(
         model_config, kv_lora_rank, qk_rope_head_dim,
         None if scores is None else to_mla.select_pairs(
-            scores, qk_rope_head_dim))[1])
+            scores, qk_rope_head_dim), latent_groups)[1])
     recipe = apply_recipe(config, source_rate(source, config))
     for name in ('tokenizer.json', 'hf'):
       storage.copy(source / name, path / name)
     info = {'source': str(source), 'to_mla': True,
             'kv_lora_rank': kv_lora_rank,
             'qk_rope_head_dim': qk_rope_head_dim,
+            'latent_groups': latent_groups,
             'source_num_kv_heads': model_config.num_kv_heads,
             'energy_kept': energies, 'rope_pairs': new_mc.rope_pairs,
             'calibration': calibration,
@@ -540,6 +547,9 @@ def main(argv):
     raise UserError(f'--to_gta takes no {", ".join(ignored)} (an MLA '
                     'conversion\'s, a GQA conversion\'s or an import\'s); '
                     'leave them out')
+  if f['latent_groups'].present and not f.to_mla:
+    raise UserError('--latent_groups splits the latent of --to_mla; give it '
+                    'with --to_mla (and --kv_lora_rank), or leave it out')
   ignored = [f'--{name}' for name in ('num_kv_heads', 'method', 'seed',
                                       'optimizer', 'param_dtype')
              if f.to_mla and f[name].present]
@@ -578,9 +588,11 @@ def main(argv):
     return
   if f.to_mla:
     info = convert_to_mla(f.source, f.workdir, f.kv_lora_rank,
-                          f.qk_rope_head_dim)
+                          f.qk_rope_head_dim, f.latent_groups)
     energy = [round(e, 4) for e in info['energy_kept'] if e is not None]
-    print(f'wrote {f.workdir}: MLA, kv_lora_rank={f.kv_lora_rank}, '
+    kind = (f'GLA, latent_groups={f.latent_groups}' if f.latent_groups > 1
+            else 'MLA')
+    print(f'wrote {f.workdir}: {kind}, kv_lora_rank={f.kv_lora_rank}, '
           f"{info['source_kv_bytes_per_token']:g} -> "
           f"{info['kv_bytes_per_token']:g} KV bytes/token; energy kept per "
           f'layer {energy}; held-out loss {info["source_eval_loss"]:.4f} -> '
@@ -619,6 +631,9 @@ def run():
                     'attention (train.to_gta), its K/V heads pooled to '
                     '--num_kv_heads first')
   flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept, 2·r·K (r pairs per KV head); --to_gta: the shared RoPE key\'s width, even, below head_dim; 0 without RoPE')
+  flags.DEFINE_integer('latent_groups', 1, '--to_mla: latents of '
+                       '--kv_lora_rank / G features, each from K/G source KV '
+                       'heads (grouped latent attention); 1: MLA')
   flags.DEFINE_string('param_dtype', '', "imported parameters' dtype; '': "
                       "float32 master weights (the uptraining recipe)")
   run_app(main)

@@ -13,16 +13,17 @@ K key/value heads, H head dim, F MLP hidden, V vocabulary:
   attention scores and mix   2·2·N·H·C              C = mean keys a query sees
   gated MLP                  3·2·D·F
 and once per token the output logits, 2·D·V. A multi-head latent attention
-layer (attention.latent: A latent, Q query latent, I + Y query/key and U
-value features per head) counts instead
+layer (attention.latent: A latent in G groups, G = 1 for MLA, each head
+reading its group's A/G; Q query latent, I + Y query/key and U value features
+per head) counts instead
   query                      2·D·N·(I+Y), or 2·D·Q + 2·Q·N·(I+Y) with Q
   latent and RoPE key        2·D·(A+Y)              <- none when sharing K/V
-  keys and values from it    2·A·N·(I+U)
+  keys and values from it    2·(A/G)·N·(I+U)
   scores and mix             2·N·(I+Y)·C + 2·N·U·C
   output projection          2·N·U·D
 and decoding, which absorbs the up-projections (no per-head K/V), the
-queries' 2·N·I·A and the outputs' 2·N·A·U for the keys and values from the
-latent, and 2·N·(A+Y)·C + 2·N·A·C for the scores and mix. For causal attention over a
+queries' 2·N·I·(A/G) and the outputs' 2·N·(A/G)·U for the keys and values
+from the latent, and 2·N·(A/G+Y)·C + 2·N·(A/G)·C for the scores and mix. For causal attention over a
 length-T sequence C = (T + 1) / 2 (masked blocks are not counted as work),
 capped in local layers by their window w: C = mean over i of min(i + 1, w). Norms, soft caps
 and the query scale are elementwise and not counted. Training costs
@@ -104,12 +105,15 @@ def _latent_flops(o, D: int, C: float, shares_kv: bool,
   """One MLA layer's attention FLOPs per token (the module docstring)."""
   N, A, Q = o.num_heads, o.kv_lora_rank, o.q_lora_rank
   I, Y, U = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
+  A_head = A // o.latent_groups  # The latent a head reads: its group's.
   query = 2 * D * Q + 2 * Q * N * (I + Y) if Q else 2 * D * N * (I + Y)
   latent = 0 if shares_kv else 2 * D * (A + Y)
   if absorbed:
-    attend = 2 * N * I * A + 2 * N * A * U + 2 * N * (A + Y) * C + 2 * N * A * C
+    attend = (2 * N * I * A_head + 2 * N * A_head * U
+              + 2 * N * (A_head + Y) * C + 2 * N * A_head * C)
   else:
-    attend = 2 * A * N * (I + U) + 2 * N * (I + Y) * C + 2 * N * U * C
+    attend = (2 * A_head * N * (I + U) + 2 * N * (I + Y) * C
+              + 2 * N * U * C)
   return query + latent + attend + 2 * N * U * D
 
 

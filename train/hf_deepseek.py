@@ -102,7 +102,9 @@ def interleaved(hf: dict) -> bool:
 
 def family_problems(mc) -> list[str]:
   """What of an MLA model no DeepSeek checkpoint computes."""
-  wrong = {'use_rope=False': not mc.use_rope,
+  wrong = {f'latent_groups={mc.latent_groups} (grouped latents: '
+           "DeepSeek's format has one)": mc.latent_groups > 1,
+           'use_rope=False': not mc.use_rope,
            'latent_norm=False (DeepSeek normalises the latent)':
            not mc.latent_norm,
            f'local_window={mc.local_window}': mc.local_window,

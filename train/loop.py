@@ -435,7 +435,9 @@ def _cached_per_token(mc) -> str:
   """What a layer caches per token, in words."""
   o = mc.attention(0)
   if o.kv_lora_rank:
-    return (f'MLA: a latent of {o.kv_lora_rank} + a RoPE key of '
+    groups = (f' in {o.latent_groups} groups (GLA)' if o.latent_groups > 1
+              else '')
+    return (f'MLA: a latent of {o.kv_lora_rank}{groups} + a RoPE key of '
             f'{o.qk_rope_head_dim}')
   if o.tie_kv:
     return (f'GTA: {mc.num_kv_heads} tied KV heads x {mc.head_dim} + a RoPE '

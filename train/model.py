@@ -91,6 +91,7 @@ class ModelConfig:
   qk_rope_head_dim: int | None
   qk_nope_head_dim: int | None
   v_head_dim: int | None
+  latent_groups: int  # GLA: the latent in groups of query heads; 1 is MLA.
   latent_norm: bool
   rope_pairs: tuple[int, ...] | None  # Converted MLA's/GTA's RoPE frequencies.
   # Grouped-tied attention (attention.tied): one tied K/V state per KV head

@@ -11,6 +11,13 @@ replicated, so every tensor shard holds all K/V heads beside its N/tensor
 query heads (e.g. MQA with tensor=4). That costs K/V projection weights and
 compute repeated on each shard, and memory for K/V activations and cache of
 K heads per device instead of K/tensor; it is still correct.
+
+Grouped latent attention (model.latent_groups = G) meets it the same way:
+the G latents split over `tensor` when it divides G (kv_norm's [A] by whole
+groups; kv_up's heads follow the query heads, so a shard's heads read its
+own groups), else they are replicated. kv_down [D, A + Y] stays whole on
+every tensor shard (split over fsdp): its columns end in the RoPE key shared
+by all groups, so no even split of them falls on the groups' boundaries.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ RULES = (
     ('mlp', 'tensor'),
     ('head_dim', None),
     ('kv_lora', None),  # MLA's latents: small, whole on every shard.
+    ('latent_groups', 'tensor'),  # GLA's latent groups (G·F features).
     ('q_lora', None),
     ('layers', None),
     ('position', None),
@@ -63,7 +71,8 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
 
 
 def rules(model_config, mesh) -> tuple:
-  """RULES, checked against the model; K/V heads replicated when they must be."""
+  """RULES, checked against the model; K/V heads and latent groups
+  replicated when `tensor` does not divide them."""
   tensor, fsdp = mesh.shape['tensor'], mesh.shape['fsdp']
   m = model_config
   for name, size, axis, n in (('model.num_heads', m.num_heads, 'tensor', tensor),
@@ -74,9 +83,10 @@ def rules(model_config, mesh) -> tuple:
     if size % n:
       raise UserError(f'{name}={size} does not split over mesh.{axis}={n}; '
                       f'use a mesh.{axis} that divides {size}')
-  if m.num_kv_heads % tensor:
-    return tuple((k, None) if k == 'kv_heads' else (k, v) for k, v in RULES)
-  return RULES
+  whole = {name for name, count in (('kv_heads', m.num_kv_heads),
+                                     ('latent_groups', m.latent_groups))
+           if count % tensor}
+  return tuple((k, None if k in whole else v) for k, v in RULES)
 
 
 def batch_sharding(mesh) -> jax.sharding.NamedSharding:

@@ -25,6 +25,15 @@ stays the source's (query_pre_attn_scalar). Queries, outputs and every other
 parameter are copied. At full rank, a model without RoPE, or one keeping
 every pair (Y = K·H), converts exactly (the identity controls).
 
+Into grouped latent attention (GLA, `latent_groups` > 1, a divisor of K),
+each latent group is factorised by itself: group j's latent (A /
+latent_groups features) is the SVD of the [W_K | W_V] columns of source KV
+heads [j·K/latent_groups, (j+1)·K/latent_groups), whose query heads are
+exactly those the group serves; its energy is pooled with the other groups'.
+At a group's full rank, 2·K·H/latent_groups less its share of the RoPE dims
+(or D, when smaller), it too converts exactly. latent_groups = 1 is the MLA
+conversion above.
+
 Letters: D model width, N query heads, K KV heads, G = N // K, H head dim,
 A kv_lora_rank.
 """
@@ -39,7 +48,8 @@ from train import model as model_lib
 from train.errors import UserError
 
 
-def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
+def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int,
+                 latent_groups: int = 1) -> None:
   """UserError, in one line, for a source or target we cannot convert."""
   if mc.kv_lora_rank:
     raise UserError(f'--source already is MLA (model.kv_lora_rank='
@@ -52,6 +62,13 @@ def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
       raise UserError(f'--to_mla: the source has model.{name}=True, which '
                       'MLA cannot take; convert a model without it')
   K, H, Y = mc.num_kv_heads, mc.head_dim, qk_rope_head_dim
+  groups = latent_groups
+  if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or (
+      K % groups):
+    raise UserError(
+        f'--latent_groups={groups}: give a divisor of the source\'s K={K} KV '
+        f'heads ({", ".join(str(g) for g in range(1, K + 1) if K % g == 0)}): '
+        'latent group j factorises KV heads [j·K/G, (j+1)·K/G)')
   if not mc.use_rope and Y:
     raise UserError(f'--qk_rope_head_dim={Y}: the source has no RoPE '
                     '(model.use_rope=False); give 0')
@@ -64,13 +81,22 @@ def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int) -> None:
   # The latent holds the keys' dims without RoPE and all the values':
   # K·(H - Y/K) + K·H = 2·K·H - Y features (Y = 0 without RoPE).
   features = 2 * K * H - (Y if mc.use_rope else 0)
-  full = min(mc.d_model, features)
-  if not 1 <= kv_lora_rank <= full:
-    raise UserError(f'--kv_lora_rank={kv_lora_rank}: give 1 to {full}, the '
-                    f'full rank: min(d_model = {mc.d_model}, 2·K·H - '
-                    f'--qk_rope_head_dim = {2 * K * H} - '
-                    f'{Y if mc.use_rope else 0}), the key and value features '
-                    'left to the latent')
+  if groups == 1:
+    full = min(mc.d_model, features)
+    if not 1 <= kv_lora_rank <= full:
+      raise UserError(f'--kv_lora_rank={kv_lora_rank}: give 1 to {full}, the '
+                      f'full rank: min(d_model = {mc.d_model}, 2·K·H - '
+                      f'--qk_rope_head_dim = {2 * K * H} - '
+                      f'{Y if mc.use_rope else 0}), the key and value '
+                      'features left to the latent')
+    return
+  full = min(mc.d_model, features // groups)  # A group's.
+  if kv_lora_rank % groups or not 1 <= kv_lora_rank // groups <= full:
+    raise UserError(
+        f'--kv_lora_rank={kv_lora_rank} with --latent_groups={groups}: give '
+        f'a multiple of {groups} from {groups} to {groups * full}, '
+        f'{groups} times a group\'s full rank: min(d_model = {mc.d_model}, '
+        f'(2·K·H - --qk_rope_head_dim) / {groups} = {features // groups})')
 
 
 def select_pairs(scores_KP: np.ndarray, qk_rope_head_dim: int) -> np.ndarray:
@@ -95,12 +121,14 @@ def pair_scores(q_XNH: np.ndarray, k_XKH: np.ndarray) -> np.ndarray:
 
 
 def target_config(mc, kv_lora_rank: int, qk_rope_head_dim: int,
-                  pairs_Kr: np.ndarray | None = None):
+                  pairs_Kr: np.ndarray | None = None,
+                  latent_groups: int = 1):
   """The converted model's ModelConfig; as dotted config fields too. With
   RoPE, each KV head's r kept pairs leave its key I = H - 2r features
   without position, and the scale stays the source's."""
   H = mc.head_dim
   fields = dict(num_kv_heads=mc.num_heads, kv_lora_rank=kv_lora_rank,
+                latent_groups=latent_groups,
                 q_lora_rank=None, qk_rope_head_dim=qk_rope_head_dim,
                 qk_nope_head_dim=H, v_head_dim=H, latent_norm=False,
                 rope_pairs=None)
@@ -137,36 +165,49 @@ def _rope_split(kernel_DEH: np.ndarray, pairs_Kr: np.ndarray, kv_head
 
 
 def factorise(key_DKI: np.ndarray, value_DKH: np.ndarray, rank: int,
-              group: int) -> tuple[dict[str, np.ndarray], float]:
-  """({kv_down [D, A], kv_up [A, N, I + H]: key_up then value_up}, energy
-  kept) of one layer's key (without RoPE) [D, K, I] and value [D, K, H]
-  kernels; group: G."""
+              group: int, latent_groups: int = 1
+              ) -> tuple[dict[str, np.ndarray], float]:
+  """({kv_down [D, A], kv_up [A / latent_groups, N, I + H]: key_up then
+  value_up}, energy kept) of one layer's key (without RoPE) [D, K, I] and
+  value [D, K, H] kernels; group: G. Each latent group factorises its own
+  K / latent_groups KV heads to rank A / latent_groups (its kv_down columns
+  and its query heads' kv_up, in group order)."""
   D, K, I = key_DKI.shape
   H = value_DKH.shape[-1]
-  W = np.concatenate([key_DKI.reshape(D, K * I), value_DKH.reshape(D, K * H)],
-                     axis=1).astype(np.float64)
-  u, s, vt = np.linalg.svd(W, full_matrices=False)
-  energy = float(np.sum(s[:rank] ** 2) / max(np.sum(s ** 2), 1e-300))
-  up_K = vt[:rank, :K * I].reshape(rank, K, I)
-  up_V = vt[:rank, K * I:].reshape(rank, K, H)
-  per_query = lambda x_AKW: np.repeat(x_AKW, group, axis=1)  # [A, N, W]
+  k, a = K // latent_groups, rank // latent_groups  # A group's KV heads, rank.
+  per_query = lambda x_AKW: np.repeat(x_AKW, group, axis=1)  # [a, k·G, W]
+  downs, ups, kept, total = [], [], 0.0, 0.0
+  for j in range(latent_groups):
+    heads = slice(j * k, (j + 1) * k)
+    W = np.concatenate([key_DKI[:, heads].reshape(D, k * I),
+                        value_DKH[:, heads].reshape(D, k * H)],
+                       axis=1).astype(np.float64)
+    u, s, vt = np.linalg.svd(W, full_matrices=False)
+    kept, total = kept + np.sum(s[:a] ** 2), total + np.sum(s ** 2)
+    up_K = vt[:a, :k * I].reshape(a, k, I)
+    up_V = vt[:a, k * I:].reshape(a, k, H)
+    downs.append(u[:, :a] * s[:a])
+    ups.append(np.concatenate([per_query(up_K), per_query(up_V)], -1))
   dtype = value_DKH.dtype
-  return {'kv_down': (u[:, :rank] * s[:rank]).astype(dtype),
-          'kv_up': np.concatenate([per_query(up_K), per_query(up_V)],
-                                  -1).astype(dtype)}, energy
+  return {'kv_down': np.concatenate(downs, axis=1).astype(dtype),
+          'kv_up': np.concatenate(ups, axis=1).astype(dtype)}, float(
+              kept / max(total, 1e-300))
 
 
 def convert_params(params, mc, kv_lora_rank: int, qk_rope_head_dim: int = 0,
-                   pair_scores_KP: np.ndarray | None = None
+                   pair_scores_KP: np.ndarray | None = None,
+                   latent_groups: int = 1
                    ) -> tuple[dict, object, list[float | None]]:
-  """(the MLA parameters, their ModelConfig, the energy kept per layer:
-  None for a layer reading another's K/V, kv_share). A RoPE source needs
-  pair_scores_KP [K, H/2] (`pair_scores`, pooled over the layers): the RoPE
-  key keeps each KV head's best qk_rope_head_dim / (2K) pairs."""
-  check_source(mc, kv_lora_rank, qk_rope_head_dim)
+  """(the MLA (GLA with latent_groups > 1) parameters, their ModelConfig,
+  the energy kept per layer: None for a layer reading another's K/V,
+  kv_share). A RoPE source needs pair_scores_KP [K, H/2] (`pair_scores`,
+  pooled over the layers): the RoPE key keeps each KV head's best
+  qk_rope_head_dim / (2K) pairs."""
+  check_source(mc, kv_lora_rank, qk_rope_head_dim, latent_groups)
   pairs_Kr = (select_pairs(pair_scores_KP, qk_rope_head_dim)
               if mc.use_rope else None)
-  new_mc, _ = target_config(mc, kv_lora_rank, qk_rope_head_dim, pairs_Kr)
+  new_mc, _ = target_config(mc, kv_lora_rank, qk_rope_head_dim, pairs_Kr,
+                            latent_groups)
   G = mc.num_heads // mc.num_kv_heads
   layers, energies, owner = [], [], None
   for i, tree in enumerate(model_lib.layer_subtrees(mc, params)):
@@ -184,7 +225,7 @@ def convert_params(params, mc, kv_lora_rank: int, qk_rope_head_dim: int = 0,
         key, k_rope = _rope_split(key, pairs_Kr, lambda k: k)
         k_rope = k_rope.sum(1)  # [D, Y]: each slot from its own KV head.
     if key is not None:
-      owner, energy = factorise(key, value, kv_lora_rank, G)
+      owner, energy = factorise(key, value, kv_lora_rank, G, latent_groups)
       attention['kv_down'] = owner['kv_down'] if pairs_Kr is None else (
           np.concatenate([owner['kv_down'], k_rope], axis=-1))
       energies.append(energy)
