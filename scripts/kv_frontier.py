@@ -2,7 +2,8 @@
 layers, cross-layer sharing and int8 caches, compared at equal bytes.
 
   python -m scripts.kv_frontier --out=DIR [--quick] [--seeds=N]
-      [--panels=recall,lm] [--steps=N] [--lm_steps=N] [--report_only]
+      [--panels=recall,lm] [--steps=N] [--lm_steps=N] [--variants=A,B,..]
+      [--report_only]
 
 Two panels, each a grid of layouts (Variant: K/V heads K, layer pattern,
 kv_share, and MLA's latent width) trained with train.main's loop
@@ -81,20 +82,34 @@ class Variant:
   pattern: str  # model.attention_pattern.
   share: int  # model.kv_share.
   latent: int = 0  # model.kv_lora_rank (0: not MLA).
-  rope: int = 0  # MLA's model.qk_rope_head_dim (0: a model without RoPE).
+  # model.qk_rope_head_dim of MLA/GLA or GTA (0: a model without RoPE).
+  rope: int = 0
+  tie: bool = False  # model.tie_kv: grouped-tied attention (GTA).
+  groups: int = 1  # model.latent_groups: grouped latent attention (GLA).
 
   @property
   def name(self) -> str:
-    kv = (f'MLA{self.latent}' + (f'r{self.rope}' if self.rope else '')
-          if self.latent else f'K{self.K}')
+    rope = f'r{self.rope}' if self.rope else ''
+    if self.latent:
+      kv = (f'GLA{self.latent}g{self.groups}' if self.groups > 1
+            else f'MLA{self.latent}') + rope
+    else:
+      kv = f'GTA{self.K}{rope}' if self.tie else f'K{self.K}'
     return f'{kv}_{self.pattern}_share{self.share}'
 
 
 def _key(m: dict) -> tuple:
-  """A model record's Variant fields (as `measure` writes it)."""
+  """A model record's Variant fields (as `measure` writes it; a record
+  from before GTA and GLA: neither)."""
   latent = m.get('kv_lora_rank') or 0
   return (0 if latent else m['num_kv_heads'], m['attention_pattern'],
-          m['kv_share'], latent, m.get('qk_rope_head_dim') or 0)
+          m['kv_share'], latent, m.get('qk_rope_head_dim') or 0,
+          bool(m.get('tie_kv')), m.get('latent_groups') or 1)
+
+
+def _grouped_query(key: tuple) -> bool:
+  """Whether a _key is a point of the GQA grid (not MLA, GLA or GTA)."""
+  return not key[3] and not key[5]
 
 
 def _grid(kv_heads, patterns, shares) -> tuple[Variant, ...]:
@@ -133,13 +148,23 @@ _QUICK = (REFERENCE, Variant(2, 'G', 2), Variant(1, 'LLGG', 1),
 # numbers, no RoPE; gqa_small: 2 x 32, 16 of them the shared RoPE key).
 _MLA_RECALL, _MLA_LM = Variant(0, 'G', 1, latent=32), Variant(
     0, 'G', 1, latent=48, rope=16)
+# Zadouri, Strauss and Dao 2025's two layouts (issue #51). GTA with K heads
+# caches K·H + Y numbers: without RoPE (recall) GTA-2 holds MQA's bytes and
+# GTA-1 half of them; with the LM panel's RoPE key of 16, GTA-1 holds 48 of
+# MQA's 64. GLA splits MLA's latent in two: MLA's bytes. Each is paired by
+# seed with GQA of the same K (GTA: the paper's "GQA's quality at about half
+# its cache") and with the layouts of equal bytes (GLA: MLA's).
+_ZADOURI_RECALL = (Variant(2, 'G', 1, tie=True), Variant(1, 'G', 1, tie=True),
+                   Variant(0, 'G', 1, latent=32, groups=2))
+_ZADOURI_LM = (Variant(1, 'G', 1, rope=16, tie=True),
+               Variant(0, 'G', 1, latent=48, rope=16, groups=2))
 PANELS = {
     # Local layers of 2 keys (themselves and the one before): enough for a
     # previous-token head, and four of them reach 4 positions back, short of
     # configs/kv_recall.py's gap (test_scripts checks the geometry).
     'recall': Panel(
         'kv_recall', window=2,
-        variants=_QUICK + (_MLA_RECALL,),
+        variants=_QUICK + (_MLA_RECALL,) + _ZADOURI_RECALL,
         quick_variants=_QUICK + (_MLA_RECALL,), steps=0,  # 0: the config's.
         quick_steps=100, seeds=3, quick_seeds=3,
         # MQA converted into MLA at half its bytes (a latent of 16), then
@@ -147,7 +172,7 @@ PANELS = {
         conversions=((REFERENCE, Variant(0, 'G', 1, latent=16), 100),)),
     'lm': Panel(
         'gqa_small', window=64,
-        variants=(REFERENCE, Variant(2, 'G', 2), _MLA_LM),
+        variants=(REFERENCE, Variant(2, 'G', 2), _MLA_LM) + _ZADOURI_LM,
         quick_variants=(), steps=40, quick_steps=0, seeds=3, quick_seeds=0),
 }
 
@@ -161,7 +186,9 @@ def variant_config(base: str, v: Variant, seed: int, steps: int,
                       attention_pattern=v.pattern,
                       local_window=window if 'L' in v.pattern else None,
                       kv_share=v.share, kv_lora_rank=v.latent or None,
-                      qk_rope_head_dim=v.rope if v.latent else None)
+                      qk_rope_head_dim=(v.rope if v.latent or v.tie
+                                        else None),
+                      tie_kv=v.tie, latent_groups=v.groups)
   config.seed = seed
   steps = steps or config.train.steps
   config.train.update(steps=steps, eval_every=steps, checkpoint_every=steps,
@@ -181,6 +208,10 @@ def main():
                       help="comma-separated of 'recall', 'lm' (default both; "
                       '--quick: recall)')
   parser.add_argument('--lm_steps', type=positive_int, default=None)
+  parser.add_argument('--variants', default=None,
+                      help='comma-separated variant names (e.g. '
+                      'K1_G_share1,GTA2_G_share1): train only these of the '
+                      "panels' grids (default all)")
   args = parser.parse_args()
   check_output_dir(args.out)
   out = pathlib.Path(args.out)
@@ -198,9 +229,18 @@ def main():
     raise UserError(f'--panels={args.panels}; use a comma-separated list of '
                     f'{", ".join(PANELS)}')
   plans = {}
+  wanted = set(args.variants.split(',')) if args.variants else None
+  if wanted:
+    known = {v.name for name in names for v in (
+        PANELS[name].quick_variants if args.quick else PANELS[name].variants)}
+    if wanted - known:
+      raise UserError(f'--variants: {", ".join(sorted(wanted - known))} not '
+                      f'in the panels\' grids; pick from {", ".join(sorted(known))}')
   for name in names:
     panel = PANELS[name]
     variants = panel.quick_variants if args.quick else panel.variants
+    if wanted:
+      variants = tuple(v for v in variants if v.name in wanted)
     if name == 'recall':
       panel = dataclasses.replace(panel, config=args.config)
     if args.kv_heads:  # MLA's K: as many as the query heads.
@@ -211,8 +251,9 @@ def main():
     seeds = args.seeds or (panel.quick_seeds if args.quick else panel.seeds)
     if not variants or not seeds:
       raise UserError(f'the {name} panel has no variant to train (its '
-                      '--quick grid is empty, or --kv_heads left none); run '
-                      'without --quick, or with other --kv_heads')
+                      '--quick grid is empty, or --kv_heads or --variants '
+                      'left none); run without --quick, with other '
+                      '--kv_heads or --variants, or name --panels')
     conversions = () if args.quick else tuple(
         c for c in panel.conversions if c[0] in variants)
     plans[name] = (panel, variants, steps, list(range(1, 1 + seeds)),
@@ -292,6 +333,7 @@ def _record(name: str, v: Variant, workdirs, **fields) -> dict:
   return dict(variant=name, num_kv_heads=mc.num_kv_heads,
               attention_pattern=v.pattern, kv_share=v.share,
               kv_lora_rank=v.latent, qk_rope_head_dim=v.rope,
+              tie_kv=v.tie, latent_groups=v.groups,
               kv_bytes_per_token=nbytes, seeds=per_seed, kl=kl, **fields)
 
 
@@ -434,7 +476,7 @@ def analyse(models: list[dict]) -> dict:
                 for v in EQUAL_BYTES)
     pairs = [(gqa, mqa)] + [
         (m, other) for m in designs
-        if _key(m)[3] and m['attention_pattern'] == pattern
+        if not _grouped_query(_key(m)) and m['attention_pattern'] == pattern
         and m['kv_share'] == 1 and mqa
         and m['kv_bytes_per_token']['float']
         == mqa['kv_bytes_per_token']['float'] for other in (mqa, gqa)]
@@ -442,7 +484,8 @@ def analyse(models: list[dict]) -> dict:
       if not (a and b):
         continue
       # Equal float caches (int8's scales differ: one per token and K/V
-      # head, MLA's one per token).
+      # head, MLA's one per token, GLA's one per group, GTA's one per tied
+      # head and one for the RoPE key).
       if a['kv_bytes_per_token']['float'] != b['kv_bytes_per_token'][
           'float']:
         raise ValueError(f'{a["variant"]} and {b["variant"]} differ in bytes:'
@@ -458,9 +501,11 @@ def analyse(models: list[dict]) -> dict:
            uptrain_steps=m['uptrain_steps'],
            diff=_compare(m, names[m['source']]))
       for m in models if m.get('source') in names]
-  # The factors of the GQA grid; MLA layouts are not levels of them.
+  out['same_heads'] = same_heads(designs, by)
+  # The factors of the GQA grid; MLA, GLA and GTA layouts are not levels of
+  # them.
   out['main_effects'] = main_effects({k: m for k, m in by.items()
-                                      if not k[3]})
+                                      if _grouped_query(k)})
   for m in models:
     per_cache = m['seeds']
     delta = {metric: stats.paired(per_cache['int8'][metric],
@@ -468,6 +513,28 @@ def analyse(models: list[dict]) -> dict:
              for metric in per_cache['float']}
     out['int8'].append(dict(variant=m['variant'], delta=delta,
                             kl=stats.mean(m['kl']).as_dict()))
+  return out
+
+
+def same_heads(designs: list[dict], by: dict) -> list[dict]:
+  """Zadouri et al.'s pairs, paired by seed: GTA with K heads minus GQA
+  with the same K, pattern and sharing (their claim: GQA's quality at about
+  half its cache), and GLA minus MLA of the same latent and RoPE key (their
+  claim: MLA's quality, the same bytes), where both were trained."""
+  out = []
+  for m in designs:
+    key = _key(m)
+    if key[5]:
+      other = by.get(key[:4] + (0, False, 1))
+    elif key[3] and key[6] > 1:
+      other = by.get(key[:6] + (1,))
+    else:
+      continue
+    if other:
+      out.append(dict(a=m['variant'], b=other['variant'],
+                      bytes_ratio=m['kv_bytes_per_token']['float']
+                      / other['kv_bytes_per_token']['float'],
+                      diff=_compare(m, other)))
   return out
 
 
@@ -741,6 +808,17 @@ def _panel_reading(name: str, panel: dict) -> list[str]:
         'Resolved on NLL: ' + '; '.join(
             f'{e["a"]} {"worse" if e["diff"]["nll"]["mean"] > 0 else "better"}'
             f' than {e["b"]}' for e in claimed) + '; the rest not claimed.'))
+  if a.get('same_heads'):
+    pairs = [f'{e["a"]} − {e["b"]} at {e["bytes_ratio"]:.0%} of its bytes: '
+             f'NLL {_said(e["diff"]["nll"], " nats")}'
+             for e in a['same_heads']]
+    bullets.append(
+        f'{head}, **Zadouri et al.\'s pairs** (GTA against GQA with as many '
+        'K/V heads, their claim being GQA\'s quality at about half its '
+        'cache; GLA against MLA of the same bytes, their claim being MLA\'s '
+        'quality; uncorrected): ' + '; '.join(pairs) + '. A pair not '
+        'resolved is not a match: it is a difference below what these seeds '
+        'detect, in either direction.')
   for e in a.get('conversions', []):
     d = e['diff']['nll']
     verdict = stats.decide(d)
@@ -858,6 +936,22 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
                    f'{_ci(d["accuracy"], "+.3f")} | '
                    + (f'{_ci(d["first"], "+.3f")} | ' if first_query else '')
                    + f'{d["nll"]["detectable"]:.4f} |')
+    lines.append('')
+  if a.get('same_heads'):
+    lines += ['**Zadouri et al.\'s pairs** (GTA minus GQA with the same K/V '
+              'heads, GLA minus MLA with the same latent; paired by seed, '
+              'uncorrected):', '',
+              '| pair | bytes ratio | ΔNLL | ΔNLL verdict (detectable) | '
+              'Δaccuracy |' + (' Δfirst query |' if first_query else ''),
+              '|---|---|---|---|---|' + ('---|' if first_query else '')]
+    for e in a['same_heads']:
+      d = e['diff']
+      lines.append(f'| {e["a"]} − {e["b"]} | {e["bytes_ratio"]:.3f} | '
+                   f'{_ci(d["nll"])} | {stats.decide(d["nll"])} '
+                   f'({d["nll"]["detectable"]:.4f}) | '
+                   f'{_ci(d["accuracy"], "+.3f")} |'
+                   + (f' {_ci(d["first"], "+.3f")} |' if first_query
+                      else ''))
     lines.append('')
   if a['main_effects']:
     family = len(a['main_effects'])

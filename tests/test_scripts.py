@@ -284,15 +284,19 @@ def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
 
 
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
-                int8_shift=(0.003, -0.002, 0.002), latent=0):
+                int8_shift=(0.003, -0.002, 0.002), latent=0, tie=False,
+                groups=1):
   """A model's record as kv_frontier.measure writes it, per-seed values
   made up: float NLL and accuracy, int8 NLL higher by int8_shift (0.001
-  on average, not resolved). latent: MLA's kv_lora_rank (K then 0)."""
+  on average, not resolved). latent: MLA's kv_lora_rank (K then 0); tie:
+  GTA; groups: GLA's latent groups."""
   seeds = lambda x: [float(v) for v in x]
   return dict(
-      variant=kv_frontier.Variant(K, pattern, share, latent).name,
+      variant=kv_frontier.Variant(K, pattern, share, latent, tie=tie,
+                                  groups=groups).name,
       num_kv_heads=K or 8, attention_pattern=pattern, kv_share=share,
-      kv_lora_rank=latent, qk_rope_head_dim=0,
+      kv_lora_rank=latent, qk_rope_head_dim=0, tie_kv=tie,
+      latent_groups=groups,
       kv_bytes_per_token={'float': nbytes, 'int8': nbytes * 9 / 32},
       seeds={'float': {'nll': seeds(nll), 'accuracy': seeds(accuracy)},
              'int8': {'nll': seeds(np.add(nll, int8_shift)),
@@ -519,7 +523,8 @@ def test_kv_frontier_mla_variant_costs_what_mqa_costs():
   so its float cache has MQA's bytes per token (int8 has fewer: one scale
   per token for the latent, not one for K and one for V)."""
   panel = kv_frontier.PANELS['recall']
-  mla, = [v for v in panel.variants if v.latent and v.pattern == 'G']
+  mla, = [v for v in panel.variants
+          if v.latent and v.pattern == 'G' and v.groups == 1]
   costs = {}
   for v in (mla, kv_frontier.REFERENCE):
     config = kv_frontier.variant_config(panel.config, v, 1, 2, panel.window)
@@ -530,6 +535,73 @@ def test_kv_frontier_mla_variant_costs_what_mqa_costs():
         mc, kv_cache_dtype=dtype)) for dtype in (None, 'int8')]
   (mla_float, mla_int8), (mqa_float, mqa_int8) = costs.values()
   assert mla_float == mqa_float and mla_int8 == mqa_int8 - 4 * 4  # 4 layers.
+
+
+def test_kv_frontier_gta_and_gla_points_cost_what_their_pairs_say():
+  """Zadouri et al.'s points: without RoPE (recall) GTA-2 holds MQA's bytes
+  and GTA-1 half; with the LM panel's RoPE key of 16 (H = 32), GTA-1 holds
+  (32 + 16) / 64 of MQA's; GLA holds exactly its MLA's bytes."""
+  def nbytes(panel, v):
+    config = kv_frontier.variant_config(panel.config, v, 1, 2, panel.window)
+    config_lib.validate(config, batch_shards=1)
+    mc = config_lib.model_config(config)
+    assert mc.tie_kv == v.tie and mc.latent_groups == v.groups
+    return model_lib.kv_bytes_per_token(mc)
+  V = kv_frontier.Variant
+  recall, lm = kv_frontier.PANELS['recall'], kv_frontier.PANELS['lm']
+  mqa = nbytes(recall, kv_frontier.REFERENCE)
+  assert nbytes(recall, V(2, 'G', 1, tie=True)) == mqa
+  assert nbytes(recall, V(1, 'G', 1, tie=True)) == mqa / 2
+  assert nbytes(recall, V(0, 'G', 1, latent=32, groups=2)) == nbytes(
+      recall, V(0, 'G', 1, latent=32))
+  mqa = nbytes(lm, kv_frontier.REFERENCE)
+  assert nbytes(lm, V(1, 'G', 1, rope=16, tie=True)) == mqa * 48 / 64
+  assert nbytes(lm, V(0, 'G', 1, latent=48, rope=16, groups=2)) == nbytes(
+      lm, V(0, 'G', 1, latent=48, rope=16)) == mqa
+  assert {v.name for v in recall.variants} >= {
+      'GTA2_G_share1', 'GTA1_G_share1', 'GLA32g2_G_share1'}
+  assert {v.name for v in lm.variants} >= {'GTA1r16_G_share1',
+                                            'GLA48g2r16_G_share1'}
+
+
+def test_kv_frontier_pairs_gta_with_gqa_of_its_heads_and_gla_with_mla():
+  """same_heads: GTA-1 against MQA (K = 1), GLA against MLA of its latent,
+  paired by seed; a GTA-2 without a GQA-2 of its pattern and sharing has no
+  pair. GTA and GLA stay out of the GQA grid's main effects."""
+  noise = np.array([0.01, -0.02, 0.015])
+  models = _fake_grid(control_accuracy=0.03) + [
+      # GTA-1: worse than MQA by 0.2 on every seed, give or take 0.01.
+      _fake_model(1, 'G', 1, 1.2 + noise[::-1] * 0.5, 0.9 + noise, 64,
+                  tie=True),
+      _fake_model(2, 'G', 1, 1.0 + noise, 0.9 + noise, 128, tie=True),
+      _fake_model(0, 'G', 1, 1.0 + noise, 0.9 + noise, 128, latent=32),
+      _fake_model(0, 'G', 1, 1.0 + noise[::-1], 0.9 + noise, 128, latent=32,
+                  groups=2)]
+  analysis = kv_frontier.analyse(models)
+  pairs = {(e['a'], e['b']): e for e in analysis['same_heads']}
+  assert set(pairs) == {('GTA1_G_share1', 'K1_G_share1'),
+                        ('GLA32g2_G_share1', 'MLA32_G_share1')}
+  gta = pairs['GTA1_G_share1', 'K1_G_share1']
+  assert gta['bytes_ratio'] == 0.5
+  assert gta['diff']['nll']['mean'] == pytest.approx(0.2, abs=0.02)
+  assert gta['diff']['nll']['resolved']
+  assert not pairs['GLA32g2_G_share1', 'MLA32_G_share1']['diff']['nll'][
+      'resolved']
+  assert all('GTA' not in e['factor'] for e in analysis['main_effects'])
+  assert [e['factor'] for e in analysis['main_effects']] == [
+      e['factor'] for e in kv_frontier.analyse(_fake_grid(
+          control_accuracy=0.03))['main_effects']]
+  # GTA-2 and GLA hold MQA's bytes: equal-bytes pairs with MQA and GQA-2.
+  equal = {(e['a'], e['b']) for e in analysis['equal_bytes']}
+  assert ('GTA2_G_share1', 'K1_G_share1') in equal
+  assert ('GLA32g2_G_share1', 'K1_G_share1') in equal
+  report = kv_frontier.report({'provenance': {
+      'command': 'test', 'commit': 'x', 'out': 'x'}, 'minutes': 1.0,
+      'panels': {'recall': dict(config='kv_recall', window=2, steps=10,
+                                seeds=[1, 2, 3], task='t', layers=4,
+                                models=models, analysis=analysis)}})
+  assert "Zadouri et al.'s pairs" in report
+  assert 'GTA1_G_share1 − K1_G_share1' in report
 
 
 def test_kv_frontier_recall_control_reaches_no_pair():
