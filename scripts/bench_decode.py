@@ -18,8 +18,10 @@ GTA, MLA and GLA is the config's qk_rope_head_dim (None: head_dim / 2).
 On gqa_small (N=8, H=32) the default holds MHA, GQA-2, MQA, GTA at 2 and 1
 heads (80 and 48 numbers a token and layer), and MLA and GLA-2 at MQA's 64.
 Its grid is batches 1,16,256 and contexts 256,2048, trimmed from the K-only
-default's 1,16,64,256 x 256,1024,2048 so that seven variants cost about
-what three did there (about 1.5x).
+default's (--kv_heads: 1,16,64,256 x 256,1024,2048) so that seven variants
+cost about what three did: 42 cells against 36, in one rough pair of runs
+on a loaded 2-core machine 1.3x the CPU time (4.0 against 3.0 minutes) and
+no more wall time (10 against 11 minutes).
 
 For each variant, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
@@ -31,10 +33,11 @@ that reading the cache once per token at the machine's measured read
 bandwidth would allow (weights are read once per step as well, and are
 included), and the fraction of it reached; also the FLOP roofline, the
 tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
-a CPU comes close where the intensity is high: G query heads share each
-cached key, G/2 FLOPs per float32 byte of cache (about 2G for GTA and 2N/g
-for MLA and GLA per number, 4 bytes each), against the CPU's ~6 FLOPs per
-byte of bandwidth. Writes decode.json and decode.png under --out.
+a CPU comes close where the intensity is high: GQA's G query heads share
+each cached key and value, G/2 FLOPs per float32 byte of cache; GTA's
+tied state serves both, up to G; MLA's latent serves N heads twice, up to
+N, and GLA's N/g (g groups); against the CPU's ~6 FLOPs per byte of
+bandwidth. Writes decode.json and decode.png under --out.
 --equal_params widens the MLP of variants with fewer K/V heads to the
 config's parameter count, as `scripts.compare --equal_params` trains them
 (GQA variants only).
@@ -478,11 +481,12 @@ def plot(results, path):
       b = [r['batch'] for r in sel]
       color = f'C{i % 10}'
       ax.plot(b, [r['tokens_per_sec'] for r in sel], 'o-', color=color,
-              label=f'{name} measured')
+              label=name)
       ax.plot(b, [r['roofline_tokens_per_sec'] for r in sel], '--',
-              color=color, label=f'{name} roofline')
+              color=color)
     ax.set(xscale='log', yscale='log', xlabel='batch',
-           ylabel='decoded tokens/s', title=f'context {context}')
+           ylabel='decoded tokens/s',
+           title=f'context {context} (dashed: the roofline)')
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
