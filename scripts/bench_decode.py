@@ -1,24 +1,46 @@
 """Decode throughput per variant against the roofline, and against PyTorch.
 
-  python -m scripts.bench_decode [--config=gqa_small] [--kv_heads=8,2,1]
-      [--batches=1,16,64,256] [--contexts=256,1024,2048] [--out=DIR]
+  python -m scripts.bench_decode [--config=gqa_small]
+      [--variants=K8,K2,K1,GTA2,GTA1,MLA48,GLA48g2 | --kv_heads=8,2,1]
+      [--batches=1,16,256] [--contexts=256,2048] [--out=DIR]
       [--kv_cache_dtype=bfloat16|int8] [--equal_params]
       [--markdown=BENCHMARKS.md]
   python -m scripts.bench_decode --layer [--kv_heads=16,4,1]
       [--batches=16,256] [--contexts=2048] [--out=DIR]
 
-For each num_kv_heads, batch and context, times decoding with the whole model
+--variants names the layouts, each the config with its attention changed:
+K<k> grouped-query attention with k K/V heads (MHA at the config's heads, MQA
+at 1; --kv_heads=8,2,1 means K8,K2,K1), GTA<k> grouped-tied attention with k
+tied heads (model.tie_kv, `attention.tied`), MLA<a> multi-head latent
+attention with a latent of a (model.kv_lora_rank, `attention.latent`),
+GLA<a>g<g> MLA's latent in g groups (model.latent_groups); the RoPE key of
+GTA, MLA and GLA is the config's qk_rope_head_dim (None: head_dim / 2).
+On gqa_small (N=8, H=32) the default holds MHA, GQA-2, MQA, GTA at 2 and 1
+heads (80 and 48 numbers a token and layer), and MLA and GLA-2 at MQA's 64.
+Its grid is batches 1,16,256 and contexts 256,2048, trimmed from the K-only
+default's (--kv_heads: 1,16,64,256 x 256,1024,2048) so that seven variants
+cost about what three did: 42 cells against 36, in one rough pair of runs
+on a loaded 2-core machine 1.3x the CPU time (4.0 against 3.0 minutes) and
+no more wall time (10 against 11 minutes).
+
+For each variant, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
-as `train.sample` does, and reports tokens/s, KV-cache bytes, and the
-roofline: the tokens/s that reading the cache once per token at the machine's
-measured read bandwidth would allow (weights are read once per step as well,
-and are included), and the fraction of it reached; also the FLOP roofline,
-the tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
-a CPU comes close for the grouped variants: G query heads share each cached
-key, G/2 FLOPs per float32 byte of cache, against the CPU's ~6 FLOPs per byte
-of bandwidth. Writes decode.json and decode.png under --out.
+as `train.sample` does, and reports tokens/s, the KV cache's bytes (in all,
+and per token: `train.model.kv_bytes_per_token`), the attention's
+arithmetic intensity (its scores' and mix's FLOPs per byte of cache read,
+`train.flops.attention_decode_intensity`), and the roofline: the tokens/s
+that reading the cache once per token at the machine's measured read
+bandwidth would allow (weights are read once per step as well, and are
+included), and the fraction of it reached; also the FLOP roofline, the
+tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
+a CPU comes close where the intensity is high: GQA's G query heads share
+each cached key and value, G/2 FLOPs per float32 byte of cache; GTA's
+tied state serves both, up to G; MLA's latent serves N heads twice, up to
+N, and GLA's N/g (g groups); against the CPU's ~6 FLOPs per byte of
+bandwidth. Writes decode.json and decode.png under --out.
 --equal_params widens the MLP of variants with fewer K/V heads to the
-config's parameter count, as `scripts.compare --equal_params` trains them.
+config's parameter count, as `scripts.compare --equal_params` trains them
+(GQA variants only).
 
 --layer: one attention layer's decode step (N=16, H=64, D=1024, float32),
 `attention.layer.apply` with its cache as `attention.Attention(decode=True)`
@@ -34,8 +56,11 @@ Writes decode_layer.json under --out.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import pathlib
+import re
 import sys
 import time
 
@@ -57,12 +82,18 @@ def main():
   parser.add_argument('--config', help='default gqa_small (not with --layer)')
   parser.add_argument('--layer', action='store_true',
                       help='one attention layer against PyTorch')
+  parser.add_argument('--variants', type=variant_list,
+                      help=f'{GRAMMAR}; default {",".join(DEFAULT_VARIANTS)} '
+                      '(not with --layer)')
   parser.add_argument('--kv_heads', type=int_list,
-                      help='default 8,2,1; with --layer 16,4,1')
+                      help='K<k> variants: 8,2,1 is --variants=K8,K2,K1; '
+                      'with --layer (default 16,4,1) the layer\'s K')
   parser.add_argument('--batches', type=int_list,
-                      help='default 1,16,64,256; with --layer 16,256')
+                      help='default 1,16,256 (1,16,64,256 with --kv_heads); '
+                      'with --layer 16,256')
   parser.add_argument('--contexts', type=int_list,
-                      help='default 256,1024,2048; with --layer 2048')
+                      help='default 256,2048 (256,1024,2048 with '
+                      '--kv_heads); with --layer 2048')
   parser.add_argument('--repeats', type=positive_int, default=5)
   parser.add_argument('--kv_cache_dtype', choices=layer.KV_CACHE_DTYPES,
                       help="the cache's storage (default: the config's)")
@@ -78,11 +109,18 @@ def main():
   if args.layer:
     return main_layer(args)
   args.config = args.config or 'gqa_small'
-  args.kv_heads = args.kv_heads or [8, 2, 1]
-  args.batches = args.batches or [1, 16, 64, 256]
-  args.contexts = args.contexts or [256, 1024, 2048]
-  results = run(args.config, args.kv_heads, args.batches, args.contexts,
-                args.repeats, args.kv_cache_dtype, args.equal_params)
+  if args.kv_heads and args.variants:
+    raise UserError('--kv_heads and --variants: give one (--kv_heads=8,2,1 '
+                    'is --variants=K8,K2,K1)')
+  if args.kv_heads:  # The K-only run, and its grid, as before --variants.
+    variants = [Variant.parse(f'K{K}') for K in args.kv_heads]
+    grid = [1, 16, 64, 256], [256, 1024, 2048]
+  else:
+    variants = args.variants or [Variant.parse(v) for v in DEFAULT_VARIANTS]
+    grid = [1, 16, 256], [256, 2048]
+  results = run(args.config, variants, args.batches or grid[0],
+                args.contexts or grid[1], args.repeats, args.kv_cache_dtype,
+                args.equal_params)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   results['provenance'] = provenance.record('scripts.bench_decode', out,
@@ -96,6 +134,57 @@ def main():
 
 
 MODEL_SECTION = 'Decoding with the whole model: against the roofline'
+GRAMMAR = ('K<k> (GQA, k K/V heads), GTA<k> (grouped-tied, k heads), MLA<a> '
+           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), '
+           'comma-separated')
+DEFAULT_VARIANTS = ('K8', 'K2', 'K1', 'GTA2', 'GTA1', 'MLA48', 'GLA48g2')
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """A layout --variants names: the model fields it sets on the config
+  (every one of them, so that a config's own MLA or GTA does not leak into
+  another variant); num_kv_heads None is the config's num_heads (MLA's)."""
+  name: str
+  num_kv_heads: int | None
+  tie_kv: bool = False
+  kv_lora_rank: int | None = None
+  latent_groups: int = 1
+
+  PATTERNS = {  # Name -> the fields of its numbers.
+      r'K(\d+)': lambda k: dict(num_kv_heads=k),
+      r'GTA(\d+)': lambda k: dict(num_kv_heads=k, tie_kv=True),
+      r'MLA(\d+)': lambda a: dict(num_kv_heads=None, kv_lora_rank=a),
+      r'GLA(\d+)g(\d+)': lambda a, g: dict(num_kv_heads=None, kv_lora_rank=a,
+                                           latent_groups=g),
+  }
+
+  @classmethod
+  def parse(cls, name: str) -> 'Variant':
+    """'GLA48g2' -> its Variant; ValueError for a name not in GRAMMAR."""
+    for pattern, fields in cls.PATTERNS.items():
+      match = re.fullmatch(pattern, name)
+      if match and all(int(n) > 0 for n in match.groups()):
+        return cls(name, **fields(*map(int, match.groups())))
+    raise ValueError(f'{name!r} is not a variant')
+
+  @property
+  def is_gqa(self) -> bool:
+    return not (self.tie_kv or self.kv_lora_rank)
+
+  def apply_to(self, model):
+    """Sets the variant's fields on `model` (a config's model section)."""
+    model.update(num_kv_heads=self.num_kv_heads or model.num_heads,
+                 tie_kv=self.tie_kv, kv_lora_rank=self.kv_lora_rank,
+                 latent_groups=self.latent_groups)
+
+
+def variant_list(text: str) -> list[Variant]:
+  """'K8,GTA2' -> [Variant, ...]: an argparse type."""
+  try:
+    return [Variant.parse(name) for name in text.split(',')]
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f'{e}; give {GRAMMAR}') from None
 
 
 def model_markdown(results, args) -> str:
@@ -109,64 +198,96 @@ def model_markdown(results, args) -> str:
       f'{results["peak_source"]}, the peak MFU uses). Tokens/s bounds: the '
       'weights and the KV cache read once per step at that bandwidth, and '
       "the step's FLOPs at the peak; the roofline is the lower of the two, "
-      'and the share is of it.', '',
-      '| K | batch | context | tokens/s | KV cache | bandwidth bound | '
+      'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
+      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups; '
+      'K is model.num_kv_heads (MLA\'s: the query heads). KV bytes per '
+      'token: all layers\' (`train.model.kv_bytes_per_token`); attention '
+      "FLOPs per KV byte: a decode step's scores and mix over the cache "
+      'bytes they read (`train.flops.attention_decode_intensity`).', '',
+      '| variant | K | batch | context | tokens/s | KV bytes per token | '
+      'KV cache | attention FLOPs per KV byte | bandwidth bound | '
       'FLOP bound | share of the roofline |',
-      '|---|---|---|---|---|---|---|---|']
+      '|---|---|---|---|---|---|---|---|---|---|---|']
   for r in results['rows']:
     lines.append(
-        f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
-        f'{r["tokens_per_sec"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
+        f'| {r["variant"]} | {r["num_kv_heads"]} | {r["batch"]} | '
+        f'{r["context"]} | {r["tokens_per_sec"]:,.0f} | '
+        f'{r["kv_bytes_per_token"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
+        f'{r["attention_flops_per_kv_byte"]:.2f} | '
         f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
         f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
         f'{100 * r["fraction_of_roofline"]:.0f}% |')
   return '\n'.join(lines)
 
 
-def run(config_name, kv_heads, batches, contexts, repeats,
+def run(config_name, variants, batches, contexts, repeats,
         kv_cache_dtype=None, equal_params=False):
+  """{'bandwidth', 'peak_flops', 'peak_source', 'rows'}: a row per variant
+  (a Variant, or an int k for K<k>), batch and context."""
+  variants = [v if isinstance(v, Variant) else Variant.parse(f'K{v}')
+              for v in variants]
+  if equal_params and not all(v.is_gqa for v in variants):
+    others = ','.join(v.name for v in variants if not v.is_gqa)
+    raise UserError(f'--equal_params with --variants={others}: it widens '
+                    'the MLP by the K/V weights GQA drops (scripts.compare '
+                    "--equal_params's rule); give only K<k> variants, or "
+                    'drop --equal_params')
   config = config_lib.load(config_name)
   if kv_cache_dtype:
     config.model.kv_cache_dtype = kv_cache_dtype
   mlp_dim = config.model.mlp_dim
 
-  def set_kv_heads(K):
-    config.model.num_kv_heads = K
+  def set_variant(v):
+    v.apply_to(config.model)
     if equal_params:
       config.model.mlp_dim = flops.equal_params_mlp_dim(
-          mlp_dim, config.model.num_heads, K, config.model.head_dim)
+          mlp_dim, config.model.num_heads, config.model.num_kv_heads,
+          config.model.head_dim)
 
-  for K in kv_heads:  # Every bad setting refused before any measurement.
-    set_kv_heads(K)
-    config_lib.validate(config, batch_shards=1)
+  for v in variants:  # Every bad setting refused before any measurement.
+    set_variant(v)
+    try:
+      config_lib.validate(config, batch_shards=1)
+    except UserError as e:
+      raise UserError(f'--variants={v.name}: {e}') from None
   bandwidth = timing.read_bandwidth(repeats)
   peak, peak_source = flops.peak_flops()
   rows = []
   print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:,.0f} '
         f'GFLOP/s ({peak_source})')
-  print(f'{"K":>3} {"batch":>6} {"context":>8} {"tokens/s":>10} '
-        f'{"KV MiB":>8} {"bytes bound":>12} {"FLOP bound":>11} '
-        f'{"of the lower":>12}')
-  for K in kv_heads:
-    set_kv_heads(K)
+  print(f'{"variant":>8} {"batch":>6} {"context":>8} {"tokens/s":>10} '
+        f'{"KV B/tok":>9} {"KV MiB":>8} {"FLOP/B":>7} {"bytes bound":>12} '
+        f'{"FLOP bound":>11} {"of the lower":>12}')
+  for v in variants:
+    set_variant(v)
     mc = config_lib.model_config(config)
+    options = mc.attention(0)  # The layers' layouts are the same.
+    intensity = flops.attention_decode_intensity(options, mc.dtype)
     for batch in batches:
       for context in contexts:
         seconds = timing.decode_step_seconds(mc, batch, context, repeats)
         kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
+        per_token = model_lib.kv_bytes_per_token(
+            dataclasses.replace(mc, max_len=context))
         bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
                                                      bandwidth, peak)
-        row = dict(num_kv_heads=K, mlp_dim=mc.mlp_dim, batch=batch,
-                   context=context,
+        row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
+                   tie_kv=mc.tie_kv, kv_lora_rank=mc.kv_lora_rank,
+                   latent_groups=mc.latent_groups,
+                   qk_rope_head_dim=options.qk_rope_head_dim,
+                   mlp_dim=mc.mlp_dim, batch=batch, context=context,
                    tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
+                   kv_bytes_per_token=per_token,
+                   attention_flops_per_kv_byte=intensity,
                    bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
                    compute_roofline_tokens_per_sec=bound['compute'],
                    roofline_tokens_per_sec=bound['roofline'],
                    fraction_of_roofline=batch / seconds / bound['roofline'])
         rows.append(row)
-        print(f'{K:>3} {batch:>6} {context:>8} {row["tokens_per_sec"]:>10,.0f}'
-              f' {kv_bytes / 2**20:>8.1f} {bound["bandwidth"]:>12,.0f} '
-              f'{bound["compute"]:>11,.0f} '
+        print(f'{v.name:>8} {batch:>6} {context:>8} '
+              f'{row["tokens_per_sec"]:>10,.0f} {per_token:>9,.0f} '
+              f'{kv_bytes / 2**20:>8.1f} {intensity:>7.2f} '
+              f'{bound["bandwidth"]:>12,.0f} {bound["compute"]:>11,.0f} '
               f'{100 * row["fraction_of_roofline"]:>11.0f}%', flush=True)
   return {'bandwidth': bandwidth, 'peak_flops': peak,
           'peak_source': peak_source, 'rows': rows}
@@ -182,7 +303,7 @@ STEPS_LEFT = 8  # Free slots after the filled prefix.
 def main_layer(args):
   kv_heads = args.kv_heads or [16, 4, 1]
   batches, contexts = args.batches or [16, 256], args.contexts or [2048]
-  given = [f'--{name}' for name in ('config', 'kv_cache_dtype',
+  given = [f'--{name}' for name in ('config', 'variants', 'kv_cache_dtype',
                                      'equal_params') if getattr(args, name)]
   if given:
     raise UserError(f'{" and ".join(given)}: not used with --layer (one '
@@ -352,19 +473,20 @@ def plot(results, path):
   contexts = sorted({r['context'] for r in rows})
   fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4),
                            squeeze=False)
+  variants = list(dict.fromkeys(r['variant'] for r in rows))  # In order.
   for ax, context in zip(axes[0], contexts):
-    for i, K in enumerate(sorted({r['num_kv_heads'] for r in rows},
-                                 reverse=True)):
+    for i, name in enumerate(variants):
       sel = [r for r in rows if r['context'] == context
-             and r['num_kv_heads'] == K]
+             and r['variant'] == name]
       b = [r['batch'] for r in sel]
-      color = f'C{i}'
+      color = f'C{i % 10}'
       ax.plot(b, [r['tokens_per_sec'] for r in sel], 'o-', color=color,
-              label=f'K={K} measured')
+              label=name)
       ax.plot(b, [r['roofline_tokens_per_sec'] for r in sel], '--',
-              color=color, label=f'K={K} roofline')
+              color=color)
     ax.set(xscale='log', yscale='log', xlabel='batch',
-           ylabel='decoded tokens/s', title=f'context {context}')
+           ylabel='decoded tokens/s',
+           title=f'context {context} (dashed: the roofline)')
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

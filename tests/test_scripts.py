@@ -132,6 +132,61 @@ def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
 
 
 @pytest.mark.slow
+def test_bench_decode_times_each_named_variant(tmp_path, monkeypatch):
+  """--variants: a row per layout, its fields and its cache as that layout
+  holds it: tiny's GTA with K=2 tied heads caches K·H + Y numbers a token
+  and layer where GQA-2 caches 2·K·H; GLA's latent A + Y whatever its
+  groups, and each latent number serves N/G heads."""
+  markdown = tmp_path / 'BENCHMARKS.md'
+  monkeypatch.setattr(sys, 'argv', [
+      'bench_decode', '--config=tiny', '--variants=K2,GTA2,GLA32g2',
+      '--batches=2', '--contexts=16', '--repeats=1',
+      f'--out={tmp_path / "out"}', f'--markdown={markdown}'])
+  bench_decode.main()
+  rows = {r['variant']: r for r in json.loads(
+      (tmp_path / 'out' / 'decode.json').read_text())['rows']}
+  assert list(rows) == ['K2', 'GTA2', 'GLA32g2']
+  assert all(r['tokens_per_sec'] > 0 for r in rows.values())
+  K, H, Y, N, L, A, G = 2, 8, 4, 4, 2, 32, 2  # tiny: Y = H / 2, 2 layers.
+  assert rows['K2']['kv_bytes_per_token'] == 2 * K * H * 4 * L
+  assert rows['GTA2']['kv_bytes_per_token'] / rows['K2'][
+      'kv_bytes_per_token'] == (K * H + Y) / (2 * K * H)
+  assert rows['GLA32g2']['kv_bytes_per_token'] == (A + Y) * 4 * L
+  assert (rows['GTA2']['tie_kv'], rows['GTA2']['num_kv_heads'],
+          rows['GTA2']['qk_rope_head_dim']) == (True, K, Y)
+  assert (rows['GLA32g2']['kv_lora_rank'], rows['GLA32g2']['latent_groups'],
+          rows['GLA32g2']['num_kv_heads']) == (A, G, N)
+  # FLOPs per float32 byte: GQA 2·G / 4 = 1; GLA 2·N·(2·A/G + Y) / (A + Y) / 4.
+  assert rows['K2']['attention_flops_per_kv_byte'] == 1
+  assert rows['GLA32g2']['attention_flops_per_kv_byte'] == pytest.approx(
+      2 * N * (2 * A / G + Y) / (A + Y) / 4)
+  text = markdown.read_text()
+  for name, r in rows.items():
+    assert f'| {name} | {r["num_kv_heads"]} | 2 | 16 | ' in text
+  assert (tmp_path / 'out' / 'decode.png').stat().st_size > 0
+
+
+def test_bench_decode_variants_name_their_fields():
+  """Every variant sets all four layout fields, so that one variant's MLA
+  or tying cannot leak into the next one timed."""
+  model = config_lib.load('gqa_small').model
+  for name, fields in (
+      ('K1', dict(num_kv_heads=1, tie_kv=False, kv_lora_rank=None,
+                  latent_groups=1)),
+      ('GLA48g2', dict(num_kv_heads=8, tie_kv=False, kv_lora_rank=48,
+                       latent_groups=2)),
+      ('GTA2', dict(num_kv_heads=2, tie_kv=True, kv_lora_rank=None,
+                    latent_groups=1)),
+      ('MLA48', dict(num_kv_heads=8, tie_kv=False, kv_lora_rank=48,
+                     latent_groups=1))):
+    bench_decode.Variant.parse(name).apply_to(model)
+    assert {f: model[f] for f in fields} == fields, name
+  for bad in ('K0', 'GQA2', 'GLA48', 'MLA', 'k2', 'GTA2,'):
+    with pytest.raises(ValueError, match='is not a variant'):
+      bench_decode.Variant.parse(bad)
+
+
+@pytest.mark.slow
 def test_bench_decode_equal_params_times_the_models_compare_trains():
   """--equal_params: each K is timed with the MLP compare --equal_params
   trains it with (wider for fewer K/V heads), not the config's."""

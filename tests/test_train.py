@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from attention import layer
 from configs import tiny
 from train import checkpoint, config_lib, data, flops, loop
 from train import model as model_lib
@@ -364,6 +365,34 @@ def test_decode_is_judged_against_the_lower_of_its_bandwidth_and_flop_bounds():
       assert b['roofline'] == min(b['bandwidth'], b['compute'])
       assert b['roofline'] == b['compute' if (K, batch) == (1, 256) else
                                 'bandwidth']
+
+
+@pytest.mark.parametrize('fields, dtype, expected', [
+    # N=8, H=32. Per key: scores and mix 2·2·8·32 = 1,024 FLOPs (GQA, GTA).
+    (dict(num_kv_heads=8), 'float32', 1024 / (2 * 8 * 32 * 4)),  # MHA: 0.5.
+    (dict(num_kv_heads=8), 'bfloat16', 1.0),  # The paper's MHA: 1.
+    (dict(num_kv_heads=2), 'float32', 2.0),  # GQA-2: 1,024 / 512 bytes.
+    (dict(num_kv_heads=1), 'float32', 4.0),  # MQA: 1,024 / 256 bytes.
+    # int8: 2·2·32 numbers and a float32 scale each per KV head and token.
+    (dict(num_kv_heads=2, kv_cache_dtype='int8'), 'float32', 1024 / 144),
+    # GTA-2, Y=16: one tied state of 32 per KV head and one RoPE key, 80
+    # numbers; its FLOPs are GQA's.
+    (dict(num_kv_heads=2, tie_kv=True), 'float32', 1024 / 320),
+    # MLA, A=48, Y=16, absorbed: 2·8·(48+16) + 2·8·48 = 1,792 per key over
+    # 64 numbers.
+    (dict(num_kv_heads=8, kv_lora_rank=48), 'float32', 1792 / 256),
+    # GLA-2: each head reads its group's 24: 2·8·(24+16) + 2·8·24 = 1,024.
+    (dict(num_kv_heads=8, kv_lora_rank=48, latent_groups=2), 'float32',
+     1024 / 256),
+])
+def test_decode_intensity_is_attention_flops_per_cache_byte(fields, dtype,
+                                                            expected):
+  """A decode step's scores and mix per byte of cache read, counted by hand:
+  each cached number serves G heads twice (GQA), the tied state both
+  products (GTA), a latent number N/G heads twice (MLA, GLA)."""
+  options = layer.Options(num_heads=8, head_dim=32, **fields)
+  assert flops.attention_decode_intensity(options, dtype) == pytest.approx(
+      expected)
 
 
 def test_attention_flops_count_backward_as_twice_forward():

@@ -29,6 +29,17 @@ capped in local layers by their window w: C = mean over i of min(i + 1, w). Norm
 and the query scale are elementwise and not counted. Training costs
 3x the forward pass (backward = 2x forward); rematerialised recomputation is
 not counted, as in the PaLM paper's MFU.
+
+A decode step's attention intensity (`attention_decode_intensity`) is its
+scores' and mix's FLOPs per key over the bytes of one token's cache entry
+(as `attention.layer.kv_cache_bytes` counts them): per cached number,
+2·2·N·H / (2·K·H) = 2·G FLOPs for GQA (each cached key and value serves its
+G query heads); 2·2·N·H / (K·H + Y) for GTA (the tied state serves the keys
+and the values of G heads); 2·N·(2·A/G + Y) / (A + Y) for MLA and GLA
+absorbed (each latent number serves its N/G heads twice, the RoPE key all N
+once). Per byte, divided by the number's bytes: in bfloat16 the paper's
+≈ 2·g_q / m_kv (Zadouri, Strauss & Dao 2025: g_q query heads per distinct
+cached head, m_kv = 2 separate or 1 tied K/V), half that in float32.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from attention import layer
 
 # Dense bfloat16 peak FLOP/s per chip (vendor datasheets; no sparsity).
 PEAK_FLOPS = {
@@ -86,7 +99,8 @@ def _forward_flops(config, context, absorbed: bool = False) -> float:
       total += _latent_flops(options, D, C, config.shares_kv(i), absorbed)
     else:
       kv = 0 if config.shares_kv(i) else _kv_projection_flops(options, D)
-      total += 2 * D * N * H + 2 * N * H * D + kv + 2 * 2 * N * H * C
+      total += (2 * D * N * H + 2 * N * H * D + kv
+                + attention_flops_per_key(options) * C)
     total += 3 * 2 * D * F
   return total
 
@@ -108,13 +122,38 @@ def _latent_flops(o, D: int, C: float, shares_kv: bool,
   A_head = A // o.latent_groups  # The latent a head reads: its group's.
   query = 2 * D * Q + 2 * Q * N * (I + Y) if Q else 2 * D * N * (I + Y)
   latent = 0 if shares_kv else 2 * D * (A + Y)
+  # Keys and values from the latent: per head, or absorbed into the query
+  # and the output.
+  expand = (2 * N * I * A_head + 2 * N * A_head * U if absorbed
+            else 2 * A_head * N * (I + U))
+  attend = attention_flops_per_key(o, absorbed) * C
+  return query + latent + expand + attend + 2 * N * U * D
+
+
+def attention_flops_per_key(o: layer.Options, absorbed: bool = False
+                            ) -> float:
+  """The scores' and the mix's FLOPs per query token and key it sees, in
+  one layer with options `o`: 2·2·N·H (GQA, GTA); MLA and GLA 2·N·(I+Y) +
+  2·N·U expanded, 2·N·(A/G+Y) + 2·N·(A/G) absorbed (as decoding runs)."""
+  N = o.num_heads
+  if not o.kv_lora_rank:
+    return 2 * 2 * N * o.head_dim
+  I, Y, U = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
   if absorbed:
-    attend = (2 * N * I * A_head + 2 * N * A_head * U
-              + 2 * N * (A_head + Y) * C + 2 * N * A_head * C)
-  else:
-    attend = (2 * A_head * N * (I + U) + 2 * N * (I + Y) * C
-              + 2 * N * U * C)
-  return query + latent + attend + 2 * N * U * D
+    A_head = o.kv_lora_rank // o.latent_groups
+    return 2 * N * (A_head + Y) + 2 * N * A_head
+  return 2 * N * (I + Y) + 2 * N * U
+
+
+def attention_decode_intensity(o: layer.Options, dtype) -> float:
+  """FLOPs per byte of KV cache read by a decode step's attention (its
+  scores and mix, MLA's absorbed) in one layer with options `o`; dtype: the
+  compute dtype, stored unless o.kv_cache_dtype says otherwise (int8's
+  scales count as bytes read). The same for a local layer and one sharing
+  another's K/V, whose steps read the keys they attend to (see the module
+  docstring)."""
+  entry_bytes = layer.kv_cache_bytes(o, batch=1, length=1, dtype=dtype)
+  return attention_flops_per_key(o, absorbed=True) / entry_bytes
 
 
 def training_flops_per_token(config, seq_len: int) -> float:
