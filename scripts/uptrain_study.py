@@ -25,9 +25,12 @@ alpha = 0.05 of S and at FIXED_STEPS steps. Beside each source, each
 and seed (.../scratch/K{K}_s{seed}, evaluated every S/40 steps: claim 3,
 the cost). The statistics (`scripts.uptrain_replication`) average within
 a source and give intervals over sources, and the alpha = 0.05 gaps'
-trends over S paired by source seed. The default run (3 sources x 400, 1,600, 3,200 steps) is about 15
-minutes of wall time on the idle 2-core machine (docs/results/uptrain/);
---quick: sources of 200 and 400 steps (QUICK_SOURCE_STEPS).
+trends over S paired by source seed. The default run (3 sources x 400,
+1,600, 3,200 steps; 171 runs) is about 28 CPU-minutes on the 2-core
+machine (docs/results/uptrain/: its first 117 runs 14 min 54 s of wall
+time at 3401e24, the 54 of the random and from-scratch arms 23 min 52 s
+beside other jobs at 1638762); --quick: sources of 200 and 400 steps
+(QUICK_SOURCE_STEPS), the same arms.
 
 --single_source, the former design (one source, seed 0; the seeds replicate
 only the uptraining data order):
@@ -70,7 +73,9 @@ only the uptraining data order):
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
-before the MLA arm: only the MLA runs train). --single_source: 4 seeds,
+before the MLA arm: only the MLA runs train; a default-design one made
+before the random and from-scratch arms: only those train, and
+results.json's provenance names the earlier passes and each run's commit). --single_source: 4 seeds,
 38.5 CPU-minutes with the MLA arm (the most its wall time is on an idle
 2-core machine; docs/results/uptrain/single_source/report.md); with
 --quick: S/4, K = 1 only, 3 seeds, 5 min 30 s on the idle machine (9.1
