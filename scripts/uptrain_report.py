@@ -360,13 +360,17 @@ def _near_verdict(rows: list[dict], paper: int, near: float,
 def _pair_outcome(c: dict) -> str:
   """One claimed ordering (better < worse: a negative difference), read
   after Holm by `stats.decide`: reproduced, contradicted (resolved the
-  other way) or not claimed."""
-  if stats.decide(c, rejected=c['holm']) == 'resolved':
+  other way) or not claimed (with the convention's reason where it is
+  not the size: equal on all seeds, one seed)."""
+  verdict = stats.decide(c, rejected=c['holm'])
+  if verdict == 'resolved':
     return 'reproduced' if c['mean'] < 0 else 'contradicted'
+  if verdict != 'not claimed':
+    return f'not claimed ({verdict})'
   return f'not claimed, {_detectable(c)}'
 
 
-def _ranking_verdict(family: list[dict], K: int) -> str:
+def ranking_verdict(family: list[dict], K: int) -> str:
   """Claim 2 for K: reproduced if every ordering is, contradicted if one is
   resolved the other way, otherwise not resolved (each ordering named)."""
   cells = [c for c in family if c['K'] == K]
@@ -484,7 +488,7 @@ def reading(results: dict, summ: dict) -> list[str]:
     lines.append(
         f'- **Claim 2, K = {K} (after uptraining α = {plan["paper_alpha"]}, '
         f'mean < first < random): '
-        f'{_ranking_verdict(summ["ranking"], K)}** (Holm over '
+        f'{ranking_verdict(summ["ranking"], K)}** (Holm over '
         f'the {len(summ["ranking"])} comparisons): ' + '; '.join(
             f'{c["better"]} − {c["worse"]} {_f(c)}, p = {c["p"]:.3g}, '
             f'{_detectable(c)} ({stats.decide(c, rejected=c["holm"])})'
@@ -911,14 +915,26 @@ def plot_recall(out: pathlib.Path, results: dict):
 
 
 def made(prov: dict) -> str:
-  """Where the runs were trained (the command, its commit, the machine,
-  and a note of earlier passes, as results.json records them) and, apart,
-  where this report was rebuilt."""
+  """Where the runs were trained (the command, its commit, the machine;
+  the earlier passes into the same --out whose finished runs it reused,
+  and each run's own record of its commit, where results.json has them;
+  a note) and, apart, where this report was rebuilt."""
   m = prov.get('machine')
   text = (f'Runs trained by `{prov["command"]}` at commit {prov["commit"]} '
           f'(--out {prov["out"]}) on ' + (
               provenance.describe(m) if m else
               'a machine the results do not record'))
+  if prov.get('earlier'):
+    text += (', reusing the finished runs of the earlier pass'
+             + 'es' * (len(prov['earlier']) > 1) + ' into that --out ('
+             + '; '.join(f'`{e["command"]}` at commit {e["commit"]}' + (
+                 f' on {provenance.describe(e["machine"])}'
+                 if e.get('machine') else '') for e in prov['earlier'])
+             + ') and training the rest')
+  if prov.get('trained'):
+    text += (f' (by each run\'s own record: {prov["trained"]}' + (
+        '; a run with no record was trained before runs recorded their '
+        'commit' if 'no record' in prov['trained'] else '') + ')')
   if 'rebuilt' in prov:
     r = prov['rebuilt']
     text += (f'; statistics and reading rebuilt by `{r["command"]}` at '

@@ -14,17 +14,23 @@ The default design: the source is the unit of replication (issue #49).
 For each length S in --source_steps and each source seed 0 .. n-1, an MHA
 source (the config's K set to its N) is trained S steps by the config's
 recipe scaled to S (OUT/sources/S{S}_s{seed}/source), converted to the
-identity control (K = N), mean-pooled and first-head to each --kv_heads
-(default N/2 and 1), and MHA -> MLA with a latent below GQA's width
-(`mla_below_plan`: half of GQA-max(K)'s cache, so R < d_model), each
-uptrained once per uptraining seed (--seeds, default 2) at RATE_RATIO x the
-source's peak rate (warmup over alpha = 0.0125 of S, then constant) and
-read at alpha = 0.05 of S and at FIXED_STEPS steps. The statistics
-(`scripts.uptrain_replication`) average within a source and give intervals
-over sources, and the alpha = 0.05 gap's trend over S paired by source
-seed. The default run (3 sources x 400, 1,600, 3,200 steps) is about 15
-minutes of wall time on the idle 2-core machine (docs/results/uptrain/);
---quick: sources of 200 and 400 steps (QUICK_SOURCE_STEPS).
+identity control (K = N), mean-pooled, first-head and random (fresh K/V
+heads, one draw per uptraining seed) to each --kv_heads (default N/2 and
+1), and MHA -> MLA with a latent below GQA's width (`mla_below_plan`: half
+of GQA-max(K)'s cache, so R < d_model), each uptrained once per uptraining
+seed (--seeds, default 2) at RATE_RATIO x the source's peak rate (warmup
+over alpha = 0.0125 of S, then constant) with a fresh Adam and read at
+alpha = 0.05 of S and at FIXED_STEPS steps. Beside each source, each
+--kv_heads K is trained from scratch for S steps by the source's recipe
+and seed (.../scratch/K{K}_s{seed}, evaluated every S/40 steps: claim 3,
+the cost). The statistics (`scripts.uptrain_replication`) average within
+a source and give intervals over sources, and the alpha = 0.05 gaps'
+trends over S paired by source seed. The default run (3 sources x 400,
+1,600, 3,200 steps; 171 runs) is about 28 CPU-minutes on the 2-core
+machine (docs/results/uptrain/: its first 117 runs 14 min 54 s of wall
+time at 3401e24, the 54 of the random and from-scratch arms 23 min 52 s
+beside other jobs at 1638762); --quick: sources of 200 and 400 steps
+(QUICK_SOURCE_STEPS), the same arms.
 
 --single_source, the former design (one source, seed 0; the seeds replicate
 only the uptraining data order):
@@ -67,7 +73,9 @@ only the uptraining data order):
 
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
-before the MLA arm: only the MLA runs train). --single_source: 4 seeds,
+before the MLA arm: only the MLA runs train; a default-design one made
+before the random and from-scratch arms: only those train, and
+results.json's provenance names the earlier passes and each run's commit). --single_source: 4 seeds,
 38.5 CPU-minutes with the MLA arm (the most its wall time is on an idle
 2-core machine; docs/results/uptrain/single_source/report.md); with
 --quick: S/4, K = 1 only, 3 seeds, 5 min 30 s on the idle machine (9.1
@@ -462,8 +470,9 @@ QUICK_SOURCE_STEPS = [200, 400]  # --quick's source lengths.
 
 
 def replicated_arms(N: int, kv_heads: list[int]) -> list[Arm]:
-  """The identity control, then mean-pooled and first-head to each K."""
-  return [Arm('identity', N)] + [Arm(m, K) for m in ('mean', 'first')
+  """The identity control, then mean-pooled, first-head and random (fresh
+  K/V heads, drawn once per uptraining seed) to each K."""
+  return [Arm('identity', N)] + [Arm(m, K) for m in METHODS[1:]
                                  for K in kv_heads]
 
 
@@ -484,12 +493,16 @@ def reads(steps: int, fixed: int) -> dict:
           'every': math.gcd(paper, fixed)}
 
 
-def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int
-               ) -> dict:
+def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
+               scratch_kv_heads: list[int]) -> dict:
   """One source (config: its steps and seed) in OUT: trained, converted to
   each arm (`replicated_arms`, the MLA below GQA's width) and uptrained
   once per seed at RATE_RATIO x its peak rate (warmup over alpha = 0.0125
-  of its steps, then constant) to both `reads`."""
+  of its steps, then constant) to both `reads`; and each of
+  `scratch_kv_heads` trained from scratch for the source's steps by its
+  recipe and seed (`scratch`: the same initialisation of the weights of
+  equal shape, the same data order), evaluated every S/40 steps as the
+  source is (claim 3)."""
   S, N = config.train.steps, config.model.num_heads
   read = reads(S, fixed)
   rate = config.train.learning_rate * RATE_RATIO
@@ -512,7 +525,12 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int
                     converted, config, read['top'], rate, seed, read['every'])
     runs.append({'method': MLA_BELOW, 'K': plan['K'], 'start': 'fresh',
                  'seed': seed, 'curve': curve})
+  scratches = [{'K': K, 'seed': config.seed, 'curve': scratch(
+      out, config, K, config.seed, S)} for K in progress.runs(
+          scratch_kv_heads, lambda K: f'S={S} seed {config.seed}: K={K} from '
+          f'scratch, {S} steps')]
   return {'steps': S, 'seed': config.seed, 'source': source, 'runs': runs,
+          'scratch': scratches,
           'reads': read, 'rate': rate,
           'warmup': min(unit_steps(S), read['top'] - 1),  # uptrain_config's.
           'mla': {**plan, 'energy_kept': info['energy_kept'],
@@ -522,24 +540,56 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int
 
 def replicated(out: pathlib.Path, name: str, source_steps: list[int],
                source_seeds: int, kv_heads: list[int], seeds: list[int],
-               fixed: int = FIXED_STEPS) -> dict:
+               fixed: int = FIXED_STEPS,
+               scratch_kv_heads: list[int] | None = None) -> dict:
   """Every (source length, source seed): `one_source` in
-  OUT/sources/S{steps}_s{seed}; the plan beside them."""
+  OUT/sources/S{steps}_s{seed} (scratch_kv_heads: the K trained from
+  scratch, default every one of kv_heads); the plan beside them."""
+  scratch_kv_heads = kv_heads if scratch_kv_heads is None else scratch_kv_heads
   sources = []
   for steps in source_steps:
     for seed in range(source_seeds):
       config = source_config(name, steps)
       config.seed = seed
       sources.append(one_source(out / 'sources' / f'S{steps}_s{seed}',
-                                config, kv_heads, seeds, fixed))
+                                config, kv_heads, seeds, fixed,
+                                scratch_kv_heads))
   config = source_config(name, source_steps[0])
   return {'sources': sources, 'plan': {
       'design': 'sources', 'source_steps': source_steps,
       'source_seeds': list(range(source_seeds)), 'seeds': seeds,
-      'kv_heads': kv_heads, 'num_heads': config.model.num_heads,
+      'kv_heads': kv_heads, 'scratch_kv_heads': scratch_kv_heads,
+      'num_heads': config.model.num_heads,
       'head_dim': config.model.head_dim, 'd_model': config.model.d_model,
+      'vocab_size': config.model.vocab_size,
       'paper_alpha': PAPER_ALPHA, 'fixed_steps': fixed, 'near': NEAR,
       'rate_ratio': RATE_RATIO, 'config': config.to_dict()}}
+
+
+def workdirs(out: pathlib.Path, results: dict) -> list[pathlib.Path]:
+  """Every run of the replicated design's RESULTS in OUT: the sources, the
+  uptraining runs and the from-scratch runs."""
+  found = []
+  for s in results['sources']:
+    where = out / 'sources' / f'S{s["steps"]}_s{s["seed"]}'
+    found += [where / 'source'] + [
+        where / 'runs' / Arm(r['method'], r['K'], r['start']).name /
+        f's{r["seed"]}' for r in s['runs']] + [
+            where / 'scratch' / f'K{r["K"]}_s{r["seed"]}'
+            for r in s.get('scratch', [])]
+  return found
+
+
+def earlier_passes(out: pathlib.Path) -> list[dict]:
+  """The passes that wrote OUT/results.json before this one (whose
+  finished runs a rerun reuses): each one's command, commit and machine,
+  oldest first; none for a new OUT."""
+  path = out / 'results.json'
+  if not path.exists():
+    return []
+  prov = study.saved(path)['provenance']
+  return [*prov.get('earlier', []), {k: prov[k] for k in (
+      'command', 'commit', 'machine') if k in prov}]
 
 
 def main():
@@ -602,11 +652,17 @@ def main():
       raise UserError(f'--kv_heads={bad[0]}: give divisors of the source\'s '
                       f'{N} query heads below {N}')
     config_lib.validate(config, batch_shards=1)
+    # A rerun into the same --out reuses its finished runs: the provenance
+    # names the passes before it, and where each run was trained.
+    earlier = earlier_passes(out)
     results = {'provenance': provenance.record(
-        'scripts.uptrain_study', out, statistics=stats.CONVENTION),
+        'scripts.uptrain_study', out, statistics=stats.CONVENTION,
+        **({'earlier': earlier} if earlier else {})),
                **replicated(out, args.config, args.source_steps,
                             args.source_seeds, kv_heads,
                             list(range(1, 1 + (args.seeds or 2))))}
+    results['provenance']['trained'] = study.trained_by(
+        workdirs(out, results))
     (out / 'results.json').write_text(study.to_json(results))
     _write(out, results)
     return

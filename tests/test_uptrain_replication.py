@@ -8,20 +8,25 @@ import sys
 import numpy as np
 import pytest
 
-from scripts import stats, uptrain_replication, uptrain_study
+from scripts import stats, uptrain_replication, uptrain_report, uptrain_study
 
 SOURCE = {400: 1.90, 1600: 1.66, 3200: 1.60}  # Loss of a source of S steps.
 
 
-def _results(gap, noise=0.003, sources=3, drift=-0.001):
+def _results(gap, noise=0.003, sources=3, drift=-0.001,
+             above_scratch=lambda S, K, seed: 0.01 * seed, random=0.05):
   """Sources of each length S (seeds 0..), 2 uptraining seeds each;
   mean-pooled K's loss at every read is the control's + gap(S, K, seed)
-  (+ noise per uptraining seed), first-head 0.05 above mean, MLA-half
-  0.03 below mean-pooled K = 1."""
+  (+ noise per uptraining seed), first-head 0.05 above mean, random
+  `random` above first, MLA-half 0.03 below mean-pooled K = 1; K trained
+  from scratch for S steps (evaluated every S/40) ends above_scratch(S, K,
+  seed) below mean-pooled K's noiseless loss at alpha = 0.05, from 3.0 at
+  S/40 in equal steps."""
   rng = np.random.default_rng(0)
   plan = {'design': 'sources', 'source_steps': list(SOURCE),
           'source_seeds': list(range(sources)), 'seeds': [1, 2],
-          'kv_heads': [2, 1], 'num_heads': 4, 'head_dim': 16, 'd_model': 64,
+          'kv_heads': [2, 1], 'scratch_kv_heads': [2, 1], 'num_heads': 4,
+          'head_dim': 16, 'd_model': 64, 'vocab_size': 256,
           'paper_alpha': 0.05, 'fixed_steps': 80, 'near': 0.02,
           'rate_ratio': 1 / 3}
   mla = {'K': 2, 'kv_lora_rank': 24, 'qk_rope_head_dim': 8, 'd_model': 64,
@@ -35,22 +40,32 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001):
       src = loss + 0.01 * seed
       runs = []
       for method, K in (('identity', 4), ('mean', 2), ('mean', 1),
-                        ('first', 2), ('first', 1), ('mla_half', 2)):
+                        ('first', 2), ('first', 1), ('random', 2),
+                        ('random', 1), ('mla_half', 2)):
         for up in (1, 2):
           def at(step):
             if method == 'identity':
               return src + (drift if step else 0.0)
             k = 1 if method == 'mla_half' else K
             base = src + drift + gap(S, k, seed) + noise * rng.normal()
-            return base + {'mean': 0.0, 'first': 0.05, 'mla_half': -0.03}[
-                method] + (1.0 if step == 0 else 0.0)
+            return base + {'mean': 0.0, 'first': 0.05,
+                           'random': 0.05 + random, 'mla_half': -0.03}[
+                               method] + (1.0 if step == 0 else 0.0)
           runs.append({'method': method, 'K': K, 'start': 'fresh',
                        'seed': up, 'curve': [{'step': t, 'loss': at(t),
                                               'accuracy': 0.0}
                                              for t in steps]})
+      scratch = []
+      for K in (2, 1):
+        end = src + drift + gap(S, K, seed) - above_scratch(S, K, seed)
+        evals = np.arange(S // 40, S + 1, S // 40)
+        scratch.append({'K': K, 'seed': seed, 'curve': [
+            {'step': int(t), 'loss': float(l), 'accuracy': 0.0}
+            for t, l in zip(evals, np.linspace(3.0, end, len(evals)))]})
       out.append({'steps': S, 'seed': seed, 'source': {'loss': src},
-                  'runs': runs, 'reads': read, 'rate': 1e-3,
-                  'warmup': uptrain_study.unit_steps(S), 'mla': mla})
+                  'runs': runs, 'scratch': scratch, 'reads': read,
+                  'rate': 1e-3, 'warmup': uptrain_study.unit_steps(S),
+                  'mla': mla})
   return {'provenance': {'command': 'python -m scripts.uptrain_study --out=x',
                          'commit': 'abc1234', 'out': 'x',
                          'machine': {'cpu': 'Xeon', 'avx2': True,
@@ -110,9 +125,86 @@ def test_the_gate_reads_the_drift_at_every_read_and_withholds_claim_1():
 
 def test_claim_2_is_holm_corrected_and_decided_by_the_convention():
   summ = uptrain_replication.summary(_results(_growing))
-  assert len(summ['ranking']) == 6  # 3 lengths x 2 K.
+  assert len(summ['ranking']) == 12  # 3 lengths x 2 K x 2 pairs.
+  assert {(c['better'], c['worse']) for c in summ['ranking']} == {
+      ('mean', 'first'), ('first', 'random')}
   assert all(c['verdict'] == 'resolved' and c['mean'] < 0
              for c in summ['ranking'])
+  assert all(v == 'reproduced' for by_K in summ['ordering'].values()
+             for v in by_K.values())
+  # Random as good as first-head: that pair is below what 3 sources
+  # detect, so the ordering is not claimed (and never contradicted).
+  tie = uptrain_replication.summary(_results(_growing, random=0.0))
+  cells = [c for c in tie['ranking'] if c['worse'] == 'random']
+  assert all(c['verdict'] == 'not claimed' for c in cells)
+  assert all(v.startswith('not claimed (') and 'first < random: not claimed'
+             in v for by_K in tie['ordering'].values() for v in by_K.values())
+  # Random worse than first by the same amount on every source: one
+  # measurement, never resolved, so the ordering is not claimed either.
+  same = [{'S': 400, 'K': 2, 'better': b, 'worse': w,
+           **uptrain_replication._over_sources([-0.05] * 3)}
+          for b, w in (('mean', 'first'), ('first', 'random'))]
+  family = uptrain_replication._holm(same)
+  assert [c['verdict'] for c in family] == ['equal on all seeds'] * 2
+  assert uptrain_report.ranking_verdict(family, 2) == (
+      'not claimed (mean < first: not claimed (equal on all seeds); '
+      'first < random: not claimed (equal on all seeds))')
+
+
+def test_claim_3_is_judged_against_the_margin_and_by_the_trend():
+  """Uptrained mean-pooled GQA-2 at alpha = 0.05 minus GQA-2 trained from
+  scratch for the source's steps: within the margin, beyond it and
+  growing or shrinking with S, or closer to it than the sources detect."""
+  def claim3(above, **kw):
+    summ = uptrain_replication.summary(_results(_growing, above_scratch=above,
+                                                **kw))
+    return summ, summ['claim3']['paper']
+  summ, verdict = claim3(lambda S, K, seed: 0.2 + 0.1 * np.log2(S / 400) / 3
+                         + 0.004 * seed)
+  assert summ['claim3']['K'] == 2  # GQA: the paper's claim; MQA reported.
+  assert summ['trend']['vs_scratch_K2']['paper']['mean'] == pytest.approx(
+      0.1 / 3, abs=0.005)
+  assert verdict == 'contradicted'
+  _, verdict = claim3(lambda S, K, seed: 0.4 - 0.1 * np.log2(S / 400)
+                      + 0.004 * seed * (S / 400))
+  assert verdict == ('not reproduced at this scale (the gap shrinks with '
+                     'the source)')
+  _, verdict = claim3(lambda S, K, seed: -0.05 + 0.002 * seed)
+  assert verdict == 'reproduced'  # Uptrained as good as scratch, or better.
+  _, verdict = claim3(lambda S, K, seed: 0.02 + 0.03 * (seed - 1),
+                      noise=0.0)
+  assert verdict == 'not claimed'
+  # Beyond the margin but below the control gate's floor: withheld.
+  summ, verdict = claim3(lambda S, K, seed: 0.2 + 0.004 * seed, drift=-0.08)
+  assert verdict == 'not claimed (below the control gate)'
+  assert ('K=2 paper vs scratch', pytest.approx(0.204, abs=0.01)) in \
+      summ['gate'][3200]['below']
+
+
+def test_claim_3_reads_the_steps_each_scratch_curve_needs():
+  results = _results(_growing)
+  summ = uptrain_replication.summary(results)
+  source = next(s for s in results['sources'] if (s['steps'], s['seed']) ==
+                (1600, 2))
+  up = uptrain_replication.losses(source, 'mean', 2, 80).mean()
+  curve = uptrain_replication.scratch_curve(source, 2)
+  steps = [p['step'] for p in curve]
+  losses = [p['loss'] for p in curve]
+  # Linear between the evaluations either side of the uptrained loss.
+  j = next(i for i, l in enumerate(losses) if l <= up)
+  by_hand = steps[j - 1] + (steps[j] - steps[j - 1]) * (
+      losses[j - 1] - up) / (losses[j - 1] - losses[j])
+  row = summ['lengths'][1600]
+  assert row['equivalent_K2']['paper']['values'][2] == pytest.approx(by_hand)
+  assert row['scratch_K2']['values'][2] == losses[-1]
+  assert row['vs_scratch_K2']['paper']['values'][2] == pytest.approx(
+      up - losses[-1])
+  # An uptrained loss below the whole scratch curve is censored, not
+  # averaged: no interval over sources.
+  better = uptrain_replication.summary(_results(
+      _growing, above_scratch=lambda S, K, seed: -0.1))
+  e = better['lengths'][1600]['equivalent_K2']['paper']
+  assert e['censored'] == 3 and 'mean' not in e
 
 
 def test_report_only_rebuilds_the_report_identically(tmp_path, monkeypatch):
@@ -160,8 +252,10 @@ def test_every_published_uptrain_report_is_what_its_json_makes():
 @pytest.mark.slow
 def test_the_replicated_study_runs_end_to_end(tmp_path):
   """On `tiny`: sources of two lengths, two seeds each, every arm per
-  source with two uptraining seeds read at both points, MLA below d_model,
-  the machine in the provenance; a rerun reuses everything."""
+  source (random included) with two uptraining seeds read at both points,
+  MLA below d_model, K from scratch for the source's steps by its seed,
+  the machine and each run's commit in the provenance; a rerun reuses
+  everything and names the pass before it."""
   import subprocess  # pylint: disable=import-outside-toplevel
   out = tmp_path / 'study'
   command = [sys.executable, '-m', 'scripts.uptrain_study', f'--out={out}',
@@ -173,9 +267,12 @@ def test_the_replicated_study_runs_end_to_end(tmp_path):
       (40, 0), (40, 1), (80, 0), (80, 1)]
   for source in results['sources']:
     arms = {(r['method'], r['K'], r['seed']) for r in source['runs']}
-    assert arms == {(m, k, s) for m, k in (('identity', 4), ('mean', 1),
-                                           ('first', 1), ('mla_half', 1))
-                    for s in (1, 2)}
+    assert arms == {(m, k, s) for m, k in (
+        ('identity', 4), ('mean', 1), ('first', 1), ('random', 1),
+        ('mla_half', 1)) for s in (1, 2)}
+    [scratch] = source['scratch']
+    assert (scratch['K'], scratch['seed']) == (1, source['seed'])
+    assert [p['step'] for p in scratch['curve']][-1] == source['steps']
     for r in source['runs']:
       steps = {p['step'] for p in r['curve']}
       assert {0, source['reads']['paper'], source['reads']['fixed']} <= steps
@@ -183,11 +280,23 @@ def test_the_replicated_study_runs_end_to_end(tmp_path):
     assert (out / 'sources' / f'S{source["steps"]}_s{source["seed"]}' /
             'source' / 'final.json').exists()
   assert 'avx512f' in results['provenance']['machine']
-  assert results['summary']['lengths']['80']['gap_K1']['paper']['n'] == 2
+  commit = results['provenance']['commit']
+  assert results['provenance']['trained'].startswith(f'commit {commit} on ')
+  assert results['provenance']['trained'].endswith(' (48 runs)')
+  assert 'earlier' not in results['provenance']
+  summary = results['summary']
+  assert summary['lengths']['80']['gap_K1']['paper']['n'] == 2
+  assert summary['lengths']['80']['vs_scratch_K1']['paper']['n'] == 2
+  assert len(summary['ranking']) == 4  # 2 lengths x 2 pairs.
   report = (out / 'report.md').read_text()
+  assert '**Claim 3, GQA K = 1' in report  # K = 1 is the GQA target here.
   again = subprocess.run(command, capture_output=True, text=True, check=True)
   assert 'source seed 0, 40 steps' in again.stdout
   rerun = json.loads((out / 'results.json').read_text())
   assert rerun['sources'] == results['sources']  # Reused, not retrained.
+  assert rerun['provenance']['earlier'] == [{
+      k: results['provenance'][k] for k in ('command', 'commit', 'machine')}]
+  assert 'reusing the finished runs of the earlier pass' in (
+      out / 'report.md').read_text()
   assert (out / 'report.md').read_text().split('\n')[4:] == \
       report.split('\n')[4:]

@@ -115,7 +115,7 @@ def test_summary_maps_uptrained_losses_to_scratch_steps_and_judges_claims():
   # Claim 2: mean < first and first < random, both resolved after Holm.
   assert [c['holm'] for c in summ['ranking']] == [True, True]
   assert summ['ranking'][0]['mean'] == pytest.approx(-0.05, abs=0.003)
-  assert uptrain_report._ranking_verdict(summ['ranking'], 1) == 'reproduced'
+  assert uptrain_report.ranking_verdict(summ['ranking'], 1) == 'reproduced'
   # The gate: drift 0.002 at the last alpha, floor 0.008, below every
   # effect it applies to (the gap 0.01, claim 1's 1.0).
   assert summ['gate']['floor'] == pytest.approx(0.008, abs=0.004)
@@ -137,7 +137,7 @@ def test_the_gate_fails_when_the_control_drifts_by_a_claimed_effect():
   # (mean - first, 0.05 < the floor 0.08) cancels the shared drift.
   assert [name for name, _ in summ['gate']['below']] == [
       'K=1 - MHA from scratch']
-  assert uptrain_report._ranking_verdict(summ['ranking'], 1) == 'reproduced'
+  assert uptrain_report.ranking_verdict(summ['ranking'], 1) == 'reproduced'
   assert 'not to arm-vs-arm differences' in uptrain_report.GATE_RULE
 
 
@@ -171,15 +171,15 @@ def test_claim_2_tells_unresolved_from_contradicted():
             {'K': 1, 'better': 'first', 'worse': 'random', 'holm': True,
              'mean': -0.11, 'sd': 0.01, 'n': 4, 'low': -0.126,
              'high': -0.094, 'detectable': 0.02}]
-  assert uptrain_report._ranking_verdict(family, 1) == (
+  assert uptrain_report.ranking_verdict(family, 1) == (
       'not claimed (mean < first: not claimed, detectable 0.0213 nats; '
       'first < random: reproduced)')
   # Resolved the other way (first beats mean, beyond what seeds detect).
   family[0].update(holm=True, mean=0.05, low=0.03, high=0.07)
-  assert uptrain_report._ranking_verdict(family, 1).startswith('contradicted')
+  assert uptrain_report.ranking_verdict(family, 1).startswith('contradicted')
   # Resolved and Holm-rejected, but below the detectable effect: not claimed.
   family[0].update(mean=0.0043, sd=0.0025, low=0.0003, high=0.0083)
-  assert uptrain_report._ranking_verdict(family, 1).startswith(
+  assert uptrain_report.ranking_verdict(family, 1).startswith(
       'not claimed (mean < first: not claimed')
 
 
