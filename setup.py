@@ -47,6 +47,7 @@ if include is None:
 kernels = [] if include is None else [Extension(
     'attention.cpu.libgrouped_decode',
     sources=['attention/cpu/grouped_decode.cc'],
+    depends=['attention/cpu/decode_common.h'],  # Rebuilt when it changes.
     include_dirs=[include],
     language='c++',
     extra_compile_args=['-std=c++17', '-O3', '-g0', '-fvisibility=hidden',
