@@ -94,10 +94,16 @@ GQA_LAB_INLINE F16 Load16(const int8_t* x) {
 GQA_LAB_INLINE void Store16(float* x, F16 v) {
   __builtin_memcpy(x, &v, sizeof(v));
 }
+// The sum of v's lanes as a tree of halves (a sum lane by lane would be 15
+// additions each waiting on the last: compilers may not reorder them).
 GQA_LAB_INLINE float Sum16(F16 v) {
-  float sum = 0.0f;
-  for (int j = 0; j < kLanes; ++j) sum += v[j];
-  return sum;
+  typedef float F8 __attribute__((vector_size(32)));
+  typedef float F4 __attribute__((vector_size(16)));
+  const F8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
+               __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // e^x, 16 at a time: Cephes' expf (relative error ~1e-7); 0 below -87
