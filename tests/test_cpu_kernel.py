@@ -490,12 +490,13 @@ def test_the_serving_step_reads_the_pool_in_place(kv_cache_dtype):
   assert gathers(text) == 2 * mc.num_layers
 
 
+@pytest.mark.parametrize('tied', [False, True], ids=['grouped', 'tied'])
 @pytest.mark.parametrize('layout', ['paged', 'dense'])
-def test_the_benchmark_times_two_paths_that_agree(layout):
+def test_the_benchmark_times_two_paths_that_agree(layout, tied):
   """scripts.bench_cpu_kernel's contestants: the same step's output."""
   from scripts import bench_cpu_kernel  # pylint: disable=import-outside-toplevel
   runs = bench_cpu_kernel.contestants(layout, K=2, batch=3, context=64,
-                                      fill=0.5)
+                                      fill=0.5, tied=tied)
   chex.assert_trees_all_close(runs['kernel'](), runs['jax'](), atol=1e-5)
 
 
