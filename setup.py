@@ -1,5 +1,6 @@
-"""The optional C++ part of the package: the CPU decode kernel
-(attention/cpu/grouped_decode.cc, an XLA FFI custom call that
+"""The optional C++ part of the package: the CPU decode kernels
+(attention/cpu/grouped_decode.cc and, for grouped-tied attention,
+tied_decode.cc: XLA FFI custom calls in one library that
 attention/cpu_kernel.py loads with ctypes). Everything else is declared in
 setup.cfg.
 
@@ -46,7 +47,9 @@ if include is None:
         'environment); skipping the CPU decode kernel')
 kernels = [] if include is None else [Extension(
     'attention.cpu.libgrouped_decode',
-    sources=['attention/cpu/grouped_decode.cc'],
+    sources=['attention/cpu/grouped_decode.cc',
+             'attention/cpu/tied_decode.cc'],
+    depends=['attention/cpu/decode_common.h'],  # Rebuilt when it changes.
     include_dirs=[include],
     language='c++',
     extra_compile_args=['-std=c++17', '-O3', '-g0', '-fvisibility=hidden',

@@ -1,19 +1,26 @@
-"""Grouped decode attention on the CPU: a C++ kernel called by XLA (`jax.ffi`).
+"""Decode attention on the CPU: C++ kernels called by XLA (`jax.ffi`).
 
-`attention.layer.apply` reads the decode cache with it where lowering for
-the CPU (`jax.lax.platform_dependent`) and `refusal` is None; elsewhere, and
-for what `refusal` names, with the pure-JAX path (`attention.decode`, after
-`kv_cache.gathered` for a paged pool). The kernel
-(attention/cpu/grouped_decode.cc) takes both cache layouts as they lie:
+`attention.layer.apply` reads the decode cache with them where lowering
+for the CPU (`jax.lax.platform_dependent`) and `refusal` is None; elsewhere,
+and for what `refusal` names, with the pure-JAX path (`attention.decode` or
+`attention.tied.tied_attention`, after `kv_cache.gathered` for a paged
+pool). The kernels take both cache layouts as they lie:
 
-  paged: the pool's keys and values [K, P, p, H] through each row's page
-    table [B, M], in place: no gather of the rows into the dense layout;
-  dense: keys [B·K, H, S], values [B·K, S, H] (`attention.Attention`'s cache).
+  grouped-query attention (`attention`; attention/cpu/grouped_decode.cc):
+    paged: the pool's keys and values [K, P, p, H] through each row's page
+      table [B, M], in place: no gather of the rows into the dense layout;
+    dense: keys [B·K, H, S], values [B·K, S, H] (`attention.Attention`'s
+      cache);
+  grouped-tied attention (GTA, `tied_attention`; attention/cpu/
+  tied_decode.cc): tied states [K, P, p, H] and the shared RoPE key
+    [1, P, p, Y] through the page tables, or dense [B·K, S, H] and
+    [B, S, Y]; each block of tied states read once for both the logits and
+    the weighted sum (XLA's two matmuls read it twice).
 
-Per (batch row, KV head) it streams that head's keys and values once for
-its G·T query rows, skips the pages (blocks) that no query sees, and shares
-the rows among XLA's intra-op threads. float32, bfloat16 and int8 caches
-(int8: a float32 scale per position and KV head, as the cache stores them),
+Per (batch row, KV head) a kernel streams that head's cache once for its
+G·T query rows, skips the pages (blocks) that no query sees, and shares the
+rows among XLA's intra-op threads. float32, bfloat16 and int8 caches
+(int8: a float32 scale per position and head, as the cache stores them),
 any visibility mask that is the same for every head, a logits soft cap.
 Queries are taken in float32, the output returned in the query's dtype.
 
@@ -43,6 +50,8 @@ MODES = ('auto', 'off', 'require')
 LIBRARY = pathlib.Path(__file__).parent / 'cpu' / 'libgrouped_decode.so'
 PAGED_TARGET = 'gqa_lab_paged_decode'
 DENSE_TARGET = 'gqa_lab_dense_decode'
+PAGED_TIED_TARGET = 'gqa_lab_paged_tied_decode'
+DENSE_TIED_TARGET = 'gqa_lab_dense_tied_decode'
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 
@@ -55,7 +64,7 @@ def mode() -> str:
 
 
 def load(path: pathlib.Path | None = None) -> str | None:
-  """Registers the two FFI targets of the library at `path` (None: LIBRARY)
+  """Registers the FFI targets of the library at `path` (None: LIBRARY)
   with jax; None when done, else why the library could not be loaded."""
   path = path or LIBRARY
   if not path.is_file():
@@ -66,7 +75,9 @@ def load(path: pathlib.Path | None = None) -> str | None:
   except OSError as e:
     return f'{path.name} does not load: {e}'
   for name, symbol in ((PAGED_TARGET, 'GqaLabPagedDecode'),
-                       (DENSE_TARGET, 'GqaLabDenseDecode')):
+                       (DENSE_TARGET, 'GqaLabDenseDecode'),
+                       (PAGED_TIED_TARGET, 'GqaLabPagedTiedDecode'),
+                       (DENSE_TIED_TARGET, 'GqaLabDenseTiedDecode')):
     jax.ffi.register_ffi_target(
         name, jax.ffi.pycapsule(getattr(library, symbol)), platform='cpu')
   return None
@@ -104,9 +115,10 @@ def available() -> bool:
 
 
 def refusal(options, kv, visible) -> str | None:
-  """None if the kernel takes this cached step (kv: a `kv_cache.KV` of a
-  dense cache or a paged pool; visible: `kv_cache.cached_visibility`'s
-  [B or 1, 1 or N, T, S] mask), else why not. Read when the step is traced."""
+  """None if a kernel takes this cached step (kv: a `kv_cache.KV` of a
+  dense cache or a paged pool, grouped-query or tied; visible:
+  `kv_cache.cached_visibility`'s [B or 1, 1 or N, T, S] mask), else why
+  not. Read when the step is traced."""
   if mode() == 'off':
     return f'{ENV}=off'
   why = _loaded()
@@ -114,11 +126,10 @@ def refusal(options, kv, visible) -> str | None:
     return why
   if options.kv_lora_rank:
     return 'a latent (MLA) cache'
-  if options.tie_kv:
-    return 'a tied (GTA) cache (the kernel reads separate keys and values)'
   if visible.shape[1] != 1:
     return 'a mask that differs between heads'
-  cache = kv.paged.arrays['cached_key'] if kv.paged is not None else kv.key
+  name = 'cached_tied' if options.tie_kv else 'cached_key'
+  cache = kv.paged.arrays[name] if kv.paged is not None else kv.key
   if not any(cache.dtype == d for d in CACHE_DTYPES):
     return f'a {cache.dtype} cache (the kernel takes float32, bfloat16, int8)'
   return None
@@ -127,8 +138,9 @@ def refusal(options, kv, visible) -> str | None:
 def attention(options, q_BTNH, kv, visible):
   """[B, T, N, H] in q_BTNH's dtype: the step's queries against the cache
   that kv holds (a paged pool in place, or the dense layout), seeing what
-  `visible` [B or 1, 1, T, S] says. Call only where `refusal` is None."""
-  B, T, N, H = q_BTNH.shape
+  `visible` [B or 1, 1, T, S] says. Call only where `refusal` is None;
+  a tied cache: `tied_attention`."""
+  H = q_BTNH.shape[-1]
   if kv.paged is not None:
     arrays = kv.paged.arrays
     key, value = arrays['cached_key'], arrays['cached_value']  # [K, P, p, H].
@@ -145,15 +157,62 @@ def attention(options, q_BTNH, kv, visible):
   if key.shape[-1 if kv.paged is not None else 1] != H:
     raise ValueError(f'queries of head_dim {H} against a cache of keys '
                      f'{key.shape}; the layer and its cache disagree')
-  none = jnp.zeros((0,), jnp.float32)  # A float cache's scales.
+  return _call(target, options, q_BTNH, (key, value),
+               (key_scale, value_scale), extra, visible, S)
+
+
+def tied_attention(options, q_BTNH, kv, visible):
+  """[B, T, N, H] in q_BTNH's dtype: grouped-tied attention's step (its
+  queries' last Y = qk_rope_head_dim features turned by RoPE) against the
+  tied cache that kv holds (a paged pool in place, or the dense layout:
+  kv.key the tied states [B·K, S, H], kv.value the RoPE keys [B, S, Y] or
+  None when Y = 0, their int8 scales kv.key_scale and kv.value_scale), as
+  `attention.tied.tied_attention` computes it, seeing what `visible`
+  [B or 1, 1, T, S] says. Call only where `refusal` is None."""
+  B, H = q_BTNH.shape[0], q_BTNH.shape[-1]
+  Y = options.qk_rope_head_dim
+  if kv.paged is not None:
+    arrays = kv.paged.arrays
+    tied = arrays['cached_tied']  # [K, P, p, H].
+    rope_key = arrays.get('cached_rope_key')  # [1, P, p, Y].
+    tied_scale, rope_scale = arrays.get('tied_scale'), arrays.get(
+        'rope_key_scale')  # [K, P, p], [1, P, p].
+    table_BM = kv.paged.page_table_BM.astype(jnp.int32)
+    S = table_BM.shape[1] * tied.shape[2]
+    no_rope_shape = (1, *tied.shape[1:3], 0)
+    target, extra = PAGED_TIED_TARGET, (table_BM,)
+  else:
+    tied, rope_key = kv.key, kv.value  # [B·K, S, H], [B, S, Y].
+    tied_scale, rope_scale = kv.key_scale, kv.value_scale  # [B·K, S], [B, S].
+    S = tied.shape[1]
+    no_rope_shape = (B, S, 0)
+    target, extra = DENSE_TIED_TARGET, ()
+  if tied.shape[-1] != H or (rope_key is None) != (Y == 0):
+    raise ValueError(f'queries [B, T, N, H] = {q_BTNH.shape} with '
+                     f'qk_rope_head_dim={Y} against tied states '
+                     f'{tied.shape} and RoPE keys '
+                     f'{None if rope_key is None else rope_key.shape}; the '
+                     'layer and its cache disagree')
+  if rope_key is None:
+    rope_key = jnp.zeros(no_rope_shape, tied.dtype)
+  return _call(target, options, q_BTNH, (tied, rope_key),
+               (tied_scale, rope_scale), extra, visible, S)
+
+
+def _call(target, options, q_BTNH, caches, scales, extra, visible, S):
+  """The FFI call of `target`: [B, T, N, H] in q_BTNH's dtype from the
+  queries (in float32), the two cache arrays, their int8 scales (None: a
+  float cache's, passed empty), `extra` (a page table) and the mask
+  broadcast to [B or 1, T, S]."""
+  B, T, N, H = q_BTNH.shape
+  none = jnp.zeros((0,), jnp.float32)
   visible_bTS = jnp.broadcast_to(visible[:, 0], (visible.shape[0], T, S))
   call = jax.ffi.ffi_call(
       target, jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
       vmap_method='sequential')
   out_BTNH = call(
-      q_BTNH.astype(jnp.float32), key, value,
-      none if key_scale is None else key_scale,
-      none if value_scale is None else value_scale, *extra, visible_bTS,
+      q_BTNH.astype(jnp.float32), *caches,
+      *(none if x is None else x for x in scales), *extra, visible_bTS,
       scale=np.float32(options.scale),
       soft_cap=np.float32(options.logits_soft_cap or 0.0))
   return out_BTNH.astype(q_BTNH.dtype)

@@ -31,7 +31,9 @@ values: K keys per token, never one per query head. Decoding
 (`tied_attention`) builds no key: a logit is q_nope·t[:I] + q_rope·r and an
 output Σ_s p_s t_s, two grouped matmuls over a [.., K, G, ..] view of the
 queries whose cache operand is the same [S, H] tied matrix, read where it
-lies (XLA reads it once per matmul; a fused kernel could read it once).
+lies (XLA reads it once per matmul). On the CPU, `attend_cached` runs a C++
+kernel instead (`attention.cpu_kernel.tied_attention`) that reads each
+block of tied states once for both.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attention import kv_cache, latent, numerics
+from attention import cpu_kernel, kv_cache, latent, numerics
 from attention.core import dot_product_attention
 from attention.rope import apply_rope
 
@@ -167,16 +169,25 @@ def attend(options, w, q_BTNH, kv, mask) -> Array:
 
 
 def attend_cached(options, w, q_BTNH, kv, visible) -> Array:
-  """Against the cache (dense, or a paged one's rows gathered): [B, T, N, H]
-  by `tied_attention`. Neither the CPU kernel nor JAX's TPU paged kernel
-  takes a tied cache (`cpu_kernel.refusal`, `paged.kernel_refusal`)."""
+  """Against the cache: [B, T, N, H]. Per platform lowered for: on the CPU,
+  where it takes the call (`cpu_kernel.refusal`), the C++ kernel, which
+  reads each block of tied states once for both products (a paged pool in
+  place); elsewhere `tied_attention` (a paged cache's rows gathered first).
+  JAX's TPU paged kernel does not take a tied cache
+  (`paged.kernel_refusal`)."""
   del w
-  rows = kv_cache.gathered(kv, options)
-  return tied_attention(
-      q_BTNH, rows.key, rows.value, visible,
-      rope_dim=options.qk_rope_head_dim, scale=options.scale,
-      logits_soft_cap=options.logits_soft_cap,
-      tied_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
+  def jax_path():
+    rows = kv_cache.gathered(kv, options)
+    return tied_attention(
+        q_BTNH, rows.key, rows.value, visible,
+        rope_dim=options.qk_rope_head_dim, scale=options.scale,
+        logits_soft_cap=options.logits_soft_cap,
+        tied_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
+  if cpu_kernel.refusal(options, kv, visible) is not None:
+    return jax_path()
+  return jax.lax.platform_dependent(
+      cpu=lambda: cpu_kernel.tied_attention(options, q_BTNH, kv, visible),
+      default=jax_path)
 
 
 def tied_attention(q_BTNH, tied_ZSH, rope_key_BSY, visible, *, rope_dim: int,

@@ -1,7 +1,7 @@
 """The CPU decode kernel against the pure-JAX path: one layer's decode step.
 
   python -m scripts.bench_cpu_kernel [--layout=paged|dense] [--kv_heads=8,2,1]
-      [--batch=128] [--context=1024] [--fill=1.0] [--repeats=7]
+      [--batch=128] [--context=1024] [--fill=1.0] [--repeats=7] [--tied]
 
 One attention layer's step (`attention.layer.apply`: N=8, H=64, D=512,
 float32, one new token per row) against a cache of --context positions per
@@ -10,7 +10,10 @@ pure-JAX path (`cpu_kernel.disabled`), then timed taking turns. paged: the
 serving engine's pool, pages of 16 shuffled in the pool (as an engine's
 are after a while), rows holding from fill/2 to fill of the context (drawn
 per row: an engine's rows differ); dense: `attention.Attention`'s cache,
-every row holding fill of it. Prints one line per K.
+every row holding fill of it. --tied: a grouped-tied (GTA) layer
+(`attention.tied`, a shared RoPE key of H/2 = 32), whose kernel reads each
+tied state once where the JAX path's two matmuls read it twice. Prints one
+line per K.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ N, H, D, PAGE = 8, 64, 512, 16
 
 
 def contestants(layout: str, K: int, batch: int, context: int, fill: float,
-                seed: int = 0) -> dict:
-  """{'kernel', 'jax'}: callables running the same step, each returning its
-  output [B, 1, D]."""
-  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H)
+                seed: int = 0, tied: bool = False) -> dict:
+  """{'kernel', 'jax'}: callables running the same step (of a GTA layer when
+  `tied`), each returning its output [B, 1, D]."""
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H,
+                          tie_kv=tied)
   rng = np.random.default_rng(seed)
   normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32))
   params = {name: normal(shape) * shape[0] ** -0.5
@@ -73,6 +77,8 @@ def main():
   parser.add_argument('--context', type=positive_int, default=1024)
   parser.add_argument('--fill', type=float, default=1.0)
   parser.add_argument('--repeats', type=positive_int, default=7)
+  parser.add_argument('--tied', action='store_true',
+                      help='a grouped-tied (GTA) layer')
   args = parser.parse_args()
   if not cpu_kernel.available():
     raise UserError('the CPU kernel is not built: pip install -e . (or python '
@@ -87,10 +93,13 @@ def main():
       raise UserError(f'--kv_heads={K}: the layer has N={N} query heads; '
                       f'give divisors of {N}')
     times = timing.median_times(
-        contestants(args.layout, K, args.batch, args.context, args.fill),
+        contestants(args.layout, K, args.batch, args.context, args.fill,
+                    tied=args.tied),
         args.repeats)
-    print(f'{args.layout} K={K} batch={args.batch} context={args.context} '
-          f'fill={args.fill}: pure-JAX path {times["jax"] * 1e3:.2f} ms, '
+    kind = 'GTA ' if args.tied else ''
+    print(f'{kind}{args.layout} K={K} batch={args.batch} '
+          f'context={args.context} fill={args.fill}: '
+          f'pure-JAX path {times["jax"] * 1e3:.2f} ms, '
           f'kernel {times["kernel"] * 1e3:.2f} ms, '
           f'{times["jax"] / times["kernel"]:.2f}x', flush=True)
 

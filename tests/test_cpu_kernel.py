@@ -84,23 +84,29 @@ def _dense_kv(stored, scales) -> kv_cache.KV:
 
 
 def _paged_kv(stored, scales) -> kv_cache.KV:
-  """A pool [K, P, p, H] (scales [K, P, p]) holding each row's positions on
-  pages of a shuffled table; every other page, and page 0 that unused table
-  entries name, holds noise the kernel must not read into the result."""
-  k_BSKH = stored[0]
-  K = k_BSKH.shape[2]
+  """A grouped-query pool (`_pool`) of keys and values [B, S, K, H] and
+  their scales [B, S, K] (or None)."""
+  names = ('cached_key', 'cached_value') + (
+      () if scales is None else ('key_scale', 'value_scale'))
+  return _pool(dict(zip(names, (*stored, *(scales or ())))))
+
+
+def _pool(entries_BSE) -> kv_cache.KV:
+  """A pool [E, P, p, F] (scales [E, P, p]) of each entry [B, S, E, F]
+  (scales [B, S, E]) holding each row's positions on pages of a shuffled
+  table; every other page, and page 0 that unused table entries name, holds
+  noise the kernel must not read into the result."""
   order = np.random.default_rng(0).permutation(np.arange(1, P))
   table_BM = order[:B * M].reshape(B, M)
   table_BM[2, 2:] = 0  # Row 2 holds 5 tokens: 2 pages, the rest unused.
   arrays = {}
-  names = ('cached_key', 'cached_value') + (
-      () if scales is None else ('key_scale', 'value_scale'))
-  for name, x in zip(names, (*stored, *(scales or ()))):
-    noise = jax.random.normal(jax.random.key(3), (K, P, p, *x.shape[3:]))
+  for name, x in entries_BSE.items():
+    E = x.shape[2]
+    noise = jax.random.normal(jax.random.key(3), (E, P, p, *x.shape[3:]))
     pool = (noise * 50).astype(x.dtype)
-    x_KBMp = jnp.moveaxis(x, 2, 0).reshape(K, B, M, p, *x.shape[3:])
+    x_EBMp = jnp.moveaxis(x, 2, 0).reshape(E, B, M, p, *x.shape[3:])
     used_BM = table_BM != 0
-    pool = pool.at[:, table_BM[used_BM]].set(x_KBMp[:, used_BM])
+    pool = pool.at[:, table_BM[used_BM]].set(x_EBMp[:, used_BM])
     arrays[name] = pool
   paged = kv_cache.PagedCache(arrays, jnp.asarray(table_BM, jnp.int32),
                               jnp.asarray(LENGTHS_B))
@@ -190,6 +196,151 @@ def _check_wide(layout, K, B_, S_):
   chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+# Grouped-tied attention (GTA): `cpu_kernel.tied_attention`.
+
+TIED_SCALES = {'cached_tied': 'tied_scale', 'cached_rope_key': 'rope_key_scale'}
+
+
+def _tied_options(K, Y, head_dim=H, **fields):
+  return layer.Options(num_heads=N, num_kv_heads=K, head_dim=head_dim,
+                       tie_kv=True, use_rope=Y > 0, qk_rope_head_dim=Y,
+                       **fields)
+
+
+def _tied_cache(K, Y, dtype, seed, B_=B, S_=S, head_dim=H):
+  """(stored entries: tied states [B, S, K, H], RoPE keys [B, S, 1, Y] (none
+  when Y = 0), int8 scales [B, S, K] and [B, S, 1]; the float32 tied states
+  and RoPE keys they stand for)."""
+  keys = jax.random.split(jax.random.key(seed), 2)
+  shapes = {'cached_tied': (B_, S_, K, head_dim)}
+  if Y:
+    shapes['cached_rope_key'] = (B_, S_, 1, Y)
+  stored, real = {}, {}
+  for (name, shape), key in zip(shapes.items(), keys):
+    x = jax.random.normal(key, shape)
+    if dtype == jnp.int8:
+      stored[name], scale = kv_cache.quantize(x, axis=3)
+      stored[TIED_SCALES[name]] = scale
+      real[name] = stored[name] * scale[..., None]
+    else:
+      stored[name] = x.astype(dtype)
+      real[name] = stored[name].astype(jnp.float32)
+  return stored, real
+
+
+def _dense_tied_kv(stored) -> kv_cache.KV:
+  """GTA's dense layout: tied states [B·K, S, H] and scales [B·K, S], RoPE
+  keys [B, S, Y] and scales [B, S]."""
+  heads_major = lambda x: jnp.moveaxis(x, 2, 1).reshape(-1, *x.shape[1:2],
+                                                        *x.shape[3:])
+  get = lambda name: None if name not in stored else heads_major(stored[name])
+  return kv_cache.KV(get('cached_tied'), get('cached_rope_key'),
+                     get('tied_scale'), get('rope_key_scale'),
+                     positions_S=jnp.arange(stored['cached_tied'].shape[1]))
+
+
+def _tied_reference(q_BTNH, real, visible, options):
+  """The einsum path: dot_product_attention over each KV head's keys
+  [t[:I], r] and its tied states as values, built by hand."""
+  t_BSKH = real['cached_tied']
+  k_BSKH = t_BSKH
+  if 'cached_rope_key' in real:
+    r_BSKY = jnp.broadcast_to(real['cached_rope_key'],
+                              (*t_BSKH.shape[:3], options.qk_rope_head_dim))
+    k_BSKH = jnp.concatenate(
+        [t_BSKH[..., :t_BSKH.shape[3] - r_BSKY.shape[3]], r_BSKY], axis=-1)
+  return dot_product_attention(q_BTNH, k_BSKH, t_BSKH, mask=visible,
+                               scale=options.scale,
+                               logits_soft_cap=options.logits_soft_cap)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.int8],
+                         ids=['float32', 'bfloat16', 'int8'])
+@pytest.mark.parametrize('T', [1, 4])
+@pytest.mark.parametrize('Y', [0, H // 2], ids=['nope', 'rope'])
+@pytest.mark.parametrize('K', [8, 2, 1])
+def test_the_tied_kernel_matches_the_einsum_path(layout, dtype, T, Y, K):
+  _check_tied(layout, dtype, T, K, Y, H)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('head_dim, Y', [(24, 0), (40, 16)],
+                         ids=['nope', 'rope'])
+def test_the_tied_kernel_off_the_vector_width(layout, head_dim, Y):
+  """H = 24 or 40: a tied state's key part (I = 24) ends past its last
+  16-float vector (beside a RoPE key of one vector), and the weighted sum
+  runs without vectors."""
+  _check_tied(layout, jnp.int8, 4, 2, Y, head_dim)
+
+
+def _check_tied(layout, dtype, T, K, Y, head_dim):
+  options = _tied_options(K, Y, head_dim)
+  stored, real = _tied_cache(K, Y, dtype, seed=K + Y, head_dim=head_dim)
+  kv = _pool(stored) if layout == 'paged' else _dense_tied_kv(stored)
+  q_BTNH = jax.random.normal(jax.random.key(T), (B, T, N, head_dim))
+  kernel = jax.jit(lambda q, vis: cpu_kernel.tied_attention(options, q, kv,
+                                                            vis))
+  for kind in MASKS:  # One compiled kernel: the masks are arrays.
+    visible = _visible(kind, T)
+    assert cpu_kernel.refusal(options, kv, visible) is None
+    got_BTNH = kernel(q_BTNH, visible)
+    chex.assert_shape(got_BTNH, (B, T, N, head_dim))
+    chex.assert_trees_all_close(
+        got_BTNH, _tied_reference(q_BTNH, real, visible, options),
+        atol=2e-5, rtol=2e-5, custom_message=f'mask {kind}')
+    if kind == 'padding':
+      np.testing.assert_array_equal(got_BTNH[1], 0.0)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.int8],
+                         ids=['float32', 'bfloat16', 'int8'])
+@pytest.mark.parametrize('K', [8, 2], ids=['mha', 'gqa'])
+def test_the_tied_kernel_on_whole_blocks_and_a_wide_head(layout, dtype, K):
+  """H = 64 with a RoPE key of 32 and 160 positions (two whole blocks of a
+  dense cache and half of one; ten pages), soft-capped: the vector loops
+  (one query row: four positions at a time; four rows: one)."""
+  _check_tied_wide(layout, K, B_=2, S_=160, dtype=dtype, soft_cap=2.0)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+def test_a_tied_call_large_enough_to_share_its_rows_among_threads(layout):
+  """8 rows x 8 KV heads x 512 float32 positions of H = 64, Y = 32 (8.5 MiB
+  of tied states and RoPE keys): past kMinBytesPerThread, so the units are
+  shared with XLA's intra-op threads."""
+  _check_tied_wide(layout, 8, B_=8, S_=512)
+
+
+def _check_tied_wide(layout, K, B_, S_, dtype=jnp.float32, soft_cap=None):
+  """The tied kernel against the einsum path: B_ rows of S_ positions of
+  H = 64, Y = 32, row 0 holding 10 fewer than the others."""
+  H_, Y_, p_ = 64, 32, 16
+  options = _tied_options(K, Y_, H_, logits_soft_cap=soft_cap)
+  stored, real = _tied_cache(K, Y_, dtype, seed=K, B_=B_, S_=S_, head_dim=H_)
+  q_BTNH = 3 * jax.random.normal(jax.random.key(0), (B_, 1, N, H_))
+  held_B = jnp.full(B_, S_).at[0].add(-10)
+  visible = (jnp.arange(S_) < held_B[:, None])[:, None, None]
+  if layout == 'dense':
+    kv = _dense_tied_kv(stored)
+  else:  # Row b's page m is page 1 + m·B + b of the pool.
+    M_ = S_ // p_
+    def pool(x_BSE):  # [B, S, E, F] (or scales [B, S, E]) -> [E, P, p, F].
+      x_EBMp = jnp.moveaxis(x_BSE.reshape(B_, M_, p_, *x_BSE.shape[2:]), 3, 0)
+      x_EXp = jnp.swapaxes(x_EBMp, 1, 2).reshape(
+          x_EBMp.shape[0], M_ * B_, p_, *x_EBMp.shape[4:])
+      return jnp.concatenate([jnp.zeros_like(x_EXp[:, :1]), x_EXp], axis=1)
+    table_BM = 1 + jnp.arange(M_)[None, :] * B_ + jnp.arange(B_)[:, None]
+    kv = kv_cache.KV(None, None, positions_S=jnp.arange(S_), paged=(
+        kv_cache.PagedCache({name: pool(x) for name, x in stored.items()},
+                            table_BM.astype(jnp.int32), jnp.zeros(B_, int))))
+  got = jax.jit(lambda q: cpu_kernel.tied_attention(options, q, kv, visible))(
+      q_BTNH)
+  chex.assert_trees_all_close(
+      got, _tied_reference(q_BTNH, real, visible, options), atol=2e-5,
+      rtol=2e-5)
+
+
 def test_soft_cap_and_bfloat16_queries():
   options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
                           logits_soft_cap=2.0)
@@ -214,6 +365,16 @@ def test_what_the_kernel_refuses_is_named():
   assert 'differs between heads' in cpu_kernel.refusal(options, kv, per_head)
   half = _dense_kv([x.astype(jnp.float16) for x in stored], None)
   assert 'float16' in cpu_kernel.refusal(options, half, _visible('none', 1))
+  tied = _tied_options(2, H // 2)
+  tied_kv = _dense_tied_kv(_tied_cache(2, H // 2, jnp.float32, seed=0)[0])
+  assert cpu_kernel.refusal(tied, tied_kv, _visible('none', 1)) is None
+  assert 'differs between heads' in cpu_kernel.refusal(tied, tied_kv,
+                                                       per_head)
+  tied_half = _dense_tied_kv(_tied_cache(2, H // 2, jnp.float16, seed=0)[0])
+  assert 'float16' in cpu_kernel.refusal(tied, tied_half, _visible('none', 1))
+  latent = layer.Options(num_heads=N, num_kv_heads=N, head_dim=H,
+                         kv_lora_rank=32)
+  assert 'MLA' in cpu_kernel.refusal(latent, kv, _visible('none', 1))
 
 
 def test_an_unknown_mode_is_one_clear_error(monkeypatch):
@@ -232,6 +393,18 @@ def test_a_bad_input_is_one_line_naming_the_shapes():
       '[2 or 1, 1, 32]')):
     call(jnp.ones((2, 1, 8, 16)), jnp.ones((4, 16, 32)), jnp.ones((4, 32, 16)),
          jnp.zeros((0,)), jnp.zeros((0,)), jnp.ones((2, 1, 31), bool),
+         scale=np.float32(1), soft_cap=np.float32(0))
+
+
+def test_a_bad_tied_input_is_one_line_naming_the_shapes():
+  call = jax.ffi.ffi_call(cpu_kernel.DENSE_TIED_TARGET,
+                          jax.ShapeDtypeStruct((2, 1, 8, 16), jnp.float32))
+  with pytest.raises(Exception, match=re.escape(
+      'gqa_lab_dense_tied_decode: tied states [4, 32, 16] and RoPE keys '
+      '[2, 31, 8] are not [B·K, S, H] and [B, S, Y], Y <= H, with B = the '
+      'query [2, 1, 8, 16]\'s first')):
+    call(jnp.ones((2, 1, 8, 16)), jnp.ones((4, 32, 16)), jnp.ones((2, 31, 8)),
+         jnp.zeros((0,)), jnp.zeros((0,)), jnp.ones((2, 1, 32), bool),
          scale=np.float32(1), soft_cap=np.float32(0))
 
 
@@ -264,12 +437,20 @@ def _decode_step(options, paged: bool):
   return jax.jit(step), (arrays, x_BTD)
 
 
+TARGETS = {  # (tie_kv, paged) -> the custom call of the step.
+    (False, True): cpu_kernel.PAGED_TARGET,
+    (False, False): cpu_kernel.DENSE_TARGET,
+    (True, True): cpu_kernel.PAGED_TIED_TARGET,
+    (True, False): cpu_kernel.DENSE_TIED_TARGET}
+
+
+@pytest.mark.parametrize('tie_kv', [False, True], ids=['grouped', 'tied'])
 @pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
 def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
-    paged, monkeypatch):
+    paged, tie_kv, monkeypatch):
   options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
-                          kv_cache_dtype='int8')
-  target = cpu_kernel.PAGED_TARGET if paged else cpu_kernel.DENSE_TARGET
+                          kv_cache_dtype='int8', tie_kv=tie_kv)
+  target = TARGETS[tie_kv, paged]
   step, args = _decode_step(options, paged)
   assert target in step.lower(*args).compile().as_text()
   out_kernel, cache_kernel = step(*args)
@@ -309,22 +490,27 @@ def test_the_serving_step_reads_the_pool_in_place(kv_cache_dtype):
   assert gathers(text) == 2 * mc.num_layers
 
 
+@pytest.mark.parametrize('tied', [False, True], ids=['grouped', 'tied'])
 @pytest.mark.parametrize('layout', ['paged', 'dense'])
-def test_the_benchmark_times_two_paths_that_agree(layout):
+def test_the_benchmark_times_two_paths_that_agree(layout, tied):
   """scripts.bench_cpu_kernel's contestants: the same step's output."""
   from scripts import bench_cpu_kernel  # pylint: disable=import-outside-toplevel
   runs = bench_cpu_kernel.contestants(layout, K=2, batch=3, context=64,
-                                      fill=0.5)
+                                      fill=0.5, tied=tied)
   chex.assert_trees_all_close(runs['kernel'](), runs['jax'](), atol=1e-5)
 
 
+@pytest.mark.parametrize('tie_kv', [False, True], ids=['grouped', 'tied'])
 @pytest.mark.parametrize('platform', ['tpu', 'cuda'])
-def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform):
-  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=128)
+def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform,
+                                                                 tie_kv):
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=128,
+                          tie_kv=tie_kv)
+  target = TARGETS[tie_kv, True]
   step, args = _decode_step(options, paged=True)
   text = jax.export.export(step, platforms=[platform])(*args).mlir_module()
-  assert cpu_kernel.PAGED_TARGET not in text
-  assert cpu_kernel.PAGED_TARGET in step.lower(*args).as_text()  # Control.
+  assert target not in text
+  assert target in step.lower(*args).as_text()  # Control.
 
 
 @pytest.mark.slow
@@ -359,6 +545,12 @@ for layout, dtype, K in itertools.product(
     ['paged', 'dense'], [jnp.float32, jnp.bfloat16, jnp.int8], [4, 1]):
   t._check_against_the_einsum_path(layout, dtype, 4, K, t.H)
 t._check_against_the_einsum_path('paged', jnp.int8, 1, 2, 24)
+for layout, dtype in itertools.product(
+    ['paged', 'dense'], [jnp.bfloat16, jnp.int8]):
+  t._check_tied_wide(layout, 2, 2, 160, dtype=dtype, soft_cap=2.0)
+for layout in ['paged', 'dense']:
+  t._check_tied_wide(layout, 8, 2, 160)  # float32.
+  t._check_tied(layout, jnp.int8, 4, 2, 0, 24)
 '''
 
 
@@ -370,15 +562,15 @@ def test_each_target_the_build_dispatches_to_matches_the_einsum_path(
     target, tmp_path):
   """The library built for one target only (AVX2, or the x86-64 baseline),
   as the AVX2 and older machines run it whatever machine the test runs on:
-  it equals the einsum path."""
+  both kernels (grouped and tied) equal the einsum path."""
   clones = '' if target == 'default' else (
       f'__attribute__((target("{target}")))')
   library = tmp_path / 'libgrouped_decode.so'
   subprocess.run(
       ['g++', '-std=c++17', '-O3', '-shared', '-fPIC', '-fvisibility=hidden',
        '-fno-math-errno', f'-I{jax.ffi.include_dir()}',
-       f'-DGQA_LAB_CLONES={clones}', str(REPO / 'attention' / 'cpu' /
-                                         'grouped_decode.cc'),
+       f'-DGQA_LAB_CLONES={clones}',
+       *map(str, sorted((REPO / 'attention' / 'cpu').glob('*.cc'))),
        '-o', str(library)], check=True, capture_output=True)
   result = subprocess.run([sys.executable, '-c', _EACH_TARGET, str(library)],
                           capture_output=True, text=True, cwd=REPO,

@@ -2,8 +2,9 @@
 pass equals per-query-head keys and values assembled by hand; cached
 decoding (dense, ring buffers, int8, a paged pool) equals the full pass; the
 cache holds (K·H + Y) / (2·K·H) of grouped-query attention's bytes; the
-decode step lowers for TPU and CUDA; bad options and conversions are one
-line; train.convert --to_gta ties an MHA/GQA model."""
+decode step lowers for TPU and CUDA, and on the CPU runs the tied kernel
+(tests/test_cpu_kernel.py holds it to the einsum path); bad options and
+conversions are one line; train.convert --to_gta ties an MHA/GQA model."""
 
 import dataclasses
 import fractions
@@ -276,18 +277,54 @@ def test_bad_options_are_refused_in_one_line_naming_the_fix(fields, message):
     config_lib.validate(config, batch_shards=1)
 
 
-def test_the_cpu_and_tpu_kernels_refuse_a_tied_cache():
+def test_the_tpu_kernel_refuses_a_tied_cache_and_the_cpu_kernel_takes_it():
   options = _options(2)
-  if not cpu_kernel.available():
-    pytest.skip('the CPU kernel is not built')
-  kv = layer.KV(jnp.zeros((4, 5, H)), jnp.zeros((2, 5, Y)),
-                positions_S=jnp.arange(5))
-  assert 'GTA' in cpu_kernel.refusal(options, kv, jnp.ones((1, 1, 1, 5),
-                                                           bool))
   pool = {name: jnp.zeros(s.shape, s.dtype) for name, s in
           kv_cache.paged_spec(options, 4, 8, jnp.bfloat16).items()}
   assert paged.kernel_refusal(options, 1, pool).startswith(
       'a tied (GTA) cache')
+  if not cpu_kernel.available():
+    pytest.skip('the CPU kernel is not built')
+  kv = layer.KV(jnp.zeros((4, 5, H)), jnp.zeros((2, 5, Y)),
+                positions_S=jnp.arange(5))
+  assert cpu_kernel.refusal(options, kv, jnp.ones((1, 1, 1, 5), bool)) is None
+  assert 'differs between heads' in cpu_kernel.refusal(
+      options, kv, jnp.ones((1, N, 1, 5), bool))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model', [
+    dict(num_kv_heads=2), dict(num_kv_heads=1, use_rope=False,
+                               kv_cache_dtype='int8')],
+    ids=['gqa', 'mqa_nope_int8'])
+def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(model):
+  """A GTA model's decode step compiled for this CPU holds the tied kernel's
+  custom call (`attention.cpu_kernel`), each step's logits those of the
+  pure-JAX path; the control: with the kernel off, the step holds none."""
+  if not cpu_kernel.available():
+    pytest.skip('the CPU kernel is not built')
+  mc, params = _model(**model)
+  decoder = Transformer(mc, decode=True)
+  tokens = jax.random.randint(jax.random.key(2), (2, 4), 0, mc.vocab_size)
+
+  def run():  # Traced here: the path the environment chooses now.
+    step = jax.jit(lambda cache, token: decoder.apply(
+        {'params': params, 'cache': cache}, token, mutable=['cache']))
+    cache = sample.empty_cache(decoder, batch=2)
+    text = step.lower(cache, tokens[:, :1]).compile().as_text()
+    logits = []
+    for t in range(tokens.shape[1]):
+      out, mutated = step(cache, tokens[:, t:t + 1])
+      cache = mutated['cache']
+      logits.append(out)
+    return text, jnp.concatenate(logits, axis=1)
+
+  text, kernel_logits = run()
+  assert cpu_kernel.DENSE_TIED_TARGET in text
+  with cpu_kernel.disabled():
+    text, jax_logits = run()
+  assert cpu_kernel.DENSE_TIED_TARGET not in text  # The control.
+  chex.assert_trees_all_close(kernel_logits, jax_logits, atol=1e-5)
 
 
 @pytest.mark.slow
