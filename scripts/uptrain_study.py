@@ -34,7 +34,8 @@ default run (3 sources x 400, 1,600, 3,200 steps; 171 runs before the GTA
 and GLA arms, 207 with them) is about 28 CPU-minutes on the 2-core
 machine (docs/results/uptrain/: its first 117 runs 14 min 54 s of wall
 time at 3401e24, the 54 of the random and from-scratch arms 23 min 52 s
-beside other jobs at 1638762); --quick: sources of 200 and 400 steps
+beside other jobs at 1638762, the 36 of the GTA and GLA arms 5 min 9 s
+beside other jobs at b73ef2c); --quick: sources of 200 and 400 steps
 (QUICK_SOURCE_STEPS), the same arms.
 
 --single_source, the former design (one source, seed 0; the seeds replicate
