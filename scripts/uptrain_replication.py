@@ -17,7 +17,10 @@ number of uptraining steps ('fixed'), both of one run per (arm, seed).
 The arms of a source: the identity control (K = N), mean-pooled,
 first-head and random K/V heads to each K (claims 1 and 2: mean-pooled
 against the control; mean < first < random, each pair paired within the
-source), MLA below GQA's width, and K trained from scratch for the
+source), MLA below GQA's width, GTA at (or nearest) its cache bytes and
+GLA at its latent width (issue #51: GTA against the mean-pooled GQA arm
+of nearest bytes, GLA against MLA-below, each paired within the source,
+Holm over the lengths), and K trained from scratch for the
 source's S steps by its recipe and seed (claim 3: the uptrained
 mean-pooled K at alpha = 0.05 minus it, with the scratch steps at which
 its curve, evaluated every S/40, reaches the uptrained loss:
@@ -42,6 +45,8 @@ from scripts import stats, uptrain_report
 from train import provenance
 
 MLA_BELOW = 'mla_half'  # scripts.uptrain_study's method for that arm.
+GTA = 'gta'  # Its grouped-tied arm at MLA_BELOW's bytes.
+GLA = 'gla_half'  # Its grouped-latent arm at MLA_BELOW's latent width.
 READS = ('paper', 'fixed')
 
 
@@ -163,6 +168,16 @@ def _length(plan: dict, sources: list[dict]) -> dict:
       continue
     out[name] = {read: compare(mla, b, steps[read]) for read in READS}
     out[name]['conversion'] = compare(mla, b, 0)
+  # Results made before the GTA and GLA arms lack them.
+  for name, arm, b in (
+      ('gta_vs_equal_bytes', first.get('gta'),
+       first.get('gta') and ('mean', first['gta']['partner_K'])),
+      ('gla_vs_mla', first.get('gla'), mla)):
+    if arm:
+      a = (arm['method'], arm['K'])
+      out[name] = {read: compare(a, b, steps[read]) for read in READS}
+      out[name]['conversion'] = compare(a, b, 0)
+      out[arm['method']] = arm
   return out
 
 
@@ -297,11 +312,16 @@ def summary(results: dict) -> dict:
                    if name in row])
   mla = _holm([{'S': S, **row['mla_vs_equal_bytes']['paper']}
                for S, row in lengths.items() if 'mla_vs_equal_bytes' in row])
+  # GTA - GQA of nearest bytes, GLA - MLA-below: one Holm family each.
+  latent = {name: _holm([{'S': S, **row[name]['paper']}
+                         for S, row in lengths.items() if name in row])
+            for name in ('gta_vs_equal_bytes', 'gla_vs_mla')}
   return {'lengths': lengths, 'trend': trend, 'claim1': claim1,
           'claim3': claim3, 'ranking': ranking, 'ordering': {
               S: {K: uptrain_report.ranking_verdict(
                   [c for c in ranking if c['S'] == S], K) for K in kv}
-              for S in lengths}, 'mla': mla, 'gate': gate}
+              for S in lengths}, 'mla': mla, 'gate': gate,
+          **{name: cells for name, cells in latent.items() if cells}}
 
 
 # --- the reading ------------------------------------------------------------------
@@ -342,7 +362,9 @@ def reading(results: dict, summ: dict) -> list[str]:
           'uptraining seed)' if f'first_random_K{kv[0]}' in first else
           'mean-pooled and first-head') + ' K = '
       + ' and '.join(map(str, kv)) + f', and MLA below GQA-{mla["K"]}\'s '
-      f'width; {len(plan["seeds"])} uptraining seeds per arm '
+      'width' + (', GTA at (or nearest) its cache bytes and GLA at its '
+                 'latent width' if GLA in first and GTA in first else '')
+      + f'; {len(plan["seeds"])} uptraining seeds per arm '
       f'({", ".join(map(str, plan["seeds"]))}), averaged within the source. '
       + ('' if not scratch_ks(results['sources'][0]) else
          'Beside each source, K = ' + ' and '.join(
@@ -444,6 +466,7 @@ def reading(results: dict, summ: dict) -> list[str]:
             f'S = {S:,}: ' + ', '.join(
                 '/'.join(f'{e:.3f}' for e in s['mla']['energy_kept'])
                 for s in by_length(results)[S]) for S in lengths) + '.')
+  lines += _latent_arms(plan, summ)
   within = [(S, row[f'gap_K{max(kv)}']['paper']) for S, row in lengths.items()]
   lines.append(
       '- **Pseudo-replication, measured**: the sd of the GQA gap at α = '
@@ -451,6 +474,41 @@ def reading(results: dict, summ: dict) -> list[str]:
       'averaged) against its sd between sources: ' + '; '.join(
           f'S = {S:,}: {c["within_sd"]:.4f} within, {c["sd"]:.4f} between'
           for S, c in within) + '.')
+  return lines
+
+
+def _latent_arms(plan: dict, summ: dict) -> list[str]:
+  """The reading's GTA and GLA lines (issue #51), where the results have
+  those arms."""
+  first = next(iter(summ['lengths'].values()))
+  H, a, lines = plan['head_dim'], plan['paper_alpha'], []
+
+  def cells(name, words):
+    return '; '.join(
+        f'S = {c["S"]:,}: {words} {_f(c)}, {_det(c)}, **{c["verdict"]}**'
+        for c in summ[name])
+  if summ.get('gta_vs_equal_bytes'):
+    g = first[GTA]
+    lines.append(
+        f'- **GTA at MLA-below\'s cache bytes** (K/V heads mean-pooled to '
+        f'K = {g["K"]}, tied, a {g["qk_rope_head_dim"]}-wide shared RoPE '
+        f'key: K·H + Y = {g["K"] * H + g["qk_rope_head_dim"]} numbers, '
+        f'{g["kv_bytes_per_token"]:g} bytes/token, the layout nearest '
+        f'MLA-below\'s {g["target_kv_bytes_per_token"]:g}) against '
+        f'mean-pooled K = {g["partner_K"]}, the GQA arm of nearest bytes '
+        f'({g["partner_kv_bytes_per_token"]:g} bytes/token), α = {a}, Holm '
+        f'over the {len(summ["gta_vs_equal_bytes"])} lengths: '
+        + cells('gta_vs_equal_bytes', 'GTA − GQA') + '.')
+  if summ.get('gla_vs_mla'):
+    g = first[GLA]
+    lines.append(
+        f'- **GLA against MLA-below at equal bytes** (Zadouri et al.: GLA '
+        f'matches MLA; --latent_groups={g["latent_groups"]}, kv_lora_rank '
+        f'{g["kv_lora_rank"]} + {g["qk_rope_head_dim"]} RoPE dims, '
+        f'{g["kv_bytes_per_token"]:g} bytes/token, MLA-below '
+        f'{g["mla_kv_bytes_per_token"]:g}), α = {a}, Holm over the '
+        f'{len(summ["gla_vs_mla"])} lengths: '
+        + cells('gla_vs_mla', 'GLA − MLA') + '.')
   return lines
 
 
@@ -520,7 +578,9 @@ def tables(results: dict, summ: dict) -> list[str]:
            **{f'first_random_K{K}': f'first − random, K={K}' for K in kv},
            **{f'mean_random_K{K}': f'mean − random, K={K}' for K in kv},
            'mla_vs_equal_bytes': 'MLA-half − mean K at equal bytes',
-           'mla_vs_gqa': 'MLA-half − mean GQA-K (twice its bytes)'}
+           'mla_vs_gqa': 'MLA-half − mean GQA-K (twice its bytes)',
+           'gta_vs_equal_bytes': 'GTA − mean K of nearest bytes',
+           'gla_vs_mla': 'GLA − MLA-half (equal bytes)'}
   rows = summ['lengths']
 
   def present(names):  # Columns the results have (older ones lack some).
@@ -530,7 +590,8 @@ def tables(results: dict, summ: dict) -> list[str]:
           [f'gap_K{K}' for K in kv] + [f'vs_scratch_K{K}' for K in kv])),
       ('between conversions (claim 2, the MLA arm)', present(
           [f'{n}_K{K}' for n in ('order', 'first_random', 'mean_random')
-           for K in kv] + ['mla_vs_equal_bytes', 'mla_vs_gqa']))]
+           for K in kv] + ['mla_vs_equal_bytes', 'mla_vs_gqa',
+                           'gta_vs_equal_bytes', 'gla_vs_mla']))]
   lines = []
   for title, names in groups:
     lines += [f'### Per source, {title}: differences at each read (mean '

@@ -17,19 +17,25 @@ recipe scaled to S (OUT/sources/S{S}_s{seed}/source), converted to the
 identity control (K = N), mean-pooled, first-head and random (fresh K/V
 heads, one draw per uptraining seed) to each --kv_heads (default N/2 and
 1), and MHA -> MLA with a latent below GQA's width (`mla_below_plan`: half
-of GQA-max(K)'s cache, so R < d_model), each uptrained once per uptraining
-seed (--seeds, default 2) at RATE_RATIO x the source's peak rate (warmup
-over alpha = 0.0125 of S, then constant) with a fresh Adam and read at
-alpha = 0.05 of S and at FIXED_STEPS steps. Beside each source, each
+of GQA-max(K)'s cache, so R < d_model), GTA at (or nearest) that MLA's
+cache bytes (`gta_plan`: K/V heads mean-pooled, then tied) and GLA with
+GLA_GROUPS latent groups at its latent width (`gla_plan`, issue #51), each
+uptrained once per uptraining seed (--seeds, default 2) at RATE_RATIO x
+the source's peak rate (warmup over alpha = 0.0125 of S, then constant)
+with a fresh Adam and read at alpha = 0.05 of S and at FIXED_STEPS
+steps. Beside each source, each
 --kv_heads K is trained from scratch for S steps by the source's recipe
 and seed (.../scratch/K{K}_s{seed}, evaluated every S/40 steps: claim 3,
 the cost). The statistics (`scripts.uptrain_replication`) average within
 a source and give intervals over sources, and the alpha = 0.05 gaps'
-trends over S paired by source seed. The default run (3 sources x 400,
-1,600, 3,200 steps; 171 runs) is about 28 CPU-minutes on the 2-core
+trends over S paired by source seed; GTA is compared with the mean-pooled
+GQA arm of nearest bytes, GLA with the MLA, paired within the source. The
+default run (3 sources x 400, 1,600, 3,200 steps; 171 runs before the GTA
+and GLA arms, 207 with them) is about 28 CPU-minutes on the 2-core
 machine (docs/results/uptrain/: its first 117 runs 14 min 54 s of wall
 time at 3401e24, the 54 of the random and from-scratch arms 23 min 52 s
-beside other jobs at 1638762); --quick: sources of 200 and 400 steps
+beside other jobs at 1638762, the 36 of the GTA and GLA arms 5 min 9 s
+beside other jobs at b73ef2c); --quick: sources of 200 and 400 steps
 (QUICK_SOURCE_STEPS), the same arms.
 
 --single_source, the former design (one source, seed 0; the seeds replicate
@@ -74,7 +80,8 @@ only the uptraining data order):
 Every run is `train.main`'s loop (`scripts.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
 before the MLA arm: only the MLA runs train; a default-design one made
-before the random and from-scratch arms: only those train, and
+before the random and from-scratch arms, or the GTA and GLA arms: only
+those train, and
 results.json's provenance names the earlier passes and each run's commit). --single_source: 4 seeds,
 38.5 CPU-minutes with the MLA arm (the most its wall time is on an idle
 2-core machine; docs/results/uptrain/single_source/report.md); with
@@ -95,7 +102,8 @@ import numpy as np
 
 from scripts import stats, study, task_scores, uptrain_replication
 from scripts import uptrain_report
-from train import config_lib, convert, loop, progress, provenance, to_mla
+from train import (config_lib, convert, loop, progress, provenance, to_gta,
+                   to_mla)
 from train import model as model_lib
 from train import workdir as workdir_lib
 from train.cli import (check_output_dir, exit_on_user_error, int_list,
@@ -428,7 +436,24 @@ def convert_mla(out: pathlib.Path, source: pathlib.Path, plan: dict
     with (out / 'converted' / 'log.txt').open('a') as f, (
         contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
       convert.convert_to_mla(str(source), str(workdir), plan['kv_lora_rank'],
-                             plan['qk_rope_head_dim'])
+                             plan['qk_rope_head_dim'],
+                             plan.get('latent_groups', 1))
+  return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
+
+
+def convert_gta(out: pathlib.Path, source: pathlib.Path, plan: dict
+                ) -> tuple[pathlib.Path, dict]:
+  """PLAN's GTA conversion of SOURCE (`gta_plan`: K/V heads mean-pooled
+  to its K, then tied; deterministic, one for every seed) and its
+  convert.json record."""
+  workdir = out / 'converted' / Arm(plan['method'], plan['K']).name
+  if not (workdir / 'config.json').exists():
+    shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    with (out / 'converted' / 'log.txt').open('a') as f, (
+        contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
+      convert.convert_to_gta(str(source), str(workdir), plan['K'],
+                             plan['qk_rope_head_dim'], plan['pooling'])
   return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
 
 
@@ -465,7 +490,10 @@ FIXED_STEPS = 80  # The fixed read: alpha = 0.05 of the 1,600-step source.
 # (docs/results/uptrain/single_source/), fixed here in advance for every
 # source rather than piloted again on each.
 RATE_RATIO = 1 / 3
-MLA_BELOW = 'mla_half'  # Its method: latent half of GQA-max(K)'s width.
+MLA_BELOW = uptrain_replication.MLA_BELOW  # Latent: half GQA-max(K)'s.
+GTA = uptrain_replication.GTA  # Grouped-tied attention (`gta_plan`).
+GLA = uptrain_replication.GLA  # MLA_BELOW's latent in GLA_GROUPS groups.
+GLA_GROUPS = 2  # Zadouri et al.'s GLA-2.
 QUICK_SOURCE_STEPS = [200, 400]  # --quick's source lengths.
 
 
@@ -483,6 +511,56 @@ def mla_below_plan(mc, kv_heads: list[int]) -> dict:
   K = the largest target, method MLA_BELOW."""
   K = max(kv_heads)
   return {**mla_plan(mc, K, numbers=K * mc.head_dim), 'method': MLA_BELOW}
+
+
+def gta_plan(mc, target_bytes: float, kv_heads: list[int]) -> dict:
+  """GTA (`train.convert --to_gta`, K/V heads mean-pooled) of the MHA
+  source `mc` [N heads of H] whose cache is nearest `target_bytes` (the
+  study passes MLA_BELOW's): over K dividing N and the shared RoPE key's
+  width Y (even, 2 .. H - 2; 0 without RoPE) it caches K·H + Y numbers per
+  token and layer, against GQA-K's 2·K·H, so equal bytes need not exist; a
+  tie goes to the smaller cache (GTA is never given more bytes than a
+  layout as near below). partner_K: the mean-pooled GQA arm of kv_heads
+  whose bytes are nearest GTA's (ties to the smaller), its comparison.
+  Bytes are `train.model.kv_bytes_per_token`'s."""
+  N, H = mc.num_heads, mc.head_dim
+
+  def size(K, Y):
+    pairs = np.arange(Y // 2) if mc.use_rope else None  # Any Y / 2 pairs.
+    return model_lib.kv_bytes_per_token(to_gta.target_config(
+        dataclasses.replace(mc, num_kv_heads=K), Y, pairs)[0])
+  widths = range(2, H - 1, 2) if mc.use_rope else (0,)
+  layouts = {(K, Y): size(K, Y) for K in range(1, N + 1) if N % K == 0
+             for Y in widths}
+  (K, Y), got = min(layouts.items(), key=lambda kv: (
+      abs(kv[1] - target_bytes), kv[1]))
+  gqa = {k: model_lib.kv_bytes_per_token(dataclasses.replace(
+      mc, num_kv_heads=k)) for k in kv_heads}
+  partner = min(kv_heads, key=lambda k: (abs(gqa[k] - got), gqa[k]))
+  return {'K': K, 'qk_rope_head_dim': Y, 'method': GTA, 'pooling': 'mean',
+          'kv_bytes_per_token': got, 'target_kv_bytes_per_token': target_bytes,
+          'partner_K': partner,
+          'partner_kv_bytes_per_token': gqa[partner]}
+
+
+def gla_plan(mc, kv_heads: list[int], groups: int = GLA_GROUPS
+             ) -> dict | None:
+  """GLA (`train.convert --to_mla --latent_groups=groups`) of the MHA
+  source `mc` at `mla_below_plan`'s latent width and RoPE dims, so its
+  cache bytes are MLA_BELOW's; None where the groups do not divide the
+  source's K (= N) and the latent (`to_mla.check_source`'s rule)."""
+  below = mla_below_plan(mc, kv_heads)
+  R, Y = below['kv_lora_rank'], below['qk_rope_head_dim']
+  try:
+    to_mla.check_source(mc, R, Y, groups)
+  except UserError:
+    return None
+  pairs = (to_mla.select_pairs(np.zeros((mc.num_heads, mc.head_dim // 2)), Y)
+           if mc.use_rope else None)
+  gla_mc, _ = to_mla.target_config(mc, R, Y, pairs, groups)
+  return {**below, 'method': GLA, 'latent_groups': groups,
+          'kv_bytes_per_token': model_lib.kv_bytes_per_token(gla_mc),
+          'mla_kv_bytes_per_token': below['kv_bytes_per_token']}
 
 
 def reads(steps: int, fixed: int) -> dict:
@@ -518,13 +596,32 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
                     convert_one(out, source_dir, arm, seed), config,
                     read['top'], rate, seed, read['every'])
     runs.append({**dataclasses.asdict(arm), 'seed': seed, 'curve': curve})
-  plan = mla_below_plan(config_lib.model_config(config), kv_heads)
+  mc = config_lib.model_config(config)
+  plan = mla_below_plan(mc, kv_heads)
   converted, info = convert_mla(out, source_dir, plan)
-  for seed in seeds:
-    curve = uptrain(out, f'runs/{Arm(MLA_BELOW, plan["K"]).name}/s{seed}',
-                    converted, config, read['top'], rate, seed, read['every'])
-    runs.append({'method': MLA_BELOW, 'K': plan['K'], 'start': 'fresh',
+  # GTA and GLA at MLA_BELOW's cache bytes (issue #51), uptrained alike.
+  gta = gta_plan(mc, plan['kv_bytes_per_token'], kv_heads)
+  gla = gla_plan(mc, kv_heads)
+  if gla is None:
+    print(f'=== no GLA arm: {GLA_GROUPS} latent groups do not divide K = '
+          f'{N} and the latent {plan["kv_lora_rank"]}', flush=True)
+  latent = [(plan, converted, info), (gta, *convert_gta(out, source_dir, gta))]
+  if gla is not None:
+    latent.append((gla, *convert_mla(out, source_dir, gla)))
+  for arm, at, seed in progress.runs(
+      [(a, w, s) for a, w, _ in latent for s in seeds],
+      lambda p: f'S={S} seed {config.seed}: {p[0]["method"]} at '
+      f'{p[0]["kv_bytes_per_token"]:g} bytes/token, uptraining seed {p[2]}'):
+    curve = uptrain(out, f'runs/{Arm(arm["method"], arm["K"]).name}/s{seed}',
+                    at, config, read['top'], rate, seed, read['every'])
+    runs.append({'method': arm['method'], 'K': arm['K'], 'start': 'fresh',
                  'seed': seed, 'curve': curve})
+  recorded = {a['method']: {**a, **{k: i[k] for k in ('energy_kept',
+                                                      'rope_pairs')
+                                    if k in i},
+                            'converted_kv_bytes_per_token':
+                                i['kv_bytes_per_token']}
+              for a, _, i in latent}
   scratches = [{'K': K, 'seed': config.seed, 'curve': scratch(
       out, config, K, config.seed, S)} for K in progress.runs(
           scratch_kv_heads, lambda K: f'S={S} seed {config.seed}: K={K} from '
@@ -533,9 +630,8 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
           'scratch': scratches,
           'reads': read, 'rate': rate,
           'warmup': min(unit_steps(S), read['top'] - 1),  # uptrain_config's.
-          'mla': {**plan, 'energy_kept': info['energy_kept'],
-                  'rope_pairs': info['rope_pairs'],
-                  'converted_kv_bytes_per_token': info['kv_bytes_per_token']}}
+          'mla': recorded[MLA_BELOW], 'gta': recorded[GTA],
+          'gla': recorded.get(GLA)}
 
 
 def replicated(out: pathlib.Path, name: str, source_steps: list[int],

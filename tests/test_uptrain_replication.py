@@ -11,17 +11,25 @@ import pytest
 from scripts import stats, uptrain_replication, uptrain_report, uptrain_study
 
 SOURCE = {400: 1.90, 1600: 1.66, 3200: 1.60}  # Loss of a source of S steps.
+GTA = {'K': 1, 'qk_rope_head_dim': 14, 'method': 'gta', 'pooling': 'mean',
+       'kv_bytes_per_token': 240.0, 'target_kv_bytes_per_token': 256.0,
+       'partner_K': 1, 'partner_kv_bytes_per_token': 256.0}
+GLA = {'K': 2, 'kv_lora_rank': 24, 'qk_rope_head_dim': 8, 'method': 'gla_half',
+       'latent_groups': 2, 'kv_bytes_per_token': 256.0,
+       'mla_kv_bytes_per_token': 256.0, 'energy_kept': [0.8, 0.82]}
 
 
 def _results(gap, noise=0.003, sources=3, drift=-0.001,
-             above_scratch=lambda S, K, seed: 0.01 * seed, random=0.05):
+             above_scratch=lambda S, K, seed: 0.01 * seed, random=0.05,
+             gta=0.05, gla=0.0, latent=True):
   """Sources of each length S (seeds 0..), 2 uptraining seeds each;
   mean-pooled K's loss at every read is the control's + gap(S, K, seed)
   (+ noise per uptraining seed), first-head 0.05 above mean, random
   `random` above first, MLA-half 0.03 below mean-pooled K = 1; K trained
   from scratch for S steps (evaluated every S/40) ends above_scratch(S, K,
   seed) below mean-pooled K's noiseless loss at alpha = 0.05, from 3.0 at
-  S/40 in equal steps."""
+  S/40 in equal steps. latent: with GTA (K = 1, 240 bytes/token) `gta`
+  above mean-pooled K = 1 and GLA `gla` above MLA-half."""
   rng = np.random.default_rng(0)
   plan = {'design': 'sources', 'source_steps': list(SOURCE),
           'source_seeds': list(range(sources)), 'seeds': [1, 2],
@@ -41,15 +49,17 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001,
       runs = []
       for method, K in (('identity', 4), ('mean', 2), ('mean', 1),
                         ('first', 2), ('first', 1), ('random', 2),
-                        ('random', 1), ('mla_half', 2)):
+                        ('random', 1), ('mla_half', 2),
+                        *((('gta', 1), ('gla_half', 2)) if latent else ())):
         for up in (1, 2):
           def at(step):
             if method == 'identity':
               return src + (drift if step else 0.0)
-            k = 1 if method == 'mla_half' else K
+            k = 1 if method in ('mla_half', 'gla_half') else K
             base = src + drift + gap(S, k, seed) + noise * rng.normal()
             return base + {'mean': 0.0, 'first': 0.05,
-                           'random': 0.05 + random, 'mla_half': -0.03}[
+                           'random': 0.05 + random, 'mla_half': -0.03,
+                           'gta': gta, 'gla_half': -0.03 + gla}[
                                method] + (1.0 if step == 0 else 0.0)
           runs.append({'method': method, 'K': K, 'start': 'fresh',
                        'seed': up, 'curve': [{'step': t, 'loss': at(t),
@@ -65,7 +75,8 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001,
       out.append({'steps': S, 'seed': seed, 'source': {'loss': src},
                   'runs': runs, 'scratch': scratch, 'reads': read,
                   'rate': 1e-3, 'warmup': uptrain_study.unit_steps(S),
-                  'mla': mla})
+                  'mla': mla, **({'gta': GTA, 'gla': GLA} if latent
+                                 else {})})
   return {'provenance': {'command': 'python -m scripts.uptrain_study --out=x',
                          'commit': 'abc1234', 'out': 'x',
                          'machine': {'cpu': 'Xeon', 'avx2': True,
@@ -97,6 +108,38 @@ def test_values_are_averaged_within_a_source_and_intervals_are_over_sources():
   assert summ['lengths'][400]['mla_partner_K'] == 1
   assert summ['lengths'][400]['mla_vs_equal_bytes']['paper']['mean'] == \
       pytest.approx(-0.03, abs=0.01)
+
+
+def test_gta_and_gla_are_paired_within_the_source_and_decided():
+  # GTA 0.05 nats above mean-pooled K = 1 (its nearest bytes), GLA 0.001
+  # from MLA-half: far below what 3 sources with 0.003 of noise per
+  # uptraining seed detect.
+  summ = uptrain_replication.summary(_results(_growing, gla=0.001))
+  row = summ['lengths'][1600]
+  first = next(s for s in _results(_growing, gla=0.001)['sources']
+               if (s['steps'], s['seed']) == (1600, 0))
+  by_hand = (uptrain_replication.losses(first, 'gta', 1, 80)
+             - uptrain_replication.losses(first, 'mean', 1, 80)).mean()
+  assert row['gta_vs_equal_bytes']['paper']['values'][0] == \
+      pytest.approx(by_hand)
+  assert row['gta_vs_equal_bytes']['paper']['n'] == 3  # Over sources.
+  assert [c['verdict'] for c in summ['gta_vs_equal_bytes']] == \
+      ['resolved'] * 3
+  gla = summ['gla_vs_mla']
+  assert [c['S'] for c in gla] == list(SOURCE)  # One Holm family.
+  for c in gla:
+    assert abs(c['mean']) < c['detectable']
+    assert c['verdict'] == 'not claimed'
+  text = uptrain_replication.text(_results(_growing, gla=0.001))
+  assert '**GTA at MLA-below\'s cache bytes** (K/V heads mean-pooled to ' \
+      'K = 1, tied, a 14-wide shared RoPE key: K·H + Y = 30 numbers, ' \
+      '240 bytes/token' in text
+  assert 'GLA − MLA' in text and '**not claimed**' in text
+  # Results made before these arms report without them.
+  old = uptrain_replication.summary(_results(_growing, latent=False))
+  assert 'gla_vs_mla' not in old and 'gta_vs_equal_bytes' not in old
+  assert 'GTA' not in uptrain_replication.text(_results(_growing,
+                                                         latent=False))
 
 
 def test_claim_1_is_decided_by_the_trend_over_source_length():
@@ -260,7 +303,7 @@ def test_the_replicated_study_runs_end_to_end(tmp_path):
   out = tmp_path / 'study'
   command = [sys.executable, '-m', 'scripts.uptrain_study', f'--out={out}',
              '--config=tiny', '--source_steps=40,80', '--source_seeds=2',
-             '--seeds=2', '--kv_heads=1']
+             '--seeds=2', '--kv_heads=2']
   subprocess.run(command, capture_output=True, text=True, check=True)
   results = json.loads((out / 'results.json').read_text())
   assert [(s['steps'], s['seed']) for s in results['sources']] == [
@@ -268,28 +311,37 @@ def test_the_replicated_study_runs_end_to_end(tmp_path):
   for source in results['sources']:
     arms = {(r['method'], r['K'], r['seed']) for r in source['runs']}
     assert arms == {(m, k, s) for m, k in (
-        ('identity', 4), ('mean', 1), ('first', 1), ('random', 1),
-        ('mla_half', 1)) for s in (1, 2)}
+        ('identity', 4), ('mean', 2), ('first', 2), ('random', 2),
+        ('mla_half', 2), ('gta', source['gta']['K']), ('gla_half', 2))
+                    for s in (1, 2)}
     [scratch] = source['scratch']
-    assert (scratch['K'], scratch['seed']) == (1, source['seed'])
+    assert (scratch['K'], scratch['seed']) == (2, source['seed'])
     assert [p['step'] for p in scratch['curve']][-1] == source['steps']
     for r in source['runs']:
       steps = {p['step'] for p in r['curve']}
       assert {0, source['reads']['paper'], source['reads']['fixed']} <= steps
     assert source['mla']['kv_lora_rank'] < source['mla']['d_model']
+    # The cache the converted models report is the plan's.
+    for arm in ('mla', 'gta', 'gla'):
+      assert source[arm]['converted_kv_bytes_per_token'] == \
+          source[arm]['kv_bytes_per_token']
+    assert source['gla']['kv_bytes_per_token'] == \
+        source['mla']['kv_bytes_per_token']
     assert (out / 'sources' / f'S{source["steps"]}_s{source["seed"]}' /
             'source' / 'final.json').exists()
   assert 'avx512f' in results['provenance']['machine']
   commit = results['provenance']['commit']
   assert results['provenance']['trained'].startswith(f'commit {commit} on ')
-  assert results['provenance']['trained'].endswith(' (48 runs)')
+  assert results['provenance']['trained'].endswith(' (64 runs)')
   assert 'earlier' not in results['provenance']
   summary = results['summary']
-  assert summary['lengths']['80']['gap_K1']['paper']['n'] == 2
-  assert summary['lengths']['80']['vs_scratch_K1']['paper']['n'] == 2
+  assert summary['lengths']['80']['gap_K2']['paper']['n'] == 2
+  assert summary['lengths']['80']['vs_scratch_K2']['paper']['n'] == 2
+  assert len(summary['gta_vs_equal_bytes']) == len(summary['gla_vs_mla']) == 2
   assert len(summary['ranking']) == 4  # 2 lengths x 2 pairs.
   report = (out / 'report.md').read_text()
-  assert '**Claim 3, GQA K = 1' in report  # K = 1 is the GQA target here.
+  assert '**Claim 3, GQA K = 2' in report  # K = 2 is the GQA target here.
+  assert '**GLA against MLA-below at equal bytes**' in report
   again = subprocess.run(command, capture_output=True, text=True, check=True)
   assert 'source seed 0, 40 steps' in again.stdout
   rerun = json.loads((out / 'results.json').read_text())

@@ -287,6 +287,34 @@ def test_mla_plan_matches_the_gqa_targets_cache_bytes():
   assert narrow['kv_bytes_per_token'] < narrow['gqa_kv_bytes_per_token']
 
 
+def test_gta_and_gla_plans_sit_at_mla_belows_cache_bytes():
+  mc = config_lib.model_config(uptrain_study.source_config('uptrain_source',
+                                                           None))
+  below = uptrain_study.mla_below_plan(mc, [2, 1])
+  assert below['kv_bytes_per_token'] == 32 * mc.num_layers * 4  # GQA-1's.
+  # GLA-2: MLA-below's latent and RoPE dims, so its bytes.
+  gla = uptrain_study.gla_plan(mc, [2, 1])
+  assert (gla['kv_lora_rank'], gla['qk_rope_head_dim'],
+          gla['latent_groups']) == (24, 8, 2)
+  assert gla['kv_bytes_per_token'] == below['kv_bytes_per_token']
+  # GTA caches K·H + Y (H = 16, Y even in 2..14, K | 4): 32 numbers is not
+  # among them; 30 (K = 1, Y = 14) and 34 (K = 2, Y = 2) are as near, and
+  # the tie goes to the smaller cache. Its GQA partner: K = 1 (32 numbers).
+  gta = uptrain_study.gta_plan(mc, below['kv_bytes_per_token'], [2, 1])
+  assert (gta['K'], gta['qk_rope_head_dim']) == (1, 14)
+  assert gta['kv_bytes_per_token'] == 30 * mc.num_layers * 4
+  assert (gta['partner_K'], gta['partner_kv_bytes_per_token']) == (
+      1, below['kv_bytes_per_token'])
+  # Where a layout has the bytes exactly, it is the one: GQA-2's 64 numbers
+  # is GTA K = 2 with a 32-wide key, out of range; 40 = K = 2, Y = 8 is in.
+  exact = uptrain_study.gta_plan(mc, 40 * mc.num_layers * 4, [2, 1])
+  assert (exact['K'], exact['qk_rope_head_dim']) == (2, 8)
+  assert exact['kv_bytes_per_token'] == exact['target_kv_bytes_per_token']
+  # GLA needs 2 groups to divide the latent: tiny's MLA-below has R = 1.
+  tiny = config_lib.model_config(uptrain_study.source_config('tiny', 40))
+  assert uptrain_study.gla_plan(tiny, [1]) is None
+
+
 def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
   # MLA is 0.1 below mean-pooled GQA at every alpha (more or less a
   # seed's 0.002), 0.03 below at alpha 0 (one conversion each).
