@@ -82,6 +82,10 @@ def _problem(o) -> str | None:
     if getattr(o, name):
       return (f'{name}=True with tie_kv=True: grouped-tied attention has its '
               f'own projections (kv, rope_key); set {name}=False')
+  if o.latent_groups != 1:
+    return (f'latent_groups={o.latent_groups!r} with tie_kv=True: an MLA '
+            '(GLA) field, grouped-tied attention has no latent; set '
+            'latent_groups=1')
   for name in _MLA_ONLY:
     if getattr(o, name) is not None:
       return (f'{name}={getattr(o, name)!r} with tie_kv=True: an MLA field; '

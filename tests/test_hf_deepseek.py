@@ -140,5 +140,5 @@ def test_mla_models_that_deepseek_does_not_compute_refuse_export():
   assert hf.family_of(mc) == 'deepseek_v3'
   with pytest.raises(UserError, match='model.latent_norm=False'):
     hf.family_of(dataclasses.replace(mc, latent_norm=False))
-  with pytest.raises(UserError, match="model.Gemma's conventions"):
+  with pytest.raises(UserError, match="Gemma's conventions; DeepSeek's are Llama's"):
     hf.family_of(config_lib.model_config(_config()))

@@ -306,8 +306,8 @@ def test_partial_rope_keeps_each_kv_heads_highest_scoring_pairs():
 
 
 @pytest.mark.parametrize('model, flags, message', [
-    ({}, [8, 0], r'no --qk_rope_head_dim: the source uses RoPE, so give '
-     r'--qk_rope_head_dim, the RoPE dims kept, 2·r·K for r pairs per KV head '
+    ({}, [8, 0], r'no --qk_rope_head_dim: the source uses RoPE, so '
+     r'--qk_rope_head_dim, the RoPE dims kept, must be 2·r·K for r pairs per KV head '
      r'\(K=2\): a multiple of 4 from 4 to K·H = 16'),
     ({}, [8, 6], '--qk_rope_head_dim=6: the source uses RoPE'),
     (dict(use_rope=False), [8, 4], '--qk_rope_head_dim=4: the source has no '

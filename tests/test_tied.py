@@ -259,6 +259,8 @@ def test_flops_count_the_tied_projection_once():
      'tie_kv=True and use_rope=False: .*set qk_rope_head_dim=0'),
     (dict(q_lora_rank=4), 'q_lora_rank=4 with tie_kv=True: an MLA field; '
      'unset it'),
+    (dict(latent_groups=2), 'latent_groups=2 with tie_kv=True: .*set '
+     'latent_groups=1'),
     (dict(rope_pairs=(0,)), r'rope_pairs=\[0\] must list qk_rope_head_dim / '
      '2 = 2 frequency indices'),
     (dict(tie_kv='yes'), "tie_kv='yes' must be True or False"),
@@ -467,9 +469,9 @@ def _next_token_loss(logits_BTV, tokens_BT):
      '--to_gta converts MHA/GQA models'),
     (dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4), 4,
      r'--source is MLA \(model.kv_lora_rank=8\); --to_gta converts MHA/GQA'),
-    ({}, 0, r"no --qk_rope_head_dim: the source uses RoPE, so give "
-     r"--qk_rope_head_dim, the shared RoPE key's width: even, from 2 to "
-     r"head_dim - 2 = 6 \(GTA's default is head_dim / 2 = 4\)"),
+    ({}, 0, r"no --qk_rope_head_dim: the source uses RoPE, so "
+     r"--qk_rope_head_dim, the shared RoPE key's width, must be even, from 2 "
+     r"to head_dim - 2 = 6 \(GTA's default is head_dim / 2 = 4\)"),
     ({}, 3, '--qk_rope_head_dim=3: the source uses RoPE'),
     ({}, 8, '--qk_rope_head_dim=8: the source uses RoPE'),
     (dict(use_rope=False), 4, r'--qk_rope_head_dim=4: the source has no '

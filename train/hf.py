@@ -276,7 +276,9 @@ def family_of(mc, remembered: str | None = None) -> str:
     problems = hf_deepseek.family_problems(mc)
     if problems:
       raise UserError(f'no Hugging Face architecture computes '
-                      f'{"; ".join(problems)}; MLA exports as deepseek_v3')
+                      f'{"; ".join(problems)}; MLA exports as deepseek_v3: keep '
+                      'the workdir, or train the model with DeepSeek\'s '
+                      'settings')
     return remembered if remembered in hf_deepseek.FAMILIES else (
         'deepseek_v3')
   problems = []

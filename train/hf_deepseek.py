@@ -115,8 +115,9 @@ def family_problems(mc) -> list[str]:
            'query_pre_attn_scalar': mc.query_pre_attn_scalar,
            'learned_positions': mc.learned_positions,
            'rope_pairs (a converted RoPE key)': mc.rope_pairs is not None,
-           "Gemma's conventions (DeepSeek's are Llama's: silu, "
-           'norm_scale_offset=0, embed_scale=False)': not (
+           f'mlp_activation={mc.mlp_activation!r}, norm_scale_offset='
+           f'{mc.norm_scale_offset}, embed_scale={mc.embed_scale} (Gemma\'s '
+           "conventions; DeepSeek's are Llama's: silu, 0, False)": not (
                mc.mlp_activation == 'silu' and mc.norm_scale_offset == 0.0
                and not mc.embed_scale),
            'tied_logits_scale': mc.tie_embeddings and mc.tied_logits_scale}

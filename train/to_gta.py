@@ -63,8 +63,9 @@ def check_source(mc, qk_rope_head_dim: int) -> None:
   if mc.use_rope and not (0 < Y < H and Y % 2 == 0):
     given = f'--qk_rope_head_dim={Y}' if Y else 'no --qk_rope_head_dim'
     raise UserError(
-        f'{given}: the source uses RoPE, so give --qk_rope_head_dim, the '
-        f'shared RoPE key\'s width: even, from 2 to head_dim - 2 = {H - 2} '
+        f'{given}: the source uses RoPE, so --qk_rope_head_dim, the '
+        f'shared RoPE key\'s width, must be even, from 2 to head_dim - 2 = '
+        f'{H - 2} '
         f'(GTA\'s default is head_dim / 2 = {H // 2})')
 
 

@@ -75,8 +75,8 @@ def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int,
   if mc.use_rope and not (Y > 0 and Y % (2 * K) == 0 and Y <= K * H):
     given = f'--qk_rope_head_dim={Y}' if Y else 'no --qk_rope_head_dim'
     raise UserError(
-        f'{given}: the source uses RoPE, so give --qk_rope_head_dim, the RoPE '
-        f'dims kept, 2·r·K for r pairs per KV head (K={K}): a multiple of '
+        f'{given}: the source uses RoPE, so --qk_rope_head_dim, the RoPE '
+        f'dims kept, must be 2·r·K for r pairs per KV head (K={K}): a multiple of '
         f'{2 * K} from {2 * K} to K·H = {K * H}')
   # The latent holds the keys' dims without RoPE and all the values':
   # K·(H - Y/K) + K·H = 2·K·H - Y features (Y = 0 without RoPE).
