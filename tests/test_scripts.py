@@ -551,7 +551,8 @@ def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
   assert '(not claimed; detectable' in said
 
 
-@pytest.mark.parametrize('folder', ['kv_frontier', 'kv_frontier/quick'])
+@pytest.mark.parametrize('folder', ['kv_frontier', 'kv_frontier/quick',
+                                    'kv_frontier/zadouri'])
 def test_a_published_kv_frontier_report_rebuilds_identically(
     tmp_path, monkeypatch, folder):
   """docs/results/{folder}/report.md is what `python -m scripts.kv_frontier
