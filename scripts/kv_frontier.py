@@ -45,9 +45,12 @@ DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
 a function of it: the reading included, every verdict `stats.decide`'s; the
 provenance's `note`, where a run's history is recorded, rendered as saved),
 recording the rebuild beside the command that measured. The default: the
-recall panel's 6 layouts at 1,000 steps and the conversion; the LM panel's
-3 at 40 steps of gqa_small; 3 seeds each (about 53 CPU-minutes here,
-docs/results/kv_frontier/report.md). --quick: the recall
+recall panel's 9 layouts at 1,000 steps and the conversion; the LM panel's
+5 at 40 steps of gqa_small; 3 seeds each (about 70 CPU-minutes here by the
+per-run costs of docs/results/kv_frontier/report.md, a run that predates
+the 3 recall and 2 LM layouts of GTA and GLA, published apart in
+docs/results/kv_frontier/zadouri/). --variants=NAME,... trains a subset.
+--quick: the recall
 panel only, its 6 layouts at 100 steps, 3 seeds, no conversion (6.7
 CPU-minutes here, docs/results/kv_frontier/quick/): a check that everything runs and reports, too short for
 retrieval to be learnt.
