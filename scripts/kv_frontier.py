@@ -638,6 +638,11 @@ def report(result: dict) -> str:
               'the default and without the conversion: too short for '
               'retrieval to be learnt.' if '--quick' in prov['command'].split()
               else '')
+           + (' A subset of the default grid (`--variants`), with the '
+              'conversions of any source it holds; the default grid\'s runs '
+              'are published apart.' if any(
+                  w.startswith('--variants') for w in prov['command'].split())
+              else '')
            + (f' Runs trained: {prov["trained"]}.' if prov.get('trained')
               else '')
            + (f' {prov["note"]}' if prov.get('note') else ''), '',
@@ -806,7 +811,8 @@ def _panel_reading(name: str, panel: dict) -> list[str]:
       pairs.append(text)
     claimed = [e for e in a['equal_bytes']
                if stats.decide(e['diff']['nll']) == 'resolved']
-    bullets.append(f'{head}, **equal bytes**: ' + '; '.join(pairs) + '. ' + (
+    bullets.append(f'{head}, **equal bytes** (uncorrected): ' + '; '.join(
+        pairs) + '. ' + (
         'On NLL nothing is claimed either way.' if not claimed else
         'Resolved on NLL: ' + '; '.join(
             f'{e["a"]} {"worse" if e["diff"]["nll"]["mean"] > 0 else "better"}'
@@ -821,7 +827,9 @@ def _panel_reading(name: str, panel: dict) -> list[str]:
         'cache; GLA against MLA of the same bytes, their claim being MLA\'s '
         'quality; uncorrected): ' + '; '.join(pairs) + '. A pair not '
         'resolved is not a match: it is a difference below what these seeds '
-        'detect, in either direction.')
+        'detect, in either direction. GTA with K heads and a RoPE key of Y '
+        'caches (K·H + Y) / (2·K·H) of GQA-K\'s: about half for many heads, '
+        'more with few (one head and Y = H/2: 75%).')
   for e in a.get('conversions', []):
     d = e['diff']['nll']
     verdict = stats.decide(d)
@@ -867,12 +875,13 @@ def _panel_reading(name: str, panel: dict) -> list[str]:
   vacuous = [n for n in on if n in pts and not any(
       q['kv_bytes_per_token'] < pts[n]['kv_bytes_per_token']
       for q in pts.values())]
+  why = (' on it only because no point'
+         + (' but the control' if len(designs) < len(models) else '')
+         + ' is cheaper, not by beating a cheaper one')
   bullets.append(
       f'{head}, **frontier**: {", ".join(on) or "no point"}'
-      + (f'; {", ".join(vacuous)} on it only because no point'
-         + (' but the control' if len(designs) < len(models) else '')
-         + ' is cheaper, not by beating a cheaper one' if vacuous else '')
-      + '.')
+      + ((f',{why}' if vacuous == on else f'; {", ".join(vacuous)}{why}')
+         if vacuous else '') + '.')
   if first_query:
     glob = [m for m in designs if m['attention_pattern'] == 'G'
             and 'source' not in m]
@@ -923,9 +932,10 @@ def _panel_lines(name: str, panel: dict) -> list[str]:
              'asked for), which also needs the cache.'))
     lines.append('')
   if a['equal_bytes']:
-    lines += ['**Equal bytes** (GQA-2 with CLA2 minus MQA, and MLA at the '
-              'same bytes minus each, paired by seed; "detectable": the '
-              'smallest NLL difference these seeds find with 80% power):',
+    lines += ['**Equal bytes** (layouts holding the same float bytes per '
+              'token: GQA-2 with CLA2 minus MQA, and MLA, GLA or GTA at those '
+              'bytes minus each; paired by seed, uncorrected; "detectable": '
+              'the smallest NLL difference these seeds find with 80% power):',
               '',
               '| pair | bytes/token | ΔNLL | Δaccuracy | '
               + ('Δfirst query | ' if first_query else '')
