@@ -611,7 +611,7 @@ def tables(results: dict, summ: dict) -> list[str]:
                   for n in names) + ' |')
     lines += ['', f'### Over sources, {title}: mean [95% t interval over '
               'sources] (detectable; verdict, uncorrected: the reading\'s '
-              'Holm families decide claim 2 and the MLA, GTA and GLA arms)', '',
+              'Holm families decide claim 2 and the arms compared by bytes)', '',
               '| S | read | ' + ' | '.join(label[n] for n in names) + ' |',
               '|---|---|' + '---|' * len(names)]
     for S, row in rows.items():
