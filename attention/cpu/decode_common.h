@@ -283,6 +283,19 @@ GQA_LAB_INLINE void SoftmaxBlock(const Step& st, const bool* visible_TS,
   }
 }
 
+// s.logits_RL [R, n] times an int8 cache's scale per position, scale [n]
+// (a key's before the softmax, a value's after it, into its weight); nothing
+// for a float cache (scale null).
+GQA_LAB_INLINE void ScaleBlock(const Step& st, int64_t n, const float* scale,
+                               Scratch& s) {
+  if (scale == nullptr) return;
+  const int64_t R = st.N / st.K * st.T, L = st.L;
+  float* logits_RL = s.logits_RL.data();
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < n; ++i) logits_RL[r * L + i] *= scale[i];
+  }
+}
+
 // acc [R, H] += weights s.logits_RL [R, n] x values [n, H] (an int8 value's
 // scale already in its weight): each value read once per kRows rows (from
 // L1), the unseen positions skipped.

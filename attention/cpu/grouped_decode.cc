@@ -190,20 +190,11 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
         }
       }
     }
-    if (key_scale != nullptr) {
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t i = 0; i < n; ++i) logits_RL[r * L + i] *= key_scale[i];
-      }
-    }
+    ScaleBlock(pr, n, key_scale, s);
 
     SoftmaxBlock(pr, visible_TS, s0, n, s);
 
-    // An int8 value's scale joins its weight.
-    if (value_scale != nullptr) {
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t i = 0; i < n; ++i) logits_RL[r * L + i] *= value_scale[i];
-      }
-    }
+    ScaleBlock(pr, n, value_scale, s);  // An int8 value's scale: its weight's.
     AccumulateBlock(pr, n, value_block, s);
   }
   EndUnit(pr, b, k, s);

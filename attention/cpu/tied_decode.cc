@@ -181,11 +181,7 @@ GQA_LAB_INLINE void TiedUnit(const TiedProblem& pr, int64_t unit,
 
     // The values are the same tied states, now in L1; an int8 state's
     // scale joins its weight.
-    if (ts != nullptr) {
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t i = 0; i < n; ++i) logits_RL[r * L + i] *= ts[i];
-      }
-    }
+    ScaleBlock(pr, n, ts, s);
     AccumulateBlock(pr, n, t, s);
   }
   EndUnit(pr, b, k, s);
