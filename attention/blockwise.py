@@ -54,8 +54,9 @@ def tiling(T: int, G: int, N: int) -> tuple[int, int]:
   while heads > 1 and (heads * T > 4096 or G % heads):
     heads -= 1
   rows = 128 if T <= 1024 else 256
-  if G == 1:  # Whole groups: the most of 4, 2 heads that N and T allow.
-    heads = next(h for h in (4, 2, 1) if N % h == 0 and h * T <= 4096)
+  if G == 1:  # Whole groups: the most of 4, 2 heads that N and T allow
+    # (one head past T = 4096).
+    heads = next((h for h in (4, 2) if N % h == 0 and h * T <= 4096), 1)
     rows = 256
   block = max(rows // heads, 32, T // 32)
   while block > 1 and T % block:

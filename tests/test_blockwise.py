@@ -71,6 +71,7 @@ class BlockwiseTest(chex.TestCase):
                                   implementation='xla')
     chex.assert_trees_all_close(auto(q, k, v), dense, atol=2e-5)
 
+  @pytest.mark.cpu_only  # implementation=None picks blockwise on the CPU.
   def test_never_materialises_the_full_logits_or_kv_copies(self):
     T, S = 256, 512  # T != S: N·S·H elements can only be a K/V copy.
     q, k, v, _ = _inputs(2, T, S)
@@ -94,6 +95,19 @@ class BlockwiseTest(chex.TestCase):
                             implementation='blockwise')
     with self.assertRaisesRegex(ValueError, 'implementation='):
       dot_product_attention(q, k, v, implementation='pallas')
+
+  def test_every_length_and_group_has_a_tiling(self):
+    # MHA past T = 4096 has no 2- or 4-head step: one head per step (T = 8192
+    # with G = 1 raised StopIteration from every dot_product_attention call,
+    # since the CPU's choice is made for every platform).
+    for T in (64, 4096, 8192, 32768):
+      for N, K in ((16, 16), (16, 4), (16, 1), (12, 12), (6, 6)):
+        heads, block = blockwise.tiling(T, N // K, N)
+        G = N // K
+        self.assertTrue(G % heads == 0 if heads <= G else
+                        heads % G == 0 and N % heads == 0, (T, N, K, heads))
+        self.assertEqual(T % block, 0, (T, N, K, block))
+    self.assertEqual(blockwise.tiling(8192, 1, 16)[0], 1)
 
   @pytest.mark.slow
   def test_a_length_without_power_of_two_blocks_is_one_block(self):
