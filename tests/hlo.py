@@ -29,11 +29,27 @@ def copies_of_size(compiled_text: str, size: int) -> int:
   return sum(op == 'copy' and n == size for op, n in arrays(compiled_text))
 
 
+# cuDNN's fused attention, which JAX's export does not guarantee stable
+# (a program lowered for CUDA on a host with cuDNN holds it).
+CUDNN_TARGETS = tuple(f'__cudnn$fmha{kind}{backward}'
+                      for kind in ('Softmax', 'SoftmaxDropout',
+                                   'ScaleBiasSoftmax',
+                                   'ScaleBiasSoftmaxDropout')
+                      for backward in ('', 'Backward'))
+
+
 def lowered(fn, *args, platform: str) -> str:
   """The StableHLO text of jit(fn)(*args) exported for `platform` ('tpu',
   'cuda'), on this host."""
-  return jax.export.export(jax.jit(fn), platforms=[platform])(
-      *args).mlir_module()
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in CUDNN_TARGETS] if platform == 'cuda' else []
+  return jax.export.export(jax.jit(fn), platforms=[platform],
+                           disabled_checks=checks)(*args).mlir_module()
+
+
+def cudnn_attention(module_text: str) -> bool:
+  """Whether a lowered program calls cuDNN's fused attention."""
+  return '__cudnn$fmha' in module_text
 
 
 def big_shapes(module_text: str, threshold: int) -> list[tuple[str, str]]:
