@@ -21,6 +21,7 @@ Writes OUT/accelerator.md (a section for BENCHMARKS.md) and accelerator.json.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 import subprocess
@@ -43,8 +44,14 @@ TESTS = ['tests/test_accelerators.py', 'tests/test_core.py',
          'tests/test_blockwise.py', 'tests/test_module.py']
 
 
-def run_tests(quick: bool) -> dict:
+def run_tests(quick: bool, timeout: float | None = None,
+              log: pathlib.Path | None = None) -> dict:
   """pytest on the device; {'summary': its closing line, 'returncode'}.
+
+  timeout: seconds after which pytest is stopped (the summary says so and
+  the return code is 124), so a lease of minutes still reaches the
+  benchmarks. log: where pytest's whole output goes (the failures' names
+  and reasons, -rfE).
 
   The tests live in the repository, not in the installed package: from an
   install without them this part is skipped, and the summary says so."""
@@ -52,15 +59,34 @@ def run_tests(quick: bool) -> dict:
     return {'summary': f'skipped: no tests in {REPO} (an installed package; '
                        'run from a clone of the repository to include them)',
             'returncode': 0}
-  # One process (-o addopts= drops the project's two-worker default); the
-  # slow tests too (on CPU they are slow for compiling many programs), but
+  # -o addopts= drops the project's two-worker default (one process, or four
+  # sharing a GPU); the slow tests too (on CPU they are slow for compiling many programs), but
   # not the one that runs this command itself.
-  args = [sys.executable, '-m', 'pytest', '-q', '-o', 'addopts=', '-k',
+  args = [sys.executable, '-m', 'pytest', '-q', '-rfE', '-o', 'addopts=',
+          '-k',
           'not prepared_device_command', *TESTS]
+  if jax.default_backend() == 'gpu':  # Workers share the card (and its
+    args[3:3] = ['-n', '4']           # 16 host cores compile in parallel).
   if quick:  # One test, to check the plumbing.
     args = args[:-len(TESTS) - 2] + ['-k', 'naming_them_rank',
                                      'tests/test_core.py']
-  result = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+  # This process holds JAX's usual 75% of the card: the workers take what
+  # they use of the rest. (Turning preallocation off here instead left the
+  # gqa_base step unable to get its 39 GiB of temporaries on an H200 after
+  # the attention benchmark, 2026-12-04.)
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false')
+  try:
+    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout, env=env)
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ''
+    if log:
+      log.write_text(out)
+    return {'summary': f'stopped after {timeout:.0f} s (--tests_timeout); '
+                       f'its last output: {out.strip()[-300:]!r}',
+            'returncode': 124}
+  if log:
+    log.write_text(result.stdout + result.stderr)
   lines = result.stdout.strip().splitlines()
   return {'summary': lines[-1] if lines else result.stderr[-500:],
           'returncode': result.returncode}
@@ -172,33 +198,49 @@ def decode_roofline(quick: bool, repeats: int) -> dict:
   return {'bandwidth': bandwidth, 'rows': rows}
 
 
-def markdown(env, tests, attention, train, decode) -> str:
+def markdown(env, tests=None, attention=None, train=None, decode=None
+             ) -> str:
+  """BENCHMARKS.md's section; a part not (yet) measured is said so."""
   device = f'{env["device_kind"]} ({env["platform"]})'
   lines = [f'## On {device}', '',
            f'`python -m scripts.accelerator_check` on {env["date"]}: '
            f'{env["devices"]} device(s), jax {env["jax"]}, cuDNN at trace '
            f'time: {env["cudnn"]}; `implementation=None` chose '
-           f'{env["chosen"]} for causal bf16 training shapes.', '',
-           f'Tests on the device: {tests["summary"]}.', '',
-           '| T | K | pass | ' + ' | '.join(
-               f'{n} ms (TFLOP/s)' for n in attention[0]['ms']) + ' |',
-           '|---|---|---|' + '---|' * len(attention[0]['ms'])]
-  for r in attention:
-    lines.append(f'| {r["T"]} | {r["K"]} | {r["pass"]} | ' + ' | '.join(
-        f'{r["ms"][n]:.2f} ({r["tflops"][n]:.1f})' for n in r['ms']) + ' |')
-  lines += ['', f'Training {train["config"]} for {train["steps"]} steps: '
-            f'{train["tokens_per_sec"]:,.0f} tokens/s, MFU '
-            f'{100 * train["mfu"]:.1f}% of {train["peak_flops"] / 1e12:,.1f} '
-            f'TFLOP/s ({train["peak_source"]}).', '',
-            f'Decode (read bandwidth measured {decode["bandwidth"] / 1e9:.0f} '
-            'GB/s):', '', '| K | batch | context | tokens/s | roofline | '
-            'share |', '|---|---|---|---|---|---|']
-  for r in decode['rows']:
-    lines.append(f'| {r["K"]} | {r["batch"]} | {r["context"]} | '
-                 f'{r["tokens_per_sec"]:,.0f} | '
-                 f'{r["roofline_tokens_per_sec"]:,.0f} | '
-                 f'{100 * r["tokens_per_sec"] / r["roofline_tokens_per_sec"]:.0f}%'
-                 ' |')
+           f'{env["chosen"]} for causal bf16 training shapes.', '']
+  missing = '(not measured: the run stopped before this part)'
+  lines += [f'Tests on the device: {tests["summary"] if tests else missing}.',
+            '']
+  if attention:
+    names = list(dict.fromkeys(n for r in attention for n in r['ms']))
+    lines += ['| T | K | pass | ' + ' | '.join(
+        f'{n} ms (TFLOP/s)' for n in names) + ' |',
+              '|---|---|---|' + '---|' * len(names)]
+    for r in attention:  # A peer that refused a row (out of memory): '-'.
+      lines.append(f'| {r["T"]} | {r["K"]} | {r["pass"]} | ' + ' | '.join(
+          f'{r["ms"][n]:.2f} ({r["tflops"][n]:.1f})' if n in r['ms'] else '-'
+          for n in names) + ' |')
+  else:
+    lines.append(f'Attention benchmark: {missing}.')
+  if train:
+    lines += ['', f'Training {train["config"]} for {train["steps"]} steps: '
+              f'{train["tokens_per_sec"]:,.0f} tokens/s, MFU '
+              f'{100 * train["mfu"]:.1f}% of '
+              f'{train["peak_flops"] / 1e12:,.1f} TFLOP/s '
+              f'({train["peak_source"]}).']
+  else:
+    lines += ['', f'Training: {missing}.']
+  if decode:
+    lines += ['', f'Decode (read bandwidth measured '
+              f'{decode["bandwidth"] / 1e9:.0f} GB/s):', '',
+              '| K | batch | context | tokens/s | roofline | share |',
+              '|---|---|---|---|---|---|']
+    for r in decode['rows']:
+      share = r['tokens_per_sec'] / r['roofline_tokens_per_sec']
+      lines.append(f'| {r["K"]} | {r["batch"]} | {r["context"]} | '
+                   f'{r["tokens_per_sec"]:,.0f} | '
+                   f'{r["roofline_tokens_per_sec"]:,.0f} | {100 * share:.0f}% |')
+  else:
+    lines += ['', f'Decode: {missing}.']
   return '\n'.join(lines) + '\n'
 
 
@@ -207,6 +249,9 @@ def main():
   parser.add_argument('--out', required=True)
   parser.add_argument('--steps', type=positive_int, default=300)
   parser.add_argument('--repeats', type=positive_int, default=5)
+  parser.add_argument('--tests_timeout', type=positive_int, default=None,
+                      help='seconds the device tests may take (default: no '
+                      'limit); then the benchmarks run regardless')
   parser.add_argument('--quick', action='store_true',
                       help='tiny sizes: checks the command itself, on CPU too')
   args = parser.parse_args()
@@ -223,20 +268,26 @@ def main():
          'chosen': core.choose({'gpu': 'cuda'}.get(device.platform,
                                                   device.platform), call)}
   print(json.dumps(env), flush=True)
-  tests = run_tests(args.quick)
+  parts = {'env': env}
+
+  def save(name, value):
+    """Each part is written as soon as it is measured: a run cut short (a
+    lease ending) keeps what it had."""
+    parts[name] = value
+    (out / 'accelerator.json').write_text(json.dumps(parts, indent=1))
+    (out / 'accelerator.md').write_text(markdown(**parts))
+
+  tests = run_tests(args.quick, args.tests_timeout, out / 'tests.log')
+  save('tests', tests)
   print(f'tests: {tests["summary"]}', flush=True)
-  attention = bench_attention_bf16([256] if args.quick else [2048, 8192],
-                                   [2, 1] if args.quick else [16, 4, 1],
-                                   1 if args.quick else args.repeats,
-                                   **(dict(B=1, N=2, H=16) if args.quick
-                                      else {}))
-  train = train_base(out, 4 if args.quick else args.steps, args.quick)
-  decode = decode_roofline(args.quick, 1 if args.quick else args.repeats)
-  (out / 'accelerator.json').write_text(json.dumps(
-      {'env': env, 'tests': tests, 'attention': attention, 'train': train,
-       'decode': decode}, indent=1))
-  (out / 'accelerator.md').write_text(markdown(env, tests, attention, train,
-                                               decode))
+  save('attention', bench_attention_bf16(
+      [256] if args.quick else [2048, 8192],
+      [2, 1] if args.quick else [16, 4, 1],
+      1 if args.quick else args.repeats,
+      **(dict(B=1, N=2, H=16) if args.quick else {})))
+  save('train', train_base(out, 4 if args.quick else args.steps, args.quick))
+  save('decode', decode_roofline(args.quick,
+                                 1 if args.quick else args.repeats))
   print(f'wrote {out}/accelerator.md and accelerator.json')
   if tests['returncode'] != 0:
     sys.exit(1)
