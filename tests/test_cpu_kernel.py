@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from attention import cpu_kernel, kv_cache, layer
+from attention.cpu import build
 from attention.core import attention_mask, dot_product_attention
 from configs import tiny
 from serve import paged
@@ -566,12 +567,9 @@ def test_each_target_the_build_dispatches_to_matches_the_einsum_path(
   clones = '' if target == 'default' else (
       f'__attribute__((target("{target}")))')
   library = tmp_path / 'libgrouped_decode.so'
-  subprocess.run(
-      ['g++', '-std=c++17', '-O3', '-shared', '-fPIC', '-fvisibility=hidden',
-       '-fno-math-errno', f'-I{jax.ffi.include_dir()}',
-       f'-DGQA_LAB_CLONES={clones}',
-       *map(str, sorted((REPO / 'attention' / 'cpu').glob('*.cc'))),
-       '-o', str(library)], check=True, capture_output=True)
+  subprocess.run(build.command(jax.ffi.include_dir(), str(library), clones,
+                               root=str(REPO)),
+                 check=True, capture_output=True)
   result = subprocess.run([sys.executable, '-c', _EACH_TARGET, str(library)],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, 'PYTHONPATH': str(REPO)})
