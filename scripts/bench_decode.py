@@ -25,7 +25,10 @@ no more wall time (10 against 11 minutes).
 
 For each variant, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
-as `train.sample` does, and reports tokens/s, the KV cache's bytes (in all,
+as `train.sample` does, taking turns with a 1 GiB read for --repeats rounds
+(so that the bandwidth a cell is held to is measured under the same load as
+the cell), and reports tokens/s (median, min and max over the rounds), the
+KV cache's bytes (in all,
 and per token: `train.model.kv_bytes_per_token`), the attention's
 arithmetic intensity (its scores' and mix's FLOPs per byte of cache read,
 `train.flops.attention_decode_intensity`), and the roofline: the tokens/s
@@ -37,7 +40,13 @@ a CPU comes close where the intensity is high: GQA's G query heads share
 each cached key and value, G/2 FLOPs per float32 byte of cache; GTA's
 tied state serves both, up to G; MLA's latent serves N heads twice, up to
 N, and GLA's N/g (g groups); against the CPU's ~6 FLOPs per byte of
-bandwidth. Writes decode.json and decode.png under --out.
+bandwidth. Then, per batch and context, the layouts ranked by KV bytes per
+token beside their ranking by tokens/s, and each pair where fewer bytes
+decode slower beyond the noise (the fastest round below the other's
+slowest). --markdown keeps a section per VM kind (`vm_kind`: CPU model
+name, family, vector extension), whose header names the CPU, its vector
+flags, the commit and the load average. Writes decode.json and decode.png
+under --out.
 --equal_params widens the MLP of variants with fewer K/V heads to the
 config's parameter count, as `scripts.compare --equal_params` trains them
 (GQA variants only).
@@ -51,7 +60,9 @@ projections and RoPE, a preallocated [B, K, S, H] cache written in place,
 and SDPA (`enable_gqa`) over the filled prefix; all from the same weights
 and cache (a test checks they agree), in this process, taking turns. The
 cache is filled to `context` - 8 and every timed step writes the same slot.
-Writes decode_layer.json under --out.
+Ours is also held to the step's roofline (its weights and cache read once at
+the bandwidth of a 1 GiB read timed in the same rounds, or its FLOPs at the
+peak). Writes decode_layer.json under --out.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import sys
@@ -129,7 +141,8 @@ def main():
   plot(results, out / 'decode.png')
   print(f'wrote {out}/decode.json and decode.png')
   if args.markdown:
-    timing.replace_section(args.markdown, MODEL_SECTION,
+    timing.replace_section(args.markdown,
+                           f'{MODEL_SECTION} ({vm_kind(results["machine"])})',
                            model_markdown(results, args))
 
 
@@ -187,43 +200,106 @@ def variant_list(text: str) -> list[Variant]:
     raise argparse.ArgumentTypeError(f'{e}; give {GRAMMAR}') from None
 
 
+def vm_kind(m: dict) -> str:
+  """A VM kind's name, which a section of the markdown is kept per: the CPU
+  model name, family and widest vector extension ('AMD EPYC, family 26,
+  AVX-512')."""
+  family = '' if m.get('family') is None else f', family {m["family"]}'
+  vectors = ('AVX-512' if m.get('avx512f') else 'AVX2' if m.get('avx2')
+             else 'no AVX2')
+  return f'{m["cpu"]}{family}, {vectors}'
+
+
 def model_markdown(results, args) -> str:
   """The rows at each batch and context, against the roofline: the lower
-  of the bandwidth and FLOP bounds, max(bytes / bandwidth, FLOPs / peak)."""
+  of the bandwidth and FLOP bounds, max(bytes / bandwidth, FLOPs / peak);
+  then each batch's ranking by bytes beside its ranking by speed."""
+  m = results['machine']
   lines = [
       f'Written by `python -m scripts.bench_decode {" ".join(sys.argv[1:])}` '
-      f'on {time.strftime("%Y-%m-%d")} (config {args.config}, float32; read '
-      f'bandwidth measured in the run: {results["bandwidth"] / 1e9:.1f} GB/s; '
-      f'peak {results["peak_flops"] / 1e9:,.0f} GFLOP/s, '
-      f'{results["peak_source"]}, the peak MFU uses). Tokens/s bounds: the '
-      'weights and the KV cache read once per step at that bandwidth, and '
-      "the step's FLOPs at the peak; the roofline is the lower of the two, "
-      'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
-      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups; '
-      'K is model.num_kv_heads (MLA\'s: the query heads). KV bytes per '
-      'token: all layers\' (`train.model.kv_bytes_per_token`); attention '
-      "FLOPs per KV byte: a decode step's scores and mix over the cache "
-      'bytes they read (`train.flops.attention_decode_intensity`).', '',
-      '| variant | K | batch | context | tokens/s | KV bytes per token | '
-      'KV cache | attention FLOPs per KV byte | bandwidth bound | '
-      'FLOP bound | share of the roofline |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
+      f'on {time.strftime("%Y-%m-%d")} at {results["commit"]} on '
+      f'{provenance.describe(m)}; vector flags: '
+      f'{", ".join(m["vector_flags"] or ["not recorded"])}; load average '
+      f'{results["load"][0]:.2f} at the start, {results["load"][1]:.2f} at '
+      f'the end (config {args.config}, float32; peak '
+      f'{results["peak_flops"] / 1e9:,.0f} GFLOP/s, {results["peak_source"]}, '
+      'the peak MFU uses). Each cell: the decode step and a 1 GiB read taking '
+      f'turns, {args.repeats} rounds; tokens/s median (min-max over the '
+      'rounds); the read bandwidth is the median of that cell\'s reads '
+      f'(over the run {results["bandwidth"] / 1e9:.1f} GB/s). Tokens/s '
+      'bounds: the weights and the KV cache read once per step at that '
+      "bandwidth, and the step's FLOPs at the peak; the roofline is the "
+      'lower of the two, and the share is of it. Variants: K<k> GQA with k '
+      'K/V heads, GTA<k> grouped-tied with k, MLA<a> a latent of a, '
+      'GLA<a>g<g> in g groups; K is model.num_kv_heads (MLA\'s: the query '
+      'heads). KV bytes per token: all layers\' '
+      '(`train.model.kv_bytes_per_token`); attention FLOPs per KV byte: a '
+      "decode step's scores and mix over the cache bytes they read "
+      '(`train.flops.attention_decode_intensity`).', '',
+      '| variant | K | batch | context | tokens/s (min-max) | KV bytes per '
+      'token | KV cache | attention FLOPs per KV byte | read GB/s | '
+      'bandwidth bound | FLOP bound | share of the roofline |',
+      '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for r in results['rows']:
     lines.append(
         f'| {r["variant"]} | {r["num_kv_heads"]} | {r["batch"]} | '
-        f'{r["context"]} | {r["tokens_per_sec"]:,.0f} | '
+        f'{r["context"]} | {r["tokens_per_sec"]:,.0f} '
+        f'({r["tokens_per_sec_min"]:,.0f}-{r["tokens_per_sec_max"]:,.0f}) | '
         f'{r["kv_bytes_per_token"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
         f'{r["attention_flops_per_kv_byte"]:.2f} | '
+        f'{r["bandwidth"] / 1e9:.1f} | '
         f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
         f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
         f'{100 * r["fraction_of_roofline"]:.0f}% |')
+  for ranked in rankings(results['rows']):
+    lines += ['', *ranking_markdown(ranked)]
   return '\n'.join(lines)
+
+
+def rankings(rows) -> list[dict]:
+  """Per batch and context: {'batch', 'context', 'by_bytes' (the variants,
+  fewest KV bytes per token first), 'by_speed' (fastest median first),
+  'inversions' [(fewer, more)]: each pair where the variant with fewer bytes
+  decodes slower than the one with more beyond the noise, its fastest round
+  below the other's slowest}."""
+  out = []
+  for batch, context in dict.fromkeys((r['batch'], r['context'])
+                                      for r in rows):
+    cell = [r for r in rows if (r['batch'], r['context']) == (batch, context)]
+    inversions = [(a['variant'], b['variant']) for a in cell for b in cell
+                  if a['kv_bytes_per_token'] < b['kv_bytes_per_token']
+                  and a['tokens_per_sec_max'] < b['tokens_per_sec_min']]
+    out.append(dict(
+        batch=batch, context=context,
+        by_bytes=[r['variant'] for r in sorted(
+            cell, key=lambda r: r['kv_bytes_per_token'])],
+        by_speed=[r['variant'] for r in sorted(
+            cell, key=lambda r: -r['tokens_per_sec'])],
+        inversions=inversions))
+  return out
+
+
+def ranking_markdown(ranked: dict) -> list[str]:
+  """A ranking's table (bytes beside speed) and its verdict."""
+  lines = [f'Batch {ranked["batch"]}, context {ranked["context"]}: the '
+           'layouts ranked by KV bytes per token (fewest first) and by '
+           'tokens/s (fastest first).', '',
+           '| rank | by bytes | by tokens/s |', '|---|---|---|']
+  for i, (a, b) in enumerate(zip(ranked['by_bytes'], ranked['by_speed'])):
+    lines.append(f'| {i + 1} | {a} | {b} |')
+  found = ranked['inversions']
+  lines += ['', 'Fewer bytes slower beyond the noise (its fastest round below '
+            "the other's slowest): " + (', '.join(
+                f'{a} slower than {b}' for a, b in found) if found else
+                'none') + '.']
+  return lines
 
 
 def run(config_name, variants, batches, contexts, repeats,
         kv_cache_dtype=None, equal_params=False):
-  """{'bandwidth', 'peak_flops', 'peak_source', 'rows'}: a row per variant
-  (a Variant, or an int k for K<k>), batch and context."""
+  """{'bandwidth', 'peak_flops', 'peak_source', 'machine', 'commit',
+  'load', 'rows'}: a row per variant (a Variant, or an int k for K<k>),
+  batch and context (`measure`)."""
   variants = [v if isinstance(v, Variant) else Variant.parse(f'K{v}')
               for v in variants]
   if equal_params and not all(v.is_gqa for v in variants):
@@ -250,47 +326,71 @@ def run(config_name, variants, batches, contexts, repeats,
       config_lib.validate(config, batch_shards=1)
     except UserError as e:
       raise UserError(f'--variants={v.name}: {e}') from None
-  bandwidth = timing.read_bandwidth(repeats)
+  machine, load = provenance.machine(), [os.getloadavg()[0]]
   peak, peak_source = flops.peak_flops()
+  read = timing.read_test()
   rows = []
-  print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:,.0f} '
-        f'GFLOP/s ({peak_source})')
+  print(f'{provenance.describe(machine)}; peak {peak / 1e9:,.0f} GFLOP/s '
+        f'({peak_source}); load average {load[0]:.2f}')
   print(f'{"variant":>8} {"batch":>6} {"context":>8} {"tokens/s":>10} '
-        f'{"KV B/tok":>9} {"KV MiB":>8} {"FLOP/B":>7} {"bytes bound":>12} '
+        f'{"min-max":>15} {"KV B/tok":>9} {"GB/s":>5} {"bytes bound":>12} '
         f'{"FLOP bound":>11} {"of the lower":>12}')
   for v in variants:
     set_variant(v)
     mc = config_lib.model_config(config)
-    options = mc.attention(0)  # The layers' layouts are the same.
-    intensity = flops.attention_decode_intensity(options, mc.dtype)
     for batch in batches:
       for context in contexts:
-        seconds = timing.decode_step_seconds(mc, batch, context, repeats)
-        kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
-        per_token = model_lib.kv_bytes_per_token(
-            dataclasses.replace(mc, max_len=context))
-        bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
-                                                     bandwidth, peak)
-        row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
-                   tie_kv=mc.tie_kv, kv_lora_rank=mc.kv_lora_rank,
-                   latent_groups=mc.latent_groups,
-                   qk_rope_head_dim=options.qk_rope_head_dim,
-                   mlp_dim=mc.mlp_dim, batch=batch, context=context,
-                   tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
-                   kv_bytes_per_token=per_token,
-                   attention_flops_per_kv_byte=intensity,
-                   bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
-                   compute_roofline_tokens_per_sec=bound['compute'],
-                   roofline_tokens_per_sec=bound['roofline'],
-                   fraction_of_roofline=batch / seconds / bound['roofline'])
+        row = measure(v.name, mc, batch, context, repeats, read, peak)
         rows.append(row)
         print(f'{v.name:>8} {batch:>6} {context:>8} '
-              f'{row["tokens_per_sec"]:>10,.0f} {per_token:>9,.0f} '
-              f'{kv_bytes / 2**20:>8.1f} {intensity:>7.2f} '
-              f'{bound["bandwidth"]:>12,.0f} {bound["compute"]:>11,.0f} '
+              f'{row["tokens_per_sec"]:>10,.0f} '
+              f'{row["tokens_per_sec_min"]:>7,.0f}-'
+              f'{row["tokens_per_sec_max"]:<7,.0f} '
+              f'{row["kv_bytes_per_token"]:>9,.0f} '
+              f'{row["bandwidth"] / 1e9:>5.1f} '
+              f'{row["bandwidth_roofline_tokens_per_sec"]:>12,.0f} '
+              f'{row["compute_roofline_tokens_per_sec"]:>11,.0f} '
               f'{100 * row["fraction_of_roofline"]:>11.0f}%', flush=True)
-  return {'bandwidth': bandwidth, 'peak_flops': peak,
-          'peak_source': peak_source, 'rows': rows}
+  load.append(os.getloadavg()[0])
+  return {'bandwidth': float(np.median([r['bandwidth'] for r in rows])),
+          'peak_flops': peak, 'peak_source': peak_source, 'machine': machine,
+          'commit': provenance.commit(), 'load': load, 'rows': rows}
+
+
+STEPS = 8  # Tokens a timed call decodes.
+
+
+def measure(name, mc, batch, context, repeats, read, peak) -> dict:
+  """One cell's row: `STEPS` tokens decoded with the whole model against a
+  cache filled to `context` (`timing.decode_steps`), taking turns with
+  `read` (timing.read_test's (bytes, fn)) for `repeats` rounds; tokens/s
+  median, min and max over the rounds; the bandwidth of that cell's reads
+  and the roofline at it."""
+  options = mc.attention(0)  # The layers' layouts are the same.
+  read_bytes, read_fn = read
+  times = timing.all_times({'decode': timing.decode_steps(mc, batch, context,
+                                                          STEPS),
+                            'read': read_fn}, repeats)
+  tokens = sorted(batch * STEPS / t for t in times['decode'])
+  bandwidth = read_bytes / float(np.median(times['read']))
+  bound = flops.decode_roofline_tokens_per_sec(mc, batch, context, bandwidth,
+                                               peak)
+  median = float(np.median(tokens))
+  return dict(variant=name, num_kv_heads=mc.num_kv_heads, tie_kv=mc.tie_kv,
+              kv_lora_rank=mc.kv_lora_rank, latent_groups=mc.latent_groups,
+              qk_rope_head_dim=options.qk_rope_head_dim, mlp_dim=mc.mlp_dim,
+              batch=batch, context=context, tokens_per_sec=median,
+              tokens_per_sec_min=tokens[0], tokens_per_sec_max=tokens[-1],
+              kv_bytes=model_lib.kv_cache_bytes(mc, batch, context),
+              kv_bytes_per_token=model_lib.kv_bytes_per_token(
+                  dataclasses.replace(mc, max_len=context)),
+              attention_flops_per_kv_byte=flops.attention_decode_intensity(
+                  options, mc.dtype),
+              bandwidth=bandwidth,
+              bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
+              compute_roofline_tokens_per_sec=bound['compute'],
+              roofline_tokens_per_sec=bound['roofline'],
+              fraction_of_roofline=median / bound['roofline'])
 
 
 # One attention layer against PyTorch (--layer).
@@ -316,28 +416,28 @@ def main_layer(args):
     raise UserError(f'--contexts={min(contexts)}: give more than '
                     f'{STEPS_LEFT} positions')
   torch = _torch()
+  peak, _ = flops.peak_flops()
+  read = timing.read_test()
+  machine, load = provenance.machine(), [os.getloadavg()[0]]
   rows = []
   for batch in batches:
     for context in contexts:
       for K in kv_heads:
-        contestants = layer_contestants(K, batch, context)
-        times = timing.median_times(contestants, args.repeats)
-        del contestants  # The caches, before the next ones are built.
-        rows.append(dict(num_kv_heads=K, batch=batch, context=context,
-                         ours_seconds=times['ours'],
-                         ours_jax_seconds=times['ours_jax'],
-                         torch_seconds=times['torch'],
-                         ours_over_torch=times['ours'] / times['torch']))
+        rows.append(measure_layer(K, batch, context, args.repeats, read, peak))
+        r = rows[-1]
         print(f'K={K:>2} batch={batch:>4} context={context}: ours '
-              f'{times["ours"] * 1e3:7.2f} ms  pure-JAX path '
-              f'{times["ours_jax"] * 1e3:7.2f} ms  torch '
-              f'{times["torch"] * 1e3:7.2f} ms  ours/torch '
-              f'{times["ours"] / times["torch"]:.2f}', flush=True)
+              f'{r["ours_seconds"] * 1e3:7.2f} ms ('
+              f'{100 * r["fraction_of_roofline"]:.0f}% of the roofline)  '
+              f'pure-JAX path {r["ours_jax_seconds"] * 1e3:7.2f} ms  torch '
+              f'{r["torch_seconds"] * 1e3:7.2f} ms  ours/torch '
+              f'{r["ours_over_torch"]:.2f}', flush=True)
+  load.append(os.getloadavg()[0])
   env = {'jax': jax.__version__, 'torch': torch.__version__,
          'torch_threads': torch.get_num_threads(),
          'cpu_kernel': (jax.default_backend() == 'cpu'
                         and cpu_kernel.available()),
-         'date': time.strftime('%Y-%m-%d')}
+         'date': time.strftime('%Y-%m-%d'), 'machine': machine, 'load': load,
+         'commit': provenance.commit(), 'peak_flops': peak}
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / 'decode_layer.json').write_text(
@@ -345,8 +445,39 @@ def main_layer(args):
           'scripts.bench_decode', out, statistics=stats.CONVENTION)}, indent=1))
   print(f'wrote {out}/decode_layer.json')
   if args.markdown:
-    timing.replace_section(args.markdown, LAYER_SECTION,
+    timing.replace_section(args.markdown,
+                           f'{LAYER_SECTION} ({vm_kind(machine)})',
                            layer_markdown(env, rows, args))
+
+
+def measure_layer(K, batch, context, repeats, read, peak) -> dict:
+  """One cell of --layer: ours, ours by the pure-JAX path and PyTorch
+  taking turns with `read` (timing.read_test's (bytes, fn)); each one's
+  median seconds (ours' min and max too), and ours against the roofline of
+  the step: its weights and cache read once at the bandwidth of the cell's
+  reads, or its FLOPs at `peak`, whichever takes longer."""
+  contestants = layer_contestants(K, batch, context)
+  read_bytes, contestants['read'] = read
+  times = timing.all_times(contestants, repeats)
+  del contestants  # The caches, before the next ones are built.
+  median = {name: float(np.median(t)) for name, t in times.items()}
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H)
+  step_bytes = (layer.kv_cache_bytes(options, batch, context, jnp.float32)
+                + 4 * sum(int(np.prod(shape)) for shape in
+                          options.param_shapes(D).values()))
+  bandwidth = read_bytes / median['read']
+  step_flops = batch * flops.attention_layer_flops(options, D,
+                                                   context - STEPS_LEFT + 1)
+  roofline = max(step_bytes / bandwidth, step_flops / peak)
+  return dict(num_kv_heads=K, batch=batch, context=context,
+              ours_seconds=median['ours'], ours_min_seconds=min(times['ours']),
+              ours_max_seconds=max(times['ours']),
+              ours_jax_seconds=median['ours_jax'],
+              torch_seconds=median['torch'],
+              ours_over_torch=median['ours'] / median['torch'],
+              bandwidth=bandwidth, step_bytes=step_bytes,
+              step_flops=step_flops, roofline_seconds=roofline,
+              fraction_of_roofline=roofline / median['ours'])
 
 
 def _torch():
@@ -446,19 +577,30 @@ def layer_markdown(env, rows, args) -> str:
   argv = ' '.join(sys.argv[1:])
   kernel = ('the C++ decode kernel (`attention.cpu_kernel`)'
             if env['cpu_kernel'] else 'no C++ decode kernel (not built)')
+  m = env['machine']
   lines = [
-      f'Written by `python -m scripts.bench_decode {argv}` on {env["date"]}: '
+      f'Written by `python -m scripts.bench_decode {argv}` on {env["date"]} '
+      f'at {env["commit"]} on {provenance.describe(m)}; vector flags: '
+      f'{", ".join(m["vector_flags"] or ["not recorded"])}; load average '
+      f'{env["load"][0]:.2f} at the start, {env["load"][1]:.2f} at the end: '
       f'jax {env["jax"]}, torch {env["torch"]} ({env["torch_threads"]} '
       f'threads), float32; one layer, N={N}, H={H}, D={D}, one token per '
       'step against a cache filled to context - 8. Ours as users get it, '
       f'here with {kernel}, and by the pure-JAX path. Medians of '
-      f'{args.repeats} steps, the three taking turns in one process.', '',
-      '| K | batch | context | ours ms | pure-JAX path ms | PyTorch ms '
-      '| ours / PyTorch |',
-      '|---|---|---|---|---|---|---|']
+      f'{args.repeats} steps (ours: min-max), the three and a 1 GiB read '
+      'taking turns in one process; the roofline: the step\'s weights and '
+      'cache read once at the bandwidth of those reads, or its FLOPs at the '
+      f'peak ({env["peak_flops"] / 1e9:,.0f} GFLOP/s), whichever is slower.',
+      '', '| K | batch | context | ours ms (min-max) | share of the roofline '
+      '| read GB/s | pure-JAX path ms | PyTorch ms | ours / PyTorch |',
+      '|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     lines.append(f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
-                 f'{r["ours_seconds"] * 1e3:.2f} | '
+                 f'{r["ours_seconds"] * 1e3:.2f} '
+                 f'({r["ours_min_seconds"] * 1e3:.2f}-'
+                 f'{r["ours_max_seconds"] * 1e3:.2f}) | '
+                 f'{100 * r["fraction_of_roofline"]:.0f}% | '
+                 f'{r["bandwidth"] / 1e9:.1f} | '
                  f'{r["ours_jax_seconds"] * 1e3:.2f} | '
                  f'{r["torch_seconds"] * 1e3:.2f} | '
                  f'{r["ours_over_torch"]:.2f} |')

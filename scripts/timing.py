@@ -21,7 +21,15 @@ def median_time(fn, repeats: int) -> float:
 
 
 def median_times(fns: dict, repeats: int) -> dict:
-  """{name: median seconds}, the fns timed in turn, round after round.
+  """{name: median seconds}, the fns timed in turn, round after round
+  (`all_times`)."""
+  return {name: float(np.median(t))
+          for name, t in all_times(fns, repeats).items()}
+
+
+def all_times(fns: dict, repeats: int) -> dict:
+  """{name: [seconds of each round]}, the fns timed in turn, round after
+  round.
 
   Interleaving puts every contestant under the same drift of the machine's
   load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
@@ -34,7 +42,7 @@ def median_times(fns: dict, repeats: int) -> dict:
       start = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
+  return times
 
 
 def read_test():
@@ -52,13 +60,18 @@ def read_bandwidth(repeats: int) -> float:
 
 def decode_step_seconds(mc, batch: int, context: int, repeats: int,
                         steps: int = 8) -> float:
-  """Median time per decoded token (all sequences), cache filled to `context`.
+  """Median time per decoded token (all sequences), cache filled to
+  `context` (`decode_steps`)."""
+  return median_time(decode_steps(mc, batch, context, steps), repeats) / steps
 
-  Times `steps` greedy tokens of `train.sample.decode`, the loop that
-  train.sample runs, so the cache is updated in place rather than copied:
-  it is donated to each call and handed to the next, its positions set back
-  to `context` (an undonated input would be copied whole into the loop
-  first, on every call).
+
+def decode_steps(mc, batch: int, context: int, steps: int = 8):
+  """A callable decoding `steps` greedy tokens of each of `batch` sequences
+  against a KV cache filled to `context`: `train.sample.decode`, the loop
+  that train.sample runs, so the cache is updated in place rather than
+  copied: it is donated to each call and handed to the next, its positions
+  set back to `context` (an undonated input would be copied whole into the
+  loop first, on every call). Compiled on its first call.
   """
   mc = dataclasses.replace(mc, max_len=context + steps)
   model, params = unroll_layers(
@@ -84,7 +97,7 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
   def go():
     sampled, state['cache'] = run(state['cache'], token)
     return sampled
-  return median_time(go, repeats) / steps
+  return go
 
 
 def replace_section(path: str, title: str, body: str):

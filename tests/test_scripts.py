@@ -101,6 +101,29 @@ def test_bench_decode_layer_writes_its_rows_and_its_section(tmp_path,
   assert '## Other\n\nkept' in text
 
 
+def test_bench_decode_ranks_bytes_beside_speed_naming_inversions_past_noise():
+  """A layout with fewer KV bytes per token that decodes slower than one
+  with more is named only when its fastest round is below the other's
+  slowest; within the noise (ranges overlapping) it is not."""
+  def row(name, per_token, median, low, high):
+    return dict(variant=name, batch=256, context=2048,
+                kv_bytes_per_token=per_token, tokens_per_sec=median,
+                tokens_per_sec_min=low, tokens_per_sec_max=high)
+  rows = [row('K2', 2048, 100, 95, 105), row('K1', 1024, 200, 190, 210),
+          row('GTA1', 768, 150, 140, 160), row('MLA48', 1024, 104, 99, 106)]
+  [ranked] = bench_decode.rankings(rows)
+  assert ranked['by_bytes'] == ['GTA1', 'K1', 'MLA48', 'K2']
+  assert ranked['by_speed'] == ['K1', 'GTA1', 'MLA48', 'K2']
+  assert ranked['inversions'] == [('GTA1', 'K1')]  # MLA48 ~ K2: noise.
+  text = '\n'.join(bench_decode.ranking_markdown(ranked))
+  assert 'GTA1 slower than K1.' in text and '| 2 | K1 | GTA1 |' in text
+  rows[2]['tokens_per_sec_max'] = 195  # Overlaps K1's 190-210.
+  [ranked] = bench_decode.rankings(rows)
+  assert ranked['inversions'] == []
+  assert 'the other\'s slowest): none.' in '\n'.join(
+      bench_decode.ranking_markdown(ranked))
+
+
 @pytest.mark.slow
 def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
                                                           monkeypatch):
@@ -126,9 +149,15 @@ def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
     assert r['fraction_of_roofline'] == pytest.approx(
         r['tokens_per_sec'] / bound)
   text = markdown.read_text()
-  assert f'## {bench_decode.MODEL_SECTION}' in text
+  machine = provenance.machine()
+  assert (f'## {bench_decode.MODEL_SECTION} '
+          f'({bench_decode.vm_kind(machine)})') in text
+  assert provenance.describe(machine) in text  # The CPU named.
   share = round(100 * results['rows'][1]['fraction_of_roofline'])
   assert '| 1 | 2 | 16 | ' in text and f'| {share}% |' in text
+  for r in results['rows']:  # Every round within its reported range.
+    assert r['tokens_per_sec_min'] <= r['tokens_per_sec'] <= r[
+        'tokens_per_sec_max']
 
 
 @pytest.mark.slow

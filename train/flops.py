@@ -89,20 +89,27 @@ def decode_flops_per_token(config, context: int) -> float:
 def _forward_flops(config, context, absorbed: bool = False) -> float:
   """context(local_window or None) -> C, the keys a query sees; absorbed:
   MLA layers as decoding computes them."""
-  D, N, K = config.d_model, config.num_heads, config.num_kv_heads
-  H, F = config.head_dim, config.mlp_dim
+  D, F = config.d_model, config.mlp_dim
   total = 2 * D * config.vocab_size
   for i in range(config.num_layers):
     options = config.attention(i)
-    C = context(options.local_window)
-    if options.kv_lora_rank:
-      total += _latent_flops(options, D, C, config.shares_kv(i), absorbed)
-    else:
-      kv = 0 if config.shares_kv(i) else _kv_projection_flops(options, D)
-      total += (2 * D * N * H + 2 * N * H * D + kv
-                + attention_flops_per_key(options) * C)
+    total += attention_layer_flops(options, D, context(options.local_window),
+                                   config.shares_kv(i), absorbed)
     total += 3 * 2 * D * F
   return total
+
+
+def attention_layer_flops(o: layer.Options, D: int, C: float,
+                          shares_kv: bool = False,
+                          absorbed: bool = False) -> float:
+  """One attention layer's FLOPs per token, its projections included, with
+  C keys seen (the module docstring's rows); absorbed: MLA as decoding
+  computes it."""
+  if o.kv_lora_rank:
+    return _latent_flops(o, D, C, shares_kv, absorbed)
+  N, H = o.num_heads, o.head_dim
+  kv = 0 if shares_kv else _kv_projection_flops(o, D)
+  return 2 * D * N * H + 2 * N * H * D + kv + attention_flops_per_key(o) * C
 
 
 def _kv_projection_flops(o, D: int) -> float:
