@@ -35,6 +35,14 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(),
     reason='the CPU kernel is not built (python setup.py build_ext --inplace)')
 
+
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+  """The kernels whatever GQA_LAB_CPU_KERNEL the suite runs with (it is
+  run both ways; this file specifies the kernels themselves, and a test
+  that needs another mode sets it)."""
+  monkeypatch.setenv(cpu_kernel.ENV, 'auto')
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 B, N, H, P, p, M = 3, 8, 16, 16, 4, 5  # S = M·p = 20 positions per row.
 S = M * p
@@ -693,13 +701,13 @@ def test_the_serving_step_reads_the_pool_in_place(kv_cache_dtype):
   assert gathers(text) == 2 * mc.num_layers
 
 
-@pytest.mark.parametrize('tied', [False, True], ids=['grouped', 'tied'])
+@pytest.mark.parametrize('kind', ['grouped', 'tied', 'latent'])
 @pytest.mark.parametrize('layout', ['paged', 'dense'])
-def test_the_benchmark_times_two_paths_that_agree(layout, tied):
+def test_the_benchmark_times_two_paths_that_agree(layout, kind):
   """scripts.bench_cpu_kernel's contestants: the same step's output."""
   from scripts import bench_cpu_kernel  # pylint: disable=import-outside-toplevel
   runs = bench_cpu_kernel.contestants(layout, K=2, batch=3, context=64,
-                                      fill=0.5, tied=tied)
+                                      fill=0.5, kind=kind)
   chex.assert_trees_all_close(runs['kernel'](), runs['jax'](), atol=1e-5)
 
 

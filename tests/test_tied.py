@@ -279,7 +279,9 @@ def test_bad_options_are_refused_in_one_line_naming_the_fix(fields, message):
     config_lib.validate(config, batch_shards=1)
 
 
-def test_the_tpu_kernel_refuses_a_tied_cache_and_the_cpu_kernel_takes_it():
+def test_the_tpu_kernel_refuses_a_tied_cache_and_the_cpu_kernel_takes_it(
+    monkeypatch):
+  monkeypatch.setenv(cpu_kernel.ENV, 'auto')  # Whatever the suite runs with.
   options = _options(2)
   pool = {name: jnp.zeros(s.shape, s.dtype) for name, s in
           kv_cache.paged_spec(options, 4, 8, jnp.bfloat16).items()}

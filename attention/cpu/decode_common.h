@@ -235,6 +235,7 @@ struct Scratch {
   std::vector<float> q_vectors;
   std::vector<float> acc;  // [R, AccWidth()]: the weighted sums.
   std::vector<char> seen_L;
+  bool all_seen;  // Every query of the unit sees every position of the block.
   explicit Scratch(const Step& st) {
     const int64_t R = st.R();
     q_RH.resize(R * st.H);
@@ -287,17 +288,32 @@ GQA_LAB_INLINE const bool* VisibleOfRow(const Step& st, int64_t b) {
   return st.visible + (st.visible_per_row ? b * st.T * st.S : 0);
 }
 
+// 16 bools as 16 lanes of 0 or -1 (true), to select with.
+typedef int32_t I16 __attribute__((vector_size(64)));
+GQA_LAB_INLINE I16 Mask16(const bool* x) {
+  typedef char C16 __attribute__((vector_size(16)));
+  C16 bytes;
+  __builtin_memcpy(&bytes, x, sizeof(bytes));
+  return __builtin_convertvector(bytes, I16) != 0;
+}
+
 // s.seen_L[i]: whether any of the T queries sees position s0 + i of the
 // block's n; false when none sees any (the block is then not read at all).
+// s.all_seen: whether every query sees every position (no mask to apply).
 GQA_LAB_INLINE bool SeenInBlock(const Step& st, const bool* visible_TS,
                                 int64_t s0, int64_t n, Scratch& s) {
-  bool any = false;
+  bool any = false, all = true;
   for (int64_t i = 0; i < n; ++i) {
     bool seen = false;
-    for (int64_t t = 0; t < st.T; ++t) seen |= visible_TS[t * st.S + s0 + i];
+    for (int64_t t = 0; t < st.T; ++t) {
+      const bool v = visible_TS[t * st.S + s0 + i];
+      seen |= v;
+      all &= v;
+    }
     s.seen_L[i] = seen;
     any |= seen;
   }
+  s.all_seen = all;
   return any;
 }
 
@@ -397,31 +413,39 @@ GQA_LAB_INLINE void SoftmaxBlock(const Step& st, const bool* visible_TS,
   const int64_t R = st.R(), T = st.T, S = st.S, L = st.L;
   const int64_t n16 = n - n % kLanes;  // Positions in whole vectors.
   for (int64_t r = 0; r < R; ++r) {
-    const bool* visible_S = visible_TS + (r % T) * S + s0;
+    const bool* visible_S = visible_TS + (T == 1 ? 0 : r % T * S) + s0;
     float* logits = s.logits_RL.data() + r * L;
     if (st.soft_cap > 0.0f) {
       for (int64_t i = 0; i < n; ++i) {
         logits[i] = st.soft_cap * std::tanh(logits[i] / st.soft_cap);
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      logits[i] = visible_S[i] ? logits[i] : kMinusInf;
-    }
+    // Masked (unless every position is seen) and the block's max, in one
+    // pass.
     F16 max16 = F16{} + kMinusInf;
     for (int64_t i = 0; i < n16; i += kLanes) {
-      const F16 x = Load16(logits + i);
+      F16 x = Load16(logits + i);
+      if (!s.all_seen) {
+        x = Mask16(visible_S + i) ? x : F16{} + kMinusInf;
+        Store16(logits + i, x);
+      }
       max16 = x > max16 ? x : max16;
     }
     float block_max = kMinusInf;
     for (int j = 0; j < kLanes; ++j) block_max = std::max(block_max, max16[j]);
-    for (int64_t i = n16; i < n; ++i) block_max = std::max(block_max, logits[i]);
+    for (int64_t i = n16; i < n; ++i) {
+      logits[i] = visible_S[i] ? logits[i] : kMinusInf;
+      block_max = std::max(block_max, logits[i]);
+    }
     if (block_max == kMinusInf) {
       std::fill(logits, logits + n, 0.0f);
       continue;
     }
-    const float new_max = std::max(s.max_R[r], block_max);
-    const float rescale = std::exp(s.max_R[r] - new_max);  // 0 at first.
-    s.max_R[r] = new_max;
+    const float old_max = s.max_R[r];
+    const float new_max = std::max(old_max, block_max);
+    const float rescale = new_max == old_max ? 1.0f
+                                             : std::exp(old_max - new_max);
+    s.max_R[r] = new_max;  // (rescale 0 at first: e^-inf.)
     F16 total16 = {};
     for (int64_t i = 0; i < n16; i += kLanes) {
       const F16 w = Exp16(Load16(logits + i) - new_max);
