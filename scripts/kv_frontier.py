@@ -188,10 +188,13 @@ def variant_config(base: str, v: Variant, seed: int, steps: int,
   config.model.update(num_kv_heads=v.K or config.model.num_heads,
                       attention_pattern=v.pattern,
                       local_window=window if 'L' in v.pattern else None,
-                      kv_share=v.share, kv_lora_rank=v.latent or None,
-                      qk_rope_head_dim=(v.rope if v.latent or v.tie
-                                        else None),
-                      tie_kv=v.tie, latent_groups=v.groups)
+                      kv_share=v.share)
+  if v.latent:
+    config.model.update(attention='mla', mla=dict(
+        kv_lora_rank=v.latent, qk_rope_head_dim=v.rope,
+        latent_groups=v.groups))
+  elif v.tie:
+    config.model.update(attention='gta', gta=dict(qk_rope_head_dim=v.rope))
   config.seed = seed
   steps = steps or config.train.steps
   config.train.update(steps=steps, eval_every=steps, checkpoint_every=steps,

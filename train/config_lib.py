@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from ml_collections import config_dict
 
 from attention import layer
+from attention import layout as layout_lib
+from attention.layout import Layout
 from attention.rope import RopeScaling
 from train.errors import UserError
 from train.storage import refuse_url
@@ -140,9 +142,40 @@ def model_config(config: config_dict.ConfigDict) -> ModelConfig:
   fields['param_dtype'] = DTYPES[fields['param_dtype']]
   scaling = fields['rope_scaling']
   fields['rope_scaling'] = RopeScaling(**scaling) if scaling['kind'] else None
-  if fields['rope_pairs'] is not None:  # Hashable, as the config must be.
-    fields['rope_pairs'] = tuple(fields['rope_pairs'])
+  fields['layout'] = layout_of(fields)
   return ModelConfig(**fields)
+
+
+def layout_of(model: dict) -> Layout:
+  """The layout model['attention'] names, built from its settings
+  model[name] (a layout without settings has none); pops 'attention' and
+  every layout's settings from `model`. Lists (JSON's) become tuples, so
+  that the layout is hashable as a model config must be."""
+  name = model.pop('attention')
+  settings = {n: model.pop(n) for n in layout_lib.names() if n in model}
+  own = settings.get(name, {})
+  return layout_lib.get(name)(**{
+      k: tuple(v) if isinstance(v, list) else v for k, v in own.items()})
+
+
+def _check_layout(m):
+  """model.attention names a layout, and no other layout's settings are
+  set (they would be silently ignored)."""
+  try:
+    layout_lib.get(m.attention)
+  except ValueError as e:
+    raise UserError(f'model.{e}') from None
+  default_model = defaults().model
+  for name in layout_lib.names():
+    if name == m.attention or name not in m:
+      continue
+    changed = [f'model.{name}.{k}={v!r}' for k, v in m[name].items()
+               if v != default_model[name][k]]
+    if changed:
+      raise UserError(
+          f'{", ".join(changed)} set, but model.attention={m.attention!r}: '
+          f'another layout\'s settings; set --config.model.attention={name}, '
+          f'or leave model.{name} at its defaults')
 
 
 def _is(low=None, high=None, *, low_open=False, high_open=False,
@@ -334,7 +367,8 @@ def validate(config: config_dict.ConfigDict, batch_shards: int,
         f'model.num_heads={m.num_heads} is not divisible by model.num_kv_heads'
         f'={m.num_kv_heads}; use num_kv_heads in {divisors}')
   _check_layer_kinds(m)
-  try:  # The attention's own checks (multi-head latent attention's).
+  _check_layout(m)
+  try:  # The attention's own checks, its layout's among them.
     model_config(config).attention(0)
   except ValueError as e:
     raise UserError(f'model.{e}') from None

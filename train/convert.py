@@ -111,14 +111,12 @@ def convert_params(params, model_config, num_kv_heads: int, method: Method,
                    seed: int = 0):
   """Params of `model_config` with K/V projections for `num_kv_heads` heads."""
   new_config = dataclasses.replace(model_config, num_kv_heads=num_kv_heads)
-  if model_config.tie_kv:
-    raise UserError('--num_kv_heads pools key and value heads, which a GTA '
-                    'model (model.tie_kv=True) has tied; convert its MHA/GQA '
-                    'source with --to_gta --num_kv_heads=K instead')
-  if model_config.kv_lora_rank:
-    raise UserError('--num_kv_heads pools K/V heads, which an MLA model '
-                    f'(model.kv_lora_rank={model_config.kv_lora_rank}) has '
-                    'not; convert its source, or train a smaller latent')
+  if model_config.layout.name != 'gqa':
+    raise UserError(
+        f'--num_kv_heads pools the K/V heads of grouped-query attention, '
+        f'which a model.attention={model_config.layout.name!r} model '
+        f'({model_config.layout_description()}) has not; convert its MHA/GQA '
+        'source instead (--to_gta --num_kv_heads=K pools, then ties)')
   if model_config.fused_qkv:
     raise UserError('convert works on separate query/key/value kernels; '
                     'train with model.fused_qkv=False')
@@ -271,7 +269,7 @@ def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
             'qk_rope_head_dim': qk_rope_head_dim,
             'latent_groups': latent_groups,
             'source_num_kv_heads': model_config.num_kv_heads,
-            'energy_kept': energies, 'rope_pairs': new_mc.rope_pairs,
+            'energy_kept': energies, 'rope_pairs': new_mc.layout.rope_pairs,
             'calibration': calibration,
             'kv_bytes_per_token': model_lib.kv_bytes_per_token(
                 config_lib.model_config(config)),
@@ -314,7 +312,7 @@ def convert_to_gta(source: str, workdir: str, num_kv_heads: int,
     info = {'source': str(source), 'to_gta': True, 'num_kv_heads': k,
             'source_num_kv_heads': k_source, 'method': method,
             'qk_rope_head_dim': qk_rope_head_dim,
-            'rope_pairs': new_mc.rope_pairs, 'calibration': calibration,
+            'rope_pairs': new_mc.layout.rope_pairs, 'calibration': calibration,
             'kv_bytes_per_token': model_lib.kv_bytes_per_token(
                 config_lib.model_config(config)),
             'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
@@ -399,8 +397,8 @@ def import_hf(source: str, workdir: str, num_kv_heads: int = -1,
   with _new_workdir(workdir) as path:
     params = hf.read_weights(
         files, shapes, mc, convert_kv,
-        interleaved=hf_deepseek.interleaved(hf_config) if mc.kv_lora_rank
-        else True)
+        interleaved=hf_deepseek.interleaved(hf_config)
+        if mc.layout.name == 'mla' else True)
     (path / 'hf').mkdir(exist_ok=True)
     (path / 'hf' / 'config.json').write_text(json.dumps(hf_config, indent=2))
     for name in hf.TOKENIZER_FILES:

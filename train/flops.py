@@ -7,13 +7,15 @@ K key/value heads, H head dim, F MLP hidden, V vocabulary:
   Q and output projections   2·D·N·H + 2·N·H·D
   K and V projections        2·2·D·K·H              <- shrinks with K; none in
                                                       a layer sharing K/V
-                             (GTA, tie_kv: 2·D·(K·H + Y), the tied states
-                             and a Y-wide RoPE key shared by the heads; its
-                             scores and mix are GQA's)
+                             (GTA: 2·D·(K·H + Y), the tied states and a
+                             Y-wide RoPE key shared by the heads; its scores
+                             and mix are GQA's)
   attention scores and mix   2·2·N·H·C              C = mean keys a query sees
   gated MLP                  3·2·D·F
-and once per token the output logits, 2·D·V. A multi-head latent attention
-layer (attention.latent: A latent in G groups, G = 1 for MLA, each head
+and once per token the output logits, 2·D·V. Each layout's attention
+formula is its own (`attention.layout`: `flops_per_token`,
+`attention_flops_per_key`); these are the built-in ones'. A multi-head
+latent attention layer (attention.latent: A latent in G groups, G = 1 for MLA, each head
 reading its group's A/G; Q query latent, I + Y query/key and U value features
 per head) counts instead
   query                      2·D·N·(I+Y), or 2·D·Q + 2·Q·N·(I+Y) with Q
@@ -88,61 +90,24 @@ def decode_flops_per_token(config, context: int) -> float:
 
 def _forward_flops(config, context, absorbed: bool = False) -> float:
   """context(local_window or None) -> C, the keys a query sees; absorbed:
-  MLA layers as decoding computes them."""
-  D, N, K = config.d_model, config.num_heads, config.num_kv_heads
-  H, F = config.head_dim, config.mlp_dim
+  each layout's attention as decoding computes it (MLA's absorbed)."""
+  D, F = config.d_model, config.mlp_dim
   total = 2 * D * config.vocab_size
   for i in range(config.num_layers):
     options = config.attention(i)
-    C = context(options.local_window)
-    if options.kv_lora_rank:
-      total += _latent_flops(options, D, C, config.shares_kv(i), absorbed)
-    else:
-      kv = 0 if config.shares_kv(i) else _kv_projection_flops(options, D)
-      total += (2 * D * N * H + 2 * N * H * D + kv
-                + attention_flops_per_key(options) * C)
+    total += options.layout.flops_per_token(
+        options, D, context(options.local_window), config.shares_kv(i),
+        absorbed)
     total += 3 * 2 * D * F
   return total
-
-
-def _kv_projection_flops(o, D: int) -> float:
-  """A layer's K and V projections per token: 2·2·D·K·H, or, tied (GTA),
-  the tied states' 2·D·K·H and the shared RoPE key's 2·D·Y."""
-  K, H = o.num_kv_heads, o.head_dim
-  if o.tie_kv:
-    return 2 * D * (K * H + o.qk_rope_head_dim)
-  return 2 * 2 * D * K * H
-
-
-def _latent_flops(o, D: int, C: float, shares_kv: bool,
-                  absorbed: bool) -> float:
-  """One MLA layer's attention FLOPs per token (the module docstring)."""
-  N, A, Q = o.num_heads, o.kv_lora_rank, o.q_lora_rank
-  I, Y, U = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
-  A_head = A // o.latent_groups  # The latent a head reads: its group's.
-  query = 2 * D * Q + 2 * Q * N * (I + Y) if Q else 2 * D * N * (I + Y)
-  latent = 0 if shares_kv else 2 * D * (A + Y)
-  # Keys and values from the latent: per head, or absorbed into the query
-  # and the output.
-  expand = (2 * N * I * A_head + 2 * N * A_head * U if absorbed
-            else 2 * A_head * N * (I + U))
-  attend = attention_flops_per_key(o, absorbed) * C
-  return query + latent + expand + attend + 2 * N * U * D
 
 
 def attention_flops_per_key(o: layer.Options, absorbed: bool = False
                             ) -> float:
   """The scores' and the mix's FLOPs per query token and key it sees, in
-  one layer with options `o`: 2·2·N·H (GQA, GTA); MLA and GLA 2·N·(I+Y) +
-  2·N·U expanded, 2·N·(A/G+Y) + 2·N·(A/G) absorbed (as decoding runs)."""
-  N = o.num_heads
-  if not o.kv_lora_rank:
-    return 2 * 2 * N * o.head_dim
-  I, Y, U = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
-  if absorbed:
-    A_head = o.kv_lora_rank // o.latent_groups
-    return 2 * N * (A_head + Y) + 2 * N * A_head
-  return 2 * N * (I + Y) + 2 * N * U
+  one layer with options `o` (its layout's formula: 2·2·N·H for GQA and
+  GTA; MLA's and GLA's in `attention.latent`)."""
+  return o.layout.attention_flops_per_key(o, absorbed)
 
 
 def attention_decode_intensity(o: layer.Options, dtype) -> float:

@@ -268,11 +268,12 @@ def _default_kind(hf: dict, family: str, i: int) -> str:
 
 def family_of(mc, remembered: str | None = None) -> str:
   """The Hugging Face model_type that computes what `mc` computes."""
-  if mc.tie_kv:
-    raise UserError('no Hugging Face architecture computes grouped-tied '
-                    'attention (model.tie_kv=True); keep the workdir, or '
-                    'export the MHA/GQA model it was converted from')
-  if mc.kv_lora_rank:
+  if mc.layout.name not in ('gqa', 'mla'):
+    raise UserError(f'no Hugging Face architecture computes model.attention='
+                    f'{mc.layout.name!r} ({mc.layout_description()}); keep '
+                    'the workdir, or export the MHA/GQA model it was '
+                    'converted from')
+  if mc.layout.name == 'mla':
     problems = hf_deepseek.family_problems(mc)
     if problems:
       raise UserError(f'no Hugging Face architecture computes '
@@ -486,7 +487,7 @@ def weight_plan(params_shapes: dict, mc, interleaved: bool = True
     if _has(params_shapes, path):
       plan[name] = (path, None, to_ours, to_hf)
   names = LAYER_WEIGHTS | (POST_NORM_WEIGHTS if mc.post_norms else {})
-  if mc.kv_lora_rank:  # DeepSeek's attention in place of Llama's.
+  if mc.layout.name == 'mla':  # DeepSeek's attention in place of Llama's.
     names = {name: value for name, value in names.items()
              if not name.startswith('self_attn.')}
     names |= hf_deepseek.layer_weights(mc, interleaved)

@@ -85,10 +85,11 @@ def model_fields(hf: dict, rope) -> dict[str, Any]:
       embed_scale=False, tied_logits_scale=False, qkv_bias=False,
       qk_norm=False, rope_scaling=scaling, use_rope=True,
       learned_positions=False, scan_layers=True, scan_unroll=1,
-      kv_lora_rank=hf['kv_lora_rank'], q_lora_rank=hf['q_lora_rank'],
-      qk_rope_head_dim=hf['qk_rope_head_dim'],
-      qk_nope_head_dim=hf['qk_nope_head_dim'], v_head_dim=hf['v_head_dim'],
-      latent_norm=True)
+      attention='mla', mla=dict(
+          kv_lora_rank=hf['kv_lora_rank'], q_lora_rank=hf['q_lora_rank'],
+          qk_rope_head_dim=hf['qk_rope_head_dim'],
+          qk_nope_head_dim=hf['qk_nope_head_dim'],
+          v_head_dim=hf['v_head_dim'], latent_norm=True))
 
 
 def interleaved(hf: dict) -> bool:
@@ -102,11 +103,12 @@ def interleaved(hf: dict) -> bool:
 
 def family_problems(mc) -> list[str]:
   """What of an MLA model no DeepSeek checkpoint computes."""
-  wrong = {f'latent_groups={mc.latent_groups} (grouped latents: '
-           "DeepSeek's format has one)": mc.latent_groups > 1,
+  mla = mc.attention(0).layout
+  wrong = {f'mla.latent_groups={mla.latent_groups} (grouped latents: '
+           "DeepSeek's format has one)": mla.latent_groups > 1,
            'use_rope=False': not mc.use_rope,
-           'latent_norm=False (DeepSeek normalises the latent)':
-           not mc.latent_norm,
+           'mla.latent_norm=False (DeepSeek normalises the latent)':
+           not mla.latent_norm,
            f'local_window={mc.local_window}': mc.local_window,
            f'kv_share={mc.kv_share}': mc.kv_share > 1,
            'post_norms': mc.post_norms,
@@ -114,7 +116,8 @@ def family_problems(mc) -> list[str]:
            'final_logits_soft_cap': mc.final_logits_soft_cap,
            'query_pre_attn_scalar': mc.query_pre_attn_scalar,
            'learned_positions': mc.learned_positions,
-           'rope_pairs (a converted RoPE key)': mc.rope_pairs is not None,
+           'mla.rope_pairs (a converted RoPE key)':
+           mla.rope_pairs is not None,
            f'mlp_activation={mc.mlp_activation!r}, norm_scale_offset='
            f'{mc.norm_scale_offset}, embed_scale={mc.embed_scale} (Gemma\'s '
            "conventions; DeepSeek's are Llama's: silu, 0, False)": not (
@@ -127,7 +130,7 @@ def family_problems(mc) -> list[str]:
 
 def hf_config(mc, family: str) -> dict:
   """The DeepSeek fields of config.json (every layer dense)."""
-  o = mc.attention(0)
+  o = mc.attention(0).layout
   return dict(
       num_key_value_heads=mc.num_heads, kv_lora_rank=o.kv_lora_rank,
       q_lora_rank=o.q_lora_rank, qk_rope_head_dim=o.qk_rope_head_dim,
@@ -148,8 +151,8 @@ def _permutation(lead: int, Y: int, is_interleaved: bool) -> np.ndarray:
 def layer_weights(mc, is_interleaved: bool) -> dict:
   """HF name within layer i -> (our path, to ours, to HF) for the attention
   of an MLA model (converters as train.hf's, their H argument unused)."""
-  o = mc.attention(0)
-  N, A = o.num_heads, o.kv_lora_rank
+  o = mc.attention(0).layout
+  N, A = mc.num_heads, o.kv_lora_rank
   I, Y, U = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
   q_perm = _permutation(I, Y, is_interleaved)
   kv_perm = _permutation(A, Y, is_interleaved)

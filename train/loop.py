@@ -431,20 +431,6 @@ def _restore_or_init(config, program: _Programs, checkpointer, warn):
   return state, step
 
 
-def _cached_per_token(mc) -> str:
-  """What a layer caches per token, in words."""
-  o = mc.attention(0)
-  if o.kv_lora_rank:
-    groups = (f' in {o.latent_groups} groups (GLA)' if o.latent_groups > 1
-              else '')
-    return (f'MLA: a latent of {o.kv_lora_rank}{groups} + a RoPE key of '
-            f'{o.qk_rope_head_dim}')
-  if o.tie_kv:
-    return (f'GTA: {mc.num_kv_heads} tied KV heads x {mc.head_dim} + a RoPE '
-            f'key of {o.qk_rope_head_dim}')
-  return f'{mc.num_kv_heads} KV heads x {mc.head_dim}'
-
-
 def _introduce(say, config, mc, dataset, mesh):
   """The run's first lines: config, data, model size, devices."""
   flops_per_token = flops.training_flops_per_token(mc, config.data.seq_len)
@@ -453,7 +439,7 @@ def _introduce(say, config, mc, dataset, mesh):
   say(f'data: {dataset.summary()}')
   say(f'model: {model_lib.num_params(mc):,} parameters; decode cache '
       f'{model_lib.kv_bytes_per_token(mc):,.1f} bytes/token at max_len '
-      f'{mc.max_len} ({_cached_per_token(mc)}, {_layer_kinds(mc)}, {mc.kv_cache_dtype or np.dtype(mc.dtype).name}); '
+      f'{mc.max_len} ({mc.layout_description()}, {_layer_kinds(mc)}, {mc.kv_cache_dtype or np.dtype(mc.dtype).name}); '
       f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
   hosts = jax.process_count()
   rows = (f'; each of {hosts} processes builds {config.train.batch_size // hosts}'

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import Attention, kv_cache, layer, numerics
+from attention.layout import Layout
 from attention.rope import RopeScaling
 
 Activation = Literal['gelu_tanh', 'silu']
@@ -84,19 +85,9 @@ class ModelConfig:
   attention_pattern: str
   kv_share: int  # Consecutive layers sharing one K/V projection and cache.
   kv_cache_dtype: layer.KVCacheDtype | None  # Decoding's; None: dtype.
-  # Multi-head latent attention (attention.latent; DeepSeek's names):
-  # kv_lora_rank None or 0 is not MLA.
-  kv_lora_rank: int | None
-  q_lora_rank: int | None
-  qk_rope_head_dim: int | None
-  qk_nope_head_dim: int | None
-  v_head_dim: int | None
-  latent_groups: int  # GLA: the latent in groups of query heads; 1 is MLA.
-  latent_norm: bool
-  rope_pairs: tuple[int, ...] | None  # Converted MLA's/GTA's RoPE frequencies.
-  # Grouped-tied attention (attention.tied): one tied K/V state per KV head
-  # and a qk_rope_head_dim RoPE key shared by the heads.
-  tie_kv: bool
+  # How attention caches K/V (`attention.layout`): model.attention names
+  # it ('gqa', 'mla', 'gta', ...) and model.<name> holds its settings.
+  layout: Layout
 
   def attention(self, i: int) -> layer.Options:
     """Layer i's attention options (a causal LM), passed whole to
@@ -108,6 +99,11 @@ class ModelConfig:
     return layer.Options.of(self, is_causal=True,
                             local_window=self.local_window if local else None,
                             **rope)
+
+  def layout_description(self) -> str:
+    """What a layer caches per token, in words (its layout's)."""
+    options = self.attention(0)
+    return options.layout.describe(options)
 
   def shares_kv(self, i: int) -> bool:
     """Whether layer i attends to an earlier layer's K/V (kv_share)."""

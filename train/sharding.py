@@ -12,7 +12,7 @@ query heads (e.g. MQA with tensor=4). That costs K/V projection weights and
 compute repeated on each shard, and memory for K/V activations and cache of
 K heads per device instead of K/tensor; it is still correct.
 
-Grouped latent attention (model.latent_groups = G) meets it the same way:
+Grouped latent attention (model.mla.latent_groups = G) meets it the same way:
 the G latents split over `tensor` when it divides G (kv_norm's [A] by whole
 groups; kv_up's heads follow the query heads, so a shard's heads read its
 own groups), else they are replicated. kv_down [D, A + Y] stays whole on
@@ -83,9 +83,9 @@ def rules(model_config, mesh) -> tuple:
     if size % n:
       raise UserError(f'{name}={size} does not split over mesh.{axis}={n}; '
                       f'use a mesh.{axis} that divides {size}')
-  whole = {name for name, count in (('kv_heads', m.num_kv_heads),
-                                     ('latent_groups', m.latent_groups))
-           if count % tensor}
+  options = m.attention(0)  # The layout's counts (K/V heads, latent groups).
+  whole = {name for name, count in options.layout.mesh_counts(
+      options).items() if count % tensor}
   return tuple((k, None if k in whole else v) for k, v in RULES)
 
 

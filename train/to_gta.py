@@ -38,6 +38,7 @@ import dataclasses
 
 import numpy as np
 
+from attention.tied import GTA
 from train import model as model_lib
 from train import to_mla
 from train.errors import UserError
@@ -45,13 +46,10 @@ from train.errors import UserError
 
 def check_source(mc, qk_rope_head_dim: int) -> None:
   """UserError, in one line, for a source or a target we cannot convert."""
-  if mc.tie_kv:
-    raise UserError('--source already is GTA (model.tie_kv=True); --to_gta '
-                    'converts MHA/GQA models')
-  if mc.kv_lora_rank:
-    raise UserError(f'--source is MLA (model.kv_lora_rank={mc.kv_lora_rank}'
-                    '); --to_gta converts MHA/GQA models: convert the model '
-                    'it came from')
+  if mc.layout.name != 'gqa':
+    raise UserError(f'--source is model.attention={mc.layout.name!r} '
+                    f'({mc.layout_description()}); --to_gta converts MHA/GQA '
+                    'models: convert the model it came from')
   for name in ('qk_norm', 'qkv_bias', 'fused_qkv'):
     if getattr(mc, name):
       raise UserError(f'--to_gta: the source has model.{name}=True, which '
@@ -80,11 +78,12 @@ def target_config(mc, qk_rope_head_dim: int,
                   pairs: np.ndarray | None = None):
   """(the tied model's ModelConfig, the model.* fields it changes, as
   config.json holds them) of the pooled model `mc`."""
-  fields = dict(num_kv_heads=mc.num_kv_heads, tie_kv=True,
-                qk_rope_head_dim=qk_rope_head_dim,
-                rope_pairs=None if pairs is None else [int(p) for p in pairs])
-  rope_pairs = None if pairs is None else tuple(fields['rope_pairs'])
-  return dataclasses.replace(mc, **{**fields, 'rope_pairs': rope_pairs}), fields
+  gta = dict(qk_rope_head_dim=qk_rope_head_dim,
+             rope_pairs=None if pairs is None else [int(p) for p in pairs])
+  layout = GTA(qk_rope_head_dim=qk_rope_head_dim,
+               rope_pairs=None if pairs is None else tuple(gta['rope_pairs']))
+  return (dataclasses.replace(mc, layout=layout),
+          dict(num_kv_heads=mc.num_kv_heads, attention='gta', gta=gta))
 
 
 def feature_order(H: int, pairs: np.ndarray | None) -> np.ndarray:

@@ -44,6 +44,7 @@ import dataclasses
 
 import numpy as np
 
+from attention.latent import MLA
 from train import model as model_lib
 from train.errors import UserError
 
@@ -51,12 +52,10 @@ from train.errors import UserError
 def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int,
                  latent_groups: int = 1) -> None:
   """UserError, in one line, for a source or target we cannot convert."""
-  if mc.kv_lora_rank:
-    raise UserError(f'--source already is MLA (model.kv_lora_rank='
-                    f'{mc.kv_lora_rank}); --to_mla converts MHA/GQA models')
-  if mc.tie_kv:
-    raise UserError('--source is GTA (model.tie_kv=True); --to_mla converts '
-                    'MHA/GQA models: convert the model it came from')
+  if mc.layout.name != 'gqa':
+    raise UserError(f'--source is model.attention={mc.layout.name!r} '
+                    f'({mc.layout_description()}); --to_mla converts MHA/GQA '
+                    'models: convert the model it came from')
   for name in ('qk_norm', 'qkv_bias', 'fused_qkv'):
     if getattr(mc, name):
       raise UserError(f'--to_mla: the source has model.{name}=True, which '
@@ -123,23 +122,26 @@ def pair_scores(q_XNH: np.ndarray, k_XKH: np.ndarray) -> np.ndarray:
 def target_config(mc, kv_lora_rank: int, qk_rope_head_dim: int,
                   pairs_Kr: np.ndarray | None = None,
                   latent_groups: int = 1):
-  """The converted model's ModelConfig; as dotted config fields too. With
-  RoPE, each KV head's r kept pairs leave its key I = H - 2r features
-  without position, and the scale stays the source's."""
+  """(the converted model's ModelConfig, the model.* fields it changes, as
+  config.json holds them). With RoPE, each KV head's r kept pairs leave its
+  key I = H - 2r features without position, and the scale stays the
+  source's."""
   H = mc.head_dim
-  fields = dict(num_kv_heads=mc.num_heads, kv_lora_rank=kv_lora_rank,
-                latent_groups=latent_groups,
-                q_lora_rank=None, qk_rope_head_dim=qk_rope_head_dim,
-                qk_nope_head_dim=H, v_head_dim=H, latent_norm=False,
-                rope_pairs=None)
+  mla = dict(kv_lora_rank=kv_lora_rank, latent_groups=latent_groups,
+             q_lora_rank=None, qk_rope_head_dim=qk_rope_head_dim,
+             qk_nope_head_dim=H, v_head_dim=H, latent_norm=False,
+             rope_pairs=None)
+  fields = dict(num_kv_heads=mc.num_heads, attention='mla')
   if pairs_Kr is not None:
-    fields.update(qk_nope_head_dim=H - 2 * pairs_Kr.shape[1],
-                  rope_pairs=[int(p) for p in pairs_Kr.reshape(-1)],
-                  query_pre_attn_scalar=float(mc.query_pre_attn_scalar or H))
-  config_fields = dict(fields)
-  fields['rope_pairs'] = (None if fields['rope_pairs'] is None
-                          else tuple(fields['rope_pairs']))
-  return dataclasses.replace(mc, **fields), config_fields
+    mla.update(qk_nope_head_dim=H - 2 * pairs_Kr.shape[1],
+               rope_pairs=[int(p) for p in pairs_Kr.reshape(-1)])
+    fields['query_pre_attn_scalar'] = float(mc.query_pre_attn_scalar or H)
+  pairs = mla['rope_pairs']
+  layout = MLA(**{**mla, 'rope_pairs': None if pairs is None
+                  else tuple(pairs)})
+  new_fields = {k: v for k, v in fields.items() if k != 'attention'}
+  return (dataclasses.replace(mc, **new_fields, layout=layout),
+          {**fields, 'mla': mla})
 
 
 def _rope_split(kernel_DEH: np.ndarray, pairs_Kr: np.ndarray, kv_head
