@@ -16,6 +16,7 @@ KV heads, or as many as the query heads where the layout takes no other):
 import dataclasses
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -264,3 +265,35 @@ def _summary(workdir) -> dict:
           (pathlib.Path(workdir) / 'metrics.jsonl').read_text().splitlines()]
   return {'losses': [r['loss'] for r in rows if 'loss' in r],
           'eval_loss': [r['eval_loss'] for r in rows if 'eval_loss' in r][-1]}
+
+
+# --- Workdirs written before layouts had names -----------------------------
+
+FIXTURES = pathlib.Path(__file__).parent / 'fixtures'
+
+
+@pytest.mark.parametrize('name, expected', [
+    ('legacy_mla_workdir', "MLA(kv_lora_rank=16, q_lora_rank=None, "
+     "qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, latent_groups=1, "
+     "latent_norm=True, rope_pairs=None)"),
+    ('legacy_gta_workdir', 'GTA(qk_rope_head_dim=4, rope_pairs=None)')])
+def test_a_workdir_written_before_named_layouts_loads_and_samples(
+    name, expected, tmp_path):
+  """tests/fixtures/: `tiny` MLA and GTA runs of 4 steps written at 0af2894
+  (config.json with the flat kv_lora_rank / tie_kv fields), with the
+  logits and greedy tokens that commit computed: the same today."""
+  workdir = tmp_path / name
+  shutil.copytree(FIXTURES / name, workdir)
+  assert 'kv_lora_rank' in (workdir / 'config.json').read_text()
+  mc, params, tokenizer = sample.load_language_model(str(workdir))
+  assert repr(mc.attention(0).layout) == expected
+  record = json.loads((workdir / 'expected.json').read_text())
+  tokens = jnp.asarray([tokenizer.encode(record['logits_of'])])
+  np.testing.assert_allclose(
+      full_logits(mc, params, tokens)[0],
+      np.load(workdir / 'expected_logits.npy'), atol=1e-5)
+  prompt = jnp.asarray([tokenizer.encode(record['prompt'])])
+  greedy = sample.generate(params, prompt,
+                           model=model_lib.Transformer(mc, decode=True),
+                           max_new_tokens=len(record['greedy_tokens']))
+  assert np.asarray(greedy)[0].tolist() == record['greedy_tokens']
