@@ -152,7 +152,8 @@ class MLA(Layout):
     if not o.use_rope and Y:
       return (f'mla.qk_rope_head_dim={Y} with use_rope=False: nothing turns '
               'the RoPE key; set qk_rope_head_dim=0, or use_rope=True')
-    return pairs_problem(self, o.head_dim, '--to_mla')
+    return pairs_problem(self.rope_pairs, self.qk_rope_head_dim, o.head_dim,
+                         'mla.rope_pairs', '--to_mla')
 
   def scale(self, options) -> float:
     """DeepSeek's softmax scale: query_pre_attn_scalar (None: the query's

@@ -130,16 +130,16 @@ def pair_frequencies(options, rope_pairs) -> np.ndarray | None:
                              options.rope_scaling)[list(rope_pairs)]
 
 
-def pairs_problem(layout, head_dim: int, flag: str) -> str | None:
-  """What is wrong with a layout's rope_pairs (see `pair_frequencies`;
-  qk_rope_head_dim / 2 indices below head_dim / 2), or None."""
-  pairs, Y = layout.rope_pairs, layout.qk_rope_head_dim
+def pairs_problem(pairs, Y: int, head_dim: int, what: str, flag: str
+                  ) -> str | None:
+  """What is wrong with `pairs`, a Y-wide RoPE key's pairs kept from a
+  head_dim-wide RoPE (see `pair_frequencies`: Y / 2 indices below
+  head_dim / 2), named `what` (e.g. 'mla.rope_pairs'), or None."""
   if pairs is not None and (len(pairs) != Y // 2 or not all(
       isinstance(p, int) and 0 <= p < head_dim // 2 for p in pairs)):
-    return (f'{layout.name}.rope_pairs={list(pairs)} must list '
-            f'qk_rope_head_dim / 2 = {Y // 2} frequency indices from 0 to '
-            f'head_dim / 2 - 1 = {head_dim // 2 - 1}; leave it to '
-            f'train.convert {flag}')
+    return (f'{what}={list(pairs)} must list qk_rope_head_dim / 2 = '
+            f'{Y // 2} frequency indices from 0 to head_dim / 2 - 1 = '
+            f'{head_dim // 2 - 1}; leave it to train.convert {flag}')
   return None
 
 

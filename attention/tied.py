@@ -111,7 +111,8 @@ class GTA(Layout):
       return (f'gta.qk_rope_head_dim={Y} with use_rope=False: nothing turns '
               'the RoPE key; set qk_rope_head_dim=0 (or None), or '
               'use_rope=True')
-    return pairs_problem(self, H, '--to_gta')
+    return pairs_problem(self.rope_pairs, self.qk_rope_head_dim, o.head_dim,
+                         'gta.rope_pairs', '--to_gta')
 
   def param_shapes(self, options, d_model: int, *, shared_kv: bool = False
                    ) -> dict[str, tuple[int, ...]]:
