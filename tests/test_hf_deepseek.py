@@ -70,7 +70,8 @@ def test_imported_logits_and_greedy_tokens_equal_transformers(imported):
   chex.assert_trees_all_close(_ours(root / 'ours', tokens), expected,
                               atol=1e-4, rtol=0)
   mc, params, _ = checkpoint.load_workdir(str(root / 'ours'))
-  assert mc.kv_lora_rank == 12 and mc.latent_norm
+  assert mc.layout.name == 'mla' and mc.layout.kv_lora_rank == 12
+  assert mc.layout.latent_norm
   if mc.rope_scaling is not None:  # The control: YaRN's mscales matter.
     assert mc.rope_scaling.kind == 'yarn'
     unscaled = dataclasses.replace(mc.rope_scaling, mscale=0.0,
@@ -138,7 +139,9 @@ def test_mla_models_that_deepseek_does_not_compute_refuse_export():
   mc = config_lib.model_config(_config(
       mlp_activation='silu', norm_scale_offset=0.0, embed_scale=False))
   assert hf.family_of(mc) == 'deepseek_v3'
-  with pytest.raises(UserError, match='model.latent_norm=False'):
-    hf.family_of(dataclasses.replace(mc, latent_norm=False))
+  with pytest.raises(UserError, match=r'model\.mla\.latent_norm=False '
+                     r'\(DeepSeek normalises the latent\)'):
+    hf.family_of(dataclasses.replace(
+        mc, layout=dataclasses.replace(mc.layout, latent_norm=False)))
   with pytest.raises(UserError, match="Gemma's conventions; DeepSeek's are Llama's"):
     hf.family_of(config_lib.model_config(_config()))
