@@ -40,9 +40,12 @@ def _greedy_by_full_passes(model, params, prompt_BP, new):
     (2, True, False, dict(kv_cache_dtype='int8')),
     (2, True, False, dict(num_layers=4, attention_pattern='LG',
                           local_window=4)),  # A ring cache below max_len.
-    (4, True, False, dict(kv_lora_rank=8, qk_rope_head_dim=4)),  # MLA.
-    (4, False, False, dict(kv_lora_rank=8, qk_rope_head_dim=0)),  # NoPE MLA.
-    (4, False, True, dict(kv_lora_rank=8, qk_rope_head_dim=0))])
+    (4, True, False, dict(attention='mla', mla=dict(
+        kv_lora_rank=8, qk_rope_head_dim=4))),  # MLA.
+    (4, False, False, dict(attention='mla', mla=dict(
+        kv_lora_rank=8, qk_rope_head_dim=0))),  # NoPE MLA.
+    (4, False, True, dict(attention='mla', mla=dict(
+        kv_lora_rank=8, qk_rope_head_dim=0)))])
 @pytest.mark.parametrize('new', [12, 27])  # Below max_len (32), and at it.
 def test_greedy_decoding_with_the_cache_equals_full_passes(
     num_kv_heads, use_rope, learned_positions, more, new):
