@@ -250,12 +250,13 @@ def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('model', [
-    dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4),
-    dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4,
-         kv_cache_dtype='int8')])
-def test_mla_is_served_from_a_paged_latent_cache(model):
-  mc, params = _random_model(**model)
+def test_mla_is_served_from_a_paged_int8_latent_cache():
+  """Requests side by side, chunked prefill beside decoding, int8 latents:
+  each request's tokens are decoding it alone (float32 latents:
+  tests/test_layouts.py's paged pool and serving of MLA)."""
+  mc, params = _random_model(attention='mla', num_kv_heads=4,
+                             kv_cache_dtype='int8',
+                             mla=dict(kv_lora_rank=8, qk_rope_head_dim=4))
   pool = paged.empty_pool(mc, 3, 4)
   assert set(pool['layers_0']['attention']) >= {'cached_latent'}
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
