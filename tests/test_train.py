@@ -18,6 +18,8 @@ import optax
 import pytest
 
 from attention import layer
+from attention.latent import MLA
+from attention.tied import GTA
 from configs import tiny
 from train import checkpoint, config_lib, data, flops, loop
 from train import model as model_lib
@@ -377,13 +379,14 @@ def test_decode_is_judged_against_the_lower_of_its_bandwidth_and_flop_bounds():
     (dict(num_kv_heads=2, kv_cache_dtype='int8'), 'float32', 1024 / 144),
     # GTA-2, Y=16: one tied state of 32 per KV head and one RoPE key, 80
     # numbers; its FLOPs are GQA's.
-    (dict(num_kv_heads=2, tie_kv=True), 'float32', 1024 / 320),
+    (dict(num_kv_heads=2, layout=GTA()), 'float32', 1024 / 320),
     # MLA, A=48, Y=16, absorbed: 2·8·(48+16) + 2·8·48 = 1,792 per key over
     # 64 numbers.
-    (dict(num_kv_heads=8, kv_lora_rank=48), 'float32', 1792 / 256),
+    (dict(num_kv_heads=8, layout=MLA(kv_lora_rank=48)), 'float32',
+     1792 / 256),
     # GLA-2: each head reads its group's 24: 2·8·(24+16) + 2·8·24 = 1,024.
-    (dict(num_kv_heads=8, kv_lora_rank=48, latent_groups=2), 'float32',
-     1024 / 256),
+    (dict(num_kv_heads=8, layout=MLA(kv_lora_rank=48, latent_groups=2)),
+     'float32', 1024 / 256),
 ])
 def test_decode_intensity_is_attention_flops_per_cache_byte(fields, dtype,
                                                             expected):
