@@ -550,7 +550,8 @@ def _scripts(*args):
     ('scripts.bench_decode', ['--variants=K2,GQA3'],
      "argument --variants: 'GQA3' is not a variant; give K<k> (GQA"),
     ('scripts.bench_decode', ['--variants=GLA48g3'],
-     '--variants=GLA48g3: model.latent_groups=3 must divide num_heads=8'),
+     '--variants=GLA48g3: model.mla.latent_groups=3 must divide num_heads=8 '
+     'and mla.kv_lora_rank=48'),
     ('scripts.bench_decode', ['--variants=K2', '--kv_heads=2'],
      '--kv_heads and --variants: give one'),
     ('scripts.bench_decode', ['--variants=K2,GTA2', '--equal_params'],
