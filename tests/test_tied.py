@@ -40,10 +40,10 @@ N, H, D = 8, 8, 16
 Y = H // 2
 
 
-def _options(K, gta=None, **fields):
-  """A GTA layer's options: K tied heads, GTA's settings `gta`."""
+def _options(K, **fields):
+  """A GTA layer's options: K tied heads, GTA's default RoPE key."""
   return layer.Options(num_heads=N, num_kv_heads=K, head_dim=H,
-                       layout=tied.GTA(**(gta or {})), **fields)
+                       layout=tied.GTA(), **fields)
 
 
 def _params(options, seed=0):
