@@ -114,7 +114,7 @@ class Options:
   # MLA's RMSNorm of the latent (DeepSeek's kv_a_layernorm); a checkpoint
   # converted into MLA has none (an RMSNorm is not linear).
   latent_norm: bool = True
-  # MLA converted from a RoPE model (train.to_mla): RoPE pair j of the
+  # MLA converted from a RoPE model (train.convert.to_mla): RoPE pair j of the
   # RoPE key and queries turns at frequency rope_pairs[j] of a head_dim-wide
   # RoPE (pairs kept from the source's); None: a qk_rope_head_dim-wide RoPE.
   rope_pairs: tuple[int, ...] | None = None

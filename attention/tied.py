@@ -22,7 +22,7 @@ costs K·H + Y cached numbers per layer, (K·H + Y) / (2·K·H) of grouped-query
 attention's with the same K. Without RoPE (Y = 0) the key is the whole
 tied state. RoPE turns the queries' last Y features and the shared key
 with a Y-wide RoPE, or, for a model converted from a RoPE model
-(`train.to_gta`), at the source's frequencies `rope_pairs` (as MLA's:
+(`train.convert.to_gta`), at the source's frequencies `rope_pairs` (as MLA's:
 `latent.rope_frequencies`).
 
 The full pass (training, any pass without a cache) builds each KV head's

@@ -18,9 +18,9 @@ import logging
 import pathlib
 import sys
 
-from train.cli import check_output_dir, run_app
-from train import provenance as provenance_lib
-from train.errors import UserError
+from infra.cli import check_output_dir, run_app
+from infra import provenance as provenance_lib
+from infra.errors import UserError
 
 
 def _task_manager(tasks: list[str], include_path: str | None,

@@ -23,7 +23,7 @@ score the same:
 - generate_until: the context left-truncated to max_len - max_gen_toks,
   then `train.sample.generate` (prefill, then the KV cache one token per
   step: local layers' ring buffers, shared K/V, int8 caches as the model
-  decodes), sampled by `train.sampling` (temperature, top_k, top_p per
+  decodes), sampled by `lm.sampling` (temperature, top_k, top_p per
   request; the seed of model_args, with each token's position: the text
   `train.sample --seed` and `serve.generate` give), cut by `sampling.cut`
   at the first end-of-sequence token and at the first stop sequence. It
@@ -48,10 +48,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.models import utils as model_utils
 
 from attention import layer
-from train import checkpoint, sample, sampling
-from train import tokenizer as tokenizer_lib
-from train.errors import UserError
-from train.model import Transformer
+from lm import checkpoint, sampling
+from train import sample
+from lm import tokenizer as tokenizer_lib
+from infra.errors import UserError
+from lm.model import Transformer
 
 NAME = 'gqa-lab'
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ import numpy as np
 
 from attention import cpu_kernel, kv_cache, layer
 from scripts import timing
-from train.cli import (ArgumentParser, exit_on_user_error, int_list,
+from infra.cli import (ArgumentParser, exit_on_user_error, int_list,
                        positive_int)
-from train.errors import UserError
+from infra.errors import UserError
 
 N, H, D, PAGE = 8, 64, 512, 16
 

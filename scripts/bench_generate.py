@@ -33,11 +33,13 @@ import flax.linen as nn
 import numpy as np
 
 from scripts import bench_serve
-from train import checkpoint, config_lib, loop, provenance
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra import provenance
+from lm import checkpoint, config_lib
+from train import loop
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
-from train.errors import UserError
-from train.model import Transformer
+from infra.errors import UserError
+from lm.model import Transformer
 
 
 def make_prompts(args) -> list[str]:

@@ -72,12 +72,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from serve import engine as engine_lib, paged, pages
-from train import checkpoint, config_lib, loop, provenance, sample
-from train import model as model_lib
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra import provenance
+from lm import checkpoint, config_lib
+from train import loop, sample
+from lm import model as model_lib
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
-from train.errors import UserError
-from train.model import Transformer
+from infra.errors import UserError
+from lm.model import Transformer
 
 
 def main():
@@ -316,7 +318,7 @@ def jax_threads() -> int:
 
 def machine() -> dict:
   """The CPU family, its vector extensions and the cores used
-  (`train.provenance.machine`), and the load."""
+  (`infra.provenance.machine`), and the load."""
   return {**provenance.machine(), 'cores': jax_threads(),
           'load_average': list(os.getloadavg())}
 

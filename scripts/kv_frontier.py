@@ -70,10 +70,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from scripts import stats, study
-from train import checkpoint, config_lib, convert, loop, provenance, storage
-from train import model as model_lib
-from train.cli import check_output_dir, exit_on_user_error, positive_int
-from train.errors import UserError
+from infra import provenance, storage
+from lm import checkpoint, config_lib
+from train import convert, loop
+from lm import model as model_lib
+from infra.cli import check_output_dir, exit_on_user_error, positive_int
+from infra.errors import UserError
 
 CACHES = ('float', 'int8')
 RETRIEVES = 0.95  # First-query accuracy read as retrieval by content.

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import loop, sample, sampling
-from train.model import Transformer, unroll_layers
+from lm import sampling
+from train import loop, sample
+from lm.model import Transformer, unroll_layers
 
 
 def median_time(fn, repeats: int) -> float:

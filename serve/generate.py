@@ -17,7 +17,7 @@ the run's start, queueing included), "per_token_s"}, or {"id", "error"} (one
 line) for a request refused: a malformed line (then "id" is null and "line"
 its number), an empty prompt, one past the model's max_len, one needing more
 pages than --kv_memory holds. The other requests go on, and the run exits 1
-when any was refused. Sampling is `train.sampling`'s: request id's tokens
+when any was refused. Sampling is `lm.sampling`'s: request id's tokens
 are sampled with --seed and each token's position, so the text does not
 depend on --slots, on what shares a batch, or on the order of the file, and
 equals train.sample's with the same settings.
@@ -49,8 +49,9 @@ import numpy as np
 
 from serve import engine as engine_lib
 from serve import pages
-from train import sample, sampling
-from train.errors import UserError
+from lm import sampling
+from train import sample
+from infra.errors import UserError
 
 
 # What a prompt line may hold.
@@ -405,7 +406,7 @@ def report(stats: engine_lib.Stats, out: str) -> int:
 def run():
   """The command line; flags are defined here, not on import."""
   from absl import flags  # pylint: disable=import-outside-toplevel
-  from train.cli import run_app  # pylint: disable=import-outside-toplevel
+  from infra.cli import run_app  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string('workdir', None, 'a train.main workdir')
   flags.DEFINE_string('prompts', None, 'JSON lines: {"id": ..., "prompt": '
                       '...}; - reads stdin')

@@ -23,8 +23,9 @@ from attention import Attention, core, dot_product_attention, splash
 from configs import gqa_base, mha_base, mqa_base
 from tests import hlo, host_devices, reference
 from tests.conftest import OPTIMIZED
-from train import config_lib, loop, sample
-from train.model import Transformer, unroll_layers
+from lm import config_lib
+from train import loop, sample
+from lm.model import Transformer, unroll_layers
 
 B, N, H = 1, 8, 32
 KERNEL = 'tpu_custom_call'  # How a Pallas TPU (Mosaic) kernel is lowered.

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, config_lib, convert, data, loop
-from train.model import Transformer
-from train.errors import UserError
+from lm import checkpoint, config_lib, data
+from train import convert, loop
+from lm.model import Transformer
+from infra.errors import UserError
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent

@@ -3,7 +3,7 @@
 `train.sample` (dense cache, one prompt), `serve.generate` (the paged engine,
 any --slots, beside other requests, prefilled in chunks) and the lm_eval
 model's `generate_until` (dense cache, batches of contexts) all sample
-through `train.sampling`: the same prompt, settings and seed give the same
+through `lm.sampling`: the same prompt, settings and seed give the same
 text, greedy or sampled.
 """
 
@@ -18,7 +18,7 @@ pytest.importorskip('lm_eval')
 
 from evaluation import harness  # pylint: disable=wrong-import-position
 from serve import generate  # pylint: disable=wrong-import-position
-from train.sampling import SamplingParams  # pylint: disable=wrong-import-position
+from lm.sampling import SamplingParams  # pylint: disable=wrong-import-position
 
 REPO = pathlib.Path(__file__).parent.parent
 PROMPT, NEW = 'def ', 14

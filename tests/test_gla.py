@@ -31,11 +31,13 @@ from tests.test_latent import _decode_step_hlo, _expanding_attention
 from tests.test_latent import _per_head_kv
 from tests.test_sample import _greedy_by_full_passes
 from tests.test_serve import _alone
-from train import checkpoint, config_lib, flops, hf, loop, sample, sharding
-from train import to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import checkpoint, config_lib, flops, sharding
+from train import loop, sample
+from train.convert import hf
+from train.convert import to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # test_latent's widths (A widened to split in 1, 2 and 4 groups): A latent,
 # Y RoPE key, I and U a head's key (without RoPE) and value, N heads.
@@ -375,7 +377,7 @@ def test_gla_trains_and_decodes_over_tensor_as_on_one_device(tmp_path):
     np.testing.assert_array_equal(sharded['tokens'], tokens)
 
 
-# --- Conversion (train.to_mla, train.convert --to_mla --latent_groups) ----
+# --- Conversion (train.convert.to_mla, train.convert --to_mla --latent_groups)
 
 @pytest.mark.parametrize('model, rope_dims', [
     (dict(use_rope=False), 0), ({}, 16)],

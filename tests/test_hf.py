@@ -1,4 +1,4 @@
-"""Specification of Hugging Face checkpoints in and out (`train.hf`, `train.convert`).
+"""Specification of Hugging Face checkpoints in and out (`train.convert`).
 
 Models are built by `transformers` from configs with random weights (nothing
 is downloaded): each family imports to logits equal to transformers' own, at
@@ -24,11 +24,12 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from train import model as model_lib  # pylint: disable=wrong-import-position
-from train import (checkpoint, config_lib, convert, hf, loop, prepare_data,  # pylint: disable=wrong-import-position
-                   safetensors_io, sample, tokenizer)
-from train.errors import UserError  # pylint: disable=wrong-import-position
-from train.model import Transformer  # pylint: disable=wrong-import-position
+from lm import model as model_lib  # pylint: disable=wrong-import-position
+from lm import checkpoint, config_lib, tokenizer  # pylint: disable=wrong-import-position
+from train import convert, loop, prepare_data, sample  # pylint: disable=wrong-import-position
+from train.convert import hf, safetensors_io  # pylint: disable=wrong-import-position
+from infra.errors import UserError  # pylint: disable=wrong-import-position
+from lm.model import Transformer  # pylint: disable=wrong-import-position
 
 REPO = pathlib.Path(__file__).parent.parent
 SMALL = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -420,7 +421,7 @@ def test_export_refuses_what_no_architecture_computes(trained, tmp_path, field,
 
 def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path, capsys):
   from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
-  from train import data  # pylint: disable=import-outside-toplevel
+  from lm import data  # pylint: disable=import-outside-toplevel
   text = tmp_path / 'text.txt'
   text.write_text(' '.join(f'w{i % 97} w{70_000 - i % 89}'
                            for i in range(2000)))

@@ -13,10 +13,12 @@ import pytest
 
 from configs import tiny
 from tests.test_sample import _greedy_by_full_passes, _sample
-from train import config_lib, convert, hf, loop, sample
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import config_lib
+from train import convert, loop, sample
+from train.convert import hf
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 WINDOW = 5
 # (attention_pattern, local_window, kv_share, scan_layers).
@@ -30,8 +32,9 @@ LAYOUTS = {
     'cla2_local_pairs_unscanned': ('LLGG', WINDOW, 2, False),
     'gemma3_conventions': ('LG', WINDOW, 1, True),
 }
-# Gemma 2/3's settings (train.hf's imports): post-norms, QK-norm, a query
-# scale, both soft caps (low enough to bend the logits), a local RoPE base.
+# Gemma 2/3's settings (train.convert.hf's imports): post-norms, QK-norm, a
+# query scale, both soft caps (low enough to bend the logits), a local RoPE
+# base.
 CONVENTIONS = {'gemma3_conventions': dict(
     post_norms=True, qk_norm=True, query_pre_attn_scalar=24.0,
     logits_soft_cap=2.0, final_logits_soft_cap=3.0, local_rope_base=100.0)}

@@ -24,10 +24,12 @@ from tests import hlo, reference
 from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_faults import _one_line_error, _run
 from tests.test_sample import _greedy_by_full_passes, _sample
-from train import config_lib, flops, loop, sample, to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import config_lib, flops
+from train import loop, sample
+from train.convert import to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # Widths all different, so that each shape below names one thing: A latent,
 # Y RoPE key, I and U a head's key (without RoPE) and value, N heads.
@@ -254,7 +256,7 @@ def test_kv_lora_rank_zero_is_not_mla():
   assert 'key' in model_lib.parameter_shapes(mc)['layers']['attention']
 
 
-# --- Conversion into MLA (train.to_mla, train.convert --to_mla) -----------
+# --- Conversion into MLA (train.convert.to_mla, train.convert --to_mla) -------
 
 @pytest.mark.parametrize('model, rope_dims', [
     (dict(use_rope=False), 0), (dict(use_rope=False, num_layers=4,

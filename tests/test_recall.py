@@ -12,8 +12,9 @@ import pytest
 
 from configs import recall, tiny
 from scripts import compare
-from train import data, loop
-from train.model import Transformer
+from lm import data
+from train import loop
+from lm.model import Transformer
 
 P, V, T = 6, 64, 32
 

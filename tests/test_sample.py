@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, config_lib, loop, sample
-from train.model import Transformer
+from lm import checkpoint, config_lib
+from train import loop, sample
+from lm.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
 

@@ -25,10 +25,11 @@ from configs import tiny
 from scripts import bench_serve
 from serve import engine, generate, paged, pages
 from tests.test_faults import _one_line_error, _run
-from train import checkpoint, config_lib, loop, model as model_lib, sample
-from train import sampling
-from train.errors import UserError
-from train.model import Transformer
+from lm import checkpoint, config_lib, model as model_lib
+from train import loop, sample
+from lm import sampling
+from infra.errors import UserError
+from lm.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
 

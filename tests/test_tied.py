@@ -27,10 +27,12 @@ from tests import hlo, reference
 from tests.test_faults import _one_line_error, _run
 from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_serve import _alone
-from train import config_lib, convert, flops, hf, loop, sample, to_gta, to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import config_lib, flops
+from train import convert, loop, sample
+from train.convert import hf, to_gta, to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # N query heads of H features from D-wide inputs; Y the default RoPE key.
 N, H, D = 8, 8, 16
@@ -372,7 +374,7 @@ def test_train_main_writes_the_tied_kv_bytes_per_token(tmp_path):
   assert np.isfinite(final['eval_loss'])
 
 
-# --- Conversion into GTA (train.to_gta, train.convert --to_gta) -----------
+# --- Conversion into GTA (train.convert.to_gta, train.convert --to_gta) -------
 
 def _source(seed=3, **model):
   config = tiny.get_config()

@@ -19,10 +19,11 @@ import pytest
 
 from attention import layer
 from configs import tiny
-from train import checkpoint, config_lib, data, flops, loop
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import checkpoint, config_lib, data, flops
+from train import loop
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -514,7 +515,7 @@ def test_gradient_accumulation_matches_one_large_batch():
 def test_weight_decay_spares_norm_scales_and_biases_even_when_scanned():
   """Under nn.scan a norm scale is [L, D], as many dims as a matrix: the
   decision is by name, for every parameter of a model with biases and QK-norm."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from lm import model as model_lib  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.model.update(qkv_bias=True, qk_norm=True)
   shapes = model_lib.parameter_shapes(config_lib.model_config(config))

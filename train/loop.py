@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import checkpoint, config_lib, data as data_lib, flops, sharding
-from train import signals, storage
-from train import tokenizer as tokenizer_lib
-from train import workdir as workdir_lib
-from train.checkpoint import Checkpointer
-from train.errors import UserError
-from train import model as model_lib
-from train.model import Transformer
+from lm import checkpoint, config_lib, data as data_lib, flops, sharding
+from infra import signals, storage
+from lm import tokenizer as tokenizer_lib
+from infra import workdir as workdir_lib
+from lm.checkpoint import Checkpointer
+from infra.errors import UserError
+from lm import model as model_lib
+from lm.model import Transformer
 from train.metrics import MetricsWriter, left_range_at, read_metrics
 
 
@@ -86,7 +86,7 @@ def decays(path) -> bool:
 
 
 def init_params(model: Transformer, seed: int):
-  """Parameters with their logical-axis boxes (see `train.sharding`)."""
+  """Parameters with their logical-axis boxes (see `lm.sharding`)."""
   return _init_params(model, jax.random.key(seed))
 
 
@@ -166,10 +166,10 @@ def train_and_evaluate(config, workdir: str, *,
   'stopped_at'. Without `should_stop`, SIGTERM and SIGINT (Ctrl-C) stop it
   so, at the next step, and then raise `signals.Interrupted` (one line,
   exit status 128 + the signal): a study's Ctrl-C stops the study, never
-  lost in a garbage collection (train/signals.py). `on_eval(step, params,
+  lost in a garbage collection (infra/signals.py). `on_eval(step, params,
   record)`, called after each evaluation (a study's own measures), ends the
   run there, as finished, by returning True. Holds WORKDIR/lock throughout
-  (`train.workdir`), and on every way out, an error included, waits for
+  (`infra.workdir`), and on every way out, an error included, waits for
   pending checkpoint saves.
   """
   if should_stop is None:  # No caller handles signals: this run does.

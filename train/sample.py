@@ -5,7 +5,7 @@
 
 Text goes through the workdir's tokenizer (tokenizer.json; bytes if none),
 and stops at the model's end-of-sequence token when it has one, or at the
-first --stop string. Sampling is `train.sampling`'s: the same settings and
+first --stop string. Sampling is `lm.sampling`'s: the same settings and
 seed give the same text here as from serve.generate and the lm_eval model.
 
 Prefills the prompt in one pass, then decodes one token per step in a jitted,
@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import layer
-from train import checkpoint
-from train import sampling
-from train import tokenizer as tokenizer_lib
-from train.errors import UserError
-from train.cli import run_app
-from train.model import Transformer, unroll_layers
+from lm import checkpoint
+from lm import sampling
+from lm import tokenizer as tokenizer_lib
+from infra.errors import UserError
+from infra.cli import run_app
+from lm.model import Transformer, unroll_layers
 
 
 # Decoding's XLA options on a CPU: its matmuls by XLA's own runtime (Eigen),

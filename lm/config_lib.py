@@ -14,9 +14,9 @@ from ml_collections import config_dict
 
 from attention import layer
 from attention.rope import RopeScaling
-from train.errors import UserError
-from train.storage import refuse_url
-from train.model import ACTIVATIONS, ModelConfig
+from infra.errors import UserError
+from infra.storage import refuse_url
+from lm.model import ACTIVATIONS, ModelConfig
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / 'configs'
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16,

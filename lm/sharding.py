@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import optax
 
-from train.errors import UserError
+from infra.errors import UserError
 
 AXES = ('data', 'fsdp', 'tensor')
 RULES = (

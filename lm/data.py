@@ -46,10 +46,10 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from train import tokenizer as tokenizer_lib
-from train.errors import UserError
-from train.progress import Progress
-from train.storage import refuse_url
+from lm import tokenizer as tokenizer_lib
+from infra.errors import UserError
+from infra.progress import Progress
+from infra.storage import refuse_url
 
 _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
               'lib2to3', 'ensurepip'}
@@ -166,7 +166,7 @@ def load(path: str, *, val_fraction: float, seq_len: int,
 
   For task='recall', `path` is ignored and `recall_pairs` (0: as many as fit,
   (seq_len + 1 - recall_gap) // 4), `recall_gap` and `vocab_size` shape the
-  task. `tokenizer` (a `train.tokenizer` one; None or bytes: bytes)
+  task. `tokenizer` (a `lm.tokenizer` one; None or bytes: bytes)
   tokenizes text.
   """
   if task == 'recall':

@@ -30,24 +30,26 @@ copies back out. Uptrain with the workdir's own config, e.g.
       --config.train.steps=36 --config.train.learning_rate=1e-4
 
 --to_mla factorises each layer's K/V projections into multi-head latent
-attention (`train.to_mla`: partial RoPE on the best qk_rope_head_dim / (2K)
-frequency pairs per KV head, a joint SVD of the rest of [W_K | W_V], the energy kept per
-layer and the held-out loss before any uptraining in NEWDIR/convert.json and
-on stdout; MLA caches A numbers per token and layer instead of 2·K·H).
---latent_groups=G (a divisor of the source's K) converts into grouped latent
-attention: each of G latents factorised from its own K/G KV heads.
+attention (`train.convert.to_mla`: partial RoPE on the best qk_rope_head_dim /
+(2K) frequency pairs per KV head, a joint SVD of the rest of [W_K | W_V], the
+energy kept per layer and the held-out loss before any uptraining in
+NEWDIR/convert.json and on stdout; MLA caches A numbers per token and layer
+instead of 2·K·H). --latent_groups=G (a divisor of the source's K) converts
+into grouped latent attention: each of G latents factorised from its own K/G
+KV heads.
 
 --to_gta pools the K/V heads to K as above, then ties them into grouped-tied
-attention (`train.to_gta`: each KV head's value becomes its tied state, the
-keys' best qk_rope_head_dim / 2 RoPE pairs, averaged over the heads, the
-shared RoPE key; K·H + Y numbers per token and layer instead of 2·K·H). It
-is lossy: convert.json and stdout give the held-out loss before uptraining.
-No Hugging Face architecture computes GTA, so --to_hf refuses such a model.
+attention (`train.convert.to_gta`: each KV head's value becomes its tied
+state, the keys' best qk_rope_head_dim / 2 RoPE pairs, averaged over the
+heads, the shared RoPE key; K·H + Y numbers per token and layer instead of
+2·K·H). It is lossy: convert.json and stdout give the held-out loss before
+uptraining. No Hugging Face architecture computes GTA, so --to_hf refuses such
+a model.
 
 Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma
-and DeepSeek-V2/V3 with dense MLPs (`train.hf`, `train.hf_deepseek`); it
-streams the safetensors tensor by tensor, so the peak memory
-is about one copy of the parameters.
+and DeepSeek-V2/V3 with dense MLPs (`train.convert.hf`,
+`train.convert.hf_deepseek`); it streams the safetensors tensor by tensor, so
+the peak memory is about one copy of the parameters.
 """
 
 from __future__ import annotations
@@ -68,14 +70,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
-from train import hf_deepseek, to_gta, to_mla
-from train import model as model_lib
-from train import tokenizer as tokenizer_lib
-from train import workdir as workdir_lib
-from train.errors import UserError
-from train.cli import run_app
-from train.model import Transformer
+from infra import storage
+from lm import checkpoint, config_lib
+from train import loop
+from train.convert import hf, safetensors_io
+from train.convert import hf_deepseek, to_gta, to_mla
+from lm import model as model_lib
+from lm import tokenizer as tokenizer_lib
+from infra import workdir as workdir_lib
+from infra.errors import UserError
+from infra.cli import run_app
+from lm.model import Transformer
 
 
 # How the r source heads of a group become one: [..., K, r, H] -> [..., K, H].
@@ -243,7 +248,7 @@ def pool_moments(source: epath.Path, new_params, config, num_kv_heads: int,
 def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
                    qk_rope_head_dim: int = 0, latent_groups: int = 1) -> dict:
   """Writes WORKDIR: SOURCE's model as multi-head latent attention
-  (`train.to_mla`; grouped, GLA, with latent_groups > 1), with the
+  (`train.convert.to_mla`; grouped, GLA, with latent_groups > 1), with the
   uptraining recipe; returns convert.json's record (energy kept per layer,
   held-out loss of the source and of the converted model before
   uptraining)."""
@@ -287,7 +292,7 @@ def convert_to_gta(source: str, workdir: str, num_kv_heads: int,
                    seed: int = 0) -> dict:
   """Writes WORKDIR: SOURCE's model with its K/V heads pooled to
   num_kv_heads (-1: the source's) by `method`, then tied (grouped-tied
-  attention, `train.to_gta`), with the uptraining recipe; returns
+  attention, `train.convert.to_gta`), with the uptraining recipe; returns
   convert.json's record (the RoPE pairs kept, the cache bytes, the held-out
   loss of the source and of the converted model before uptraining)."""
   _check_method(method)
@@ -625,10 +630,10 @@ def run():
 
 
   flags.DEFINE_bool('to_mla', False, 'convert --source into multi-head '
-                    'latent attention (train.to_mla)')
+                    'latent attention (train.convert.to_mla)')
   flags.DEFINE_integer('kv_lora_rank', None, '--to_mla: the latent\'s width')
   flags.DEFINE_bool('to_gta', False, 'convert --source into grouped-tied '
-                    'attention (train.to_gta), its K/V heads pooled to '
+                    'attention (train.convert.to_gta), its K/V heads pooled to '
                     '--num_kv_heads first')
   flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept, 2·r·K (r pairs per KV head); --to_gta: the shared RoPE key\'s width, even, below head_dim; 0 without RoPE')
   flags.DEFINE_integer('latent_groups', 1, '--to_mla: latents of '

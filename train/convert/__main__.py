@@ -1,0 +1,5 @@
+"""`python -m train.convert`: see train/convert/workdirs.py."""
+
+from train.convert import workdirs
+
+workdirs.run()
