@@ -42,7 +42,7 @@ from serve import kv_pages, paged, pages as pages_lib
 from serve.scheduler import RequestRefused, Row, Scheduler, Sequence
 from lm import model as model_lib
 from lm import sampling
-from train import sample
+from lm import inference
 from infra.errors import UserError
 from lm.sampling import SamplingParams
 
@@ -196,7 +196,7 @@ class ModelRunner:
     # compiles in about half the time of one that samples).
     self._step = jax.jit(functools.partial(_run_rows, self.model),
                          donate_argnums=1, static_argnames='needs',
-                         compiler_options=sample.compiler_options())
+                         compiler_options=inference.compiler_options())
 
   def run(self, rows: list[Row], pages: kv_pages.KVPageManager
           ) -> dict[str, int]:

@@ -50,7 +50,7 @@ import numpy as np
 from serve import engine as engine_lib
 from serve import pages
 from lm import sampling
-from train import sample
+from lm import inference
 from infra.errors import UserError
 
 
@@ -260,8 +260,8 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
   memory = pages.parse_bytes(kv_memory)
   out_path, prompts_path = pathlib.Path(out), pathlib.Path(prompts)
   check_paths(prompts_path, out_path)
-  mc, params, tokenizer, step = sample.load_language_model(workdir,
-                                                           with_step=True)
+  mc, params, tokenizer, step = inference.load_language_model(workdir,
+                                                              with_step=True)
   check(mc)
   settings = settings.check(mc.vocab_size)
   requests, refusals, defaulted = read_prompts(prompts_path, tokenizer,
@@ -377,14 +377,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  settings = sample.settings_from_flags(f)  # Checked by generate_file.
+  settings = inference.settings_from_flags(f)  # Checked by generate_file.
   stats = generate_file(
       f.workdir, f.prompts, f.out, kv_memory=f.kv_memory,
       max_new_tokens=f.max_new_tokens, settings=settings, slots=f.slots,
       page_size=f.page_size, prefill_chunk=f.prefill_chunk,
       admission=f.admission,
       kv_cache_dtype=f.kv_cache_dtype,
-      check=lambda mc: sample.check_decode_flags(f))
+      check=lambda mc: inference.check_decode_flags(f))
   return report(stats, f.out) if stats else 0  # app.run's exit status.
 
 
@@ -415,7 +415,7 @@ def run():
   flags.DEFINE_string('kv_memory', '256MiB', "the paged cache's bytes "
                       '(e.g. 256MiB, 1GB)')
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate per prompt')
-  sample.define_sampling_flags(temperature=0.0)
+  inference.define_sampling_flags(temperature=0.0)
   flags.DEFINE_integer('slots', 128, 'sequences in flight at most (decoded '
                        'together; fewer when --kv_memory holds fewer)',
                        lower_bound=1)

@@ -26,7 +26,8 @@ transformers = pytest.importorskip('transformers')
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
 from lm import model as model_lib  # pylint: disable=wrong-import-position
 from lm import checkpoint, config_lib, tokenizer  # pylint: disable=wrong-import-position
-from train import convert, loop, prepare_data, sample  # pylint: disable=wrong-import-position
+from lm import inference  # pylint: disable=wrong-import-position
+from train import convert, loop, prepare_data  # pylint: disable=wrong-import-position
 from train.convert import hf, safetensors_io  # pylint: disable=wrong-import-position
 from infra.errors import UserError  # pylint: disable=wrong-import-position
 from lm.model import Transformer  # pylint: disable=wrong-import-position
@@ -126,8 +127,9 @@ def test_greedy_generation_equals_generate(imported):
         eos_token_id=None, pad_token_id=0).numpy()[:, 7:]
   import dataclasses  # pylint: disable=import-outside-toplevel
   mc = dataclasses.replace(mc, max_len=7 + 16)
-  ours = sample.generate(params, jnp.asarray(prompt_BT),
-                         model=Transformer(mc, decode=True), max_new_tokens=16)
+  ours = inference.generate(params, jnp.asarray(prompt_BT),
+                            model=Transformer(mc, decode=True),
+                            max_new_tokens=16)
   np.testing.assert_array_equal(np.asarray(ours), expected)
 
 

@@ -18,7 +18,8 @@ transformers = pytest.importorskip('transformers')
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
 from tests.test_faults import _one_line_error, _run  # pylint: disable=wrong-import-position
 from lm import checkpoint  # pylint: disable=wrong-import-position
-from train import convert, sample  # pylint: disable=wrong-import-position
+from lm import inference  # pylint: disable=wrong-import-position
+from train import convert  # pylint: disable=wrong-import-position
 from train.convert import hf  # pylint: disable=wrong-import-position
 from infra.errors import UserError  # pylint: disable=wrong-import-position
 from lm.model import Transformer  # pylint: disable=wrong-import-position
@@ -84,10 +85,10 @@ def test_imported_logits_and_greedy_tokens_equal_transformers(imported):
     greedy = model.generate(torch.tensor(prompt), max_new_tokens=12,
                             do_sample=False, eos_token_id=None,
                             pad_token_id=0).numpy()[:, 7:]
-  ours = sample.generate(params, jnp.asarray(prompt),
-                         model=Transformer(dataclasses.replace(
-                             mc, max_len=19), decode=True),
-                         max_new_tokens=12)
+  ours = inference.generate(params, jnp.asarray(prompt),
+                            model=Transformer(dataclasses.replace(
+                                mc, max_len=19), decode=True),
+                            max_new_tokens=12)
   np.testing.assert_array_equal(np.asarray(ours), greedy)
 
 

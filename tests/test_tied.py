@@ -28,7 +28,8 @@ from tests.test_faults import _one_line_error, _run
 from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_serve import _alone
 from lm import config_lib, flops
-from train import convert, loop, sample
+from lm import inference
+from train import convert, loop
 from train.convert import hf, to_gta, to_mla
 from lm import model as model_lib
 from infra.errors import UserError
@@ -228,7 +229,7 @@ def test_kv_bytes_per_token_is_the_tied_states_and_rope_key_per_layer():
       (dict(kv_cache_dtype='int8'), (K * H + Y + (K + 1) * 4) * 2)):
     mc = config_lib.model_config(_config(**model))
     assert model_lib.kv_bytes_per_token(mc) == expected, model
-    cache = sample.empty_cache(Transformer(dataclasses.replace(
+    cache = inference.empty_cache(Transformer(dataclasses.replace(
         mc, scan_layers=False), decode=True), batch=1)
     held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
         cache) if 'index' not in jax.tree_util.keystr(path))
@@ -314,7 +315,7 @@ def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(model):
   def run():  # Traced here: the path the environment chooses now.
     step = jax.jit(lambda cache, token: decoder.apply(
         {'params': params, 'cache': cache}, token, mutable=['cache']))
-    cache = sample.empty_cache(decoder, batch=2)
+    cache = inference.empty_cache(decoder, batch=2)
     text = step.lower(cache, tokens[:, :1]).compile().as_text()
     logits = []
     for t in range(tokens.shape[1]):
@@ -347,7 +348,7 @@ def test_the_decode_step_lowers_for_tpu_and_cuda_reading_the_cache_in_place():
     decoder, params = unroll_layers(
         Transformer(mc_, decode=True),
         nn.unbox(loop.init_params(Transformer(mc_), 0)))
-    cache = sample.empty_cache(decoder, batch)
+    cache = inference.empty_cache(decoder, batch)
     assert cache['layers_0']['attention']['cached_tied'].size == tied_size
     step = lambda params, cache, token, d=decoder: d.apply(
         {'params': params, 'cache': cache}, token, mutable=['cache'])
