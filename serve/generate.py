@@ -416,6 +416,7 @@ def run():
                       '(e.g. 256MiB, 1GB)')
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate per prompt')
   inference.define_sampling_flags(temperature=0.0)
+  flags.adopt_module_key_flags(inference)  # So that --help lists them.
   flags.DEFINE_integer('slots', 128, 'sequences in flight at most (decoded '
                        'together; fewer when --kv_memory holds fewer)',
                        lower_bound=1)
