@@ -103,8 +103,8 @@ import numpy as np
 from scripts import stats, study, task_scores, uptrain_replication
 from scripts import uptrain_report
 from infra import progress, provenance
-from lm import config_lib
-from train import convert, loop
+from lm import config_lib, evaluator
+from train import convert
 from train.convert import to_gta, to_mla
 from lm import model as model_lib
 from infra import workdir as workdir_lib
@@ -219,7 +219,7 @@ def uptrain(out: pathlib.Path, name: str, converted: pathlib.Path, source,
   workdir = out / name
   config = uptrain_config(converted, source, steps, rate, seed, eval_every)
   if converted not in _AT0:  # Deterministic: once per conversion.
-    _AT0[converted] = loop.evaluate_workdir(str(converted))
+    _AT0[converted] = evaluator.evaluate_workdir(str(converted))
   at0 = _AT0[converted]
   if not workdir.exists():
     shutil.copytree(converted, workdir)

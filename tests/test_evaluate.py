@@ -35,7 +35,7 @@ from configs import tiny  # pylint: disable=wrong-import-position
 from evaluation import evaluate as evaluate_lib  # pylint: disable=wrong-import-position
 from evaluation import harness  # pylint: disable=wrong-import-position
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from lm import checkpoint, config_lib  # pylint: disable=wrong-import-position
+from lm import checkpoint, config_lib, evaluator  # pylint: disable=wrong-import-position
 from train import convert, loop, prepare_data  # pylint: disable=wrong-import-position
 from train.convert import workdirs  # pylint: disable=wrong-import-position
 from infra.errors import UserError  # pylint: disable=wrong-import-position
@@ -221,7 +221,7 @@ def test_evaluate_writes_results_for_a_trained_and_an_imported_model(
     assert 'gqa_lab_generate' in report and written['provenance']['commit'] in report
     assert record['held_out'] == written['held_out']
   held_out = written['held_out']
-  expected = loop.evaluate_workdir(str(workdir), data_path=data)
+  expected = evaluator.evaluate_workdir(str(workdir), data_path=data)
   assert held_out['eval_loss'] == expected['eval_loss']
   assert held_out['eval_bpb'] > 0 and 'bits per byte' in report
 

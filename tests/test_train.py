@@ -19,7 +19,7 @@ import pytest
 
 from attention import layer
 from configs import tiny
-from lm import checkpoint, config_lib, data, flops
+from lm import checkpoint, config_lib, data, evaluator, flops
 from train import loop
 from lm import model as model_lib
 from infra.errors import UserError
@@ -148,7 +148,7 @@ def test_evaluate_workdir_is_the_loops_evaluation_of_the_last_checkpoint(
     tmp_path):
   record = loop.train_and_evaluate(_config(), str(tmp_path))
   before = sorted(p.name for p in tmp_path.rglob('*'))
-  evaluated = loop.evaluate_workdir(str(tmp_path))
+  evaluated = evaluator.evaluate_workdir(str(tmp_path))
   assert evaluated['eval_loss'] == pytest.approx(record['eval_loss'],
                                                  rel=1e-6)
   assert evaluated.keys() == {'eval_loss', 'eval_accuracy', 'eval_bpb'}
@@ -491,7 +491,7 @@ def test_remat_gives_the_same_gradients():
   tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
   params = nn.unbox(Transformer(config).init(jax.random.key(1), tokens)[
       'params'])
-  grads = [jax.jit(jax.grad(loop.loss_fn), static_argnums=1)(
+  grads = [jax.jit(jax.grad(evaluator.loss_fn), static_argnums=1)(
                params, Transformer(c), tokens)
            for c in (config, dataclasses.replace(config, remat=True))]
   chex.assert_trees_all_close(grads[0], grads[1], atol=1e-6)

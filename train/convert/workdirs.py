@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from infra import storage
-from lm import checkpoint, config_lib
+from lm import checkpoint, config_lib, evaluator
 from train import loop
 from train.convert import hf, safetensors_io
 from train.convert import hf_deepseek, to_gta, to_mla
@@ -289,8 +289,9 @@ def _calibration_tokens(config, source: epath.Path):
 def _record_losses(info: dict, source: epath.Path, path: epath.Path):
   """Adds the held-out losses of SOURCE and of the converted workdir
   (before uptraining) to `info` and rewrites its convert.json."""
-  info['source_eval_loss'] = loop.evaluate_workdir(str(source))['eval_loss']
-  info['eval_loss_before_uptraining'] = loop.evaluate_workdir(
+  info['source_eval_loss'] = evaluator.evaluate_workdir(
+      str(source))['eval_loss']
+  info['eval_loss_before_uptraining'] = evaluator.evaluate_workdir(
       str(path))['eval_loss']
   (path / workdir_lib.CONVERT_INFO).write_text(json.dumps(info))
 
