@@ -14,7 +14,8 @@ from infra.cli import exit_on_user_error
 
 
 def main():
-  """A bad workdir is one line (infra.errors.UserError), as in train.*."""
+  """A bad workdir is one line (infra.errors.UserError), as in every
+  command of gqa-lab."""
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
   exit_on_user_error(cli_evaluate)
 
