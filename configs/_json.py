@@ -1,5 +1,5 @@
 """A config from JSON (a workdir's config.json): `--config=FILE.json` or
-`--config=WORKDIR` (train.config_lib.resolve points here). Fields the file
+`--config=WORKDIR` (lm.config_lib.resolve points here). Fields the file
 lacks keep their defaults (configs/default.py), so a config written before a
 field existed still loads; one written before attention layouts had names
 (`upgrade_model`) is read as the layout it described."""

@@ -26,9 +26,9 @@ from attention import cpu_kernel, kv_cache, layer
 from attention.grouped import GQA
 from attention.tied import GTA
 from scripts import timing
-from train.cli import (ArgumentParser, exit_on_user_error, int_list,
+from infra.cli import (ArgumentParser, exit_on_user_error, int_list,
                        positive_int)
-from train.errors import UserError
+from infra.errors import UserError
 
 N, H, D, PAGE = 8, 64, 512, 16
 

@@ -27,13 +27,13 @@ no more wall time (10 against 11 minutes).
 For each variant, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
 as `train.sample` does, and reports tokens/s, the KV cache's bytes (in all,
-and per token: `train.model.kv_bytes_per_token`), the attention's
+and per token: `lm.model.kv_bytes_per_token`), the attention's
 arithmetic intensity (its scores' and mix's FLOPs per byte of cache read,
-`train.flops.attention_decode_intensity`), and the roofline: the tokens/s
+`lm.flops.attention_decode_intensity`), and the roofline: the tokens/s
 that reading the cache once per token at the machine's measured read
 bandwidth would allow (weights are read once per step as well, and are
 included), and the fraction of it reached; also the FLOP roofline, the
-tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
+tokens/s at the device's peak FLOP/s (`lm.flops.peak_flops`), which on
 a CPU comes close where the intensity is high: GQA's G query heads share
 each cached key and value, G/2 FLOPs per float32 byte of cache; GTA's
 tied state serves both, up to G; MLA's latent serves N heads twice, up to
@@ -72,11 +72,12 @@ import numpy as np
 from attention import cpu_kernel, layer
 from attention import layout as layout_lib
 from scripts import stats, timing
-from train import config_lib, flops, provenance
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra import provenance
+from lm import config_lib, flops
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
-from train import model as model_lib
-from train.errors import UserError, pip_install
+from lm import model as model_lib
+from infra.errors import UserError, pip_install
 
 
 def main():
@@ -210,9 +211,9 @@ def model_markdown(results, args) -> str:
       'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
       'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups; '
       'K is model.num_kv_heads (MLA\'s: the query heads). KV bytes per '
-      'token: all layers\' (`train.model.kv_bytes_per_token`); attention '
+      'token: all layers\' (`lm.model.kv_bytes_per_token`); attention '
       "FLOPs per KV byte: a decode step's scores and mix over the cache "
-      'bytes they read (`train.flops.attention_decode_intensity`).', '',
+      'bytes they read (`lm.flops.attention_decode_intensity`).', '',
       '| variant | K | batch | context | tokens/s | KV bytes per token | '
       'KV cache | attention FLOPs per KV byte | bandwidth bound | '
       'FLOP bound | share of the roofline |',

@@ -26,8 +26,9 @@ from attention.tied import GTA
 from attention.core import attention_mask, dot_product_attention
 from configs import tiny
 from serve import paged
-from train import config_lib, loop
-from train.model import Transformer
+from lm import config_lib
+from train import loop
+from lm.model import Transformer
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(),

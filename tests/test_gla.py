@@ -31,11 +31,14 @@ from tests.test_latent import _decode_step_hlo, _expanding_attention
 from tests.test_latent import _per_head_kv
 from tests.test_sample import _greedy_by_full_passes
 from tests.test_serve import _alone
-from train import checkpoint, config_lib, flops, hf, loop, sample, sharding
-from train import to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import checkpoint, config_lib, flops, sharding
+from lm import inference
+from train import loop
+from train.convert import hf
+from train.convert import to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # test_latent's widths (A widened to split in 1, 2 and 4 groups): A latent,
 # Y RoPE key, I and U a head's key (without RoPE) and value, N heads.
@@ -173,9 +176,9 @@ def test_cached_decoding_equals_the_full_pass(G, variant):
   chex.assert_shape(cache['layers_0']['attention']['cached_latent'],
                     (2 * G, S, A // G))
   prompt = tokens[:1, :6]
-  generated = sample.generate(params, prompt,
-                              model=Transformer(mc, decode=True),
-                              max_new_tokens=8)
+  generated = inference.generate(params, prompt,
+                                 model=Transformer(mc, decode=True),
+                                 max_new_tokens=8)
   np.testing.assert_array_equal(
       generated, _greedy_by_full_passes(Transformer(mc), params, prompt, 8))
 
@@ -218,7 +221,7 @@ def test_the_cache_holds_the_latents_a_numbers_whatever_the_groups(G):
                           ('int8', A + Y + 4 * (G + 1))):
     mc = config_lib.model_config(_config(G, kv_cache_dtype=dtype))
     assert model_lib.kv_bytes_per_token(mc) == expected * mc.num_layers
-    cache = sample.empty_cache(Transformer(dataclasses.replace(
+    cache = inference.empty_cache(Transformer(dataclasses.replace(
         mc, scan_layers=False), decode=True), batch=1)
     held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
         cache) if 'index' not in jax.tree_util.keystr(path))
@@ -351,9 +354,9 @@ def decode_outputs(mc, params):
   """(logits fed through the cache in chunks, greedy tokens) of a prompt."""
   tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, mc.vocab_size)
   logits, _ = _decode_in_chunks(mc, params, tokens, [6, 1, 1, 8])
-  generated = sample.generate(params, tokens[:, :5],
-                              model=Transformer(mc, decode=True),
-                              max_new_tokens=6)
+  generated = inference.generate(params, tokens[:, :5],
+                                 model=Transformer(mc, decode=True),
+                                 max_new_tokens=6)
   return np.asarray(logits), np.asarray(generated)
 
 
@@ -392,7 +395,7 @@ def test_gla_trains_and_decodes_over_tensor_as_on_one_device(tmp_path):
     np.testing.assert_array_equal(sharded['tokens'], tokens)
 
 
-# --- Conversion (train.to_mla, train.convert --to_mla --latent_groups) ----
+# --- Conversion (train.convert.to_mla, train.convert --to_mla --latent_groups)
 
 @pytest.mark.parametrize('model, rope_dims', [
     (dict(use_rope=False), 0), ({}, 16)],
@@ -491,7 +494,7 @@ def test_the_gla_train_and_decode_steps_lower_for_tpu_and_cuda():
     decoder, params = unroll_layers(
         Transformer(mc_, decode=True),
         nn.unbox(loop.init_params(Transformer(mc_), 0)))
-    cache = sample.empty_cache(decoder, batch)
+    cache = inference.empty_cache(decoder, batch)
     assert cache['layers_0']['attention']['cached_latent'].shape == (
         batch * G, mc.max_len, A // G)
     decode = lambda params, cache, token: decoder.apply(

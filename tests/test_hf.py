@@ -1,4 +1,4 @@
-"""Specification of Hugging Face checkpoints in and out (`train.hf`, `train.convert`).
+"""Specification of Hugging Face checkpoints in and out (`train.convert`).
 
 Models are built by `transformers` from configs with random weights (nothing
 is downloaded): each family imports to logits equal to transformers' own, at
@@ -24,11 +24,13 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from train import model as model_lib  # pylint: disable=wrong-import-position
-from train import (checkpoint, config_lib, convert, hf, loop, prepare_data,  # pylint: disable=wrong-import-position
-                   safetensors_io, sample, tokenizer)
-from train.errors import UserError  # pylint: disable=wrong-import-position
-from train.model import Transformer  # pylint: disable=wrong-import-position
+from lm import model as model_lib  # pylint: disable=wrong-import-position
+from lm import checkpoint, config_lib, tokenizer  # pylint: disable=wrong-import-position
+from lm import inference  # pylint: disable=wrong-import-position
+from train import convert, loop, prepare_data  # pylint: disable=wrong-import-position
+from train.convert import hf, safetensors_io  # pylint: disable=wrong-import-position
+from infra.errors import UserError  # pylint: disable=wrong-import-position
+from lm.model import Transformer  # pylint: disable=wrong-import-position
 
 REPO = pathlib.Path(__file__).parent.parent
 SMALL = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -125,8 +127,9 @@ def test_greedy_generation_equals_generate(imported):
         eos_token_id=None, pad_token_id=0).numpy()[:, 7:]
   import dataclasses  # pylint: disable=import-outside-toplevel
   mc = dataclasses.replace(mc, max_len=7 + 16)
-  ours = sample.generate(params, jnp.asarray(prompt_BT),
-                         model=Transformer(mc, decode=True), max_new_tokens=16)
+  ours = inference.generate(params, jnp.asarray(prompt_BT),
+                            model=Transformer(mc, decode=True),
+                            max_new_tokens=16)
   np.testing.assert_array_equal(np.asarray(ours), expected)
 
 
@@ -420,7 +423,7 @@ def test_export_refuses_what_no_architecture_computes(trained, tmp_path, field,
 
 def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path, capsys):
   from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
-  from train import data  # pylint: disable=import-outside-toplevel
+  from lm import data  # pylint: disable=import-outside-toplevel
   text = tmp_path / 'text.txt'
   text.write_text(' '.join(f'w{i % 97} w{70_000 - i % 89}'
                            for i in range(2000)))

@@ -17,9 +17,12 @@ transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
 from tests.test_faults import _one_line_error, _run  # pylint: disable=wrong-import-position
-from train import checkpoint, convert, hf, sample  # pylint: disable=wrong-import-position
-from train.errors import UserError  # pylint: disable=wrong-import-position
-from train.model import Transformer  # pylint: disable=wrong-import-position
+from lm import checkpoint  # pylint: disable=wrong-import-position
+from lm import inference  # pylint: disable=wrong-import-position
+from train import convert  # pylint: disable=wrong-import-position
+from train.convert import hf  # pylint: disable=wrong-import-position
+from infra.errors import UserError  # pylint: disable=wrong-import-position
+from lm.model import Transformer  # pylint: disable=wrong-import-position
 
 # All layers dense (first_k_dense_replace = 2 layers), though experts are
 # configured: what a dense DeepSeek-V3-style checkpoint looks like.
@@ -83,10 +86,10 @@ def test_imported_logits_and_greedy_tokens_equal_transformers(imported):
     greedy = model.generate(torch.tensor(prompt), max_new_tokens=12,
                             do_sample=False, eos_token_id=None,
                             pad_token_id=0).numpy()[:, 7:]
-  ours = sample.generate(params, jnp.asarray(prompt),
-                         model=Transformer(dataclasses.replace(
-                             mc, max_len=19), decode=True),
-                         max_new_tokens=12)
+  ours = inference.generate(params, jnp.asarray(prompt),
+                            model=Transformer(dataclasses.replace(
+                                mc, max_len=19), decode=True),
+                            max_new_tokens=12)
   np.testing.assert_array_equal(np.asarray(ours), greedy)
 
 
@@ -135,7 +138,7 @@ def test_mixture_of_experts_layers_are_refused_in_one_line(tmp_path):
 
 def test_mla_models_that_deepseek_does_not_compute_refuse_export():
   from tests.test_latent import _config  # pylint: disable=import-outside-toplevel
-  from train import config_lib  # pylint: disable=import-outside-toplevel
+  from lm import config_lib  # pylint: disable=import-outside-toplevel
   mc = config_lib.model_config(_config(
       mlp_activation='silu', norm_scale_offset=0.0, embed_scale=False))
   assert hf.family_of(mc) == 'deepseek_v3'

@@ -24,10 +24,13 @@ from tests import hlo, reference
 from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_faults import _one_line_error, _run
 from tests.test_sample import _greedy_by_full_passes, _sample
-from train import config_lib, flops, loop, sample, to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import config_lib, flops
+from lm import inference
+from train import loop
+from train.convert import to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # Widths all different, so that each shape below names one thing: A latent,
 # Y RoPE key, I and U a head's key (without RoPE) and value, N heads.
@@ -75,9 +78,9 @@ def test_cached_decoding_from_the_latent_equals_the_full_pass(variant):
   cached, _ = _decode_in_chunks(mc, params, tokens, [7, 1, 1, 6, 1, 4])
   chex.assert_trees_all_close(cached, full, atol=1e-5)
   prompt = tokens[:1, :6]
-  generated = sample.generate(params, prompt,
-                              model=Transformer(mc, decode=True),
-                              max_new_tokens=8)
+  generated = inference.generate(params, prompt,
+                                 model=Transformer(mc, decode=True),
+                                 max_new_tokens=8)
   np.testing.assert_array_equal(
       generated, _greedy_by_full_passes(Transformer(mc), params, prompt, 8))
 
@@ -143,7 +146,7 @@ def test_kv_bytes_per_token_is_the_latent_and_rope_key_per_layer():
       (dict(kv_cache_dtype='bfloat16'), (A + Y) * 2 * 2)):
     mc = config_lib.model_config(_config(**model))
     assert model_lib.kv_bytes_per_token(mc) == expected, model
-    cache = sample.empty_cache(Transformer(dataclasses.replace(
+    cache = inference.empty_cache(Transformer(dataclasses.replace(
         mc, scan_layers=False), decode=True), batch=1)
     held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
         cache) if 'index' not in jax.tree_util.keystr(path))
@@ -178,7 +181,7 @@ def _expanding_attention(q_BTNI, q_BTNY, key_up, value_up, latent_ZSF,
 
 def _decode_step_hlo(mc, params) -> str:
   model, params = unroll_layers(Transformer(mc, decode=True), params)
-  cache = sample.empty_cache(model, batch=2)
+  cache = inference.empty_cache(model, batch=2)
   step = jax.jit(lambda params, cache, token: model.apply(
       {'params': params, 'cache': cache}, token, mutable=['cache']))
   return step.lower(params, cache, jnp.zeros((2, 1), jnp.int32)).compile(
@@ -264,7 +267,7 @@ def test_latent_settings_under_another_layout_are_refused_in_one_line():
     config_lib.validate(config, batch_shards=1)
 
 
-# --- Conversion into MLA (train.to_mla, train.convert --to_mla) -----------
+# --- Conversion into MLA (train.convert.to_mla, train.convert --to_mla) -------
 
 @pytest.mark.parametrize('model, rope_dims', [
     (dict(use_rope=False), 0), (dict(use_rope=False, num_layers=4,
@@ -430,7 +433,7 @@ def test_the_mla_train_and_decode_steps_lower_for_tpu_and_cuda():
     decoder, params = unroll_layers(
         Transformer(mc_, decode=True),
         nn.unbox(loop.init_params(Transformer(mc_), 0)))
-    cache = sample.empty_cache(decoder, batch)
+    cache = inference.empty_cache(decoder, batch)
     decode = lambda params, cache, token: decoder.apply(
         {'params': params, 'cache': cache}, token, mutable=['cache'])
     token = jnp.zeros((batch, 1), jnp.int32)

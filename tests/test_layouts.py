@@ -32,8 +32,10 @@ from configs import tiny
 from serve import engine as engine_lib
 from serve import paged
 from tests import hlo, host_devices, toy_layout  # pylint: disable=unused-import
-from train import checkpoint, config_lib, loop, sample, sampling
-from train import model as model_lib
+from lm import checkpoint, config_lib, evaluator, sampling
+from lm import inference as sample
+from lm import model as model_lib
+from train import loop
 
 LAYOUTS = layout_lib.names()
 PROMPT_CHUNKS = (5, 1, 1, 5)  # 12 tokens: a prefill, two steps, a chunk.
@@ -219,8 +221,8 @@ def test_it_trains_samples_serves_and_evaluates(name, layout_runs):
       'r', np.asarray(prompt[0]), 5,
       sampling.SamplingParams(temperature=1.0, seed=3))]))
   assert [o.tokens for o in outputs] == [list(sampled)]
-  held_out = loop.evaluate_workdir(str(workdir))
-  through_cache = loop.evaluate_workdir(str(workdir), through_cache=True)
+  held_out = evaluator.evaluate_workdir(str(workdir))
+  through_cache = evaluator.evaluate_workdir(str(workdir), through_cache=True)
   assert np.isfinite(held_out['eval_loss'])
   np.testing.assert_allclose(through_cache['eval_loss'],
                              held_out['eval_loss'], rtol=1e-4)

@@ -21,8 +21,9 @@ from attention import paged as paged_kernel
 from configs import tiny
 from serve import paged
 from tests import hlo
-from train import config_lib, loop
-from train.model import Transformer
+from lm import config_lib
+from train import loop
+from lm.model import Transformer
 
 KERNEL = 'tpu_custom_call'  # How a Pallas TPU (Mosaic) kernel is lowered.
 B, N, H, P, p = 3, 8, 128, 12, 16  # H and p: sizes the kernel takes.

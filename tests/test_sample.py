@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, config_lib, loop, sample
-from train.model import Transformer
+from lm import checkpoint, config_lib
+from lm import inference
+from train import loop
+from lm.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -59,9 +61,9 @@ def test_greedy_decoding_with_the_cache_equals_full_passes(
   model = Transformer(mc)
   params = nn.unbox(loop.init_params(model, seed=1))
   prompt = jnp.array([[10, 20, 30, 40, 50], [7, 7, 7, 7, 7]], jnp.int32)
-  cached = sample.generate(params, prompt,
-                           model=Transformer(mc, decode=True),
-                           max_new_tokens=new)
+  cached = inference.generate(params, prompt,
+                              model=Transformer(mc, decode=True),
+                              max_new_tokens=new)
   expected = _greedy_by_full_passes(model, params, prompt, new)
   if mc.kv_cache_dtype == 'int8':  # Quantized K/V: the same but for ties.
     assert (np.asarray(cached) == np.asarray(expected)).mean() > 0.8

@@ -12,10 +12,12 @@ import pytest
 from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep, stats, timing)
-from train import config_lib, loop, provenance
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer
+from infra import provenance
+from lm import config_lib
+from train import loop
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer
 
 
 def _params(config):

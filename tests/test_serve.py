@@ -25,10 +25,12 @@ from configs import tiny
 from scripts import bench_serve
 from serve import engine, generate, paged, pages
 from tests.test_faults import _one_line_error, _run
-from train import checkpoint, config_lib, loop, model as model_lib, sample
-from train import sampling
-from train.errors import UserError
-from train.model import Transformer
+from lm import checkpoint, config_lib, model as model_lib
+from lm import inference
+from train import loop
+from lm import sampling
+from infra.errors import UserError
+from lm.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -36,10 +38,10 @@ REPO = pathlib.Path(__file__).parent.parent
 def _alone(mc, params, prompt, new, settings=None):
   """train.sample's tokens for one prompt decoded by itself (greedy unless
   settings say otherwise)."""
-  out = sample.generate(params, jnp.asarray(prompt)[None],
-                        None if settings is None else sampling.rows([settings]),
-                        model=Transformer(mc, decode=True),
-                        max_new_tokens=new)
+  rows = None if settings is None else sampling.rows([settings])
+  out = inference.generate(params, jnp.asarray(prompt)[None], rows,
+                           model=Transformer(mc, decode=True),
+                           max_new_tokens=new)
   return np.asarray(out[0]).tolist()
 
 

@@ -30,10 +30,13 @@ from tests import hlo, reference
 from tests.test_faults import _one_line_error, _run
 from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_serve import _alone
-from train import config_lib, convert, flops, hf, loop, sample, to_gta, to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import config_lib, flops
+from lm import inference
+from train import convert, loop
+from train.convert import hf, to_gta, to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # N query heads of H features from D-wide inputs; Y the default RoPE key.
 N, H, D = 8, 8, 16
@@ -231,7 +234,7 @@ def test_kv_bytes_per_token_is_the_tied_states_and_rope_key_per_layer():
       (dict(kv_cache_dtype='int8'), (K * H + Y + (K + 1) * 4) * 2)):
     mc = config_lib.model_config(_config(**model))
     assert model_lib.kv_bytes_per_token(mc) == expected, model
-    cache = sample.empty_cache(Transformer(dataclasses.replace(
+    cache = inference.empty_cache(Transformer(dataclasses.replace(
         mc, scan_layers=False), decode=True), batch=1)
     held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
         cache) if 'index' not in jax.tree_util.keystr(path))
@@ -330,7 +333,7 @@ def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(model):
   def run():  # Traced here: the path the environment chooses now.
     step = jax.jit(lambda cache, token: decoder.apply(
         {'params': params, 'cache': cache}, token, mutable=['cache']))
-    cache = sample.empty_cache(decoder, batch=2)
+    cache = inference.empty_cache(decoder, batch=2)
     text = step.lower(cache, tokens[:, :1]).compile().as_text()
     logits = []
     for t in range(tokens.shape[1]):
@@ -363,7 +366,7 @@ def test_the_decode_step_lowers_for_tpu_and_cuda_reading_the_cache_in_place():
     decoder, params = unroll_layers(
         Transformer(mc_, decode=True),
         nn.unbox(loop.init_params(Transformer(mc_), 0)))
-    cache = sample.empty_cache(decoder, batch)
+    cache = inference.empty_cache(decoder, batch)
     assert cache['layers_0']['attention']['cached_tied'].size == tied_size
     step = lambda params, cache, token, d=decoder: d.apply(
         {'params': params, 'cache': cache}, token, mutable=['cache'])
@@ -390,7 +393,7 @@ def test_train_main_writes_the_tied_kv_bytes_per_token(tmp_path):
   assert np.isfinite(final['eval_loss'])
 
 
-# --- Conversion into GTA (train.to_gta, train.convert --to_gta) -----------
+# --- Conversion into GTA (train.convert.to_gta, train.convert --to_gta) -------
 
 def _source(seed=3, **model):
   config = tiny.get_config()

@@ -21,10 +21,11 @@ from attention import layer
 from attention.latent import MLA
 from attention.tied import GTA
 from configs import tiny
-from train import checkpoint, config_lib, data, flops, loop
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import checkpoint, config_lib, data, evaluator, flops
+from train import loop
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -149,7 +150,7 @@ def test_evaluate_workdir_is_the_loops_evaluation_of_the_last_checkpoint(
     tmp_path):
   record = loop.train_and_evaluate(_config(), str(tmp_path))
   before = sorted(p.name for p in tmp_path.rglob('*'))
-  evaluated = loop.evaluate_workdir(str(tmp_path))
+  evaluated = evaluator.evaluate_workdir(str(tmp_path))
   assert evaluated['eval_loss'] == pytest.approx(record['eval_loss'],
                                                  rel=1e-6)
   assert evaluated.keys() == {'eval_loss', 'eval_accuracy', 'eval_bpb'}
@@ -493,7 +494,7 @@ def test_remat_gives_the_same_gradients():
   tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
   params = nn.unbox(Transformer(config).init(jax.random.key(1), tokens)[
       'params'])
-  grads = [jax.jit(jax.grad(loop.loss_fn), static_argnums=1)(
+  grads = [jax.jit(jax.grad(evaluator.loss_fn), static_argnums=1)(
                params, Transformer(c), tokens)
            for c in (config, dataclasses.replace(config, remat=True))]
   chex.assert_trees_all_close(grads[0], grads[1], atol=1e-6)
@@ -517,7 +518,7 @@ def test_gradient_accumulation_matches_one_large_batch():
 def test_weight_decay_spares_norm_scales_and_biases_even_when_scanned():
   """Under nn.scan a norm scale is [L, D], as many dims as a matrix: the
   decision is by name, for every parameter of a model with biases and QK-norm."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from lm import model as model_lib  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.model.update(qkv_bias=True, qk_norm=True)
   shapes = model_lib.parameter_shapes(config_lib.model_config(config))

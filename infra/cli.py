@@ -10,14 +10,14 @@ import signal
 import sys
 from typing import Callable, Sequence
 
-from train.errors import UserError
+from infra.errors import UserError
 
 
 def exit_on_user_error(fn: Callable[[], object]):
   """Runs fn(); a UserError, or a bucket that cannot be reached, becomes one
   line on stderr and exit status 1 (an interruption's: 128 + its signal), as
   does a Ctrl-C that no run turned into a stop at a step."""
-  from train import storage  # pylint: disable=import-outside-toplevel
+  from infra import storage  # pylint: disable=import-outside-toplevel
   try:
     fn()
   except UserError as e:
@@ -102,7 +102,7 @@ def check_output_dir(path: str, flag: str = '--out', *, new: bool = False):
 
   new: refuse one that already holds files (results that a rerun would
   otherwise mix with, or report as, its own)."""
-  from train.storage import refuse_url  # pylint: disable=import-outside-toplevel
+  from infra.storage import refuse_url  # pylint: disable=import-outside-toplevel
   refuse_url(path, flag)
   out = pathlib.Path(path).expanduser()
   if out.exists() and not out.is_dir():

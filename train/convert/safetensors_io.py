@@ -17,8 +17,8 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
-from train.errors import UserError
-from train.progress import Progress
+from infra.errors import UserError
+from infra.progress import Progress
 
 DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16,
           'BF16': ml_dtypes.bfloat16, 'I64': np.int64, 'I32': np.int32,

@@ -44,12 +44,13 @@ import sysconfig
 import zlib
 from typing import Literal, Protocol
 
+from etils import epath
 import numpy as np
 
-from train import tokenizer as tokenizer_lib
-from train.errors import UserError
-from train.progress import Progress
-from train.storage import refuse_url
+from lm import tokenizer as tokenizer_lib
+from infra.errors import UserError
+from infra.progress import Progress
+from infra.storage import refuse_url
 
 _SKIP_DIRS = {'test', 'tests', 'site-packages', 'idlelib', '__pycache__',
               'lib2to3', 'ensurepip'}
@@ -166,7 +167,7 @@ def load(path: str, *, val_fraction: float, seq_len: int,
 
   For task='recall', `path` is ignored and `recall_pairs` (0: as many as fit,
   (seq_len + 1 - recall_gap) // 4), `recall_gap` and `vocab_size` shape the
-  task. `tokenizer` (a `train.tokenizer` one; None or bytes: bytes)
+  task. `tokenizer` (a `lm.tokenizer` one; None or bytes: bytes)
   tokenizes text.
   """
   if task == 'recall':
@@ -198,6 +199,53 @@ def load(path: str, *, val_fraction: float, seq_len: int,
           f'fewer than data.seq_len + 1 = {seq_len + 1}; use more data or a '
           'shorter --config.data.seq_len')
   return data
+
+
+def for_model(dc, mc, path: epath.Path, is_chief: bool) -> Source:
+  """The data of config section `dc` in the workdir at `path`, checked
+  against model config `mc`; the workdir remembers the tokenizer it was read
+  with (written by process 0, `is_chief`)."""
+  tokenizer = _workdir_tokenizer(dc, path)
+  dataset = load(dc.path, val_fraction=dc.val_fraction, seq_len=dc.seq_len,
+                 cache_dir=dc.cache_dir or None, task=dc.task,
+                 recall_pairs=dc.recall_pairs, recall_gap=dc.recall_gap,
+                 vocab_size=mc.vocab_size, tokenizer=tokenizer)
+  as_bytes = tokenizer is not None and tokenizer.name == 'bytes' and (
+      dataset.bytes_per_token == 1.0)
+  if as_bytes and mc.vocab_size != 256:
+    raise UserError(
+        f'{dataset.description} is read as UTF-8 bytes (256 ids), but '
+        f'model.vocab_size={mc.vocab_size}: give the model\'s tokenizer '
+        f'(data.tokenizer, or {tokenizer_lib.FILE} in the workdir) or '
+        'token ids (.bin), or set model.vocab_size=256')
+  if dataset.vocab_size > mc.vocab_size:
+    raise UserError(f'{dataset.description} has token ids up to '
+                    f'{dataset.vocab_size - 1}; set model.vocab_size >= '
+                    f'{dataset.vocab_size}')
+  remembered = path / tokenizer_lib.FILE  # Once the data is known to fit.
+  if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
+      not remembered.exists()):
+    remembered.write_bytes(epath.Path(tokenizer.name).read_bytes())
+  return dataset
+
+
+def _workdir_tokenizer(dc, path: epath.Path):
+  """data.tokenizer, which the workdir then remembers, or the workdir's own;
+  a fresh workdir training on a prepared corpus remembers the corpus's."""
+  remembered = path / tokenizer_lib.FILE
+  if dc.task != 'lm':
+    return None
+  source = dc.get('tokenizer') or (
+      None if remembered.exists() else prepared_tokenizer(dc.path))
+  if not source:
+    return tokenizer_lib.of_workdir(path)
+  given = tokenizer_lib.load(source)
+  if remembered.exists():
+    if tokenizer_lib.load(remembered).fingerprint != given.fingerprint:
+      raise UserError(f'{path} was trained with the tokenizer in {remembered}, '
+                      f'not data.tokenizer={dc.tokenizer!r}; unset '
+                      'data.tokenizer, or use a new --workdir')
+  return given
 
 
 # A train.prepare_data folder: meta.json once finished, progress.jsonl

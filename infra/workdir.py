@@ -32,8 +32,8 @@ from typing import Callable, Iterator
 
 from etils import epath
 
-from train import storage
-from train.errors import UserError
+from infra import storage
+from infra.errors import UserError
 
 LOCK_NAME = 'lock'
 

@@ -139,7 +139,7 @@ def decode_roofline_tokens_per_sec(config, batch: int, context: int,
   step reads the weights and the cache once at `bandwidth` bytes/s),
   'compute' (each token's FLOPs at `peak` FLOP/s), and 'roofline', the
   lower of the two, the bound that applies."""
-  from train import model  # pylint: disable=import-outside-toplevel
+  from lm import model  # pylint: disable=import-outside-toplevel
   step_bytes = (model.kv_cache_bytes(config, batch, context)
                 + model.param_bytes(config))
   by_bandwidth = batch * bandwidth / step_bytes

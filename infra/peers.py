@@ -36,8 +36,8 @@ import sys
 import threading
 import time
 
-from train import storage
-from train.errors import UserError
+from infra import storage
+from infra.errors import UserError
 
 # Set in the child, to its watcher's PID: it trains, not watches.
 WATCHED = 'GQA_LAB_WATCHED'
@@ -51,7 +51,7 @@ _UNJOINED = (re.compile(r'DEADLINE_EXCEEDED'), re.compile(r'/RegisterTask'))
 # What makes it a lost peer rather than a warning on the way to another end.
 _FATAL = re.compile(r'detected fatal errors|stopped sending heartbeats|'
                     r'UNAVAILABLE')
-# The child's last words: its shell's one line (train.cli), or a traceback.
+# The child's last words: its shell's one line (infra.cli), or a traceback.
 _LAST_WORDS = ('error: ', 'Traceback (most recent call last):')
 # Seconds, beyond the heartbeat timeout, within which the runtime's abort
 # on a lost peer follows the collective it broke: a margin for busy hosts

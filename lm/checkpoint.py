@@ -26,8 +26,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from train import peers, storage
-from train.errors import UserError
+from infra import peers, storage
+from infra.errors import UserError
 
 UNREADABLE_DIR = 'unreadable_checkpoints'
 
@@ -414,7 +414,7 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
 def load_workdir_step(workdir: str, flag: str = '--workdir'):
   """(ModelConfig, params, ConfigDict, step): `load_workdir` and the step
   its parameters were saved at."""
-  from train import config_lib  # pylint: disable=import-outside-toplevel
+  from lm import config_lib  # pylint: disable=import-outside-toplevel
   path = storage.path(workdir, flag) / 'config.json'
   if not path.parent.is_dir():
     raise UserError(f'{flag}={workdir} is not a directory; give the workdir '

@@ -23,12 +23,13 @@ by all groups, so no even split of them falls on the groups' boundaries.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import optax
 
-from train.errors import UserError
+from infra.errors import UserError
 
 AXES = ('data', 'fsdp', 'tensor')
 RULES = (
@@ -91,6 +92,25 @@ def rules(model_config, mesh) -> tuple:
 
 def batch_sharding(mesh) -> jax.sharding.NamedSharding:
   return jax.NamedSharding(mesh, jax.P(('data', 'fsdp')))
+
+
+def global_batches(dataset, config, mesh) -> Callable:
+  """(split, seed, step[, stream]) -> a global [train.batch_size,
+  data.seq_len + 1] batch of `dataset` (an `lm.data.Source`) on the mesh;
+  each host makes only its own rows."""
+  tc, dc = config.train, config.data
+  sharded = batch_sharding(mesh)
+
+  def global_batch(split, **kwargs):
+    local = dataset.batch(split, batch_size=tc.batch_size,
+                          seq_len=dc.seq_len, shard=jax.process_index(),
+                          num_shards=jax.process_count(), **kwargs)
+    if local.shape[0] * jax.process_count() != tc.batch_size:
+      raise ValueError(f'this process built {local.shape[0]} rows, not its '
+                       f'share of {tc.batch_size}')  # A bug, not bad input.
+    return jax.make_array_from_process_local_data(
+        sharded, local, (tc.batch_size, dc.seq_len + 1))
+  return global_batch
 
 
 def state_shardings(boxed_params, tx, abstract_state, mesh, rules_):

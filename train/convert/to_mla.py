@@ -45,8 +45,8 @@ import dataclasses
 import numpy as np
 
 from attention.latent import MLA
-from train import model as model_lib
-from train.errors import UserError
+from infra.errors import UserError
+from lm import model as model_lib
 
 
 def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int,
@@ -244,7 +244,7 @@ def calibration_scores(mc, params, tokens_BT) -> np.ndarray:
   """[K, H/2]: `pair_scores` of each layer owning K/V on the calibration
   tokens [B, T] (its queries and keys from the layer's actual inputs),
   each layer's normalised to sum 1, summed over the layers."""
-  from train.model import RMSNorm, Transformer, unroll_layers  # pylint: disable=import-outside-toplevel
+  from lm.model import RMSNorm, Transformer, unroll_layers  # pylint: disable=import-outside-toplevel
   model, unrolled = unroll_layers(Transformer(mc), params)
   _, state = model.apply(
       {'params': unrolled}, tokens_BT, mutable=['intermediates'],

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.errors import UserError
+from infra.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

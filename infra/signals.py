@@ -15,7 +15,7 @@ import contextlib
 import signal
 import threading
 
-from train.errors import UserError
+from infra.errors import UserError
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

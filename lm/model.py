@@ -17,7 +17,7 @@ loss are float32.
 
 The defaults are Gemma's conventions (GELU gate, RMSNorm by 1 + scale,
 embeddings times √D); the fields below select Llama's, Mistral's and Qwen's,
-so that `train.hf` maps those checkpoints onto this one network.
+so that `train.convert.hf` maps those checkpoints onto this one network.
 
 Letters: B batch, T length, D model width, F MLP hidden, V vocabulary, L layers.
 """
@@ -203,7 +203,7 @@ def _maybe_remat(module, c: ModelConfig):
 class Transformer(nn.Module):
   """tokens [B, T] int -> logits [B, T, V] float32.
 
-  Parameters carry logical axis names for `train.sharding`; `init` returns
+  Parameters carry logical axis names for `lm.sharding`; `init` returns
   them boxed (`nn.LogicallyPartitioned`), `nn.unbox` gives plain arrays.
   """
   config: ModelConfig
@@ -230,7 +230,7 @@ class Transformer(nn.Module):
 
     if c.scan_layers and paging is not None:
       raise ValueError('a paged decode step needs the layers unrolled; '
-                       'run the model of train.model.unroll_layers')
+                       'run the model of lm.model.unroll_layers')
     if c.scan_layers:
       if c.scan_group > 1:  # The layers differ: scan groups of them.
         step, fields = Group, ()

@@ -8,7 +8,7 @@ it, with two exceptions that objects impose:
     TensorBoard events) are written to a local folder and uploaded whole
     (`Staged`): at least every `UPLOAD_SECONDS` and before each checkpoint;
   * an object cannot be flocked, so the workdir's lock is an object created
-    only if absent (train.workdir).
+    only if absent (infra.workdir).
 A GCS emulator is found through the standard STORAGE_EMULATOR_HOST (gcsfs and
 google-cloud-storage read it; TensorStore is pointed at it here).
 """
@@ -25,7 +25,7 @@ import time
 
 from etils import epath
 
-from train.errors import UserError, pip_install
+from infra.errors import UserError, pip_install
 
 SCHEMES = ('gs',)  # Those a workdir may have: what gcsfs and TensorStore speak.
 UPLOAD_SECONDS = 30.0

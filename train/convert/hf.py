@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: Llama 2/3/3.1+, Mistral, Ministral,
 Qwen2, Qwen3, Gemma 1, 2 and 3 (text).
 
-One network (`train.model.Transformer`) holds them all; what differs between
+One network (`lm.model.Transformer`) holds them all; what differs between
 them is a handful of conventions (`ModelConfig`: activation, norm eps and
 weight offset, embedding and tied-logit scale, q/k/v bias, QK-norm, RoPE
 base and scaling per layer kind, which layers slide a window
@@ -35,11 +35,11 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from train import hf_deepseek
-from train import model as model_lib
-from train import safetensors_io
-from train.errors import UserError
-from train.progress import Progress
+from train.convert import hf_deepseek
+from lm import model as model_lib
+from train.convert import safetensors_io
+from infra.errors import UserError
+from infra.progress import Progress
 
 FAMILIES = {  # model_type -> architecture class.
     'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
@@ -104,7 +104,7 @@ def model_fields(hf: dict) -> dict[str, Any]:
   base, scaling, local_base = _rope(hf, family, problems)
   if problems:
     raise UserError(f'this {family} checkpoint uses {"; ".join(problems)}, '
-                    'which train.model cannot express; nothing was written')
+                    'which lm.model cannot express; nothing was written')
   D, N, L = hf['hidden_size'], hf['num_attention_heads'], hf['num_hidden_layers']
   gemma, sandwiched = family in GEMMAS, family in SANDWICHED
   number = lambda key: float(get(key)) if sandwiched and get(key) else None

@@ -16,9 +16,9 @@ from attention import layer
 from attention import layout as layout_lib
 from attention.layout import Layout
 from attention.rope import RopeScaling
-from train.errors import UserError
-from train.storage import refuse_url
-from train.model import ACTIVATIONS, ModelConfig
+from infra.errors import UserError
+from infra.storage import refuse_url
+from lm.model import ACTIVATIONS, ModelConfig
 
 CONFIG_DIR = pathlib.Path(__file__).parent.parent / 'configs'
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16,

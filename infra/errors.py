@@ -1,5 +1,5 @@
 """The one exception type for bad input: a message of one line that says what
-is wrong and what to do (`train.cli` prints it and exits 1)."""
+is wrong and what to do (`infra.cli` prints it and exits 1)."""
 
 
 class UserError(Exception):

@@ -15,12 +15,12 @@ those at the pairs (Y, as a Y-wide RoPE turns them):
   query     in that order: its last Y features, which RoPE turns at the
             source's frequencies (`rope_pairs`), meet the shared key.
 
-The pairs are chosen as `train.to_mla` chooses them (MHA2MLA's partial RoPE):
-the `to_mla.calibration_scores` of the pooled model on training tokens,
-summed over the KV heads, since one key serves them all; the Y / 2 best, in
-frequency order. What no choice keeps: the query's I features without RoPE
-now meet the value's features outside the pairs where they met the key's
-(turned by RoPE); that term of every logit starts unrelated to the
+The pairs are chosen as `train.convert.to_mla` chooses them (MHA2MLA's
+partial RoPE): the `to_mla.calibration_scores` of the pooled model on
+training tokens, summed over the KV heads, since one key serves them all; the
+Y / 2 best, in frequency order. What no choice keeps: the query's I features
+without RoPE now meet the value's features outside the pairs where they met
+the key's (turned by RoPE); that term of every logit starts unrelated to the
 source's, and uptraining must learn it. Tying is lossy in general; a source
 whose keys already equal its values converts exactly when it has no RoPE,
 or with one KV head and queries that give the pairs left out no weight
@@ -39,9 +39,9 @@ import dataclasses
 import numpy as np
 
 from attention.tied import GTA
-from train import model as model_lib
-from train import to_mla
-from train.errors import UserError
+from infra.errors import UserError
+from lm import model as model_lib
+from train.convert import to_mla
 
 
 def check_source(mc, qk_rope_head_dim: int) -> None:

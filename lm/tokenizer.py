@@ -17,7 +17,7 @@ from typing import Iterator
 from etils import epath
 import numpy as np
 
-from train.errors import UserError
+from infra.errors import UserError
 
 FILE = 'tokenizer.json'
 

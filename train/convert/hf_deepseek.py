@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 checkpoints with dense MLPs, in and out (`train.hf`'s
+"""DeepSeek-V2/V3 checkpoints with dense MLPs, in and out (`train.convert.hf`'s
 multi-head latent attention family; `attention.latent` computes it).
 
   HF (torch Linear, [out, in])                here
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from train.errors import UserError
+from infra.errors import UserError
 
 FAMILIES = {'deepseek_v2': 'DeepseekV2ForCausalLM',
             'deepseek_v3': 'DeepseekV3ForCausalLM'}
@@ -43,7 +43,7 @@ LATENT_COUNTS = ('kv_lora_rank', 'qk_rope_head_dim', 'qk_nope_head_dim',
 
 def model_fields(hf: dict, rope) -> dict[str, Any]:
   """config.model fields for a DeepSeek config.json (with transformers'
-  defaults filled in); rope(hf, problems): train.hf's RoPE reader."""
+  defaults filled in); rope(hf, problems): train.convert.hf's RoPE reader."""
   family = hf['model_type']
   hf = {**DEFAULTS[family], **{k: v for k, v in hf.items() if v is not None},
         'q_lora_rank': hf.get('q_lora_rank', DEFAULTS[family]['q_lora_rank'])}
@@ -66,7 +66,7 @@ def model_fields(hf: dict, rope) -> dict[str, Any]:
   base, scaling, _ = rope(hf, family, problems)
   if problems:
     raise UserError(f'this {family} checkpoint uses {"; ".join(problems)}, '
-                    'which train.model cannot express; nothing was written')
+                    'which lm.model cannot express; nothing was written')
   N = hf['num_attention_heads']
   dtype = str(hf.get('dtype') or hf.get('torch_dtype', 'float32'))
   return dict(
@@ -150,7 +150,8 @@ def _permutation(lead: int, Y: int, is_interleaved: bool) -> np.ndarray:
 
 def layer_weights(mc, is_interleaved: bool) -> dict:
   """HF name within layer i -> (our path, to ours, to HF) for the attention
-  of an MLA model (converters as train.hf's, their H argument unused)."""
+  of an MLA model (converters as train.convert.hf's, their H argument
+  unused)."""
   o = mc.attention(0).layout
   N, A = mc.num_heads, o.kv_lora_rank
   I, Y, U = o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
