@@ -170,15 +170,15 @@ def attention(options, q_BTNH, kv, visible):
                (key_scale, value_scale), extra, visible, S, H)
 
 
-def tied_attention(options, q_BTNH, kv, visible):
+def tied_attention(options, q_BTNH, kv, visible, *, rope_dim: int):
   """[B, T, N, H] in q_BTNH's dtype: grouped-tied attention's step (its
-  queries' last Y = qk_rope_head_dim features turned by RoPE) against the
+  queries' last Y = rope_dim features turned by RoPE) against the
   tied cache that kv holds (a paged pool in place, or the dense layout:
   kv.key the tied states [B·K, S, H], kv.value the RoPE keys [B, S, Y] or
   None when Y = 0, their int8 scales kv.key_scale and kv.value_scale), as
   `attention.tied.tied_attention` computes it, seeing what `visible`
   [B or 1, 1, T, S] says. Call only where `refusal` is None."""
-  return _state_attention(options, q_BTNH, kv, visible)
+  return _state_attention(options, q_BTNH, kv, visible, rope_dim)
 
 
 def latent_attention(options, q_BTNF, q_BTNY, kv, visible):
@@ -192,15 +192,16 @@ def latent_attention(options, q_BTNF, q_BTNY, kv, visible):
   computes it (value_up is the caller's), seeing what `visible`
   [B or 1, 1, T, S] says. Call only where `refusal` is None."""
   q_BTNH = jnp.concatenate([q_BTNF, q_BTNY.astype(q_BTNF.dtype)], axis=-1)
-  return _state_attention(options, q_BTNH, kv, visible)
+  return _state_attention(options, q_BTNH, kv, visible, q_BTNY.shape[-1])
 
 
-def _state_attention(options, q_BTNH, kv, visible):
+def _state_attention(options, q_BTNH, kv, visible, rope_dim: int):
   """[B, T, N, W] in q_BTNH's dtype, by tied_decode.cc: the queries (their
   last Y features against the shared RoPE key, the first H - Y against a
   state's first H - Y) against a cache whose first entry is a state [W]
   per head and position, both key and value (GTA's tied state, MLA's
-  latent), and whose second, where there is one, the RoPE key."""
+  latent), and whose second, where there is one, the RoPE key of rope_dim
+  (0: none)."""
   B, H = q_BTNH.shape[0], q_BTNH.shape[-1]
   es = kv_cache.entries(options)
   if kv.paged is not None:
@@ -221,11 +222,11 @@ def _state_attention(options, q_BTNH, kv, visible):
     target, extra = DENSE_TIED_TARGET, ()
   W = state.shape[-1]
   Y = 0 if rope_key is None else rope_key.shape[-1]
-  if not 0 <= H - Y <= W:
-    raise ValueError(f'queries [B, T, N, H] = {q_BTNH.shape} against states '
-                     f'{state.shape} and RoPE keys '
-                     f'{None if rope_key is None else rope_key.shape}: H is '
-                     'not I + Y with I at most the states\' width; the '
+  if Y != rope_dim or not 0 <= H - Y <= W:
+    raise ValueError(f'queries [B, T, N, H] = {q_BTNH.shape} with a RoPE '
+                     f'key of {rope_dim} against states {state.shape} and '
+                     f'RoPE keys {None if rope_key is None else rope_key.shape}'
+                     ': H is not I + Y with I at most the states\' width; the '
                      'layer and its cache disagree')
   if rope_key is None:
     rope_key = jnp.zeros(no_rope_shape, state.dtype)

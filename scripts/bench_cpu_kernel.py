@@ -27,10 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import cpu_kernel, kv_cache, layer
+from attention.grouped import GQA
+from attention.latent import MLA
+from attention.tied import GTA
 from scripts import timing
-from train.cli import (ArgumentParser, exit_on_user_error, int_list,
+from infra.cli import (ArgumentParser, exit_on_user_error, int_list,
                        positive_int)
-from train.errors import UserError
+from infra.errors import UserError
 
 N, H, D, PAGE = 8, 64, 512, 16
 
@@ -40,9 +43,9 @@ def layer_options(kind: str, K: int) -> layer.Options:
   with K tied heads, or MLA with a latent of 2·H in K groups."""
   if kind == 'latent':
     return layer.Options(num_heads=N, num_kv_heads=N, head_dim=H,
-                         kv_lora_rank=2 * H, latent_groups=K)
+                         layout=MLA(kv_lora_rank=2 * H, latent_groups=K))
   return layer.Options(num_heads=N, num_kv_heads=K, head_dim=H,
-                       tie_kv=kind == 'tied')
+                       layout=GTA() if kind == 'tied' else GQA())
 
 
 def contestants(layout: str, K: int, batch: int, context: int, fill: float,

@@ -25,11 +25,15 @@ import pytest
 
 from attention import cpu_kernel, kv_cache, layer
 from attention.cpu import build
+from attention.grouped import GQA
+from attention.latent import MLA
+from attention.tied import GTA
 from attention.core import attention_mask, dot_product_attention
 from configs import tiny
 from serve import paged
-from train import config_lib, loop
-from train.model import Transformer
+from lm import config_lib
+from train import loop
+from lm.model import Transformer
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(),
@@ -216,8 +220,15 @@ TIED_SCALES = {'cached_tied': 'tied_scale', 'cached_rope_key': 'rope_key_scale'}
 
 def _tied_options(K, Y, head_dim=H, **fields):
   return layer.Options(num_heads=N, num_kv_heads=K, head_dim=head_dim,
-                       tie_kv=True, use_rope=Y > 0, qk_rope_head_dim=Y,
+                       layout=GTA(qk_rope_head_dim=Y), use_rope=Y > 0,
                        **fields)
+
+
+def _tied_kernel(options, q_BTNH, kv, visible):
+  """The tied kernel with options' RoPE width (as `tied.GTA` calls it)."""
+  return cpu_kernel.tied_attention(
+      options, q_BTNH, kv, visible,
+      rope_dim=options.layout.qk_rope_head_dim)
 
 
 def _tied_cache(K, Y, dtype, seed, B_=B, S_=S, head_dim=H):
@@ -267,7 +278,8 @@ def _tied_reference(q_BTNH, real, visible, options):
   k_BSKH = t_BSKH
   if 'cached_rope_key' in real:
     r_BSKY = jnp.broadcast_to(real['cached_rope_key'],
-                              (*t_BSKH.shape[:3], options.qk_rope_head_dim))
+                              (*t_BSKH.shape[:3],
+                               options.layout.qk_rope_head_dim))
     k_BSKH = jnp.concatenate(
         [t_BSKH[..., :t_BSKH.shape[3] - r_BSKY.shape[3]], r_BSKY], axis=-1)
   return dot_product_attention(q_BTNH, k_BSKH, t_BSKH, mask=visible,
@@ -300,8 +312,7 @@ def _check_tied(layout, dtype, T, K, Y, head_dim):
   stored, real = _tied_cache(K, Y, dtype, seed=K + Y, head_dim=head_dim)
   kv = _pool(stored) if layout == 'paged' else _dense_tied_kv(stored)
   q_BTNH = jax.random.normal(jax.random.key(T), (B, T, N, head_dim))
-  kernel = jax.jit(lambda q, vis: cpu_kernel.tied_attention(options, q, kv,
-                                                            vis))
+  kernel = jax.jit(lambda q, vis: _tied_kernel(options, q, kv, vis))
   for kind in MASKS:  # One compiled kernel: the masks are arrays.
     visible = _visible(kind, T)
     assert cpu_kernel.refusal(options, kv, visible) is None
@@ -355,8 +366,7 @@ def _check_tied_wide(layout, K, B_, S_, dtype=jnp.float32, soft_cap=None):
     kv = kv_cache.KV(None, None, positions_S=jnp.arange(S_), paged=(
         kv_cache.PagedCache({name: pool(x) for name, x in stored.items()},
                             table_BM.astype(jnp.int32), jnp.zeros(B_, int))))
-  got = jax.jit(lambda q: cpu_kernel.tied_attention(options, q, kv, visible))(
-      q_BTNH)
+  got = jax.jit(lambda q: _tied_kernel(options, q, kv, visible))(q_BTNH)
   chex.assert_trees_all_close(
       got, _tied_reference(q_BTNH, real, visible, options), atol=2e-5,
       rtol=2e-5)
@@ -377,8 +387,9 @@ LATENT_WIDTHS = {'mla': (1, 48, 16), 'gla': (2, 24, 16), 'narrow': (2, 10, 4),
 
 def _latent_options(G, F, Y, **fields):
   return layer.Options(num_heads=N, num_kv_heads=N, head_dim=16,
-                       kv_lora_rank=G * F, latent_groups=G,
-                       qk_rope_head_dim=Y, use_rope=Y > 0, **fields)
+                       layout=MLA(kv_lora_rank=G * F, latent_groups=G,
+                                  qk_rope_head_dim=Y),
+                       use_rope=Y > 0, **fields)
 
 
 def _latent_kv(layout, G, F, Y, dtype, seed, B_=B, S_=S, p_=None):
@@ -638,13 +649,18 @@ def _decode_step(options, paged: bool):
   return jax.jit(step), (arrays, x_BTD)
 
 
-STEP_LAYOUTS = {  # Name -> the layout's options beside N and H.
-    'grouped': dict(num_kv_heads=2),
-    'tied': dict(num_kv_heads=2, tie_kv=True),
-    'mla': dict(num_kv_heads=N, kv_lora_rank=32, qk_rope_head_dim=8),
-    'gla': dict(num_kv_heads=N, kv_lora_rank=48, latent_groups=2,
-                qk_rope_head_dim=16),
+STEP_LAYOUTS = {  # Name -> the layer's layout and KV heads.
+    'grouped': (GQA(), 2),
+    'tied': (GTA(), 2),
+    'mla': (MLA(kv_lora_rank=32, qk_rope_head_dim=8), N),
+    'gla': (MLA(kv_lora_rank=48, latent_groups=2, qk_rope_head_dim=16), N),
 }
+
+
+def _step_options(name: str, head_dim: int = H, **fields) -> layer.Options:
+  layout, K = STEP_LAYOUTS[name]
+  return layer.Options(num_heads=N, num_kv_heads=K, head_dim=head_dim,
+                       layout=layout, **fields)
 
 
 def _target(name: str, paged: bool) -> str:
@@ -659,8 +675,7 @@ def _target(name: str, paged: bool) -> str:
 @pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
 def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
     paged, name, monkeypatch):
-  options = layer.Options(num_heads=N, head_dim=H, kv_cache_dtype='int8',
-                          **STEP_LAYOUTS[name])
+  options = _step_options(name, kv_cache_dtype='int8')
   target = _target(name, paged)
   step, args = _decode_step(options, paged)
   assert target in step.lower(*args).compile().as_text()
@@ -715,7 +730,7 @@ def test_the_benchmark_times_two_paths_that_agree(layout, kind):
 @pytest.mark.parametrize('platform', ['tpu', 'cuda'])
 def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform,
                                                                  name):
-  options = layer.Options(num_heads=N, head_dim=128, **STEP_LAYOUTS[name])
+  options = _step_options(name, head_dim=128)
   target = _target(name, paged=True)
   step, args = _decode_step(options, paged=True)
   text = jax.export.export(step, platforms=[platform])(*args).mlir_module()
