@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -124,6 +126,40 @@ def test_bench_decode_ranks_bytes_beside_speed_naming_inversions_past_noise():
   assert ranked['inversions'] == []
   assert 'the other\'s slowest): none.' in '\n'.join(
       bench_decode.ranking_markdown(ranked))
+
+
+def test_profile_decode_sorts_operations_into_kinds():
+  from scripts import profile_decode  # pylint: disable=import-outside-toplevel
+  kinds = {name: profile_decode.kind(name) for name in (
+      'ffi_call.34', 'custom-call.2', 'dot_general.241', 'dot.68',
+      'ynn_fusion.15', 'multiply_multiply_fusion.2', 'copy.3')}
+  assert kinds == {'ffi_call.34': 'decode kernel',
+                   'custom-call.2': 'decode kernel',
+                   'dot_general.241': 'matmul', 'dot.68': 'matmul',
+                   'ynn_fusion.15': 'fusion',
+                   'multiply_multiply_fusion.2': 'fusion', 'copy.3': 'other'}
+
+
+@pytest.mark.slow
+def test_profile_decode_finds_the_kernel_in_a_decode_step():
+  """The command (its own process: XLA records operations only when told
+  before it starts) names the decode kernel among a step's operations, a
+  share of it taken by each kind; with the kernel off (the control) none
+  is the kernel's."""
+  from attention import cpu_kernel  # pylint: disable=import-outside-toplevel
+  if not cpu_kernel.available():
+    pytest.skip('the CPU kernel is not built')
+  command = [sys.executable, '-m', 'scripts.profile_decode', '--config=tiny',
+             '--variants=K2', '--batches=2', '--contexts=16', '--repeats=1']
+  run = lambda mode: subprocess.run(
+      command, capture_output=True, text=True, timeout=300,
+      env={**os.environ, cpu_kernel.ENV: mode})
+  on, off = run('auto'), run('off')
+  assert on.returncode == 0 == off.returncode, on.stderr[-2000:]
+  first = on.stdout.splitlines()[0]
+  assert first.startswith('K2 batch 2 context 16: ') and 'decode kernel' in (
+      first), on.stdout
+  assert 'matmul' in off.stdout and 'decode kernel' not in off.stdout
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@
 // positions per row, N query heads, K KV heads (a tied kernel's state heads),
 // G = N / K, H a query's features, W a value's (and the output's; H for
 // grouped-query attention); R = G·T query rows of one KV head, row
-// r = g·T + t; L positions per block (a page of p, or kDenseBlock of a dense
-// cache).
+// r = g·T + t; L positions per block (a page of p, or a dense cache's
+// block: kDenseBlock, DenseStateBlock).
 //
 // A work unit is one (batch row, KV head): its R query rows stream the
 // head's cache once, block by block, with an online softmax. A kernel's unit
@@ -57,7 +57,17 @@ namespace gqa_lab {
 
 namespace ffi = xla::ffi;
 
-constexpr int64_t kDenseBlock = 64;  // A dense cache's positions per block.
+// A dense cache's positions per block. Grouped-query attention's keys
+// [H, S] are H runs of positions, each read kDenseBlock at a time: at 64
+// (256 B of float32 a run) one core streamed a cache from memory at 9-16
+// GB per second of its time, at 256 at 12-25 (B = 256 of 2,048 positions,
+// N = 8 or 16, K = 1 to 16; 512 no better: 2-core Zen 5 EPYC,
+// 2026-12-04). A state kernel (tied_decode.cc) reads each block twice,
+// its logits then its weighted sum, so its block is what fits
+// kBlockBytes (DenseStateBlock): MLA48's 64 float32 a position at 256
+// positions (64 KiB) left L1 and was 15% slower than at 64.
+constexpr int64_t kDenseBlock = 256;
+constexpr int64_t kBlockBytes = 24 << 10;
 // The cache bytes a call spans per thread it wakes: below it, waking an
 // intra-op thread (tens of microseconds while the pool sleeps, as it does
 // between one-request decode steps) costs more than the thread saves. At 1
@@ -83,6 +93,13 @@ GQA_LAB_INLINE float ToFloat(bf16 x) {
 typedef float F16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;  // Query rows whose sums are kept in registers.
+
+// Positions per block of a dense state cache of `position_bytes` a
+// position: kBlockBytes' worth, a multiple of 16 from 64 to kDenseBlock.
+inline int64_t DenseStateBlock(int64_t position_bytes) {
+  const int64_t fit = kBlockBytes / std::max<int64_t>(position_bytes, 1);
+  return std::clamp<int64_t>(fit - fit % kLanes, 64, kDenseBlock);
+}
 
 GQA_LAB_INLINE F16 Load16(const float* x) {
   F16 v;
@@ -207,7 +224,7 @@ struct Step {
   int64_t B, T, N, K, S;
   int64_t H;  // A query row's features.
   int64_t W;  // A value's features, the output's.
-  int64_t L;  // Positions per block: p, or kDenseBlock.
+  int64_t L;  // Positions per block: p, or a dense cache's block.
   // Position-major keys (PositionMajorLogits): a query row's features
   // [0, I) meet a key's own [0, I) (key.width = I), and its features
   // [I, I + Y) a second key of Y shared by the K heads (rope.width = Y;

@@ -9,9 +9,9 @@
 //
 // The cache holds per position one state t [W] per head (K of them) and one
 // RoPE key rk [Y] shared by the heads. A work unit (batch row b, head k)
-// streams that head's states block by block (a page, or kDenseBlock
-// positions) and reads each block ONCE for both products: row r's logit at
-// position s is
+// streams that head's states block by block (a page, or DenseStateBlock
+// positions of a dense cache) and reads each block ONCE for both products:
+// row r's logit at position s is
 //   (q[r, :I]·t[s, :I] · t_scale[s] + q[r, I:]·rk[s] · rope_scale[s])
 //     · scale, soft-capped,
 // the online softmax turns the block's logits into weights, and
@@ -271,7 +271,11 @@ ffi::Error DenseTiedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
     return e;
   }
   pr.S = td[1];
-  pr.L = std::min<int64_t>(kDenseBlock, std::max<int64_t>(pr.S, 1));
+  const int64_t position_bytes =
+      (td[2] + rd[2]) * static_cast<int64_t>(ffi::ByteWidth(
+                            tied.element_type()));
+  pr.L = std::min<int64_t>(DenseStateBlock(position_bytes),
+                           std::max<int64_t>(pr.S, 1));
   return CheckAndRun(pool, pr, Layout::kDense, target, query, tied, rope_key,
                      tied_scale, rope_scale, visible, scale, soft_cap, out,
                      td[0] * td[1], B * td[1]);
