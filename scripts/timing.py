@@ -72,8 +72,8 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
   greedy = sampling.rows([sampling.SamplingParams()] * batch)
 
   def run(cache, token_B):
-    sampled, cache = sample.decode(model, params, cache, token_B, greedy,
-                                   context, steps)
+    sampled, cache = sample.decode(model, params, cache, token_B, greedy, 0,
+                                   steps)
     return sampled, refill(cache)
 
   run = jax.jit(run, donate_argnums=0,

@@ -18,9 +18,9 @@ Every step decodes one token for each running sequence whose prompt is in
 the cache and, beside them, feeds the next chunk of the prompts being
 prefilled, so running sequences keep producing while new ones arrive. A
 sequence's settings are its own (temperature, top_k, top_p, seed, stop
-strings) and its token at position t is sampled with the key of (its seed,
-t), so what shares its batch, or a preemption, changes nothing:
-`train.sample` gives the same text.
+strings) and its i-th generated token is sampled with the key
+fold_in(key(its seed), i), so what shares its batch, or a preemption,
+changes nothing: `train.sample` gives the same text.
 
 Letters: B rows, T tokens per row, M pages per row's table, V vocabulary.
 """
@@ -157,19 +157,20 @@ def bucket(n: int, per_octave: int = BUCKETS_PER_OCTAVE) -> int:
 
 
 def _run_rows(model, params, pool, tokens_BT, table_BM, lengths_B, num_new_B,
-              settings: sampling.Rows, needs: sampling.Needs | None = None):
+              settings: sampling.Rows, index_B,
+              needs: sampling.Needs | None = None):
   """Each row's tokens written at positions lengths_B.. of its pages (the
   first num_new_B real; None: all T), and one token sampled from the logits
-  of each row's last real token, at position lengths_B + num_new_B:
-  (tokens [B], the pool). needs (static): what the rows' sampling uses."""
+  of each row's last real token, the index_B-th of its request's
+  generation: (tokens [B], the pool). needs (static): what the rows'
+  sampling uses."""
   logits_BTV, pool = paged.forward(model, params, pool, tokens_BT, table_BM,
                                    lengths_B, num_new_B)
   B, T, _ = logits_BTV.shape
   num_new_B = jnp.full((B,), T) if num_new_B is None else num_new_B
   last_BV = jnp.take_along_axis(
       logits_BTV, jnp.maximum(num_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
-  return sampling.sample(last_BV, settings, lengths_B + num_new_B,
-                         needs), pool
+  return sampling.sample(last_BV, settings, index_B, needs), pool
 
 
 class ModelRunner:
@@ -212,18 +213,20 @@ class ModelRunner:
     table_BM = np.zeros((B, M), np.int32)  # Idle rows: the scratch page.
     lengths_B = np.zeros(B, np.int32)
     num_new_B = np.zeros(B, np.int32)
+    index_B = np.zeros(B, np.int32)  # Of the token a row samples.
     params = [SamplingParams()] * B
     for b, row in enumerate(rows):
       tokens_BT[b, :len(row.tokens)] = row.tokens
       owned = pages.pages(row.seq.id)[:M]
       table_BM[b, :len(owned)] = owned
       lengths_B[b], num_new_B[b] = row.start, len(row.tokens)
+      index_B[b] = len(row.seq.generated)
       params[b] = row.seq.sampling
     # One token per row (decoding): no padding to mask, none passed.
     padded = None if T == 1 else num_new_B
     tokens_B, self.pool = self._step(self.params, self.pool, tokens_BT,
                                      table_BM, lengths_B, padded,
-                                     sampling.rows(params),
+                                     sampling.rows(params), index_B,
                                      needs=sampling.needs(params))
     tokens_B = np.asarray(tokens_B)
     return {row.seq.id: int(tokens_B[b]) for b, row in enumerate(rows)

@@ -523,7 +523,7 @@ def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
   rows = lambda: np.zeros(B, np.int32)
   args = (runner.params, runner.pool, np.zeros((B, 1), np.int32),
           np.zeros((B, 2), np.int32), rows(), None,
-          sampling.rows([sampling.SamplingParams()] * B))
+          sampling.rows([sampling.SamplingParams()] * B), rows())
   ours = runner._step.lower(*args).compile().as_text()  # pylint: disable=protected-access
   control = jax.jit(functools.partial(  # The same step, XLA's defaults.
       engine._run_rows, runner.model)).lower(*args).compile().as_text()  # pylint: disable=protected-access

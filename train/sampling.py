@@ -6,10 +6,15 @@ request gives the same text from each of them, whatever shares its batch:
 
 - Settings are per row (`Rows`: temperature, top_k, top_p, seed as [B]
   arrays), so requests with different settings decode together.
-- The key of a sampled token is `fold_in(fold_in(key(0), seed), position)`,
-  position the token's absolute place in its sequence (prompt length + how
-  many tokens came before it). It depends on nothing else: not the batch,
-  not the row, not the step at which the engine happened to run it.
+- A request's randomness is its own, as vLLM's `SamplingParams.seed`: the
+  key of its i-th generated token (i = 0 for the first) is
+  `fold_in(key(seed), i)`. It depends on nothing else: not the prompt's
+  length, not the batch, not the row, not the step at which the engine
+  happened to run it. Two requests with different seeds draw independent
+  streams; the same (prompt, settings, seed) gives the same text. A front
+  end whose request names no seed derives one from its own seed and the
+  request's id (`request_seed`), so that requests of one prompt under
+  different ids sample independently.
 - Temperature 0 is greedy (argmax, no key used). Otherwise the logits are
   divided by the temperature, cut to the top_k likeliest (0: all) and to the
   smallest set whose probability reaches top_p (1: all), then sampled.
@@ -22,6 +27,8 @@ or stop string, the one rule for every front end.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from typing import NamedTuple, Sequence
 
@@ -37,8 +44,9 @@ class SamplingParams:
   """One request's sampling settings.
 
   temperature: 0 = greedy. top_k: 0 = every token. top_p: 1 = every token
-  (nucleus sampling below 1). seed: the request's key (with each token's
-  position). stop: strings that end the text (not included in it).
+  (nucleus sampling below 1). seed: the request's random stream (its i-th
+  token drawn with fold_in(key(seed), i)). stop: strings that end the text
+  (not included in it).
   """
   temperature: float = 0.0
   top_k: int = 0
@@ -93,12 +101,21 @@ def rows(params: Sequence[SamplingParams]) -> Rows:
               np.array([p.seed for p in params], np.uint32))
 
 
-def token_keys(seed_B, position_B):
-  """[B] keys: row b's is fold_in(fold_in(key(0), seed), position)."""
-  root = jax.random.key(0)
-  return jax.vmap(lambda s, t: jax.random.fold_in(
-      jax.random.fold_in(root, s), t))(jnp.asarray(seed_B, jnp.uint32),
-                                        jnp.asarray(position_B, jnp.uint32))
+def request_seed(seed: int, request_id) -> int:
+  """The seed of a request that names none: a uint32 derived from a front
+  end's `seed` and the request's id (any JSON value), the first 4 bytes of
+  the SHA-256 of `[seed, id]` as compact JSON. Stable across processes and
+  machines (unlike Python's hash()), and different for different ids."""
+  text = json.dumps([int(seed), request_id], separators=(',', ':'),
+                    sort_keys=True)
+  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'big')
+
+
+def token_keys(seed_B, index_B):
+  """[B] keys: row b's is fold_in(key(seed_b), index_b), index_b the place
+  of the token in its request's generation (0 for the first)."""
+  return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+      jnp.asarray(seed_B, jnp.uint32), jnp.asarray(index_B, jnp.uint32))
 
 
 class Needs(NamedTuple):
@@ -115,9 +132,10 @@ def needs(params: Sequence[SamplingParams]) -> Needs:
                    for p in params))
 
 
-def sample(logits_BV, settings: Rows, position_B, needs: Needs | None = None):
+def sample(logits_BV, settings: Rows, index_B, needs: Needs | None = None):
   """[B] tokens from [B, V] logits: row b by its settings and the key of
-  (its seed, position_B[b], the absolute position of the token sampled).
+  (its seed, index_B[b]: the place of the token sampled in its request's
+  generation, 0 for the first).
 
   needs: what the rows use (`needs`, static): a program without the rest;
   None: decided on the device, every row's way compiled in."""
@@ -135,7 +153,7 @@ def sample(logits_BV, settings: Rows, position_B, needs: Needs | None = None):
     scaled_BV = _truncate(scaled_BV, settings.top_k, settings.top_p)
 
   def draw(scaled_BV):
-    keys_B = token_keys(settings.seed, position_B)
+    keys_B = token_keys(settings.seed, index_B)
     drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BV)
     return jnp.where(settings.temperature > 0, drawn_B, greedy_B).astype(
         jnp.int32)
