@@ -19,6 +19,7 @@ def exit_on_user_error(fn: Callable[[], object]):
   does a Ctrl-C that no run turned into a stop at a step."""
   from train import storage  # pylint: disable=import-outside-toplevel
   try:
+    _check_environment()
     fn()
   except UserError as e:
     print(f'error: {e}', file=sys.stderr)
@@ -32,6 +33,17 @@ def exit_on_user_error(fn: Callable[[], object]):
       raise
     print(f'error: {fault}', file=sys.stderr)
     sys.exit(1)
+
+
+def _check_environment():
+  """The environment variables a run reads late (GQA_LAB_CPU_KERNEL, when
+  the first decode step is traced, deep inside jax): checked first, so a
+  bad value is one line before any work, not a traceback after it."""
+  from attention import cpu_kernel  # pylint: disable=import-outside-toplevel
+  try:
+    cpu_kernel.mode()
+  except ValueError as e:
+    raise UserError(str(e)) from None
 
 
 def run_app(main: Callable, *, required: Sequence[str] = (),
