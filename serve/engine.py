@@ -233,6 +233,9 @@ class ModelRunner:
             if row.sample}
 
 
+_END = object()
+
+
 @dataclasses.dataclass
 class _Tracked:
   request: Request
@@ -329,6 +332,12 @@ class Engine:
   def has_unfinished(self) -> bool:
     return self.scheduler.has_unfinished()
 
+  def wants_requests(self) -> bool:
+    """Whether to add another request before the next step: fewer wait
+    than `slots`, so that admission never starves while requests are read
+    only as they can be served (not all queued first)."""
+    return len(self.scheduler.waiting) < self.slots
+
   def step(self) -> list[Output]:
     """One step of the plan: decode rows and prefill chunks through the
     model; the outputs of the requests that finished in it."""
@@ -359,16 +368,25 @@ class Engine:
 
   def run(self, requests: Iterable[Request]) -> Iterator[Output]:
     """Every request served; yields each Output as it finishes (a refusal at
-    once, as an Output with `error`). `stats` counts this run."""
+    once, as an Output with `error`). Requests are taken from the iterable
+    as the engine has room for them (`wants_requests`), so the first
+    outputs come while the rest are still unread. `stats` counts this
+    run."""
     self.reset_stats()
-    for request in requests:
-      try:
-        self.add_request(request)
-      except RequestRefused as e:
-        self.stats.refused += 1
-        yield Output(request.id, error=e.reason)
-    while self.has_unfinished():
-      yield from self.step()
+    pending, more = iter(requests), True
+    while more or self.has_unfinished():
+      while more and self.wants_requests():
+        request = next(pending, _END)
+        if request is _END:
+          more = False
+          break
+        try:
+          self.add_request(request)
+        except RequestRefused as e:
+          self.stats.refused += 1
+          yield Output(request.id, error=e.reason)
+      if self.has_unfinished():
+        yield from self.step()
 
   # Helpers.
 

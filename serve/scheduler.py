@@ -161,6 +161,7 @@ class Scheduler:
     self._waiting: list[Sequence] = []  # By arrival.
     self._running: list[Sequence] = []  # By arrival.
     self._prefilling: set[str] = set()  # Running; no sample since admitted.
+    self._live: set[str] = set()  # The ids waiting or running: O(1) checks.
     self._arrivals = 0
     self._pending: Plan | None = None  # Scheduled, not yet updated.
 
@@ -173,6 +174,7 @@ class Scheduler:
     seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
     seq.status, seq.num_computed, seq.finish_reason = Status.WAITING, 0, None
     self._waiting.append(seq)
+    self._live.add(seq.id)
 
   def has_unfinished(self) -> bool:
     return bool(self._waiting or self._running)
@@ -268,6 +270,7 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.pages.free(seq.id)
         self._running.remove(seq)
+        self._live.discard(seq.id)
         finished.append(seq)
     self.stats.finished += len(finished)
     return finished
@@ -302,7 +305,7 @@ class Scheduler:
   def _refusal(self, seq: Sequence) -> str | None:
     """Why seq can never run, in one line, or None."""
     P, new = len(seq.prompt), seq.max_new_tokens
-    if any(s.id == seq.id for s in self._waiting + self._running):
+    if seq.id in self._live:
       return 'its id is already in flight; give each live request its own id'
     if seq.generated or seq.status is not Status.WAITING:
       return 'it was added before; add a fresh Sequence'

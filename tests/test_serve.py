@@ -24,6 +24,8 @@ import pytest
 from configs import tiny
 from scripts import bench_serve
 from serve import engine, generate, paged, pages
+from serve import prompts as prompts_lib
+from serve import results as results_lib
 from tests.test_faults import _one_line_error, _run
 from train import checkpoint, config_lib, loop, model as model_lib, sample
 from train import sampling
@@ -304,18 +306,32 @@ def test_the_engine_refuses_bad_requests_typed_and_in_one_line():
 def test_a_rerun_keeps_results_and_retries_errors_and_a_cut_short_line(
     tmp_path):
   out = tmp_path / 'out.jsonl'
-  results = [{'id': 'a', 'text': 'x', 'tokens': [120]},
-             {'id': 7, 'text': '', 'tokens': []}]
+  results = [{'id': 'a', 'text': 'x', 'tokens': [120], 'request': 'r1'},
+             {'id': 7, 'text': '', 'tokens': [], 'request': 'r2'}]
   _write_lines(out, [results[0], {'id': 'b', 'error': 'empty prompt; ...'},
-                     {'id': None, 'line': 3, 'error': 'line 3: not JSON'},
-                     results[1]])
+                     {'line': 3, 'error': 'line 3: not JSON'}, results[1]])
   out.write_text(out.read_text() + '{"id": "c", "te')  # Killed mid-write.
-  kept, done = generate.read_out(out)
-  assert done == {'"a"', '7'}  # 'b', line 3 and 'c' are run again.
-  generate.rewrite(out, kept)
-  assert [json.loads(line) for line in out.read_text().splitlines()] == (
-      results)
+  held = results_lib.plan(out, retry_errors=True)
+  # 'b', line 3 and 'c' are run again.
+  assert held.done == {prompts_lib.digest('"a"'): 'r1',
+                       prompts_lib.digest('7'): 'r2'}
+  results_lib.compact(out, held.drop)
+  assert _lines(out) == results
   assert [p.name for p in tmp_path.iterdir()] == ['out.jsonl']
+
+
+def test_the_last_line_for_an_id_wins_and_replaces_the_ones_before(tmp_path):
+  """A regenerated request's line is appended; the run's end drops the
+  line it replaces, and an error after a result means: not done."""
+  out = tmp_path / 'out.jsonl'
+  old, new = ({'id': 'a', 'text': 'x', 'request': 'r1'},
+              {'id': 'a', 'text': 'y', 'request': 'r2'})
+  _write_lines(out, [old, {'id': 'b', 'text': 'z', 'request': 'r3'}, new,
+                     {'id': 'b', 'error': 'empty prompt'}])
+  held = results_lib.plan(out, retry_errors=False)
+  assert held.done == {prompts_lib.digest('"a"'): 'r2'}
+  results_lib.compact(out, held.drop)
+  assert _lines(out) == [new, {'id': 'b', 'error': 'empty prompt'}]
 
 
 class _Bytes:
@@ -327,14 +343,16 @@ def test_a_max_new_tokens_leaving_no_room_is_one_line_unless_lines_give_theirs(
   prompts = tmp_path / 'prompts.jsonl'
   _write_lines(prompts, [{'id': 'own', 'prompt': 'ab', 'max_new_tokens': 4},
                          {'id': 'flag', 'prompt': 'c'}])
-  requests, _, defaulted = generate.read_prompts(prompts, _Bytes, 32)
-  assert [r.max_new_tokens for r in requests] == [4, 32]
-  assert defaulted == {'"flag"'}
+  lines = [prompts_lib.parse(n, text, 32, sampling.SamplingParams())
+           for n, text in enumerate(prompts.read_text().splitlines(), 1)]
+  assert [line.max_new_tokens for line in lines] == [4, 32]
+  found = prompts_lib.scan(prompts, 32, sampling.SamplingParams(), {})
+  assert (found.defaulted, found.first_defaulted) == (1, 'flag')
   with pytest.raises(UserError, match=r'^--max_new_tokens=32 leaves no room '
                      r'for a prompt in model.max_len \(32\), so 1 request'):
-    generate.check_max_new_tokens(32, 32, ['flag'])
-  generate.check_max_new_tokens(31, 32, ['flag'])  # A one-token prompt fits.
-  generate.check_max_new_tokens(32, 32, [])  # Every line gives its own.
+    generate.check_max_new_tokens(32, 32, 1, 'flag')
+  generate.check_max_new_tokens(31, 32, 1, 'flag')  # A one-token prompt fits.
+  generate.check_max_new_tokens(32, 32, 0)  # Every line gives its own.
 
 
 def test_the_summary_counts_refusals_and_exits_1_when_any(capsys):
@@ -370,7 +388,7 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
                                        page_size=8, slots=1)
   stats = run()
   lines = [json.loads(line) for line in out.read_text().splitlines()]
-  by_key = {(e['id'], e.get('line')): e for e in lines}
+  by_key = {(e.get('id'), e.get('line')): e for e in lines}
   assert len(lines) == 7 and stats.high_water_pages <= 3
   assert (stats.done, stats.refused) == (2, 5)
   assert by_key[(None, 2)]['error'].startswith('line 2: not JSON')
@@ -388,7 +406,7 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   # A rerun into the same OUT retries only the refused (refused again, their
   # lines replaced, not repeated); a cut-short last line (a kill mid-write)
   # is redone.
-  fields = lambda e: str([e['id'], e.get('line'), e.get('tokens'),
+  fields = lambda e: str([e.get('id'), e.get('line'), e.get('tokens'),
                           e.get('error')])
   read = lambda: sorted(map(fields, map(json.loads,
                                         out.read_text().splitlines())))
@@ -403,7 +421,8 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   prompts.write_text(text)
   stats = run()
   assert (stats.done, stats.refused) == (1, 4)
-  fixed = {e['id']: e for e in map(json.loads, out.read_text().splitlines())}
+  fixed = {e.get('id'): e for e in map(json.loads,
+                                         out.read_text().splitlines())}
   assert len(out.read_text().splitlines()) == 7
   assert fixed['empty']['tokens'] == by_key[('a', None)]['tokens']
   # --max_new_tokens leaving no room for a prompt: one line before any work.
@@ -611,7 +630,7 @@ def test_a_rerun_under_other_settings_is_refused_naming_the_difference(
 def test_a_second_process_on_the_same_out_is_refused(trained, tmp_path):
   prompts = _prompts(tmp_path / 'prompts.jsonl', ['a'])
   out = tmp_path / 'out.jsonl'
-  with generate._Lock(out):  # pylint: disable=protected-access
+  with results_lib.Lock(out):
     with pytest.raises(UserError, match=r'^out.jsonl is being written by '
                        rf'serve.generate pid {os.getpid()}; wait for it to '
                        'end or give another --out$'):
@@ -624,19 +643,19 @@ def test_a_full_disk_is_one_line_and_a_rerun_completes_the_rest(
     trained, tmp_path, monkeypatch):
   prompts = _prompts(tmp_path / 'prompts.jsonl', ['a', 'b', 'c', 'd'])
   out = tmp_path / 'out.jsonl'
-  entry, written = generate._entry, []  # pylint: disable=protected-access
+  entry, written = generate._Run._entry, []  # pylint: disable=protected-access
   def fills_up(*args):
     if len(written) == 2:
       raise OSError(errno.ENOSPC, 'No space left on device')
     written.append(1)
     return entry(*args)
-  monkeypatch.setattr(generate, '_entry', fills_up)
+  monkeypatch.setattr(generate._Run, '_entry', fills_up)  # pylint: disable=protected-access
   with pytest.raises(UserError, match=r'^cannot write .*out.jsonl \(No space '
                      r'left on device\); free space and rerun the same '
                      'command: the results written are kept'):
     _generate(trained, prompts, out)
   assert len(_lines(out)) == 2
-  monkeypatch.setattr(generate, '_entry', entry)
+  monkeypatch.undo()
   _generate(trained, prompts, out)
   assert sorted(e['id'] for e in _lines(out)) == ['a', 'b', 'c', 'd']
 
@@ -688,8 +707,9 @@ def test_prompt_lines_with_unknown_keys_or_no_prompt_are_refused_by_id(
   stats = _generate(trained, prompts, out)
   by_id = {e['id']: e for e in _lines(out)}
   assert by_id['hot']['error'] == (
-      'line 1: unknown key(s) temperature; a line takes "id", "prompt" and '
-      '"max_new_tokens" (sampling is set by the flags)')
+      'line 1: unknown key(s) temperature; a line takes "id", "prompt", '
+      '"max_new_tokens" and "seed" (the rest of sampling is set by the '
+      'flags)')
   assert by_id['none']['error'].startswith('line 2: needs a "prompt" string')
   assert 'tokens' in by_id['ok'] and (stats.done, stats.refused) == (1, 2)
 
