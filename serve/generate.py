@@ -100,28 +100,28 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
   loaded = (f'generate: {workdir} at step {step} (parameters '
             f'{record["checkpoint"]})')
   if out == STDIO:  # A stream: nothing kept to resume, so no lock either.
-    run.total = _scan(run, prompts, mc, {})
+    run.total = _scan(run, prompts, mc)
     print(loaded, file=sys.stderr, flush=True)
     return run.serve(sys.stdout, prompts_lib.Lines(prompts))
   out_path.parent.mkdir(parents=True, exist_ok=True)
   with results_lib.Lock(out_path):
     held = results_lib.plan(out_path, retry_errors=True)
-    run.total = _scan(run, prompts, mc, held.done)
+    run.total = _scan(run, prompts, mc)
     results_lib.check_settings(out_path, record, bool(held.done))
     run.done = held.done
     try:
       results_lib.write_settings(out_path, record)
       results_lib.compact(out_path, held.drop)  # Errors: retried below.
       print(loaded, file=sys.stderr, flush=True)
-      if run.total == 0:
-        print(f'generate: all requests are already in {out}',
-              file=sys.stderr)
-        return None
       with out_path.open('a', encoding='utf-8') as f:
         stats = run.serve(f, prompts_lib.Lines(prompts))
       # The lines of requests regenerated: replaced by their new ones.
       results_lib.compact(out_path,
                           results_lib.plan(out_path, retry_errors=False).drop)
+      if not run.written:
+        print(f'generate: all requests are already in {out}',
+              file=sys.stderr)
+        return None
       return stats
     except OSError as e:
       full = results_lib.disk_full(out_path, e)
@@ -148,20 +148,19 @@ def _record(workdir: str, step: int, fingerprint: str, mc, max_new_tokens,
           'stop': list(settings.stop)}
 
 
-def _scan(run: '_Run', prompts: str, mc, done: dict) -> int | None:
+def _scan(run: '_Run', prompts: str, mc) -> int | None:
   """A prompt file read once ahead (`prompts.scan`): duplicate ids and a
   --max_new_tokens leaving no room refused before anything is written;
-  how many lines are left to do. None for stdin (read as it comes)."""
+  how many lines it holds. None for stdin (read as it comes)."""
   if prompts == STDIO:
     return None
-  found = prompts_lib.scan(pathlib.Path(prompts), run.max_new_tokens,
-                           run.settings, done)
+  found = prompts_lib.scan(pathlib.Path(prompts))
   if not found.lines:
     raise UserError(f'--prompts={prompts} holds no prompts; write '
                     f'{prompts_lib.LINE_SHAPE} lines')
   check_max_new_tokens(run.max_new_tokens, mc.max_len, found.defaulted,
                        found.first_defaulted)
-  return found.todo
+  return found.lines
 
 
 class _Run:
@@ -174,11 +173,11 @@ class _Run:
     self.engine, self.tokenizer = engine, tokenizer
     self.max_new_tokens, self.settings = max_new_tokens, settings
     self.progress_every = progress_every
-    self.total: int | None = None  # Lines to do; None: unknown (stdin).
+    self.total: int | None = None  # Lines; None: unknown (stdin).
     self.done: dict[int, str] = {}  # OUT's results: id digest -> request.
-    self.seen: dict[int, int] = {}  # Id digest -> its line.
+    self.ids = prompts_lib.Ids()
     self.in_flight: dict[str, prompts_lib.Line] = {}  # By id as JSON.
-    self.count = self.refused = 0
+    self.count = self.written = self.refused = 0
 
   def serve(self, f, lines: prompts_lib.Lines) -> engine_lib.Stats:
     """Every line of `lines` served or refused into f (flushed a line at
@@ -208,16 +207,15 @@ class _Run:
                              self.settings)
     if line is None:
       return
-    if line.has_id:
-      first = self.seen.setdefault(prompts_lib.digest(line.key), number)
-      if first != number:  # Read as it came (stdin): refused by its line.
-        return self._refuse({'line': number, 'error': (
-            f'line {number}: id {line.key} is on line {first} too; give each '
-            'prompt its own id')})
+    first = line.has_id and self.ids.earlier(line.key, number)
+    if first:  # Read as it came (stdin): refused by its line.
+      return self._refuse({'line': number, 'error': (
+          f'line {number}: id {line.key} is on line {first} too; give each '
+          'prompt its own id')})
     if line.error:
       return self._refuse(line.record())
     if self.done.get(prompts_lib.digest(line.key)) == line.request:
-      return  # Its result is in OUT already.
+      return self._counted()  # Its result is in OUT already.
     try:
       tokens = self.tokenizer.encode(line.prompt)
     except UnicodeEncodeError:
@@ -237,6 +235,11 @@ class _Run:
   def _finished(self, entry: dict):
     self._out.write(json.dumps(entry) + '\n')
     self._out.flush()
+    self.written += 1
+    self._counted()
+
+  def _counted(self):
+    """One more line handled (written, or kept from OUT); progress."""
     self.count += 1
     now = time.perf_counter()
     if now - self._last >= self.progress_every or self.count == self.total:
@@ -282,7 +285,7 @@ def _progress(count: int, total: int | None, engine: engine_lib.Engine
   s, a = engine.stats, engine.pages
   seconds = time.perf_counter() - (engine.started or time.perf_counter())
   of = '' if total is None else f'/{total}'
-  return (f'generate: {count}{of} requests, {s.tokens:,} tokens, '
+  return (f'generate: {count}{of} lines, {s.tokens:,} tokens, '
           f'{s.tokens / max(seconds, 1e-9):,.1f} tokens/s, '
           f'{s.mean_in_flight:.1f} in flight, pages {a.in_use}/{a.usable} '
           f'(high-water {a.high_water}), {s.preemptions} preempted')

@@ -346,7 +346,7 @@ def test_a_max_new_tokens_leaving_no_room_is_one_line_unless_lines_give_theirs(
   lines = [prompts_lib.parse(n, text, 32, sampling.SamplingParams())
            for n, text in enumerate(prompts.read_text().splitlines(), 1)]
   assert [line.max_new_tokens for line in lines] == [4, 32]
-  found = prompts_lib.scan(prompts, 32, sampling.SamplingParams(), {})
+  found = prompts_lib.scan(prompts)
   assert (found.defaulted, found.first_defaulted) == (1, 'flag')
   with pytest.raises(UserError, match=r'^--max_new_tokens=32 leaves no room '
                      r'for a prompt in model.max_len \(32\), so 1 request'):
