@@ -104,7 +104,11 @@ class WorkdirLM(TemplateLM):
     if kv_cache_dtype not in (None, *layer.KV_CACHE_DTYPES):
       raise UserError(f'kv_cache_dtype={kv_cache_dtype!r}; use one of '
                       f'{", ".join(layer.KV_CACHE_DTYPES)}')
-    mc, self.params, config = checkpoint.load_workdir(workdir, flag)
+    mc, self.params, config, step = checkpoint.load_workdir_step(workdir,
+                                                                 flag)
+    # What was scored, by content: results.json records it.
+    self.checkpoint = {'step': step,
+                       'parameters': checkpoint.fingerprint(self.params)}
     if config.data.get('task', 'lm') != 'lm':
       raise UserError(f'{workdir} was trained on data.task='
                       f'{config.data.task!r}, not text; evaluate a language '
@@ -312,4 +316,6 @@ class WorkdirLM(TemplateLM):
 
   def get_model_info(self) -> dict:
     return {'model_workdir': self.workdir,
-            'model_num_kv_heads': self.mc.num_kv_heads}
+            'model_num_kv_heads': self.mc.num_kv_heads,
+            'model_step': self.checkpoint['step'],
+            'model_parameters': self.checkpoint['parameters']}
