@@ -179,11 +179,13 @@ def train_source(workdir: pathlib.Path, config) -> dict:
 def convert_one(out: pathlib.Path, source: pathlib.Path, arm: Arm,
                 seed: int) -> pathlib.Path:
   """ARM's converted workdir (random's depends on the seed)."""
-  key = arm.name + (f'_s{seed}' if arm.method == 'random' else '')
+  seeded = arm.method == 'random'  # The others do not draw.
+  key = arm.name + (f'_s{seed}' if seeded else '')
   method = 'mean' if arm.method == 'identity' else arm.method
   return _convert_once(out, key, source, dict(
       conversion='convert_workdir', num_kv_heads=arm.K, method=method,
-      seed=seed, optimizer=arm.start), lambda workdir: convert.convert_workdir(
+      seed=seed if seeded else None, optimizer=arm.start),
+      lambda workdir: convert.convert_workdir(
           str(source), str(workdir), arm.K, method, seed=seed,
           optimizer=arm.start))
 
