@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve import engine as engine_lib, paged, pages
+from serve import engine as engine_lib, pages, runner
 from train import checkpoint, config_lib, loop, provenance, sample
 from train import model as model_lib
 from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -122,7 +122,7 @@ def main():
           f'K={K}: the trace\'s longest request ({longest} tokens) needs '
           f'{need} pages of {args.page_size} tokens, and --kv_memory='
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
-          f'{(need + 1) * paged.page_bytes(mc, args.page_size):,} bytes, or '
+          f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
   rows = []
   for K in args.kv_heads:

@@ -61,7 +61,8 @@ from serve import engine as engine_lib
 from serve import pages
 from serve import prompts as prompts_lib
 from serve import results as results_lib
-from train import checkpoint, sample, sampling
+from train import checkpoint, sample
+from train.sampling_params import SamplingParams, cut
 from train.errors import UserError
 
 STDIO = prompts_lib.STDIO
@@ -69,7 +70,7 @@ STDIO = prompts_lib.STDIO
 
 def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
                   max_new_tokens: int,
-                  settings: sampling.SamplingParams = sampling.SamplingParams(),
+                  settings: SamplingParams = SamplingParams(),
                   slots: int = 128, page_size: int = 16,
                   prefill_chunk: int = 64, admission: str = 'reserve',
                   kv_cache_dtype=None, progress_every: float = 10.0,
@@ -131,7 +132,7 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
 
 
 def _record(workdir: str, step: int, fingerprint: str, mc, max_new_tokens,
-            kv_cache_dtype, settings: sampling.SamplingParams) -> dict:
+            kv_cache_dtype, settings: SamplingParams) -> dict:
   """OUT.settings.json: what decides every text of the run (the
   checkpoint's parameters, sampling, max_new_tokens, cache dtype), and
   where the parameters were read (`results.INFORMATION`, not compared)."""
@@ -168,7 +169,7 @@ class _Run:
   result (or refusal) written as it comes; progress to stderr."""
 
   def __init__(self, engine: engine_lib.Engine, tokenizer,
-               max_new_tokens: int, settings: sampling.SamplingParams,
+               max_new_tokens: int, settings: SamplingParams,
                progress_every: float):
     self.engine, self.tokenizer = engine, tokenizer
     self.max_new_tokens, self.settings = max_new_tokens, settings
@@ -199,7 +200,7 @@ class _Run:
       if engine.has_unfinished():
         for result in engine.step():
           self._finished(self._entry(result))
-    engine.stats.refused += self.refused
+    engine.stats.refused += self.refused  # Beside the engine's own.
     return engine.stats
 
   def _add(self, number: int, text: str):
@@ -224,11 +225,12 @@ class _Run:
     try:
       self.engine.add_request(engine_lib.Request(
           line.id, tokens, line.max_new_tokens, sampling=line.settings))
-    except engine_lib.RequestRefused as e:
-      return self._refuse(line.record(_flag_words(e.reason)))
+    except engine_lib.RequestRefused as e:  # The engine's Stats count it.
+      return self._finished(line.record(_flag_words(e.reason)))
     self.in_flight[line.key] = line
 
   def _refuse(self, entry: dict):
+    """A line refused before it reached the engine: counted here."""
     self.refused += 1
     self._finished(entry)
 
@@ -249,7 +251,7 @@ class _Run:
 
   def _entry(self, result: engine_lib.Output) -> dict:
     line = self.in_flight.pop(json.dumps(result.id))
-    done = sampling.cut(result.tokens, eos_ids=(),
+    done = cut(result.tokens, eos_ids=(),
                         decode=self.tokenizer.decode, stop=line.settings.stop)
     greedy = line.settings.temperature == 0
     return {'id': result.id, 'text': done.text, 'tokens': result.tokens,

@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Iterator
 
-from train import sampling
+from train.sampling_params import SamplingParams, request_seed
 from train.errors import UserError
 
 KEYS = frozenset({'id', 'prompt', 'max_new_tokens', 'seed'})
@@ -42,7 +42,7 @@ def digest(text: str) -> int:
 
 
 def request_hash(prompt: str, max_new_tokens: int,
-                 settings: sampling.SamplingParams) -> str:
+                 settings: SamplingParams) -> str:
   """16 hex digits naming everything that decides a request's text: its
   prompt, max_new_tokens and sampling settings (a greedy request's seed,
   top_k and top_p left out: they change nothing). A result records it, and
@@ -68,7 +68,7 @@ class Line:
   id: object = None
   prompt: str | None = None
   max_new_tokens: int = 0
-  settings: sampling.SamplingParams = sampling.SamplingParams()
+  settings: SamplingParams = SamplingParams()
   defaulted: bool = False  # Takes --max_new_tokens, not one of its own.
   error: str | None = None
 
@@ -91,7 +91,7 @@ class Line:
 
 
 def parse(number: int, text: str, max_new_tokens: int,
-          settings: sampling.SamplingParams) -> Line | None:
+          settings: SamplingParams) -> Line | None:
   """Line `number` of a prompt file (None if blank): its request with the
   flags' max_new_tokens and settings where it gives none, and its seed, if
   it names none, derived from the flags' seed and its id
@@ -119,12 +119,12 @@ def parse(number: int, text: str, max_new_tokens: int,
     return refuse(f'max_new_tokens={new!r} must be an integer >= 1', **known)
   seed = entry.get('seed')
   if seed is None:
-    seed = sampling.request_seed(settings.seed, entry['id'])
+    seed = request_seed(settings.seed, entry['id'])
   elif not (_is_int(seed) and 0 <= seed < 1 << 32):
     return refuse(f'seed={seed!r} must be an integer in 0..2**32 - 1',
                   **known)
   return Line(number, prompt=entry['prompt'], max_new_tokens=new,
-              settings=sampling.SamplingParams(
+              settings=SamplingParams(
                   settings.temperature, settings.top_k, settings.top_p, seed,
                   settings.stop),
               defaulted='max_new_tokens' not in entry, **known)

@@ -23,7 +23,7 @@ import pytest
 
 from configs import tiny
 from scripts import bench_serve
-from serve import engine, generate, paged, pages
+from serve import engine, generate, pages, runner
 from serve import prompts as prompts_lib
 from serve import results as results_lib
 from tests.test_faults import _one_line_error, _run
@@ -84,10 +84,10 @@ def test_the_allocator_reuses_returned_pages_and_never_hands_out_page_0():
          kv_cache_dtype='bfloat16')])
 def test_a_page_holds_the_bytes_the_models_kv_count_gives(model):
   mc = _config(**model)
-  pool = paged.empty_pool(mc, 3, 8)
+  pool = runner.empty_pool(mc, 3, 8)
   every_global = dataclasses.replace(mc, attention_pattern='G',
                                      local_window=None)
-  assert sum(x.nbytes for x in jax.tree.leaves(pool)) == 3 * paged.page_bytes(
+  assert sum(x.nbytes for x in jax.tree.leaves(pool)) == 3 * runner.page_bytes(
       mc, 8) == 3 * model_lib.kv_cache_bytes(every_global, 1, 8)
 
 
@@ -103,7 +103,7 @@ def test_more_prompts_than_slots_in_a_small_pool_each_equal_to_decoding_alone():
   requests = [engine.Request(i, rng.integers(0, 256, P).astype(np.int32), new)
               for i, (P, new) in enumerate(MIXED)]
   need = sum(pages.pages_for(P + new, 8) for P, new in MIXED)  # 13 pages.
-  served = engine.Engine(mc, params, kv_memory=9 * paged.page_bytes(mc, 8),
+  served = engine.Engine(mc, params, kv_memory=9 * runner.page_bytes(mc, 8),
                          page_size=8, slots=2)
   results = {r.id: r for r in served.run(requests)}
   assert served.stats.usable_pages == 8 < need
@@ -131,7 +131,7 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(admission):
                              new, sampling=hot if i % 2 else
                              sampling.SamplingParams())
               for i, (P, new) in enumerate(MIXED)]
-  served = engine.Engine(mc, params, kv_memory=9 * paged.page_bytes(mc, 4),
+  served = engine.Engine(mc, params, kv_memory=9 * runner.page_bytes(mc, 4),
                          page_size=4, slots=3, prefill_chunk=8,
                          admission=admission)
   results = {r.id: r for r in served.run(requests)}
@@ -220,12 +220,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
 
 
 def test_buckets_pad_by_less_than_a_quarter_past_8_with_few_sizes():
-  sizes = [engine.bucket(n) for n in range(1, 129)]
+  sizes = [runner.bucket(n) for n in range(1, 129)]
   assert sizes[:8] == list(range(1, 9))  # 9 pages read as 10, not 16:
   assert sizes[8] == 10 and sizes[18] == 20  # 19 busy slots run as 20.
   assert all(n <= size < 1.25 * n for n, size in enumerate(sizes, 1))
   assert len(set(sizes)) == 24
-  assert [engine.bucket(n, 1) for n in (1, 3, 9, 19)] == [1, 4, 16, 32]  # pylint: disable=protected-access
+  assert [runner.bucket(n, 1) for n in (1, 3, 9, 19)] == [1, 4, 16, 32]  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
@@ -258,7 +258,7 @@ def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
          kv_cache_dtype='int8')])
 def test_mla_is_served_from_a_paged_latent_cache(model):
   mc, params = _random_model(**model)
-  pool = paged.empty_pool(mc, 3, 4)
+  pool = runner.empty_pool(mc, 3, 4)
   assert set(pool['layers_0']['attention']) >= {'cached_latent'}
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
                          prefill_chunk=4)
@@ -382,7 +382,7 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
       {'id': 7, 'prompt': 'import', 'max_new_tokens': 4}])
   mc, params, _ = checkpoint.load_workdir(str(trained))
   # 3 usable pages of 8 tokens: 'big' (32 tokens, 4 pages) can never fit.
-  memory = str(4 * paged.page_bytes(mc, 8))
+  memory = str(4 * runner.page_bytes(mc, 8))
   run = lambda: generate.generate_file(str(trained), str(prompts), str(out),
                                        kv_memory=memory, max_new_tokens=10,
                                        page_size=8, slots=1)
@@ -464,7 +464,7 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
   runs = [engine() | alone() | static() for _ in range(3)]
   row = bench_serve.summarize(runs)
   assert row['tokens'] == sum(new for _, new in trace)
-  assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
+  assert row['usable_pages'] == 24 * 2**10 // runner.page_bytes(mc, 8) - 1
   assert row['tokens_per_sec'] > 0 and row['alone_tokens_per_sec'] > 0
   assert row['tokens_per_cpu_sec'] > 0 and row['alone_tokens_per_cpu_sec'] > 0
   assert 1 <= row['mean_in_flight'] <= 2
@@ -538,14 +538,15 @@ def _ynn_dots(compiled_text: str) -> int:
 def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=8)
-  runner, B = served.runner, 8
+  model_runner, B = served.runner, 8
   rows = lambda: np.zeros(B, np.int32)
-  args = (runner.params, runner.pool, np.zeros((B, 1), np.int32),
+  args = (model_runner.params, model_runner.pool, np.zeros((B, 1), np.int32),
           np.zeros((B, 2), np.int32), rows(), None,
           sampling.rows([sampling.SamplingParams()] * B), rows())
-  ours = runner._step.lower(*args).compile().as_text()  # pylint: disable=protected-access
+  ours = model_runner._step.lower(*args).compile().as_text()  # pylint: disable=protected-access
   control = jax.jit(functools.partial(  # The same step, XLA's defaults.
-      engine._run_rows, runner.model)).lower(*args).compile().as_text()  # pylint: disable=protected-access
+      runner._run_rows, model_runner.model)).lower(  # pylint: disable=protected-access
+          *args).compile().as_text()
   assert _ynn_dots(control) > 0
   assert _ynn_dots(ours) == 0
 

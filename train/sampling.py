@@ -19,70 +19,24 @@ request gives the same text from each of them, whatever shares its batch:
   divided by the temperature, cut to the top_k likeliest (0: all) and to the
   smallest set whose probability reaches top_p (1: all), then sampled.
 
-`SamplingParams` is the host-side record of one request's settings, checked
-once (`check`); `cut` ends a generation at its first end-of-sequence token
-or stop string, the one rule for every front end.
+The host-side pieces (`SamplingParams`, one request's settings checked once;
+`request_seed`; `length_refusal`; `cut` and `stop_at`, which end a
+generation at its first end-of-sequence token or stop string, the one rule
+for every front end) live in `train.sampling_params`, which imports no JAX
+(the serving scheduler needs them), and are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import math
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.errors import UserError
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  """One request's sampling settings.
-
-  temperature: 0 = greedy. top_k: 0 = every token. top_p: 1 = every token
-  (nucleus sampling below 1). seed: the request's random stream (its i-th
-  token drawn with fold_in(key(seed), i)). stop: strings that end the text
-  (not included in it).
-  """
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  stop: tuple[str, ...] = ()
-
-  def check(self, vocab_size: int, prefix: str = '--') -> 'SamplingParams':
-    """Itself, or a UserError naming the first setting out of range (as the
-    flag `prefix`+name, so a command's message names its flag)."""
-    p = prefix
-    if not (isinstance(self.temperature, (int, float)) and
-            math.isfinite(self.temperature) and self.temperature >= 0):
-      raise UserError(f'{p}temperature={self.temperature} must be a number '
-                      '>= 0 (0 = greedy)')
-    if not (_is_int(self.top_k) and 0 <= self.top_k <= vocab_size):
-      raise UserError(f'{p}top_k={self.top_k} must be an integer in '
-                      f'0..{vocab_size} (the vocabulary; 0 = all)')
-    if not (isinstance(self.top_p, (int, float)) and
-            math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-      raise UserError(f'{p}top_p={self.top_p} must be in (0, 1] (1 = all)')
-    if not (_is_int(self.seed) and 0 <= self.seed < 1 << 32):
-      raise UserError(f'{p}seed={self.seed} must be an integer in '
-                      '0..2**32 - 1')
-    if not all(isinstance(s, str) and s for s in self.stop):
-      raise UserError(f'{p}stop={list(self.stop)!r} must be non-empty '
-                      'strings')
-    return self
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+# The host-side pieces, one definition each (`train.sampling_params`).
+from train.sampling_params import (Finished, SamplingParams, cut,  # pylint: disable=unused-import
+                                   length_refusal, request_seed, stop_at)
 
 
 class Rows(NamedTuple):
@@ -99,16 +53,6 @@ def rows(params: Sequence[SamplingParams]) -> Rows:
               np.array([p.top_k for p in params], np.int32),
               np.array([p.top_p for p in params], np.float32),
               np.array([p.seed for p in params], np.uint32))
-
-
-def request_seed(seed: int, request_id) -> int:
-  """The seed of a request that names none: a uint32 derived from a front
-  end's `seed` and the request's id (any JSON value), the first 4 bytes of
-  the SHA-256 of `[seed, id]` as compact JSON. Stable across processes and
-  machines (unlike Python's hash()), and different for different ids."""
-  text = json.dumps([int(seed), request_id], separators=(',', ':'),
-                    sort_keys=True)
-  return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], 'big')
 
 
 def token_keys(seed_B, index_B):
@@ -181,48 +125,3 @@ def _truncate(scaled_BV, top_k_B, top_p_B):
   threshold_B1 = jnp.maximum(
       kth_B1, jnp.take_along_axis(sorted_BV, last_B[:, None], axis=-1))
   return jnp.where(scaled_BV < threshold_B1, -jnp.inf, scaled_BV)
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-  """A generation as returned: its text, its tokens (up to the first
-  end-of-sequence token, not included), and why it ended: 'eos', 'stop' (a
-  stop string, cut from the text) or 'length'."""
-  text: str
-  tokens: list[int]
-  reason: str
-
-
-def length_refusal(prompt_len: int, max_new_tokens: int, max_len: int
-                   ) -> str:
-  """Why a prompt of prompt_len tokens cannot be continued by
-  max_new_tokens in a model of max_len positions (one line), or ''."""
-  if prompt_len < 1:
-    return 'empty prompt; give at least one token of text'
-  if max_new_tokens < 1 or prompt_len + max_new_tokens > max_len:
-    return (f'prompt ({prompt_len} tokens) + max_new_tokens '
-            f'({max_new_tokens}) must be within 1..model.max_len '
-            f'({max_len}); shorten one')
-  return ''
-
-
-def stop_at(text: str, stop: Sequence[str]) -> int | None:
-  """Where the earliest stop string begins in text, or None."""
-  found = [i for i in (text.find(s) for s in stop) if i >= 0]
-  return min(found) if found else None
-
-
-def cut(tokens, *, eos_ids: Sequence[int], decode, stop: Sequence[str] = ()
-        ) -> Finished:
-  """The generation `tokens` ends with: up to its first end-of-sequence
-  token, its text (decode(tokens)) up to its first stop string."""
-  tokens = [int(t) for t in tokens]
-  reason = 'length'
-  ends = [i for i, t in enumerate(tokens) if t in set(eos_ids)]
-  if ends:
-    tokens, reason = tokens[:ends[0]], 'eos'
-  text = decode(tokens)
-  at = stop_at(text, stop)
-  if at is not None:
-    text, reason = text[:at], 'stop'
-  return Finished(text, tokens, reason)
