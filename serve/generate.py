@@ -116,9 +116,9 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
       print(loaded, file=sys.stderr, flush=True)
       with out_path.open('a', encoding='utf-8') as f:
         stats = run.serve(f, prompts_lib.Lines(prompts))
-      # The lines of requests regenerated: replaced by their new ones.
-      results_lib.compact(out_path,
-                          results_lib.plan(out_path, retry_errors=False).drop)
+      if run.replaced:  # Lines of requests generated again: the old go.
+        results_lib.compact(
+            out_path, results_lib.plan(out_path, retry_errors=False).drop)
       if not run.written:
         print(f'generate: all requests are already in {out}',
               file=sys.stderr)
@@ -179,6 +179,7 @@ class _Run:
     self.ids = prompts_lib.Ids()
     self.in_flight: dict[str, prompts_lib.Line] = {}  # By id as JSON.
     self.count = self.written = self.refused = 0
+    self.replaced = 0  # Results in OUT whose requests changed.
 
   def serve(self, f, lines: prompts_lib.Lines) -> engine_lib.Stats:
     """Every line of `lines` served or refused into f (flushed a line at
@@ -213,10 +214,15 @@ class _Run:
       return self._refuse({'line': number, 'error': (
           f'line {number}: id {line.key} is on line {first} too; give each '
           'prompt its own id')})
+    # OUT's result for this id: kept if its request is this line's, else
+    # replaced by what this line now gives (a result or a refusal).
+    held = (self.done.get(prompts_lib.digest(line.key), False)
+            if line.has_id else False)
+    if line.error is None and held == line.request:
+      return self._counted()
+    self.replaced += held is not False
     if line.error:
       return self._refuse(line.record())
-    if self.done.get(prompts_lib.digest(line.key)) == line.request:
-      return self._counted()  # Its result is in OUT already.
     try:
       tokens = self.tokenizer.encode(line.prompt)
     except UnicodeEncodeError:

@@ -119,6 +119,13 @@ def test_an_edited_prompt_or_its_max_new_tokens_is_generated_again(trained,
   assert by_id['c'] == first['c']  # Kept: its time as measured then.
   assert by_id['a']['request'] != first['a']['request']
   assert _generate(trained, prompts, out) is None  # All in, now.
+  # Edited into a line that is refused: its error replaces its result.
+  _write(prompts, [{'id': 'a', 'prompt': ''}, {'id': 'b', 'prompt': 'import',
+                                                'max_new_tokens': 6},
+                   {'id': 'c', 'prompt': 'class'}])
+  _generate(trained, prompts, out)
+  assert sorted((e['id'], 'error' in e) for e in _lines(out)) == [
+      ('a', True), ('b', False), ('c', False)]
 
 
 def test_a_request_hash_names_what_decides_the_text():
