@@ -289,11 +289,13 @@ def test_a_duplicate_id_on_stdin_is_refused_by_its_line():
   """Read as it comes, a pipe's duplicate cannot be refused before anything
   is written: its later line is, as a record of that line (no "id", so it
   never stands for the first request's result)."""
-  run = generate._Run(None, _Bytes, 4, sampling.SamplingParams(), 1e9)  # pylint: disable=protected-access
-  written = []
+  added, written = [], []
+  class Engine:  # What the loop asks of the engine here: to take a request.
+    add_request = staticmethod(added.append)
+  run = generate._Run(Engine(), _Bytes, 4, sampling.SamplingParams(), 1e9)  # pylint: disable=protected-access
   run._finished = written.append  # pylint: disable=protected-access
-  run.engine = type('Engine', (), {'add_request': lambda self, r: None})()
-  run._add(1, json.dumps({'id': 'a', 'prompt': 'x'}))  # pylint: disable=protected-access
-  run._add(2, json.dumps({'id': 'a', 'prompt': 'y'}))  # pylint: disable=protected-access
+  for number, prompt in ((1, 'x'), (2, 'y')):
+    run._add(number, json.dumps({'id': 'a', 'prompt': prompt}))  # pylint: disable=protected-access
+  assert [r.id for r in added] == ['a']
   assert written == [{'line': 2, 'error': 'line 2: id "a" is on line 1 too; '
                       'give each prompt its own id'}]
