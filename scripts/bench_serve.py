@@ -22,9 +22,9 @@ token and per-token latency (medians). Compiling is done before timing
 
 Peers, in the same run, taking turns with the engine for each K:
   one at a time  the same requests one after another through
-                 `lm.inference.generate` (its prefill and `lax.scan` decode),
+                 `train.inference.generate` (its prefill and `lax.scan` decode),
                  in this process, each shape compiled before the clock starts
-  static batches the same dense-cache `lm.inference.generate` on batches of
+  static batches the same dense-cache `train.inference.generate` on batches of
                  as many requests as --kv_memory holds dense caches for (each
                  reserving the trace's longest request; at most --slots), in
                  the trace's order, left-padded to the batch's longest
@@ -71,11 +71,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve import engine as engine_lib, paged, pages
-from infra import provenance
-from lm import checkpoint, config_lib
-from lm import inference
+from serve import engine as engine_lib, pages, runner
 from train import loop
+from lm import checkpoint
+from lm import config_lib
+from infra import provenance
+from lm import inference
 from lm import model as model_lib
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
@@ -125,7 +126,7 @@ def main():
           f'K={K}: the trace\'s longest request ({longest} tokens) needs '
           f'{need} pages of {args.page_size} tokens, and --kv_memory='
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
-          f'{(need + 1) * paged.page_bytes(mc, args.page_size):,} bytes, or '
+          f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
   rows = []
   for K in args.kv_heads:
@@ -203,7 +204,11 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
 
   def run() -> dict:
     cpu = time.process_time()
-    results = list(served.run(requests))
+    # The whole trace arrives at once: each request's time to first token
+    # counts from here, though the engine takes requests as it has room.
+    now = time.perf_counter()
+    results = list(served.run(dataclasses.replace(r, arrival=now)
+                              for r in requests))
     cpu = time.process_time() - cpu
     s = served.stats
     refused = [r.error for r in results if r.error]
@@ -227,7 +232,7 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
 
 def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
                     name: str, **fields):
-  """A function timing lm.inference.generate once over each of `prompts`
+  """A function timing train.inference.generate once over each of `prompts`
   ([B, P] batches, left-padded) with its `news` tokens, one call after
   another, each shape compiled here before any clock; its numbers are
   '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
@@ -255,7 +260,7 @@ def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
 
 
 def alone_runner(mc, params, trace):
-  """The trace one request after another through lm.inference.generate
+  """The trace one request after another through train.inference.generate
   (`generate_runner`)."""
   return generate_runner(mc, params, [p[None] for p, _ in trace],
                          [new for _, new in trace], 'alone',
@@ -272,7 +277,7 @@ def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
 
 
 def static_runner(mc, params, trace, kv_memory: int, slots: int):
-  """The trace through lm.inference.generate in static batches
+  """The trace through train.inference.generate in static batches
   (`static_batch` rows each, in the trace's order): each batch left-padded
   to its longest prompt and decoded to its longest output, a request's
   tokens past its own computed but not counted (static batching's cost; no
@@ -440,7 +445,7 @@ def report(results, args) -> str:
       f'{getattr(args, "length_step", 1)}, seed {args.seed}); {args.slots} '
       f'slots, --kv_memory={args.kv_memory}, pages of {args.page_size} '
       'tokens. Compile time excluded. Peers: "one at a time" is the same '
-      'requests one after another through `lm.inference.generate` in this '
+      'requests one after another through `train.inference.generate` in this '
       'process; "static batches" the same dense-cache generate on batches '
       'of as many requests as --kv_memory holds caches for (each the '
       'trace\'s longest request), padded to the batch\'s longest prompt and '

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm import sampling
-from lm import inference
 from train import loop
+from lm import inference
+from lm import sampling
 from lm.model import Transformer, unroll_layers
 
 
@@ -56,7 +56,7 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
                         steps: int = 8) -> float:
   """Median time per decoded token (all sequences), cache filled to `context`.
 
-  Times `steps` greedy tokens of `lm.inference.decode`, the loop that
+  Times `steps` greedy tokens of `train.inference.decode`, the loop that
   train.sample runs, so the cache is updated in place rather than copied:
   it is donated to each call and handed to the next, its positions set back
   to `context` (an undonated input would be copied whole into the loop
@@ -74,8 +74,8 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
   greedy = sampling.rows([sampling.SamplingParams()] * batch)
 
   def run(cache, token_B):
-    sampled, cache = inference.decode(model, params, cache, token_B, greedy,
-                                      context, steps)
+    sampled, cache = inference.decode(model, params, cache, token_B, greedy, 0,
+                                   steps)
     return sampled, refill(cache)
 
   run = jax.jit(run, donate_argnums=0,
