@@ -4,10 +4,3 @@
 the loss and the held-out evaluator (`lm.evaluator`), FLOPs and sharding.
 Training (train/), serving (serve/) and evaluation (evaluation/) stand on it;
 it imports none of them."""
-
-from attention import cpu_kernel
-from infra import cli
-
-# GQA_LAB_CPU_KERNEL is read when a decode step is traced; every command (all
-# stand on lm) checks it first, in one line (infra.cli).
-cli.check_environment_with(cpu_kernel.mode)

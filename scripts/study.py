@@ -93,7 +93,7 @@ def saved(path: pathlib.Path) -> dict:
 # where tokenized data is cached): a finished run that differs from the one
 # asked for only in these is that run. Every other field must match.
 CANNOT_CHANGE_RESULTS = frozenset({
-    'train.log_every', 'lm.checkpoint_every', 'train.keep_checkpoints',
+    'train.log_every', 'train.checkpoint_every', 'train.keep_checkpoints',
     'data.cache_dir'})
 
 
