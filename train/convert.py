@@ -6,6 +6,8 @@
   python -m train.convert --from_hf=HF_DIR --workdir=NEWDIR \
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
+  python -m train.convert --source=WORKDIR --to_gguf=OUT.gguf \
+      [--dtype=f32|f16|bf16]                   # for llama.cpp (train.to_gguf)
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
       --kv_lora_rank=A --qk_rope_head_dim=Y [--latent_groups=G]
                                             # into latent attention (GLA)
@@ -69,7 +71,7 @@ import numpy as np
 import optax
 
 from train import checkpoint, config_lib, hf, loop, safetensors_io, storage
-from train import hf_deepseek, to_gta, to_mla
+from train import hf_deepseek, to_gguf, to_gta, to_mla
 from train import model as model_lib
 from train import tokenizer as tokenizer_lib
 from train import workdir as workdir_lib
@@ -443,7 +445,7 @@ def export_hf(source: str, target: str) -> str:
   family = hf.family_of(mc, remembered.get('model_type'))
   if remembered.get('model_type') not in (None, family):
     remembered = {}  # Another architecture now: keep only its token ids.
-  params = _unfused(params, mc)
+  params = hf.unfused(params, mc)
   shapes, tensors = hf.hf_tensors(params, mc)
   out.mkdir(parents=True, exist_ok=True)
   try:
@@ -457,27 +459,6 @@ def export_hf(source: str, target: str) -> str:
     shutil.rmtree(out)
     raise
   return family
-
-
-def _unfused(params, mc):
-  """Separate query/key/value (and biases) from a fused_qkv model's qkv, in
-  every attention layer."""
-  if not mc.fused_qkv:
-    return params
-  N, K = mc.num_heads, mc.num_kv_heads
-
-  def unfuse(tree):
-    if not isinstance(tree, dict):
-      return tree
-    tree = {name: unfuse(sub) for name, sub in tree.items()}
-    for suffix in ('', '_bias'):
-      if f'qkv{suffix}' in tree:
-        q, k, v = np.split(np.asarray(tree.pop(f'qkv{suffix}')),
-                           [N, N + K], axis=-2)
-        tree.update({f'query{suffix}': q, f'key{suffix}': k,
-                     f'value{suffix}': v})
-    return tree
-  return unfuse(params)
 
 
 def _check_method(method: str):
@@ -531,9 +512,22 @@ def main(argv):
   if bool(f.source) == bool(f.from_hf):
     raise UserError('give one of --source (a workdir) or --from_hf (a '
                     'Hugging Face folder)')
-  if bool(f.workdir) == bool(f.to_hf) or (f.from_hf and f.to_hf):
+  if sum(map(bool, (f.workdir, f.to_hf, f.to_gguf))) != 1 or (
+      f.from_hf and (f.to_hf or f.to_gguf)):
     raise UserError('give --workdir (to write a workdir) or, with --source, '
-                    '--to_hf (to write a Hugging Face folder)')
+                    '--to_hf (to write a Hugging Face folder) or --to_gguf (a '
+                    'GGUF file for llama.cpp)')
+  ignored = [f'--{name}' for name in (
+      'num_kv_heads', 'method', 'seed', 'optimizer', 'param_dtype',
+      'kv_lora_rank', 'qk_rope_head_dim', 'latent_groups')
+             if f.to_gguf and f[name].present]
+  if ignored:
+    raise UserError(f'--to_gguf writes the workdir as it is and takes no '
+                    f'{", ".join(ignored)}; convert it first (--workdir), '
+                    'then export that')
+  if f['dtype'].present and not f.to_gguf:
+    raise UserError('--dtype is the weights\' dtype in a GGUF file; give it '
+                    'with --to_gguf, or leave it out')
   if f.to_mla and f.to_gta:
     raise UserError('give one of --to_mla and --to_gta')
   for name in ('to_mla', 'to_gta'):
@@ -561,6 +555,11 @@ def main(argv):
                     '(at most min(d_model, 2·K·H - --qk_rope_head_dim) for K '
                     'KV heads of H dims: the full rank, every K/V direction '
                     'kept)')
+  if f.to_gguf:
+    info = to_gguf.export(f.source, f.to_gguf, f.dtype)
+    print(f'wrote {f.to_gguf}: {info["arch"]} ({info["dtype"]}, '
+          f'{info["bytes"] / 2**20:,.1f} MiB) for llama.cpp')
+    return
   if f.to_hf:
     family = export_hf(f.source, f.to_hf)
     print(f'wrote {f.to_hf}: a {family} checkpoint (Hugging Face format)')
@@ -616,6 +615,10 @@ def run():
   flags.DEFINE_string('from_hf', None, 'a Hugging Face checkpoint folder')
   flags.DEFINE_string('workdir', None, 'new workdir to write')
   flags.DEFINE_string('to_hf', None, 'new Hugging Face folder to write')
+  flags.DEFINE_string('to_gguf', None, 'new GGUF file to write (llama.cpp; '
+                      'train.to_gguf)')
+  flags.DEFINE_enum('dtype', None, list(to_gguf.DTYPES), '--to_gguf: the '
+                    "weights' dtype; default the checkpoint's param_dtype")
   flags.DEFINE_integer('num_kv_heads', -1, 'K; -1 keeps all')
   flags.DEFINE_enum('method', 'mean', METHODS, 'how grouped heads become one')
   flags.DEFINE_integer('seed', 0, 'seed of --method=random')
