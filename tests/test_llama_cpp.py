@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import pathlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,3 +228,27 @@ def test_a_text_completion_is_our_greedy_text(exported):
     out = llm.create_completion(prompt, max_tokens=new, temperature=0.0)
   assert out['choices'][0]['text'] == bytes(ours.tolist()).decode(
       'utf-8', 'replace')
+
+
+@pytest.mark.slow
+def test_the_benchmarks_llama_cpp_peer_serves_our_greedy_tokens(tmp_path):
+  """scripts.llama_cpp_peer's continuous batching (3 slots for 6 requests
+  in one unified cache, cells freed as requests end) gives each request
+  the tokens `train.sample.generate` gives it alone."""
+  from scripts import llama_cpp_peer  # pylint: disable=import-outside-toplevel
+  config = gguf_models.tiny_config(**gguf_models.SILU)
+  mc = gguf_models.model_config(**gguf_models.SILU)
+  params = jax.device_get(nn.unbox(loop.init_params(Transformer(mc), seed=2)))
+  rng = np.random.default_rng(7)
+  trace = [(rng.integers(0, 256, int(rng.integers(3, 20))),
+            int(rng.integers(1, 12))) for _ in range(6)]
+  with llama_cpp_peer.started(config, params) as peer:
+    got = peer.serve(trace, n_ctx=256, slots=3, kv_dtype='float32',
+                     outputs=True)
+  for (prompt_T, new), theirs in zip(trace, got['outputs']):
+    model = Transformer(dataclasses.replace(mc, max_len=len(prompt_T) + new),
+                        decode=True)
+    ours = sample.generate(params, jnp.asarray(prompt_T)[None], model=model,
+                           max_new_tokens=new)
+    assert theirs == np.asarray(ours)[0].tolist()
+  assert got['tokens'] == sum(new for _, new in trace)
