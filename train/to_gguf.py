@@ -131,57 +131,61 @@ def rope_factors(mc) -> np.ndarray | None:
           ).astype(np.float32)
 
 
+def fold(name: str, w, mc, arch: str):
+  """A tensor in Hugging Face's layout (`train.hf.hf_tensors`' name) as
+  llama.cpp computes with it, float32: norms as offset + w, the embedding
+  times √D where ours scales it, q/k rows interleaved for llama."""
+  w = np.asarray(w, np.float32)
+  if name.endswith('layernorm.weight') or name == 'model.norm.weight':
+    w = w + np.float32(mc.norm_scale_offset)
+  if name == 'model.embed_tokens.weight' and mc.embed_scale:
+    w = w * np.float32(mc.d_model ** 0.5)
+  heads = {'q_proj': mc.num_heads, 'k_proj': mc.num_kv_heads}
+  kind = name.split('.')[-2]
+  if arch == 'llama' and kind in heads:
+    w = interleave_rope(w, heads[kind])
+  return w
+
+
+def output_matrix(params, mc) -> np.ndarray | None:
+  """[V, D] float32: the output written apart from a tied embedding whose
+  logits ours scales (tied_logits_scale), or whose embedding it does
+  (embed_scale, folded into the token embedding); None where llama.cpp's
+  tied output is ours."""
+  if not mc.tie_embeddings or not (mc.tied_logits_scale or mc.embed_scale):
+    return None
+  embedding = np.asarray(params['embed']['embedding'], np.float32)
+  if mc.tied_logits_scale:
+    return embedding / np.float32(mc.d_model ** 0.5)
+  return embedding
+
+
 def tensors(params, mc, arch: str, dtype: str):
   """{GGUF name: (numpy dtype, shape)}, and a generator of the arrays in
-  that order: `params` in llama.cpp's names, layout and dtypes."""
+  that order: `params` in llama.cpp's names, layout and dtypes (matrices
+  in `dtype`, vectors float32)."""
   gguf = _gguf()
   names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()],
                                    mc.num_layers)
   shapes, hf_arrays = hf.hf_tensors(hf.unfused(params, mc), mc)
-  heads = {'q_proj': mc.num_heads, 'k_proj': mc.num_kv_heads}
-  sqrt_d = np.float32(mc.d_model ** 0.5)
-  embedding = lambda: np.asarray(params['embed']['embedding'], np.float32)
-  # A separate output matrix where the tied logits are not the embedding's.
-  output = None
-  if mc.tie_embeddings and mc.tied_logits_scale:
-    output = lambda: embedding() / sqrt_d
-  elif mc.tie_embeddings and mc.embed_scale:
-    output = embedding
-
-  def convert(name: str, w):
-    w = np.asarray(w, np.float32)  # Folded in float32, then cast.
-    if name.endswith('layernorm.weight') or name == 'model.norm.weight':
-      w = w + np.float32(mc.norm_scale_offset)
-    if name == 'model.embed_tokens.weight' and mc.embed_scale:
-      w = w * sqrt_d
-    kind = name.split('.')[-2]
-    if arch == 'llama' and kind in heads:
-      w = interleave_rope(w, heads[kind])
-    return w.astype(DTYPES[dtype][0]) if w.ndim == 2 else w
-
-  def gguf_name(name: str) -> str:
+  cast = lambda w: w.astype(DTYPES[dtype][0]) if w.ndim == 2 else w
+  output = output_matrix(params, mc)  # Made before the writing; one [V, D].
+  factors = rope_factors(mc)
+  infos = {}
+  for name, (_, shape) in shapes.items():
     found = names.get_name(name, try_suffixes=('.weight', '.bias'))
     if found is None:  # A tensor the plan has and llama.cpp would not read.
       raise ValueError(f'{name} has no GGUF name for {arch}')
-    return found
-
-  infos = {gguf_name(name): (np.dtype(DTYPES[dtype][0] if len(shape) == 2
-                                      else np.float32), shape)
-           for name, (_, shape) in shapes.items()}
-  if output is not None:
-    infos['output.weight'] = (np.dtype(DTYPES[dtype][0]),
-                              (mc.vocab_size, mc.d_model))
-  factors = rope_factors(mc)
-  if factors is not None:
-    infos['rope_freqs.weight'] = (np.dtype(np.float32), factors.shape)
+    infos[found] = (np.dtype(DTYPES[dtype][0] if len(shape) == 2
+                             else np.float32), shape)
+  extra = {'output.weight': output, 'rope_freqs.weight': factors}
+  extra = {name: cast(w) for name, w in extra.items() if w is not None}
+  infos |= {name: (w.dtype, w.shape) for name, w in extra.items()}
 
   def arrays():
     for name, w in hf_arrays:
-      yield convert(name, w)
-    if output is not None:
-      yield output().astype(DTYPES[dtype][0])
-    if factors is not None:
-      yield factors
+      yield cast(fold(name, w, mc, arch))
+    yield from extra.values()
   return infos, arrays()
 
 
