@@ -112,8 +112,9 @@ def test_a_tied_model_with_gemmas_scales_reads_back_folded(tmp_path):
   np.testing.assert_allclose(_values(tensors['output.weight']),
                              embedding / sqrt_d, rtol=1e-6)
   layer0 = model_lib.layer_subtrees(mc, params)[0]
+  norm = np.asarray(layer0['attention_norm']['scale'])
   np.testing.assert_array_equal(_values(tensors['blk.0.attn_norm.weight']),
-                                1.0 + np.asarray(layer0['attention_norm']['scale']))
+                                1.0 + norm)
   H = mc.head_dim
   query_DNH = np.asarray(layer0['attention']['query'])
   rows = _values(tensors['blk.0.attn_q.weight']).reshape(4, H // 2, 2, -1)

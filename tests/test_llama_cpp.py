@@ -3,10 +3,10 @@ we compute: next-token logits equal to ours at every position, the same
 greedy text through its KV cache, the same tokens from text.
 
 The models: a tiny GQA model trained here (SwiGLU, with Gemma's norm offset
-and embedding scale, which the export folds), random MHA and MQA models with
-tied embeddings (scaled, and not), linear RoPE scaling, and Hugging Face
-Llama (3.1's RoPE scaling) and Qwen2 (Q/K/V biases) imported from random
-configs. Skipped, saying so, where llama-cpp-python is not installed (CI
+and embedding scale, which the export folds), random MHA (fused QKV) and MQA
+models with tied embeddings (scaled, and not), linear RoPE scaling, and
+Hugging Face Llama (3.1's RoPE scaling) and Qwen2 (Q/K/V biases) imported
+from random configs. Skipped, saying so, where llama-cpp-python is not installed (CI
 installs it in a step of its own, .ci/run).
 """
 
@@ -35,9 +35,9 @@ HF = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
           vocab_size=300, max_len=512, init_std=0.1)
 CASES = {  # Name -> how its workdir is made.
     'trained-gqa': 'trained',
-    'mha-tied-scaled': dict(num_kv_heads=4, tie_embeddings=True,
-                            tied_logits_scale=True, max_len=128,
-                            **gguf_models.SILU),
+    'mha-tied-scaled-fused': dict(num_kv_heads=4, tie_embeddings=True,
+                                  tied_logits_scale=True, fused_qkv=True,
+                                  max_len=128, **gguf_models.SILU),
     'mqa-tied-linear-rope': dict(
         num_kv_heads=1, tie_embeddings=True, max_len=128,
         rope_scaling=dict(kind='linear', factor=4.0), **gguf_models.LLAMA),
@@ -172,7 +172,7 @@ def test_greedy_text_through_the_kv_cache_equals_ours(exported):
 def test_half_precision_exports_stay_near_ours(tmp_path, dtype):
   """Rounded weights (and llama.cpp's half-precision matmuls): logits
   within a few hundredths, the same next token nearly everywhere."""
-  workdir = _make(tmp_path, 'mha-tied-scaled')
+  workdir = _make(tmp_path, 'mha-tied-scaled-fused')
   to_gguf.export(str(workdir), str(tmp_path / 'm.gguf'), dtype)
   tokens_T = _prompt(workdir, 128)
   ours, theirs = _ours(workdir, tokens_T), _theirs(tmp_path / 'm.gguf',

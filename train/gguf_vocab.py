@@ -134,11 +134,13 @@ def _check_bpe(spec: dict, name: str) -> str:
                + ' (SentencePiece-style)')
   elif decoder.get('type') != 'ByteLevel':
     problem = f'its decoder is {decoder.get("type")!r}, not ByteLevel'
-  elif normalizer and normalizer.get('type') != 'NFC':
+  elif normalizer and normalizer.get('type') != 'NFC':  # Qwen2's NFC: not
+    # applied by llama.cpp, so text already in NFC (most) reads the same.
     problem = f'its normalizer is {normalizer.get("type")!r}'
   found = _pre_tokenizer(pre)
   if problem is None and found is None:
-    problem = f'its pre-tokenizer ({json.dumps(pre)[:120]}) is not one llama.cpp names'
+    problem = (f'its pre-tokenizer ({json.dumps(pre)[:120]}) is not one '
+               'llama.cpp names')
   if problem is None and bool(model.get('ignore_merges')) != found[1]:
     problem = (f'model.ignore_merges={bool(model.get("ignore_merges"))} with '
                f"the {found[0]} pre-tokenizer, whose llama.cpp reading takes "
