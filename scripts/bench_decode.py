@@ -392,7 +392,8 @@ def main_layer(args):
   kv_heads = args.kv_heads or [16, 4, 1]
   batches, contexts = args.batches or [16, 256], args.contexts or [2048]
   given = [f'--{name}' for name in ('config', 'variants', 'kv_cache_dtype',
-                                     'equal_params') if getattr(args, name)]
+                                     'equal_params', 'llama_cpp')
+           if getattr(args, name)]
   if given:
     raise UserError(f'{" and ".join(given)}: not used with --layer (one '
                     f'float32 layer, N={N}, H={H}, D={D}); drop it')
