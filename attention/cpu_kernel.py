@@ -124,11 +124,9 @@ def refusal(options, kv, visible) -> str | None:
   why = _loaded()
   if why is not None:
     return why
-  if options.kv_lora_rank:
-    return 'a latent (MLA) cache'
   if visible.shape[1] != 1:
     return 'a mask that differs between heads'
-  name = 'cached_tied' if options.tie_kv else 'cached_key'
+  name = options.layout.entries(options)[0].name
   cache = kv.paged.arrays[name] if kv.paged is not None else kv.key
   if not any(cache.dtype == d for d in CACHE_DTYPES):
     return f'a {cache.dtype} cache (the kernel takes float32, bfloat16, int8)'
@@ -161,16 +159,16 @@ def attention(options, q_BTNH, kv, visible):
                (key_scale, value_scale), extra, visible, S)
 
 
-def tied_attention(options, q_BTNH, kv, visible):
+def tied_attention(options, q_BTNH, kv, visible, *, rope_dim: int):
   """[B, T, N, H] in q_BTNH's dtype: grouped-tied attention's step (its
-  queries' last Y = qk_rope_head_dim features turned by RoPE) against the
+  queries' last Y = rope_dim features turned by RoPE) against the
   tied cache that kv holds (a paged pool in place, or the dense layout:
   kv.key the tied states [B·K, S, H], kv.value the RoPE keys [B, S, Y] or
   None when Y = 0, their int8 scales kv.key_scale and kv.value_scale), as
   `attention.tied.tied_attention` computes it, seeing what `visible`
   [B or 1, 1, T, S] says. Call only where `refusal` is None."""
   B, H = q_BTNH.shape[0], q_BTNH.shape[-1]
-  Y = options.qk_rope_head_dim
+  Y = rope_dim
   if kv.paged is not None:
     arrays = kv.paged.arrays
     tied = arrays['cached_tied']  # [K, P, p, H].
@@ -189,7 +187,7 @@ def tied_attention(options, q_BTNH, kv, visible):
     target, extra = DENSE_TIED_TARGET, ()
   if tied.shape[-1] != H or (rope_key is None) != (Y == 0):
     raise ValueError(f'queries [B, T, N, H] = {q_BTNH.shape} with '
-                     f'qk_rope_head_dim={Y} against tied states '
+                     f'a RoPE key of {Y} against tied states '
                      f'{tied.shape} and RoPE keys '
                      f'{None if rope_key is None else rope_key.shape}; the '
                      'layer and its cache disagree')

@@ -1,14 +1,14 @@
 """The decode cache: what each layer kind stores per token, and the two
 strategies for where it is written and read.
 
-Every attention kind describes its cache as `Entry`s: per token and layer,
-`heads` (E) vectors of `features` (F) numbers. Grouped-query attention
-stores its keys and values (E = K KV heads, F = H); multi-head latent
-attention (`attention.latent`) its latents (E = G latent groups, F = A / G;
-G = 1 is MLA's one latent) and shared RoPE key (E = 1, F = Y); grouped-tied
-attention (`attention.tied`) its tied states (E = K, F = H) and shared RoPE
-key (E = 1, F = Y). One table, read by both strategies and by the byte
-counts, so no layout is declared twice.
+Every layout (`attention.layout`) describes its cache as `Entry`s: per
+token and layer, `heads` (E) vectors of `features` (F) numbers.
+Grouped-query attention stores its keys and values (E = K KV heads, F = H);
+multi-head latent attention (`attention.latent`) its latents (E = G latent
+groups, F = A / G; G = 1 is MLA's one latent) and shared RoPE key (E = 1,
+F = Y); grouped-tied attention (`attention.tied`) its tied states (E = K,
+F = H) and shared RoPE key (E = 1, F = Y). One table per layout, read by
+both strategies and by the byte counts, so no layout is declared twice.
 
 `DenseCache`: one sequence per batch row, every row at the same position
 (`cache_index`), laid out heads-major, Z = B·E rows: an entry is [Z, S, F],
@@ -60,26 +60,9 @@ class Entry(NamedTuple):
 
 def entries(options) -> tuple[Entry, ...]:
   """The cache entries of a layer with `options` (attention.layer.Options):
-  keys and values of K heads, MLA's latent as G groups (GLA) and RoPE key,
-  or GTA's tied states of K heads and RoPE key (no RoPE key when
-  qk_rope_head_dim is 0)."""
-  if options.kv_lora_rank:
-    G = options.latent_groups
-    out = [Entry('cached_latent', G, options.kv_lora_rank // G, False,
-                 'latent_scale')]
-    if options.qk_rope_head_dim:
-      out.append(Entry('cached_rope_key', 1, options.qk_rope_head_dim, False,
-                       'rope_key_scale'))
-    return tuple(out)
-  K, H = options.num_kv_heads, options.head_dim
-  if options.tie_kv:
-    out = [Entry('cached_tied', K, H, False, 'tied_scale')]
-    if options.qk_rope_head_dim:
-      out.append(Entry('cached_rope_key', 1, options.qk_rope_head_dim, False,
-                       'rope_key_scale'))
-    return tuple(out)
-  return (Entry('cached_key', K, H, True, 'key_scale'),
-          Entry('cached_value', K, H, False, 'value_scale'))
+  its layout's (`attention.layout`), e.g. grouped-query attention's keys
+  and values of K heads."""
+  return options.layout.entries(options)
 
 
 def _stored_dtype(options, dtype):

@@ -1,8 +1,8 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3) and its grouped form
 (GLA, Zadouri, Strauss & Dao 2025) as pure functions.
 
-`attention.layer.apply` hands a layer here when its options set
-kv_lora_rank. Letters (with those of `attention.core`: B, T, S, N, D, Z):
+The layout 'mla' (`attention.layout`): `attention.layer.apply` hands a
+layer here when its options' layout is an `MLA`. Letters (with those of `attention.core`: B, T, S, N, D, Z):
 
   A  kv_lora_rank, the latent's width    Q  q_lora_rank (optional)
   I  qk_nope_head_dim, a head's key      Y  qk_rope_head_dim, the RoPE key
@@ -40,210 +40,269 @@ splits the work of decoding by groups, which tensor parallelism shards.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 from attention import kv_cache, numerics
 from attention.core import dot_product_attention
-from attention.rope import apply_rope, inverse_frequencies
+from attention.layout import Layout, register
+from attention.rope import apply_rope, pair_frequencies, pairs_problem
 
 Array = jax.Array
 
 
-def resolve(options) -> None:
-  """Fills the MLA fields left None (qk_nope_head_dim and v_head_dim:
-  head_dim; qk_rope_head_dim: head_dim / 2 with use_rope, else 0) and
-  raises ValueError, naming the field and the fix, for a combination MLA
-  (or GLA) cannot take. kv_lora_rank 0 means None (not MLA)."""
-  set_ = lambda name, value: object.__setattr__(options, name, value)
-  rank = options.kv_lora_rank
-  if rank is not None and (isinstance(rank, bool) or not isinstance(
-      rank, int) or rank < 0):
-    raise ValueError(f'kv_lora_rank={rank!r} must be an integer >= 1, or '
-                     '0/None (not MLA)')
-  if not rank:
-    if options.latent_groups != 1:
-      raise ValueError(f'latent_groups={options.latent_groups!r} without '
-                       'kv_lora_rank: the groups split a latent; set '
-                       'kv_lora_rank (a multiple of them), or latent_groups=1')
-    if options.rope_pairs is not None:
-      raise ValueError('rope_pairs is set, but kv_lora_rank is not: the '
-                       'pairs are an MLA RoPE key\'s; unset rope_pairs')
-    if rank not in (None, 0):
-      raise ValueError(f'kv_lora_rank={options.kv_lora_rank!r} must be an '
-                       'integer >= 1, or 0/None (not MLA)')
-    set_('kv_lora_rank', None)
-    return
-  H = options.head_dim
-  for name, default in (('qk_nope_head_dim', H), ('v_head_dim', H),
-                        ('qk_rope_head_dim', H // 2 if options.use_rope
-                         else 0)):
-    if getattr(options, name) is None:
-      set_(name, default)
-  problem = _problem(options)
-  if problem:
-    raise ValueError(problem)
+@register
+@dataclasses.dataclass(frozen=True)
+class MLA(Layout):
+  """Multi-head latent attention's settings, named as DeepSeek's configs:
+  a kv_lora_rank-wide latent (A; None: 4·head_dim, DeepSeek-V2/V3's 512
+  for their 128-wide heads), an optional q_lora_rank query
+  latent (Q), a qk_rope_head_dim RoPE key shared by the heads (Y), per-head
+  qk_nope_head_dim keys (I) and v_head_dim values (U); None: head_dim, and
+  for Y head_dim / 2 with RoPE (0 without). latent_groups (G): GLA's groups,
+  1 is MLA. latent_norm: the latent's RMSNorm (DeepSeek's kv_a_layernorm; a
+  checkpoint converted into MLA has none, an RMSNorm not being linear).
+  rope_pairs: for a model converted from a RoPE model (`train.convert
+  --to_mla`), RoPE pair j turns at frequency rope_pairs[j] of a
+  head_dim-wide RoPE (pairs kept from the source's); None: a
+  qk_rope_head_dim-wide RoPE."""
+  name: ClassVar[str] = 'mla'
+  logical_axes: ClassVar[dict] = {
+      'query': ('embed', 'q_heads', 'head_dim'),
+      'out': ('q_heads', 'head_dim', 'embed'),
+      'query_down': ('embed', 'q_lora'),
+      'query_down_norm': ('norm',),
+      'query_up': ('q_lora', 'q_heads', 'head_dim'),
+      'kv_down': ('embed', 'kv_lora'),
+      'kv_norm': ('latent_groups',),  # [A]: G groups of F, group-major.
+      'kv_up': ('kv_lora', 'q_heads', 'head_dim'),
+  }
+  kv_lora_rank: int | None = None
+  q_lora_rank: int | None = None
+  qk_rope_head_dim: int | None = None
+  qk_nope_head_dim: int | None = None
+  v_head_dim: int | None = None
+  latent_groups: int = 1
+  latent_norm: bool = True
+  rope_pairs: tuple[int, ...] | None = None
 
+  def resolve(self, options) -> 'MLA':
+    """Itself with kv_lora_rank (None: 4·head_dim), qk_nope_head_dim and
+    v_head_dim (None: head_dim) and qk_rope_head_dim (None: head_dim / 2
+    with use_rope, else 0) filled in;
+    ValueError, naming the field and the fix, for what MLA (or GLA) cannot
+    take."""
+    H = options.head_dim
+    defaults = {'kv_lora_rank': 4 * H, 'qk_nope_head_dim': H, 'v_head_dim': H,
+                'qk_rope_head_dim': H // 2 if options.use_rope else 0}
+    pairs = self.rope_pairs
+    resolved = dataclasses.replace(
+        self, **{name: value for name, value in defaults.items()
+                 if getattr(self, name) is None},
+        rope_pairs=None if pairs is None else tuple(pairs))
+    problem = resolved._problem(options)  # pylint: disable=protected-access
+    if problem:
+      raise ValueError(problem)
+    return resolved
 
-def _problem(o) -> str | None:
-  """What MLA cannot take in options `o`, and what to do, or None."""
-  A, Q, Y = o.kv_lora_rank, o.q_lora_rank, o.qk_rope_head_dim
-  is_int = lambda v, low: isinstance(v, int) and not isinstance(
-      v, bool) and v >= low
-  for name, value, low in (('kv_lora_rank', A, 1), ('qk_rope_head_dim', Y, 0),
-                           ('qk_nope_head_dim', o.qk_nope_head_dim, 0),
-                           ('v_head_dim', o.v_head_dim, 1)):
-    if not is_int(value, low):
-      return f'{name}={value!r} must be an integer >= {low} with kv_lora_rank'
-  if Q is not None and not is_int(Q, 1):
-    return f'q_lora_rank={Q!r} must be an integer >= 1, or None (no query latent)'
-  G, N = o.latent_groups, o.num_heads
-  if not is_int(G, 1):
-    return f'latent_groups={G!r} must be an integer >= 1 (1: MLA)'
-  if N % G or A % G:
-    fits = [g for g in range(1, min(N, A) + 1) if N % g == 0 == A % g]
-    return (f'latent_groups={G} must divide num_heads={N} and kv_lora_rank='
-            f'{A} (each latent group holds kv_lora_rank / G features for '
-            f'num_heads / G query heads); pick latent_groups in {fits}')
-  if o.qk_nope_head_dim + Y == 0:
-    return ('qk_nope_head_dim=0 and qk_rope_head_dim=0 leave the keys '
-            'empty; give one of them > 0')
-  for name in ('qk_norm', 'qkv_bias', 'fused_qkv'):
-    if getattr(o, name):
-      return (f'{name}=True with kv_lora_rank={A}: multi-head latent '
-              f'attention has its own projections; set {name}=False')
-  if o.num_kv_heads != o.num_heads:
-    return (f'num_kv_heads={o.num_kv_heads} with kv_lora_rank={A}: MLA '
-            'rebuilds every query head\'s key and value from the latent; set '
-            f'num_kv_heads={o.num_heads} (num_heads)')
-  if o.use_rope and (Y == 0 or Y % 2):
-    return (f'qk_rope_head_dim={Y} with use_rope=True: MLA turns a shared '
-            'RoPE key of qk_rope_head_dim features, which must be even and '
-            '> 0; set it, or use_rope=False with qk_rope_head_dim=0')
-  if not o.use_rope and Y:
-    return (f'qk_rope_head_dim={Y} with use_rope=False: nothing turns the '
-            'RoPE key; set qk_rope_head_dim=0, or use_rope=True')
-  pairs = o.rope_pairs
-  if pairs is not None and (len(pairs) != Y // 2 or not all(
-      isinstance(p, int) and 0 <= p < o.head_dim // 2 for p in pairs)):
-    return (f'rope_pairs={list(pairs)} must list qk_rope_head_dim / 2 = '
-            f'{Y // 2} frequency indices from 0 to head_dim / 2 - 1 = '
-            f'{o.head_dim // 2 - 1}; leave it to train.convert --to_mla')
-  return None
+  def _problem(self, o) -> str | None:
+    """What MLA cannot take with the layer's options `o`, and what to do,
+    or None."""
+    A, Q, Y = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim
+    is_int = lambda v, low: isinstance(v, int) and not isinstance(
+        v, bool) and v >= low
+    for name, value, low in (('kv_lora_rank', A, 1),
+                             ('qk_rope_head_dim', Y, 0),
+                             ('qk_nope_head_dim', self.qk_nope_head_dim, 0),
+                             ('v_head_dim', self.v_head_dim, 1)):
+      if not is_int(value, low):
+        return f'mla.{name}={value!r} must be an integer >= {low}'
+    if Q is not None and not is_int(Q, 1):
+      return (f'mla.q_lora_rank={Q!r} must be an integer >= 1, or None (no '
+              'query latent)')
+    if not isinstance(self.latent_norm, bool):
+      return f'mla.latent_norm={self.latent_norm!r} must be True or False'
+    G, N = self.latent_groups, o.num_heads
+    if not is_int(G, 1):
+      return f'mla.latent_groups={G!r} must be an integer >= 1 (1: MLA)'
+    if N % G or A % G:
+      fits = [g for g in range(1, min(N, A) + 1) if N % g == 0 == A % g]
+      return (f'mla.latent_groups={G} must divide num_heads={N} and '
+              f'mla.kv_lora_rank={A} (each latent group holds kv_lora_rank '
+              f'/ G features for num_heads / G query heads); pick '
+              f'latent_groups in {fits}')
+    if self.qk_nope_head_dim + Y == 0:
+      return ('mla.qk_nope_head_dim=0 and mla.qk_rope_head_dim=0 leave the '
+              'keys empty; give one of them > 0')
+    for name in ('qk_norm', 'qkv_bias', 'fused_qkv'):
+      if getattr(o, name):
+        return (f'{name}=True with attention=\'mla\': multi-head latent '
+                f'attention has its own projections; set {name}=False')
+    if o.num_kv_heads != o.num_heads:
+      return (f'num_kv_heads={o.num_kv_heads} with attention=\'mla\': MLA '
+              'rebuilds every query head\'s key and value from the latent; '
+              f'set num_kv_heads={o.num_heads} (num_heads)')
+    if o.use_rope and (Y == 0 or Y % 2):
+      return (f'mla.qk_rope_head_dim={Y} with use_rope=True: MLA turns a '
+              'shared RoPE key of qk_rope_head_dim features, which must be '
+              'even and > 0; set it, or use_rope=False with '
+              'qk_rope_head_dim=0')
+    if not o.use_rope and Y:
+      return (f'mla.qk_rope_head_dim={Y} with use_rope=False: nothing turns '
+              'the RoPE key; set qk_rope_head_dim=0, or use_rope=True')
+    return pairs_problem(self.rope_pairs, self.qk_rope_head_dim, o.head_dim,
+                         'mla.rope_pairs', '--to_mla')
 
+  def scale(self, options) -> float:
+    """DeepSeek's softmax scale: query_pre_attn_scalar (None: the query's
+    qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times YaRN's mscale
+    squared when the RoPE scaling is YaRN's with mscale_all_dim."""
+    width = self.qk_nope_head_dim + self.qk_rope_head_dim
+    mscale = (options.rope_scaling.softmax_mscale
+              if options.rope_scaling is not None else 1.0)
+    return (options.query_pre_attn_scalar or width) ** -0.5 * mscale * mscale
 
-def rope_frequencies(options) -> np.ndarray | None:
-  """[Y/2] radians per position of the RoPE key's pairs: rope_pairs' of a
-  head_dim-wide RoPE, or None (a qk_rope_head_dim-wide RoPE's own)."""
-  if options.rope_pairs is None:
-    return None
-  return inverse_frequencies(options.head_dim, options.rope_base,
-                             options.rope_scaling)[list(options.rope_pairs)]
+  def param_shapes(self, options, d_model: int, *, shared_kv: bool = False
+                   ) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape (the module docstring's table)."""
+    D, N, A, Q = d_model, options.num_heads, self.kv_lora_rank, (
+        self.q_lora_rank)
+    I, Y, U = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+    F = A // self.latent_groups
+    if Q:
+      shapes = {'query_down': (D, Q), 'query_down_norm': (Q,),
+                'query_up': (Q, N, I + Y)}
+    else:
+      shapes = {'query': (D, N, I + Y)}
+    if not shared_kv:
+      shapes |= {'kv_down': (D, A + Y)}
+      if self.latent_norm:
+        shapes |= {'kv_norm': (A,)}
+    return {**shapes, 'kv_up': (F, N, I + U), 'out': (N, U, D)}
 
+  def entries(self, options) -> tuple[kv_cache.Entry, ...]:
+    """The latent as G groups of A/G features, and the RoPE key (none when
+    qk_rope_head_dim is 0)."""
+    del options
+    G = self.latent_groups
+    out = [kv_cache.Entry('cached_latent', G, self.kv_lora_rank // G, False,
+                          'latent_scale')]
+    if self.qk_rope_head_dim:
+      out.append(kv_cache.Entry('cached_rope_key', 1, self.qk_rope_head_dim,
+                                False, 'rope_key_scale'))
+    return tuple(out)
 
-def scale(options) -> float:
-  """DeepSeek's softmax scale: query_pre_attn_scalar (None: the query's
-  qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times YaRN's mscale squared
-  when the RoPE scaling is YaRN's with mscale_all_dim."""
-  width = options.qk_nope_head_dim + options.qk_rope_head_dim
-  mscale = (options.rope_scaling.softmax_mscale
-            if options.rope_scaling is not None else 1.0)
-  return (options.query_pre_attn_scalar or width) ** -0.5 * mscale * mscale
+  def project(self, options, params, w, x_BTD, pos_bT, shared: bool
+              ) -> tuple[tuple[Array, Array], dict[str, Array]]:
+    """The projections: ((q_nope [B, T, N, I], q_rope [B, T, N, Y] turned
+    by RoPE), the cache entries of the new tokens: the normed latents
+    [B, T, G, F] and the turned RoPE key [B, T, 1, Y]; none when shared)."""
+    B, T, D = x_BTD.shape
+    x_XD = x_BTD.reshape(B * T, D)
+    q_BTNI, q_BTNY = self._queries(options, params, w, x_XD, B, T)
+    rope = lambda x: apply_rope(
+        x, pos_bT, base=options.rope_base, scaling=options.rope_scaling,
+        frequencies=pair_frequencies(options, self.rope_pairs))
+    if self.qk_rope_head_dim:
+      q_BTNY = rope(q_BTNY)
+    if shared:
+      return (q_BTNI, q_BTNY), {}
+    c_BTGF, k_BTY = self._latent(options, params, w, x_XD, B, T)
+    new = {'cached_latent': c_BTGF}
+    if self.qk_rope_head_dim:
+      new['cached_rope_key'] = rope(k_BTY[:, :, None])  # One head, shared.
+    return (q_BTNI, q_BTNY), new
 
+  def attend(self, options, w, queries, kv, mask) -> Array:
+    """The full pass: [B, T, N, U], against per-head keys and values built
+    from the latents (`expand`)."""
+    q_BTNI, q_BTNY = queries
+    c_BSGF = kv.key
+    k_BSY = (jnp.zeros(c_BSGF.shape[:2] + (0,), c_BSGF.dtype)
+             if kv.value is None else kv.value[:, :, 0])
+    k_BSNH, v_BSNU = expand(*split_up(w['kv_up'], self.qk_nope_head_dim),
+                            c_BSGF, k_BSY)
+    return _expanded_attention(options, q_BTNI, q_BTNY, k_BSNH, v_BSNU, mask)
 
-def param_shapes(options, d_model: int, *, shared_kv: bool = False
-                 ) -> dict[str, tuple[int, ...]]:
-  """Parameter name -> shape (the module docstring's table)."""
-  D, N, A, Q = (d_model, options.num_heads, options.kv_lora_rank,
-                options.q_lora_rank)
-  I, Y, U = (options.qk_nope_head_dim, options.qk_rope_head_dim,
-             options.v_head_dim)
-  F = A // options.latent_groups
-  if Q:
-    shapes = {'query_down': (D, Q), 'query_down_norm': (Q,),
-              'query_up': (Q, N, I + Y)}
-  else:
-    shapes = {'query': (D, N, I + Y)}
-  if not shared_kv:
-    shapes |= {'kv_down': (D, A + Y)}
-    if options.latent_norm:
-      shapes |= {'kv_norm': (A,)}
-  return {**shapes, 'kv_up': (F, N, I + U), 'out': (N, U, D)}
+  def attend_cached(self, options, w, queries, kv, visible) -> Array:
+    """Against the cache (dense, or a paged one's rows gathered):
+    [B, T, N, U], absorbed (`absorbed_attention`)."""
+    q_BTNI, q_BTNY = queries
+    rows = kv_cache.gathered(kv, options)
+    key_up_FNI, value_up_FNU = split_up(w['kv_up'], self.qk_nope_head_dim)
+    return absorbed_attention(
+        q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, rows.key, rows.value,
+        visible, scale=options.scale,
+        logits_soft_cap=options.logits_soft_cap,
+        latent_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
 
+  def flops_per_token(self, options, d_model: int, context: float,
+                      shares_kv: bool, absorbed: bool) -> float:
+    """query 2·D·N·(I+Y), or 2·D·Q + 2·Q·N·(I+Y) with a query latent;
+    latent and RoPE key 2·D·(A+Y) (none when sharing K/V); keys and values
+    from it 2·(A/G)·N·(I+U), or absorbed (decoding) the queries'
+    2·N·I·(A/G) and the outputs' 2·N·(A/G)·U; scores and mix per key
+    (`attention_flops_per_key`); output projection 2·N·U·D."""
+    D, N, A, Q = d_model, options.num_heads, self.kv_lora_rank, (
+        self.q_lora_rank)
+    I, Y, U = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+    A_head = A // self.latent_groups  # The latent a head reads: its group's.
+    query = 2 * D * Q + 2 * Q * N * (I + Y) if Q else 2 * D * N * (I + Y)
+    latent = 0 if shares_kv else 2 * D * (A + Y)
+    expand_ = (2 * N * I * A_head + 2 * N * A_head * U if absorbed
+               else 2 * A_head * N * (I + U))
+    attend = self.attention_flops_per_key(options, absorbed) * context
+    return query + latent + expand_ + attend + 2 * N * U * D
 
-def project(options, params, w, x_BTD, pos_bT, shared: bool
-            ) -> tuple[tuple[Array, Array], dict[str, Array]]:
-  """`attention.layer.apply`'s projections for an MLA layer: ((q_nope
-  [B, T, N, I], q_rope [B, T, N, Y] turned by RoPE), the cache entries of
-  the new tokens: the normed latents [B, T, G, F] and the turned RoPE key
-  [B, T, 1, Y]; none when shared)."""
-  B, T, D = x_BTD.shape
-  x_XD = x_BTD.reshape(B * T, D)
-  q_BTNI, q_BTNY = _queries(options, params, w, x_XD, B, T)
-  rope = lambda x: apply_rope(x, pos_bT, base=options.rope_base,
-                              scaling=options.rope_scaling,
-                              frequencies=rope_frequencies(options))
-  if options.qk_rope_head_dim:
-    q_BTNY = rope(q_BTNY)
-  if shared:
-    return (q_BTNI, q_BTNY), {}
-  c_BTGF, k_BTY = _latent(options, params, w, x_XD, B, T)
-  new = {'cached_latent': c_BTGF}
-  if options.qk_rope_head_dim:
-    new['cached_rope_key'] = rope(k_BTY[:, :, None])  # One head, shared.
-  return (q_BTNI, q_BTNY), new
+  def attention_flops_per_key(self, options, absorbed: bool = False
+                              ) -> float:
+    """2·N·(I+Y) + 2·N·U expanded; 2·N·(A/G+Y) + 2·N·(A/G) absorbed."""
+    N = options.num_heads
+    I, Y, U = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+    if absorbed:
+      A_head = self.kv_lora_rank // self.latent_groups
+      return 2 * N * (A_head + Y) + 2 * N * A_head
+    return 2 * N * (I + Y) + 2 * N * U
 
+  def mesh_counts(self, options) -> dict[str, int]:
+    del options
+    return {'latent_groups': self.latent_groups}
 
-def attend(options, w, queries, kv, mask) -> Array:
-  """The full pass: [B, T, N, U], against per-head keys and values built
-  from the latents (`expand`)."""
-  q_BTNI, q_BTNY = queries
-  c_BSGF = kv.key
-  k_BSY = (jnp.zeros(c_BSGF.shape[:2] + (0,), c_BSGF.dtype)
-           if kv.value is None else kv.value[:, :, 0])
-  return _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSGF, k_BSY, mask)
+  def describe(self, options) -> str:
+    del options
+    groups = (f' in {self.latent_groups} groups (GLA)'
+              if self.latent_groups > 1 else '')
+    return (f'MLA: a latent of {self.kv_lora_rank}{groups} + a RoPE key of '
+            f'{self.qk_rope_head_dim}')
 
+  def _queries(self, options, params, w, x_XD, B: int, T: int
+               ) -> tuple[Array, Array]:
+    """(q_nope [B, T, N, I], q_rope [B, T, N, Y]): through the query
+    latent (query_down, its RMSNorm, query_up) when q_lora_rank is set."""
+    N, I = options.num_heads, self.qk_nope_head_dim
+    if self.q_lora_rank:
+      q_XQ = kv_cache.head_rms_norm(x_XD @ w['query_down'],
+                                    params['query_down_norm'], options)
+      kernel = w['query_up']
+    else:
+      q_XQ, kernel = x_XD, w['query']
+    q_BTNH = (q_XQ @ kernel.reshape(kernel.shape[0], -1)).reshape(
+        B, T, N, -1)
+    return q_BTNH[..., :I], q_BTNH[..., I:]
 
-def attend_cached(options, w, queries, kv, visible) -> Array:
-  """Against the cache (dense, or a paged one's rows gathered): [B, T, N, U],
-  absorbed (`absorbed_attention`)."""
-  q_BTNI, q_BTNY = queries
-  rows = kv_cache.gathered(kv, options)
-  key_up_FNI, value_up_FNU = split_up(w['kv_up'], options.qk_nope_head_dim)
-  return absorbed_attention(
-      q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, rows.key, rows.value,
-      visible, scale=options.scale, logits_soft_cap=options.logits_soft_cap,
-      latent_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
-
-
-def _queries(options, params, w, x_XD, B: int, T: int
-             ) -> tuple[Array, Array]:
-  """(q_nope [B, T, N, I], q_rope [B, T, N, Y]): through the query latent
-  (query_down, its RMSNorm, query_up) when q_lora_rank is set."""
-  N, I = options.num_heads, options.qk_nope_head_dim
-  if options.q_lora_rank:
-    q_XQ = kv_cache.head_rms_norm(x_XD @ w['query_down'], params['query_down_norm'],
-                           options)
-    kernel = w['query_up']
-  else:
-    q_XQ, kernel = x_XD, w['query']
-  q_BTNH = (q_XQ @ kernel.reshape(kernel.shape[0], -1)).reshape(B, T, N, -1)
-  return q_BTNH[..., :I], q_BTNH[..., I:]
-
-
-def _latent(options, params, w, x_XD, B: int, T: int) -> tuple[Array, Array]:
-  """(the normed latents c [B, T, G, F], the RoPE key, not yet turned,
-  [B, T, Y]) of the tokens."""
-  A, G = options.kv_lora_rank, options.latent_groups
-  ck_X = x_XD @ w['kv_down']  # [B·T, A + Y].
-  c_XGF, k_XY = ck_X[:, :A].reshape(B * T, G, A // G), ck_X[:, A:]
-  if options.latent_norm:  # Each group's latent by itself (GLA's).
-    c_XGF = kv_cache.head_rms_norm(c_XGF, params['kv_norm'].reshape(G, -1),
-                                   options)
-  return c_XGF.reshape(B, T, G, -1), k_XY.reshape(B, T, -1)
+  def _latent(self, options, params, w, x_XD, B: int, T: int
+              ) -> tuple[Array, Array]:
+    """(the normed latents c [B, T, G, F], the RoPE key, not yet turned,
+    [B, T, Y]) of the tokens."""
+    A, G = self.kv_lora_rank, self.latent_groups
+    ck_X = x_XD @ w['kv_down']  # [B·T, A + Y].
+    c_XGF, k_XY = ck_X[:, :A].reshape(B * T, G, A // G), ck_X[:, A:]
+    if self.latent_norm:  # Each group's latent by itself (GLA's).
+      c_XGF = kv_cache.head_rms_norm(c_XGF, params['kv_norm'].reshape(G, -1),
+                                     options)
+    return c_XGF.reshape(B, T, G, -1), k_XY.reshape(B, T, -1)
 
 
 def split_up(kv_up, I: int) -> tuple[Array, Array]:
@@ -271,12 +330,10 @@ def expand(key_up_FNI, value_up_FNU, c_BSGF, k_BSY
   return jnp.concatenate([k_BSNI, k_BSNY], axis=-1), v_BSNU
 
 
-def _expanded_attention(options, w, q_BTNI, q_BTNY, c_BSGF, k_BSY, mask):
+def _expanded_attention(options, q_BTNI, q_BTNY, k_BSNH, v_BSNU, mask):
   """[B, T, N, U]: the queries against the keys and values expanded from
   the latents, by `dot_product_attention` (keys and values zero-padded to
   one width, which changes no logit and no output feature)."""
-  k_BSNH, v_BSNU = expand(*split_up(w['kv_up'], options.qk_nope_head_dim),
-                          c_BSGF, k_BSY)
   q_BTNH = jnp.concatenate([q_BTNI, q_BTNY.astype(q_BTNI.dtype)], axis=-1)
   H, U = q_BTNH.shape[-1], v_BSNU.shape[-1]
   pad = lambda x, width: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])

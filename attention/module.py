@@ -25,33 +25,6 @@ from attention import kv_cache, layer
 
 Dtype = Any
 default_kernel_init = nn.initializers.lecun_normal()
-# Logical axis names of each parameter, for flax's partitioning rules.
-LOGICAL_AXES = {
-    'query': ('embed', 'q_heads', 'head_dim'),
-    'key': ('embed', 'kv_heads', 'head_dim'),
-    'value': ('embed', 'kv_heads', 'head_dim'),
-    'qkv': ('embed', None, 'head_dim'),
-    'out': ('q_heads', 'head_dim', 'embed'),
-    'query_bias': ('q_heads', 'head_dim'),
-    'key_bias': ('kv_heads', 'head_dim'),
-    'value_bias': ('kv_heads', 'head_dim'),
-    'qkv_bias': (None, 'head_dim'),
-    'query_norm': ('norm',),
-    'key_norm': ('norm',),
-    # Multi-head latent attention's (attention.latent).
-    'query_down': ('embed', 'q_lora'),
-    'query_down_norm': ('norm',),
-    'query_up': ('q_lora', 'q_heads', 'head_dim'),
-    'kv_down': ('embed', 'kv_lora'),
-    'kv_norm': ('latent_groups',),  # [A]: G groups of F, group-major.
-    'kv_up': ('kv_lora', 'q_heads', 'head_dim'),
-    # Grouped-tied attention's (attention.tied): the tied states, and the
-    # RoPE key shared by the heads (whole on every shard, as head_dim).
-    'kv': ('embed', 'kv_heads', 'head_dim'),
-    'rope_key': ('embed', 'head_dim'),
-}
-
-
 # The option fields (names, types, defaults) as `attention.layer.Options`
 # declares them, once: the module takes each as a field of its own.
 _OptionFields = type('_OptionFields', (nn.Module,), {
@@ -71,8 +44,9 @@ class Attention(_OptionFields):
       1 < K < N GQA, K = 1 MQA; None means N), head_dim (H), is_causal,
       use_rope, rope_base, local_window, logits_soft_cap,
       query_pre_attn_scalar, fused_qkv, qkv_bias, qk_norm, norm_eps,
-      norm_scale_offset, rope_scaling, kv_cache_dtype, MLA's
-      (`attention.latent`) and tie_kv (`attention.tied`).
+      norm_scale_offset, rope_scaling, kv_cache_dtype, and layout: how it
+      caches and attends (`attention.layout`; grouped-query by default,
+      `attention.latent.MLA(...)`, `attention.tied.GTA(...)`).
     dtype: computation dtype (e.g. bfloat16 on GPU/TPU); logits and softmax
       stay float32.
     param_dtype: parameter dtype.
@@ -136,7 +110,8 @@ class Attention(_OptionFields):
         D, shared_kv=self.shared_kv).items():
       init = options.param_init(name, self.kernel_init)
       if self.partitioned:
-        init = nn.with_logical_partitioning(init, LOGICAL_AXES[name])
+        init = nn.with_logical_partitioning(
+            init, options.layout.logical_axes[name])
       params[name] = self.param(name, init, shape, self.param_dtype)
     cache, names = None, ()
     if paging is not None and not self.shared_kv:

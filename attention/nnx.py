@@ -52,7 +52,7 @@ class Attention(nnx.Module):
     for name, shape in self.options.param_shapes(in_features).items():
       init = self.options.param_init(name, kernel_init)
       setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype)))
-    for name in layer.CACHE_NAMES:
+    for name in self.options.cache_names():
       setattr(self, name, nnx.data(None))
 
   def init_cache(self, batch: int, max_len: int, dtype: Dtype | None = None):
@@ -63,7 +63,7 @@ class Attention(nnx.Module):
       setattr(self, name, nnx.Cache(jnp.zeros(s.shape, s.dtype)))
 
   def _cache_names(self) -> list[str]:
-    return [name for name in layer.CACHE_NAMES
+    return [name for name in self.options.cache_names()
             if getattr(self, name) is not None]
 
   def __call__(self, x_BTD: jax.Array, mask: jax.Array | None = None

@@ -1,6 +1,8 @@
 """JAX's Pallas paged-attention kernel (TPU) on a `kv_cache.PagedCache`.
 
-`attention.layer.apply` reads a paged pool with it where lowering for TPU
+Grouped-query attention (`attention.grouped`; the kernel reads per-head
+keys and values, no other layout's entries) reads a paged pool with it
+where lowering for TPU
 (`jax.lax.platform_dependent`, not the host's backend) and the kernel takes
 the call; elsewhere, and for what `kernel_refusal` names, the pool's rows
 are gathered into the dense layout (`kv_cache.gathered`). The kernel takes
@@ -8,8 +10,7 @@ one query per row, the causal mask as a length and a logits soft cap; it
 cannot take several new tokens (prefill), a local window (it masks by length
 only), int8 pages (it wants a scale per element [K, P, p, H] of absmax /
 127.5: broadcasting our per-token scales would copy 4·H bytes per token every
-step, four times the int8 pages themselves), latent (MLA) or tied (GTA)
-entries, a head dim
+step, four times the int8 pages themselves), a head dim
 that is not a multiple of 128 (the TPU's lane width) or a page of fewer
 positions than a TPU tile of its dtype has rows (8 for float32, 16 for
 bfloat16).
@@ -26,12 +27,9 @@ LANES = 128  # The TPU's vector width: the kernel's head dim is a multiple.
 
 
 def kernel_refusal(options, T: int, pool: dict) -> str | None:
-  """None if the kernel can take this layer's step (T new tokens per row,
-  the pool's arrays), else why not."""
-  if options.kv_lora_rank:
-    return 'a latent (MLA) cache (the kernel reads per-head K/V)'
-  if options.tie_kv:
-    return 'a tied (GTA) cache (the kernel reads separate keys and values)'
+  """None if the kernel can take this grouped-query layer's step (T new
+  tokens per row, the pool's arrays), else why not. Other layouts' entries
+  (a latent, tied states) it cannot read; they do not ask it."""
   p, H = pool['cached_value'].shape[2:]
   dtype = pool['cached_value'].dtype
   rows = 32 // dtype.itemsize  # A TPU tile's rows (8 x 128 words).

@@ -119,6 +119,30 @@ def inverse_frequencies(head_dim: int, base: float,
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def pair_frequencies(options, rope_pairs) -> np.ndarray | None:
+  """[Y/2] radians per position of a RoPE key's Y/2 pairs that a converted
+  model kept from its source's head_dim-wide RoPE (MLA's and GTA's
+  rope_pairs: pair j turns at frequency rope_pairs[j] of options' RoPE), or
+  None (a Y-wide RoPE's own frequencies)."""
+  if rope_pairs is None:
+    return None
+  return inverse_frequencies(options.head_dim, options.rope_base,
+                             options.rope_scaling)[list(rope_pairs)]
+
+
+def pairs_problem(pairs, Y: int, head_dim: int, what: str, flag: str
+                  ) -> str | None:
+  """What is wrong with `pairs`, a Y-wide RoPE key's pairs kept from a
+  head_dim-wide RoPE (see `pair_frequencies`: Y / 2 indices below
+  head_dim / 2), named `what` (e.g. 'mla.rope_pairs'), or None."""
+  if pairs is not None and (len(pairs) != Y // 2 or not all(
+      isinstance(p, int) and 0 <= p < head_dim // 2 for p in pairs)):
+    return (f'{what}={list(pairs)} must list qk_rope_head_dim / 2 = '
+            f'{Y // 2} frequency indices from 0 to head_dim / 2 - 1 = '
+            f'{head_dim // 2 - 1}; leave it to train.convert {flag}')
+  return None
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0,
                scaling: RopeScaling | None = None,
                frequencies: np.ndarray | None = None) -> jax.Array:

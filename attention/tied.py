@@ -1,6 +1,7 @@
 """Grouped-tied attention (GTA; Zadouri, Strauss & Dao 2025) as pure functions.
 
-`attention.layer.apply` hands a layer here when its options set tie_kv.
+The layout 'gta' (`attention.layout`): `attention.layer.apply` hands a
+layer here when its options' layout is a `GTA`.
 Letters (with those of `attention.core`: B, T, S, N, K, G, H, D, Z = B·K):
 
   Y  qk_rope_head_dim, the RoPE key shared by every head (0 without RoPE)
@@ -22,8 +23,8 @@ costs K·H + Y cached numbers per layer, (K·H + Y) / (2·K·H) of grouped-query
 attention's with the same K. Without RoPE (Y = 0) the key is the whole
 tied state. RoPE turns the queries' last Y features and the shared key
 with a Y-wide RoPE, or, for a model converted from a RoPE model
-(`train.to_gta`), at the source's frequencies `rope_pairs` (as MLA's:
-`latent.rope_frequencies`).
+(`train.convert --to_gta`), at the source's frequencies `rope_pairs` (as
+MLA's: `rope.pair_frequencies`).
 
 The full pass (training, any pass without a cache) builds each KV head's
 key [B, S, K, H] and runs `dot_product_attention` with the tied states as
@@ -38,116 +39,182 @@ block of tied states once for both.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
-from attention import cpu_kernel, kv_cache, latent, numerics
+from attention import cpu_kernel, kv_cache, numerics
 from attention.core import dot_product_attention
-from attention.rope import apply_rope
+from attention.layout import Layout, register
+from attention.rope import apply_rope, pair_frequencies, pairs_problem
 
 Array = jax.Array
 
 # Grouped-query options that tying refuses: GTA has its own projections.
 _NOT_TIED = ('fused_qkv', 'qkv_bias', 'qk_norm')
-# MLA's options that mean nothing to GTA (qk_rope_head_dim and rope_pairs
-# are shared).
-_MLA_ONLY = ('q_lora_rank', 'qk_nope_head_dim', 'v_head_dim')
 
 
-def resolve(options) -> None:
-  """Fills qk_rope_head_dim when tie_kv is set and it is None (head_dim / 2
-  with use_rope, else 0) and raises ValueError, naming the field and the
-  fix, for a combination GTA cannot take. Nothing to do without tie_kv."""
-  if not isinstance(options.tie_kv, bool):
-    raise ValueError(f'tie_kv={options.tie_kv!r} must be True or False')
-  if not options.tie_kv:
-    return
-  if options.kv_lora_rank == 0:  # 0 means None (not MLA), as for MLA.
-    object.__setattr__(options, 'kv_lora_rank', None)
-  if options.qk_rope_head_dim is None:
-    object.__setattr__(options, 'qk_rope_head_dim',
-                       options.head_dim // 2 if options.use_rope else 0)
-  problem = _problem(options)
-  if problem:
-    raise ValueError(problem)
+@register
+@dataclasses.dataclass(frozen=True)
+class GTA(Layout):
+  """Grouped-tied attention's settings: qk_rope_head_dim (Y), the width of
+  the RoPE key shared by every head (None: head_dim / 2 with RoPE, else 0),
+  and rope_pairs, the source's RoPE frequencies of a converted model
+  (`train.convert --to_gta`; as MLA's, `rope.pair_frequencies`). The KV
+  heads are the layer's num_kv_heads."""
+  name: ClassVar[str] = 'gta'
+  logical_axes: ClassVar[dict] = {
+      'query': ('embed', 'q_heads', 'head_dim'),
+      'out': ('q_heads', 'head_dim', 'embed'),
+      # The tied states, and the RoPE key shared by the heads (whole on
+      # every shard, as head_dim).
+      'kv': ('embed', 'kv_heads', 'head_dim'),
+      'rope_key': ('embed', 'head_dim'),
+  }
+  qk_rope_head_dim: int | None = None
+  rope_pairs: tuple[int, ...] | None = None
 
+  def resolve(self, options) -> 'GTA':
+    """Itself with qk_rope_head_dim filled in (None: head_dim / 2 with
+    use_rope, else 0); ValueError, naming the field and the fix, for a
+    combination GTA cannot take."""
+    Y = self.qk_rope_head_dim
+    if Y is None:
+      Y = options.head_dim // 2 if options.use_rope else 0
+    pairs = self.rope_pairs
+    resolved = dataclasses.replace(
+        self, qk_rope_head_dim=Y,
+        rope_pairs=None if pairs is None else tuple(pairs))
+    problem = resolved._problem(options)  # pylint: disable=protected-access
+    if problem:
+      raise ValueError(problem)
+    return resolved
 
-def _problem(o) -> str | None:
-  """What GTA cannot take in options `o`, and what to do, or None."""
-  if o.kv_lora_rank is not None:
-    return (f'kv_lora_rank={o.kv_lora_rank!r} with tie_kv=True: a layer is '
-            'either multi-head latent attention or grouped-tied; set '
-            'kv_lora_rank=None, or tie_kv=False')
-  for name in _NOT_TIED:
-    if getattr(o, name):
-      return (f'{name}=True with tie_kv=True: grouped-tied attention has its '
-              f'own projections (kv, rope_key); set {name}=False')
-  if o.latent_groups != 1:
-    return (f'latent_groups={o.latent_groups!r} with tie_kv=True: an MLA '
-            '(GLA) field, grouped-tied attention has no latent; set '
-            'latent_groups=1')
-  for name in _MLA_ONLY:
-    if getattr(o, name) is not None:
-      return (f'{name}={getattr(o, name)!r} with tie_kv=True: an MLA field; '
-              f'unset it (None)')
-  H, Y = o.head_dim, o.qk_rope_head_dim
-  if not isinstance(Y, int) or isinstance(Y, bool):
-    return f'qk_rope_head_dim={Y!r} must be an integer with tie_kv=True'
-  if o.use_rope and not (0 < Y < H and Y % 2 == 0):
-    return (f'qk_rope_head_dim={Y} with tie_kv=True and use_rope=True: the '
-            'shared RoPE key needs an even width between 0 and head_dim='
-            f'{H}, both excluded; set it (None: head_dim / 2 = {H // 2})')
-  if not o.use_rope and Y:
-    return (f'qk_rope_head_dim={Y} with tie_kv=True and use_rope=False: '
-            'nothing turns the RoPE key; set qk_rope_head_dim=0 (or None), '
-            'or use_rope=True')
-  pairs = o.rope_pairs
-  if pairs is not None and (len(pairs) != Y // 2 or not all(
-      isinstance(p, int) and 0 <= p < H // 2 for p in pairs)):
-    return (f'rope_pairs={list(pairs)} must list qk_rope_head_dim / 2 = '
-            f'{Y // 2} frequency indices from 0 to head_dim / 2 - 1 = '
-            f'{H // 2 - 1}; leave it to train.convert --to_gta')
-  return None
+  def _problem(self, o) -> str | None:
+    """What GTA cannot take with the layer's options `o`, and what to do,
+    or None."""
+    for name in _NOT_TIED:
+      if getattr(o, name):
+        return (f'{name}=True with attention=\'gta\': grouped-tied '
+                'attention has its own projections (kv, rope_key); set '
+                f'{name}=False')
+    H, Y = o.head_dim, self.qk_rope_head_dim
+    if not isinstance(Y, int) or isinstance(Y, bool):
+      return f'gta.qk_rope_head_dim={Y!r} must be an integer'
+    if o.use_rope and not (0 < Y < H and Y % 2 == 0):
+      return (f'gta.qk_rope_head_dim={Y} with use_rope=True: the shared RoPE '
+              'key needs an even width between 0 and head_dim='
+              f'{H}, both excluded; set it (None: head_dim / 2 = {H // 2})')
+    if not o.use_rope and Y:
+      return (f'gta.qk_rope_head_dim={Y} with use_rope=False: nothing turns '
+              'the RoPE key; set qk_rope_head_dim=0 (or None), or '
+              'use_rope=True')
+    return pairs_problem(self.rope_pairs, self.qk_rope_head_dim, o.head_dim,
+                         'gta.rope_pairs', '--to_gta')
 
+  def param_shapes(self, options, d_model: int, *, shared_kv: bool = False
+                   ) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape (the module docstring's table)."""
+    D, N, K = d_model, options.num_heads, options.num_kv_heads
+    H, Y = options.head_dim, self.qk_rope_head_dim
+    shapes = {'query': (D, N, H)}
+    if not shared_kv:
+      shapes |= {'kv': (D, K, H)}
+      if Y:
+        shapes |= {'rope_key': (D, Y)}
+    return {**shapes, 'out': (N, H, D)}
 
-def param_shapes(options, d_model: int, *, shared_kv: bool = False
-                 ) -> dict[str, tuple[int, ...]]:
-  """Parameter name -> shape (the module docstring's table)."""
-  D, N, K = d_model, options.num_heads, options.num_kv_heads
-  H, Y = options.head_dim, options.qk_rope_head_dim
-  shapes = {'query': (D, N, H)}
-  if not shared_kv:
-    shapes |= {'kv': (D, K, H)}
+  def entries(self, options) -> tuple[kv_cache.Entry, ...]:
+    """The tied states of K heads, and the RoPE key (none when Y = 0)."""
+    out = [kv_cache.Entry('cached_tied', options.num_kv_heads,
+                          options.head_dim, False, 'tied_scale')]
+    if self.qk_rope_head_dim:
+      out.append(kv_cache.Entry('cached_rope_key', 1, self.qk_rope_head_dim,
+                                False, 'rope_key_scale'))
+    return tuple(out)
+
+  def project(self, options, params, w, x_BTD, pos_bT, shared: bool
+              ) -> tuple[Array, dict[str, Array]]:
+    """(queries [B, T, N, H], their last Y features turned by RoPE; the
+    cache entries of the new tokens: tied states [B, T, K, H] and the
+    turned RoPE key [B, T, 1, Y]; none when shared)."""
+    del params  # No norms: every weight is read in the compute dtype, w.
+    B, T, D = x_BTD.shape
+    N, K, H = options.num_heads, options.num_kv_heads, options.head_dim
+    Y = self.qk_rope_head_dim
+    # Plain [X, D] x [D, E·H] matmuls, X = B·T (see grouped.project).
+    x_XD = x_BTD.reshape(B * T, D)
+    rope = lambda x: apply_rope(
+        x, pos_bT, base=options.rope_base, scaling=options.rope_scaling,
+        frequencies=pair_frequencies(options, self.rope_pairs))
+    q_BTNH = (x_XD @ w['query'].reshape(D, -1)).reshape(B, T, N, H)
     if Y:
-      shapes |= {'rope_key': (D, Y)}
-  return {**shapes, 'out': (N, H, D)}
+      q_BTNH = jnp.concatenate(
+          [q_BTNH[..., :H - Y], rope(q_BTNH[..., H - Y:])], axis=-1)
+    if shared:
+      return q_BTNH, {}
+    new = {'cached_tied': (x_XD @ w['kv'].reshape(D, -1)).reshape(
+        B, T, K, H)}
+    if Y:  # One head, shared.
+      new['cached_rope_key'] = rope((x_XD @ w['rope_key']).reshape(
+          B, T, 1, Y))
+    return q_BTNH, new
 
+  def attend(self, options, w, q_BTNH, kv, mask) -> Array:
+    """The full pass: [B, T, N, H], against each KV head's keys (`keys`)
+    and its tied states as values."""
+    del w
+    return dot_product_attention(
+        q_BTNH, keys(kv.key, kv.value), kv.key, mask=mask,
+        is_causal=options.is_causal, scale=options.scale,
+        local_window=options.local_window,
+        logits_soft_cap=options.logits_soft_cap)
 
-def project(options, params, w, x_BTD, pos_bT, shared: bool
-            ) -> tuple[Array, dict[str, Array]]:
-  """`attention.layer.apply`'s projections for a GTA layer: (queries
-  [B, T, N, H], their last Y features turned by RoPE; the cache entries of
-  the new tokens: tied states [B, T, K, H] and the turned RoPE key
-  [B, T, 1, Y]; none when shared)."""
-  del params  # No norms: every weight is read in the compute dtype, w.
-  B, T, D = x_BTD.shape
-  N, K, H = options.num_heads, options.num_kv_heads, options.head_dim
-  Y = options.qk_rope_head_dim
-  # Plain [X, D] x [D, E·H] matmuls, X = B·T (see layer.project).
-  x_XD = x_BTD.reshape(B * T, D)
-  rope = lambda x: apply_rope(x, pos_bT, base=options.rope_base,
-                              scaling=options.rope_scaling,
-                              frequencies=latent.rope_frequencies(options))
-  q_BTNH = (x_XD @ w['query'].reshape(D, -1)).reshape(B, T, N, H)
-  if Y:
-    q_BTNH = jnp.concatenate([q_BTNH[..., :H - Y], rope(q_BTNH[..., H - Y:])],
-                             axis=-1)
-  if shared:
-    return q_BTNH, {}
-  new = {'cached_tied': (x_XD @ w['kv'].reshape(D, -1)).reshape(B, T, K, H)}
-  if Y:  # One head, shared.
-    new['cached_rope_key'] = rope((x_XD @ w['rope_key']).reshape(B, T, 1, Y))
-  return q_BTNH, new
+  def attend_cached(self, options, w, q_BTNH, kv, visible) -> Array:
+    """Against the cache: [B, T, N, H]. Per platform lowered for: on the
+    CPU, where it takes the call (`cpu_kernel.refusal`), the C++ kernel,
+    which reads each block of tied states once for both products (a paged
+    pool in place); elsewhere `tied_attention` (a paged cache's rows
+    gathered first)."""
+    del w
+    Y = self.qk_rope_head_dim
+    def jax_path():
+      rows = kv_cache.gathered(kv, options)
+      return tied_attention(
+          q_BTNH, rows.key, rows.value, visible, rope_dim=Y,
+          scale=options.scale, logits_soft_cap=options.logits_soft_cap,
+          tied_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
+    if cpu_kernel.refusal(options, kv, visible) is not None:
+      return jax_path()
+    return jax.lax.platform_dependent(
+        cpu=lambda: cpu_kernel.tied_attention(options, q_BTNH, kv, visible,
+                                              rope_dim=Y),
+        default=jax_path)
+
+  def flops_per_token(self, options, d_model: int, context: float,
+                      shares_kv: bool, absorbed: bool) -> float:
+    """Grouped-query attention's, with the tied states' 2·D·K·H and the
+    shared RoPE key's 2·D·Y for the K and V projections."""
+    del absorbed  # Decoding computes what the full pass does.
+    D, N, K, H = d_model, options.num_heads, options.num_kv_heads, (
+        options.head_dim)
+    kv = 0 if shares_kv else 2 * D * (K * H + self.qk_rope_head_dim)
+    return (2 * D * N * H + 2 * N * H * D + kv
+            + self.attention_flops_per_key(options) * context)
+
+  def attention_flops_per_key(self, options, absorbed: bool = False
+                              ) -> float:
+    del absorbed
+    return 2 * 2 * options.num_heads * options.head_dim
+
+  def mesh_counts(self, options) -> dict[str, int]:
+    return {'kv_heads': options.num_kv_heads}
+
+  def describe(self, options) -> str:
+    return (f'GTA: {options.num_kv_heads} tied KV heads x {options.head_dim} '
+            f'+ a RoPE key of {self.qk_rope_head_dim}')
 
 
 def keys(tied_BSKH: Array, rope_key_BS1Y: Array | None) -> Array:
@@ -159,39 +226,6 @@ def keys(tied_BSKH: Array, rope_key_BS1Y: Array | None) -> Array:
   Y = rope_key_BS1Y.shape[-1]
   r_BSKY = jnp.broadcast_to(rope_key_BS1Y.astype(tied_BSKH.dtype), (B, S, K, Y))
   return jnp.concatenate([tied_BSKH[..., :H - Y], r_BSKY], axis=-1)
-
-
-def attend(options, w, q_BTNH, kv, mask) -> Array:
-  """The full pass: [B, T, N, H], against each KV head's keys (`keys`) and
-  its tied states as values."""
-  del w
-  return dot_product_attention(
-      q_BTNH, keys(kv.key, kv.value), kv.key, mask=mask,
-      is_causal=options.is_causal, scale=options.scale,
-      local_window=options.local_window,
-      logits_soft_cap=options.logits_soft_cap)
-
-
-def attend_cached(options, w, q_BTNH, kv, visible) -> Array:
-  """Against the cache: [B, T, N, H]. Per platform lowered for: on the CPU,
-  where it takes the call (`cpu_kernel.refusal`), the C++ kernel, which
-  reads each block of tied states once for both products (a paged pool in
-  place); elsewhere `tied_attention` (a paged cache's rows gathered first).
-  JAX's TPU paged kernel does not take a tied cache
-  (`paged.kernel_refusal`)."""
-  del w
-  def jax_path():
-    rows = kv_cache.gathered(kv, options)
-    return tied_attention(
-        q_BTNH, rows.key, rows.value, visible,
-        rope_dim=options.qk_rope_head_dim, scale=options.scale,
-        logits_soft_cap=options.logits_soft_cap,
-        tied_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
-  if cpu_kernel.refusal(options, kv, visible) is not None:
-    return jax_path()
-  return jax.lax.platform_dependent(
-      cpu=lambda: cpu_kernel.tied_attention(options, q_BTNH, kv, visible),
-      default=jax_path)
 
 
 def tied_attention(q_BTNH, tied_ZSH, rope_key_BSY, visible, *, rope_dim: int,

@@ -1,6 +1,11 @@
 """Defaults shared by every named config; each config file changes what it needs."""
 
+import typing
+
 from ml_collections import config_dict
+
+# Importing the attention package registers its layouts (attention.layer).
+from attention import layout as layout_lib
 
 
 def get_config() -> config_dict.ConfigDict:
@@ -12,6 +17,28 @@ def get_config() -> config_dict.ConfigDict:
   # Device mesh: -1 = all remaining devices.
   c.mesh = config_dict.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   return c
+
+
+def layout_sections() -> dict[str, config_dict.ConfigDict]:
+  """{name: its settings' defaults} of every registered layout that has
+  settings, as config fields: a None default is a placeholder of the
+  field's type (a tuple's: list, as JSON writes it)."""
+  sections = {}
+  for name in layout_lib.names():
+    cls = layout_lib.get(name)
+    hints = typing.get_type_hints(cls)
+    fields = {}
+    for field_name, field in layout_lib.fields(cls).items():
+      if field.default is None:
+        kind = next(t for t in typing.get_args(hints[field_name])
+                    if t is not type(None))
+        kind = list if typing.get_origin(kind) is tuple else kind
+        fields[field_name] = config_dict.placeholder(kind)
+      else:
+        fields[field_name] = field.default
+    if fields:
+      sections[name] = config_dict.ConfigDict(fields)
+  return sections
 
 
 def model() -> config_dict.ConfigDict:
@@ -45,34 +72,14 @@ def model() -> config_dict.ConfigDict:
       # How decoding caches K and V: None (dtype), 'bfloat16' or 'int8' (a
       # scale per token and KV head). Training is unaffected.
       kv_cache_dtype=config_dict.placeholder(str),
-      # Multi-head latent attention (DeepSeek-V2/V3; docs/kv_memory.md): a
-      # kv_lora_rank-wide latent cached per token with a qk_rope_head_dim
-      # RoPE key shared by the heads (kv_lora_rank None or 0: not MLA; it
-      # needs num_kv_heads = num_heads). None: qk_nope_head_dim and
-      # v_head_dim head_dim, qk_rope_head_dim head_dim / 2 (0 without RoPE);
-      # q_lora_rank None: no query latent. latent_norm: the latent's RMSNorm
-      # (converted checkpoints have none).
-      kv_lora_rank=config_dict.placeholder(int),
-      q_lora_rank=config_dict.placeholder(int),
-      qk_rope_head_dim=config_dict.placeholder(int),
-      qk_nope_head_dim=config_dict.placeholder(int),
-      v_head_dim=config_dict.placeholder(int),
-      # Grouped latent attention (GLA): the latent as latent_groups latents
-      # of kv_lora_rank / latent_groups features, each serving num_heads /
-      # latent_groups query heads (and a shard of tensor parallelism); the
-      # cache holds the same kv_lora_rank numbers per token. 1: MLA.
-      latent_groups=1,
-      latent_norm=True,
-      # Set by train.convert --to_mla/--to_gta from a RoPE model: the
-      # frequency index (of a head_dim-wide RoPE) each pair of the RoPE key
-      # turns at.
-      rope_pairs=config_dict.placeholder(list),
-      # Grouped-tied attention (GTA, Zadouri et al. 2025; docs/kv_memory.md):
-      # per KV head one tied state of head_dim numbers cached per token, the
-      # value and (its first head_dim - qk_rope_head_dim) the key, beside a
-      # qk_rope_head_dim RoPE key shared by the heads (None: head_dim / 2, 0
-      # without RoPE): (K·H + Y) / (2·K·H) of GQA's cache at the same K.
-      tie_kv=False,
+      # How attention caches K/V (attention.layout; docs/kv_memory.md):
+      # 'gqa' (num_kv_heads K/V heads: MHA, GQA, MQA), 'mla' (multi-head
+      # latent attention, DeepSeek-V2/V3; GLA with model.mla.latent_groups),
+      # 'gta' (grouped-tied, Zadouri et al. 2025), or any registered
+      # layout. Its settings are model.<name> (below, one section per
+      # layout that has settings, with the layout class's defaults).
+      attention='gqa',
+      **layout_sections(),
       logits_soft_cap=config_dict.placeholder(float),  # Attention's (Gemma 2).
       final_logits_soft_cap=config_dict.placeholder(float),  # Output's.
       # Attention logits are q·k x query_pre_attn_scalar ** -0.5 (None:

@@ -1,4 +1,4 @@
-"""The recall probe: multi-query associative recall (see train/data.py).
+"""The recall probe: multi-query associative recall (see lm/data.py).
 
 Two layers of 8 query heads of 16: with one K/V head (MQA) a layer stores each
 position's key in 16 numbers, with eight (MHA) in 128. Each row lists 8

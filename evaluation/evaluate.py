@@ -9,8 +9,8 @@ The workdir (local or gs://) runs as lm_eval's `gqa-lab` model
 --include_path, as its command line takes them. Writes OUT/results.json
 (lm_eval's results, configs and versions, with the command and commit) and
 OUT/report.md (lm_eval's table). --data also reports held-out loss and bits
-per byte on a prepared corpus's held-out split, through the training loop's
-evaluator (`train.loop.evaluate_workdir`).
+per byte on a prepared corpus's held-out split, through the evaluator the
+training loop runs (`lm.evaluator.evaluate_workdir`).
 """
 
 import json
@@ -18,9 +18,9 @@ import logging
 import pathlib
 import sys
 
-from train.cli import check_output_dir, run_app
-from train import provenance as provenance_lib
-from train.errors import UserError
+from infra.cli import check_output_dir, run_app
+from infra import provenance as provenance_lib
+from infra.errors import UserError
 
 
 def _task_manager(tasks: list[str], include_path: str | None,
@@ -133,13 +133,13 @@ def write_results(workdir: str, tasks: list[str], out: str, *,
   """Evaluates WORKDIR; writes OUT/results.json and OUT/report.md; returns
   the record written. argv: the command's flags, for the provenance."""
   from lm_eval import utils as lm_utils  # pylint: disable=import-outside-toplevel
-  from train import loop  # pylint: disable=import-outside-toplevel
+  from lm.evaluator import evaluate_workdir  # pylint: disable=import-outside-toplevel
   provenance = provenance_lib.record('evaluation.evaluate', out, argv)
   held_out = None
   if data:  # First: a wrong --data is refused before the tasks are scored.
     try:
-      held_out = {'data': data, **loop.evaluate_workdir(workdir,
-                                                        data_path=data)}
+      held_out = {'data': data, **evaluate_workdir(workdir,
+                                                   data_path=data)}
     except UserError as e:
       raise UserError(f'--data={data}: {e}') from None
   results = evaluate(workdir, tasks, include_path=include_path, limit=limit,

@@ -21,9 +21,9 @@ score the same:
 - loglikelihood_rolling: each document in disjoint windows of max_len
   tokens (lm_eval.utils.get_rolling_token_windows), each scored as above;
 - generate_until: the context left-truncated to max_len - max_gen_toks,
-  then `train.sample.generate` (prefill, then the KV cache one token per
+  then `lm.inference.generate` (prefill, then the KV cache one token per
   step: local layers' ring buffers, shared K/V, int8 caches as the model
-  decodes), sampled by `train.sampling` (temperature, top_k, top_p per
+  decodes), sampled by `lm.sampling` (temperature, top_k, top_p per
   request; the seed of model_args, with each token's position: the text
   `train.sample --seed` and `serve.generate` give), cut by `sampling.cut`
   at the first end-of-sequence token and at the first stop sequence. It
@@ -48,10 +48,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.models import utils as model_utils
 
 from attention import layer
-from train import checkpoint, sample, sampling
-from train import tokenizer as tokenizer_lib
-from train.errors import UserError
-from train.model import Transformer
+from lm import checkpoint, sampling
+from lm import inference
+from lm import tokenizer as tokenizer_lib
+from infra.errors import UserError
+from lm.model import Transformer
 
 NAME = 'gqa-lab'
 log = logging.getLogger(__name__)
@@ -277,7 +278,7 @@ class WorkdirLM(TemplateLM):
       groups.setdefault((len(prompt), new), []).append((i, prompt, settings))
     self._say_truncated('generate_until', truncated, len(requests))
     out = [None] * len(requests)
-    # The model as trained; `sample.generate` sizes the cache by T + new.
+    # The model as trained; `inference.generate` sizes the cache by T + new.
     model = Transformer(dataclasses.replace(
         self.mc, kv_cache_dtype=self._kv_cache_dtype), decode=True)
     for (T, new), rows in groups.items():
@@ -285,7 +286,7 @@ class WorkdirLM(TemplateLM):
         chunk = rows[start:start + self.batch_size]
         chunk += [chunk[0]] * (self.batch_size - len(chunk))  # Fixed shape.
         prompts_BT = np.array([p for _, p, _ in chunk], np.int32)
-        tokens_BN = np.asarray(sample.generate(
+        tokens_BN = np.asarray(inference.generate(
             self.params, prompts_BT, sampling.rows([s for *_, s in chunk]),
             model=model, max_new_tokens=new))
         for (i, _, settings), tokens in zip(chunk, tokens_BN):

@@ -10,11 +10,12 @@ registered itself (installed as a console script with the project).
 """
 
 from evaluation import harness  # pylint: disable=unused-import
-from train.cli import exit_on_user_error
+from infra.cli import exit_on_user_error
 
 
 def main():
-  """A bad workdir is one line (train.errors.UserError), as in train.*."""
+  """A bad workdir is one line (infra.errors.UserError), as in every
+  command of gqa-lab."""
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
   exit_on_user_error(cli_evaluate)
 

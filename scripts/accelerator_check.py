@@ -34,8 +34,9 @@ import numpy as np
 
 from attention import core, dot_product_attention
 from scripts import timing
-from train import config_lib, flops, loop
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from lm import config_lib, flops
+from train import loop
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        positive_int)
 from train.metrics import read_metrics
 

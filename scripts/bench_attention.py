@@ -32,7 +32,7 @@ import numpy as np
 from attention import dot_product_attention
 from scripts import timing
 from scripts.timing import median_times, read_bandwidth, read_test
-from train.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
+from infra.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
 
 
 def repeat_kv_attention(q, k, v, is_causal=True):

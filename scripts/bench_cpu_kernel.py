@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import cpu_kernel, kv_cache, layer
+from attention.grouped import GQA
+from attention.tied import GTA
 from scripts import timing
-from train.cli import (ArgumentParser, exit_on_user_error, int_list,
+from infra.cli import (ArgumentParser, exit_on_user_error, int_list,
                        positive_int)
-from train.errors import UserError
+from infra.errors import UserError
 
 N, H, D, PAGE = 8, 64, 512, 16
 
@@ -36,7 +38,7 @@ def contestants(layout: str, K: int, batch: int, context: int, fill: float,
   """{'kernel', 'jax'}: callables running the same step (of a GTA layer when
   `tied`), each returning its output [B, 1, D]."""
   options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H,
-                          tie_kv=tied)
+                          layout=GTA() if tied else GQA())
   rng = np.random.default_rng(seed)
   normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32))
   params = {name: normal(shape) * shape[0] ** -0.5

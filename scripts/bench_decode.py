@@ -11,10 +11,11 @@
 --variants names the layouts, each the config with its attention changed:
 K<k> grouped-query attention with k K/V heads (MHA at the config's heads, MQA
 at 1; --kv_heads=8,2,1 means K8,K2,K1), GTA<k> grouped-tied attention with k
-tied heads (model.tie_kv, `attention.tied`), MLA<a> multi-head latent
-attention with a latent of a (model.kv_lora_rank, `attention.latent`),
-GLA<a>g<g> MLA's latent in g groups (model.latent_groups); the RoPE key of
-GTA, MLA and GLA is the config's qk_rope_head_dim (None: head_dim / 2).
+tied heads (model.attention='gta', `attention.tied`), MLA<a> multi-head
+latent attention with a latent of a (model.attention='mla',
+model.mla.kv_lora_rank, `attention.latent`), GLA<a>g<g> MLA's latent in g
+groups (model.mla.latent_groups); the RoPE key of GTA, MLA and GLA is the
+layout's default (head_dim / 2).
 On gqa_small (N=8, H=32) the default holds MHA, GQA-2, MQA, GTA at 2 and 1
 heads (80 and 48 numbers a token and layer), and MLA and GLA-2 at MQA's 64.
 Its grid is batches 1,16,256 and contexts 256,2048, trimmed from the K-only
@@ -26,13 +27,13 @@ no more wall time (10 against 11 minutes).
 For each variant, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
 as `train.sample` does, and reports tokens/s, the KV cache's bytes (in all,
-and per token: `train.model.kv_bytes_per_token`), the attention's
+and per token: `lm.model.kv_bytes_per_token`), the attention's
 arithmetic intensity (its scores' and mix's FLOPs per byte of cache read,
-`train.flops.attention_decode_intensity`), and the roofline: the tokens/s
+`lm.flops.attention_decode_intensity`), and the roofline: the tokens/s
 that reading the cache once per token at the machine's measured read
 bandwidth would allow (weights are read once per step as well, and are
 included), and the fraction of it reached; also the FLOP roofline, the
-tokens/s at the device's peak FLOP/s (`train.flops.peak_flops`), which on
+tokens/s at the device's peak FLOP/s (`lm.flops.peak_flops`), which on
 a CPU comes close where the intensity is high: GQA's G query heads share
 each cached key and value, G/2 FLOPs per float32 byte of cache; GTA's
 tied state serves both, up to G; MLA's latent serves N heads twice, up to
@@ -66,6 +67,7 @@ Writes decode_layer.json under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -74,20 +76,21 @@ import re
 import sys
 import time
 
-import contextlib
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attention import cpu_kernel, layer
+from attention import layout as layout_lib
 from scripts import llama_cpp_peer, stats, timing
-from train import config_lib, flops, loop, provenance
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra import provenance
+from lm import config_lib, flops
+from train import loop
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
-from train import model as model_lib
-from train.errors import UserError, pip_install
+from lm import model as model_lib
+from infra.errors import UserError, pip_install
 
 
 def main():
@@ -161,20 +164,22 @@ DEFAULT_VARIANTS = ('K8', 'K2', 'K1', 'GTA2', 'GTA1', 'MLA48', 'GLA48g2')
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """A layout --variants names: the model fields it sets on the config
-  (every one of them, so that a config's own MLA or GTA does not leak into
+  (model.attention and that layout's settings, every other layout's left at
+  its defaults, so that a config's own MLA or GTA does not leak into
   another variant); num_kv_heads None is the config's num_heads (MLA's)."""
   name: str
   num_kv_heads: int | None
-  tie_kv: bool = False
-  kv_lora_rank: int | None = None
-  latent_groups: int = 1
+  attention: str = 'gqa'
+  settings: tuple[tuple[str, int], ...] = ()  # The layout's own, set.
 
   PATTERNS = {  # Name -> the fields of its numbers.
       r'K(\d+)': lambda k: dict(num_kv_heads=k),
-      r'GTA(\d+)': lambda k: dict(num_kv_heads=k, tie_kv=True),
-      r'MLA(\d+)': lambda a: dict(num_kv_heads=None, kv_lora_rank=a),
-      r'GLA(\d+)g(\d+)': lambda a, g: dict(num_kv_heads=None, kv_lora_rank=a,
-                                           latent_groups=g),
+      r'GTA(\d+)': lambda k: dict(num_kv_heads=k, attention='gta'),
+      r'MLA(\d+)': lambda a: dict(num_kv_heads=None, attention='mla',
+                                  settings=(('kv_lora_rank', a),)),
+      r'GLA(\d+)g(\d+)': lambda a, g: dict(
+          num_kv_heads=None, attention='mla',
+          settings=(('kv_lora_rank', a), ('latent_groups', g))),
   }
 
   @classmethod
@@ -188,13 +193,18 @@ class Variant:
 
   @property
   def is_gqa(self) -> bool:
-    return not (self.tie_kv or self.kv_lora_rank)
+    return self.attention == 'gqa'
 
   def apply_to(self, model):
     """Sets the variant's fields on `model` (a config's model section)."""
+    defaults = config_lib.defaults().model
     model.update(num_kv_heads=self.num_kv_heads or model.num_heads,
-                 tie_kv=self.tie_kv, kv_lora_rank=self.kv_lora_rank,
-                 latent_groups=self.latent_groups)
+                 attention=self.attention)
+    for name in layout_lib.names():
+      if name in model:
+        model[name] = defaults[name]
+    if self.settings:
+      model[self.attention].update(dict(self.settings))
 
 
 def variant_list(text: str) -> list[Variant]:
@@ -220,9 +230,9 @@ def model_markdown(results, args) -> str:
       'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
       'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups; '
       'K is model.num_kv_heads (MLA\'s: the query heads). KV bytes per '
-      'token: all layers\' (`train.model.kv_bytes_per_token`); attention '
+      'token: all layers\' (`lm.model.kv_bytes_per_token`); attention '
       "FLOPs per KV byte: a decode step's scores and mix over the cache "
-      'bytes they read (`train.flops.attention_decode_intensity`).' + (
+      'bytes they read (`lm.flops.attention_decode_intensity`).' + (
           LLAMA_CAPTION.format(cpu=results.get('cpu', '?'),
                                llama_cpp=results.get('llama_cpp', '?'),
                                wait=results.get('wait_policy') or 'default')
@@ -355,9 +365,8 @@ def _variant_rows(v, mc, batches, contexts, repeats, peer, bandwidth, peak,
       bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
                                                    bandwidth, peak)
       row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
-                 tie_kv=mc.tie_kv, kv_lora_rank=mc.kv_lora_rank,
-                 latent_groups=mc.latent_groups,
-                 qk_rope_head_dim=options.qk_rope_head_dim,
+                 attention=options.layout.name,
+                 layout=dataclasses.asdict(options.layout),
                  mlp_dim=mc.mlp_dim, batch=batch, context=context,
                  tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
                  kv_bytes_per_token=per_token,

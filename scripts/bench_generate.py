@@ -13,7 +13,7 @@ them; byte-level, so no end-of-sequence token cuts a request short) and
                   from its start to its exit: loading, compiling and writing
                   OUT included (nothing excluded)
   one at a time   the same requests one after another through
-                  `train.sample.generate` in this process, each shape
+                  `lm.inference.generate` in this process, each shape
                   compiled before its clock starts (compiling excluded)
 Both generate every request's --max_new_tokens tokens. The ratio is the
 peer's wall time over the command's, per turn (median and range). Writes
@@ -33,11 +33,13 @@ import flax.linen as nn
 import numpy as np
 
 from scripts import bench_serve
-from train import checkpoint, config_lib, loop, provenance
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra import provenance
+from lm import checkpoint, config_lib
+from train import loop
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
-from train.errors import UserError
-from train.model import Transformer
+from infra.errors import UserError
+from lm.model import Transformer
 
 
 def make_prompts(args) -> list[str]:
@@ -79,7 +81,7 @@ def command_runner(workdir, prompts_file, out_dir, args):
 
 
 def alone_runner(mc, params, prompts, new: int):
-  """The requests one after another through train.sample.generate
+  """The requests one after another through lm.inference.generate
   (`scripts.bench_serve.generate_runner`)."""
   return bench_serve.alone_runner(mc, params, [
       (np.frombuffer(p.encode(), np.uint8).astype(np.int32), new)

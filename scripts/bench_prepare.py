@@ -28,8 +28,8 @@ import time
 import numpy as np
 
 from train import prepare_data
-from train.errors import UserError
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra.errors import UserError
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        float_list, positive_int)
 
 BATCH_MB = prepare_data.BATCH_MB  # Both contestants' batch.
@@ -37,7 +37,7 @@ BATCH_MB = prepare_data.BATCH_MB  # Both contestants' batch.
 
 def make_input(path: pathlib.Path, megabytes: float):
   """JSON Lines of stdlib files, cycled to `megabytes` of text."""
-  from train import data  # pylint: disable=import-outside-toplevel
+  from lm import data  # pylint: disable=import-outside-toplevel
   files = data.stdlib_files(pathlib.Path(sysconfig.get_paths()['stdlib']))
   written, target = 0, int(megabytes * 1e6)
   with open(path, 'w') as out:
@@ -57,7 +57,7 @@ def child(kind: str, source: str, tokenizer: str, out: str):
     prepare_data.prepare([source], tokenizer, out, batch_mb=BATCH_MB,
                          val_fraction=0.1, say=lambda _: None)
   else:
-    from train import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    from lm import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     encoder = tokenizer_lib.load(tokenizer)
     texts = [json.loads(line)['text'] for line in open(source)]
     start = time.perf_counter()

@@ -22,9 +22,9 @@ token and per-token latency (medians). Compiling is done before timing
 
 Peers, in the same run, taking turns with the engine for each K:
   one at a time  the same requests one after another through
-                 `train.sample.generate` (its prefill and `lax.scan` decode),
+                 `lm.inference.generate` (its prefill and `lax.scan` decode),
                  in this process, each shape compiled before the clock starts
-  static batches the same dense-cache `train.sample.generate` on batches of
+  static batches the same dense-cache `lm.inference.generate` on batches of
                  as many requests as --kv_memory holds dense caches for (each
                  reserving the trace's longest request; at most --slots), in
                  the trace's order, left-padded to the batch's longest
@@ -84,12 +84,15 @@ import numpy as np
 
 from scripts import llama_cpp_peer
 from serve import engine as engine_lib, paged, pages
-from train import checkpoint, config_lib, loop, provenance, sample
-from train import model as model_lib
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra import provenance
+from lm import checkpoint, config_lib
+from lm import inference
+from train import loop
+from lm import model as model_lib
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
-from train.errors import UserError
-from train.model import Transformer
+from infra.errors import UserError
+from lm.model import Transformer
 
 
 def main():
@@ -249,7 +252,7 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
 
 def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
                     name: str, **fields):
-  """A function timing train.sample.generate once over each of `prompts`
+  """A function timing lm.inference.generate once over each of `prompts`
   ([B, P] batches, left-padded) with its `news` tokens, one call after
   another, each shape compiled here before any clock; its numbers are
   '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
@@ -259,8 +262,8 @@ def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
     args = (params, jnp.asarray(prompts_BP))
     if (prompts_BP.shape, new) not in compiled:
       compiled[prompts_BP.shape, new] = jax.jit(functools.partial(
-          sample.generate, model=model, max_new_tokens=new),
-          compiler_options=sample.compiler_options()).lower(*args).compile()
+          inference.generate, model=model, max_new_tokens=new),
+          compiler_options=inference.compiler_options()).lower(*args).compile()
     calls.append((compiled[prompts_BP.shape, new], args))
   tokens = fields.pop('tokens')
 
@@ -277,7 +280,7 @@ def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
 
 
 def alone_runner(mc, params, trace):
-  """The trace one request after another through train.sample.generate
+  """The trace one request after another through lm.inference.generate
   (`generate_runner`)."""
   return generate_runner(mc, params, [p[None] for p, _ in trace],
                          [new for _, new in trace], 'alone',
@@ -294,7 +297,7 @@ def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
 
 
 def static_runner(mc, params, trace, kv_memory: int, slots: int):
-  """The trace through train.sample.generate in static batches
+  """The trace through lm.inference.generate in static batches
   (`static_batch` rows each, in the trace's order): each batch left-padded
   to its longest prompt and decoded to its longest output, a request's
   tokens past its own computed but not counted (static batching's cost; no
@@ -341,7 +344,7 @@ def jax_threads() -> int:
 
 def machine() -> dict:
   """The CPU family, its vector extensions and the cores used
-  (`train.provenance.machine`), and the load."""
+  (`infra.provenance.machine`), and the load."""
   return {**provenance.machine(), 'cores': jax_threads(),
           'load_average': list(os.getloadavg())}
 
@@ -491,7 +494,7 @@ def report(results, args) -> str:
       f'{getattr(args, "length_step", 1)}, seed {args.seed}); {args.slots} '
       f'slots, --kv_memory={args.kv_memory}, pages of {args.page_size} '
       'tokens. Compile time excluded. Peers: "one at a time" is the same '
-      'requests one after another through `train.sample.generate` in this '
+      'requests one after another through `lm.inference.generate` in this '
       'process; "static batches" the same dense-cache generate on batches '
       'of as many requests as --kv_memory holds caches for (each the '
       'trace\'s longest request), padded to the batch\'s longest prompt and '

@@ -47,12 +47,13 @@ import jax
 import numpy as np
 
 from scripts import timing
-from train import config_lib, flops, loop, sharding
+from lm import config_lib, flops, sharding
+from train import loop
 from train import metrics as metrics_lib
-from train import model as model_lib
-from train.errors import UserError
-from train.cli import ArgumentParser, exit_on_user_error
-from train.cli import positive_int
+from lm import model as model_lib
+from infra.errors import UserError
+from infra.cli import ArgumentParser, exit_on_user_error
+from infra.cli import positive_int
 
 try:
   import torch
@@ -63,7 +64,7 @@ except ImportError:  # Only the torch contestants need it.
 
 
 class TorchTransformer(tnn.Module if torch else object):
-  """`train.model.Transformer` in PyTorch, for the default conventions.
+  """`lm.model.Transformer` in PyTorch, for the default conventions.
 
   Gemma's: embeddings times √D, RMSNorm by 1 + scale, tanh-GELU gated MLP,
   half-split RoPE, untied or tied output. Weights are kept in our layouts

@@ -64,12 +64,14 @@ from scripts import stats, study, task_scores, timing
 import jax
 from flax import linen as nn
 
-from train import checkpoint, config_lib, convert, data, flops, loop, progress
-from train.cli import check_output_dir, exit_on_user_error
-from train.errors import UserError
-from train import model as model_lib
-from train import provenance as provenance_lib
-from train.model import Transformer
+from infra import progress
+from lm import checkpoint, config_lib, data, flops
+from train import convert, loop
+from infra.cli import check_output_dir, exit_on_user_error
+from infra.errors import UserError
+from lm import model as model_lib
+from infra import provenance as provenance_lib
+from lm.model import Transformer
 from train.metrics import read_metrics
 
 DECODE_BATCH, DECODE_CONTEXT = 16, 256

@@ -9,9 +9,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from train import config_lib, loop
-from train.cli import ArgumentParser, exit_on_user_error, int_list
-from train.model import Transformer
+from lm import config_lib
+from train import loop
+from infra.cli import ArgumentParser, exit_on_user_error, int_list
+from lm.model import Transformer
 
 
 def compile_seconds(model_config, batch=16, seq_len=256) -> float:

@@ -70,10 +70,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from scripts import stats, study
-from train import checkpoint, config_lib, convert, loop, provenance, storage
-from train import model as model_lib
-from train.cli import check_output_dir, exit_on_user_error, positive_int
-from train.errors import UserError
+from infra import provenance, storage
+from lm import checkpoint, config_lib, evaluator
+from lm import data as data_lib
+from train import convert
+from lm import model as model_lib
+from infra.cli import check_output_dir, exit_on_user_error, positive_int
+from infra.errors import UserError
 
 CACHES = ('float', 'int8')
 RETRIEVES = 0.95  # First-query accuracy read as retrieval by content.
@@ -188,10 +191,13 @@ def variant_config(base: str, v: Variant, seed: int, steps: int,
   config.model.update(num_kv_heads=v.K or config.model.num_heads,
                       attention_pattern=v.pattern,
                       local_window=window if 'L' in v.pattern else None,
-                      kv_share=v.share, kv_lora_rank=v.latent or None,
-                      qk_rope_head_dim=(v.rope if v.latent or v.tie
-                                        else None),
-                      tie_kv=v.tie, latent_groups=v.groups)
+                      kv_share=v.share)
+  if v.latent:
+    config.model.update(attention='mla', mla=dict(
+        kv_lora_rank=v.latent, qk_rope_head_dim=v.rope,
+        latent_groups=v.groups))
+  elif v.tie:
+    config.model.update(attention='gta', gta=dict(qk_rope_head_dim=v.rope))
   config.seed = seed
   steps = steps or config.train.steps
   config.train.update(steps=steps, eval_every=steps, checkpoint_every=steps,
@@ -383,13 +389,13 @@ _READOUTS: dict = {}
 def read_through_caches(workdir: pathlib.Path) -> dict:
   """WORKDIR's model on the held-out batches of the loop's evaluator, read
   through a float and an int8 decode cache: per cache the mean NLL and
-  accuracy of the scored targets (`loop.eval_step`) and, for the recall
+  accuracy of the scored targets (`evaluator.eval_step`) and, for the recall
   task, the first query's accuracy; 'kl': the mean KL(float || int8) of
   the next-token distributions at the scored targets, nats."""
   mc, params, config = checkpoint.load_workdir(str(workdir))
   # The dataset as the loop reads it (and evaluate_workdir does).
-  dataset = loop._dataset(config.data, mc, storage.path(str(workdir)),  # pylint: disable=protected-access
-                          is_chief=False)
+  dataset = data_lib.for_model(config.data, mc, storage.path(str(workdir)),
+                               is_chief=False)
   weights_T = dataset.loss_weights
   if weights_T is None:
     weights_T = np.ones(config.data.seq_len, np.float32)
@@ -417,8 +423,8 @@ def _readout(mc, params, tokens_BT1, weights_T) -> dict:
   for cache in CACHES:
     model = model_lib.ThroughCache(dataclasses.replace(
         mc, kv_cache_dtype=None if cache == 'float' else cache))
-    nll, accuracy = loop.eval_step(params, tokens_BT1, model=model,
-                                   weights_T=weights_T)
+    nll, accuracy = evaluator.eval_step(params, tokens_BT1, model=model,
+                                        weights_T=weights_T)
     logits_BTV = model.apply({'params': params}, tokens_BT1[:, :-1])
     log_p[cache] = jax.nn.log_softmax(logits_BTV.astype(jnp.float32))
     hits_B = logits_BTV[:, first].argmax(-1) == tokens_BT1[:, first + 1]

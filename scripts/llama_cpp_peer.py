@@ -1,5 +1,5 @@
 """llama.cpp as a benchmarks' peer: the same model as a GGUF file
-(`train.to_gguf`, the same weight dtype), run through llama-cpp-python's
+(`train.convert.to_gguf`, the same weight dtype), run through llama-cpp-python's
 low-level API (llama_batch, llama_decode) in a process of its own, with
 as many threads as JAX's CPU pool (no two frameworks' thread pools in one
 process). The process answers one JSON line per JSON command on its stdin
@@ -48,8 +48,9 @@ import time
 
 import numpy as np
 
-from train import checkpoint, to_gguf
-from train.errors import UserError, pip_install
+from infra.errors import UserError, pip_install
+from lm import checkpoint
+from train.convert import to_gguf
 
 # Our cache's dtype -> ggml's type of llama.cpp's (gguf.GGMLQuantizationType).
 KV_TYPES = {'float32': 0, 'bfloat16': 30, 'int8': 8}

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from train.errors import UserError, pip_install
+from infra.errors import UserError, pip_install
 
-from train.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
+from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
 
                        positive_int)
 

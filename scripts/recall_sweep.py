@@ -42,12 +42,13 @@ import jax
 import numpy as np
 
 from scripts import stats, study
-from train import config_lib, data, progress, provenance
-from train import model as model_lib
-from train.errors import UserError
-from train.cli import (check_output_dir, exit_on_user_error, int_list,
+from infra import progress, provenance
+from lm import config_lib, data
+from lm import model as model_lib
+from infra.errors import UserError
+from infra.cli import (check_output_dir, exit_on_user_error, int_list,
                        positive_int)
-from train.model import Transformer
+from lm.model import Transformer
 
 SOLVED = 0.99  # Every query at least this: the run stops.
 REACHED = 0.95  # First-query accuracy counted as "learned" for the step count.

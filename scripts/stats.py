@@ -1,6 +1,6 @@
 """The statistics every study reports with: one convention, stated once
 (CONVENTION), used everywhere; a study's results JSON records it beside its
-provenance (`train.provenance.record(..., statistics=CONVENTION)`).
+provenance (`infra.provenance.record(..., statistics=CONVENTION)`).
 
 Seeds are the unit of replication. Two arms run with the same seeds share
 their initialisation and data order, so a comparison is made on the per-seed

@@ -8,9 +8,11 @@ import json
 import math
 import pathlib
 
-from train import config_lib, loop, provenance
-from train.cli import ArgumentParser, int_list, positive_int
-from train.errors import UserError
+from infra import provenance
+from lm import config_lib
+from train import loop
+from infra.cli import ArgumentParser, int_list, positive_int
+from infra.errors import UserError
 
 
 def parser(doc: str, *, config: str, kv_heads: list[int] | None = None,

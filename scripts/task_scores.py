@@ -27,8 +27,8 @@ import math
 import pathlib
 
 from scripts import stats
-from train.cli import positive_int
-from train.errors import UserError
+from infra.cli import positive_int
+from infra.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import loop, sample, sampling
-from train.model import Transformer, unroll_layers
+from lm import sampling
+from lm import inference
+from train import loop
+from lm.model import Transformer, unroll_layers
 
 
 def median_time(fn, repeats: int) -> float:
@@ -67,7 +69,7 @@ def decode_steps(mc, batch: int, context: int, steps: int = 8):
   """A function decoding `steps` greedy tokens for `batch` sequences whose
   cache is filled to `context`, each call from the same place.
 
-  It runs `train.sample.decode`, the loop that train.sample runs, so the
+  It runs `lm.inference.decode`, the loop that train.sample runs, so the
   cache is updated in place rather than copied: it is donated to each call
   and handed to the next, its positions set back to `context` (an undonated
   input would be copied whole into the loop first, on every call).
@@ -84,13 +86,13 @@ def decode_steps(mc, batch: int, context: int, steps: int = 8):
   greedy = sampling.rows([sampling.SamplingParams()] * batch)
 
   def run(cache, token_B):
-    sampled, cache = sample.decode(model, params, cache, token_B, greedy,
-                                   context, steps)
+    sampled, cache = inference.decode(model, params, cache, token_B, greedy,
+                                      context, steps)
     return sampled, refill(cache)
 
   run = jax.jit(run, donate_argnums=0,
-                compiler_options=sample.compiler_options())
-  state = {'cache': refill(sample.empty_cache(model, batch))}
+                compiler_options=inference.compiler_options())
+  state = {'cache': refill(inference.empty_cache(model, batch))}
   token = jnp.zeros((batch,), jnp.int32)
 
   def go():

@@ -42,7 +42,7 @@ import pathlib
 import numpy as np
 
 from scripts import stats, uptrain_report
-from train import provenance
+from infra import provenance
 
 MLA_BELOW = 'mla_half'  # scripts.uptrain_study's method for that arm.
 GTA = 'gta'  # Its grouped-tied arm at MLA_BELOW's bytes.

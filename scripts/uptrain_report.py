@@ -35,7 +35,7 @@ import pathlib
 import numpy as np
 
 from scripts import stats, task_scores
-from train import provenance
+from infra import provenance
 
 UP_METHODS = ('identity', 'mean', 'first', 'random')
 MLA = 'mla'  # The MLA arm's method in scripts.uptrain_study's runs.

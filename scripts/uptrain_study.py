@@ -102,13 +102,15 @@ import numpy as np
 
 from scripts import stats, study, task_scores, uptrain_replication
 from scripts import uptrain_report
-from train import (config_lib, convert, loop, progress, provenance, to_gta,
-                   to_mla)
-from train import model as model_lib
-from train import workdir as workdir_lib
-from train.cli import (check_output_dir, exit_on_user_error, int_list,
+from infra import progress, provenance
+from lm import config_lib, evaluator
+from train import convert
+from train.convert import to_gta, to_mla
+from lm import model as model_lib
+from infra import workdir as workdir_lib
+from infra.cli import (check_output_dir, exit_on_user_error, int_list,
                        positive_int)
-from train.errors import UserError
+from infra.errors import UserError
 from train.metrics import read_metrics
 
 ALPHAS = (0.0125, 0.025, 0.05, 0.1, 0.2)  # Each twice the one before.
@@ -217,7 +219,7 @@ def uptrain(out: pathlib.Path, name: str, converted: pathlib.Path, source,
   workdir = out / name
   config = uptrain_config(converted, source, steps, rate, seed, eval_every)
   if converted not in _AT0:  # Deterministic: once per conversion.
-    _AT0[converted] = loop.evaluate_workdir(str(converted))
+    _AT0[converted] = evaluator.evaluate_workdir(str(converted))
   at0 = _AT0[converted]
   if not workdir.exists():
     shutil.copytree(converted, workdir)
@@ -402,12 +404,12 @@ MLA = uptrain_report.MLA  # Its runs: runs/fresh/mla_K{K}, K: GQA's match.
 def mla_plan(mc, K: int, numbers: int | None = None) -> dict:
   """The MLA conversion of the MHA source `mc` [N heads of H] caching what
   GQA-K caches per token: qk_rope_head_dim Y = 2·N (one RoPE frequency pair
-  per head, the fewest `train.to_mla` keeps, so the rest goes to the shared
-  latent; 0 without RoPE) and kv_lora_rank R = 2·K·H - Y, so that R + Y =
-  2·K·H numbers per token and layer, as K heads' keys and values. Where
-  that R is out of `to_mla`'s range [1, min(D, 2·N·H - Y)], the nearest in
-  it (the bytes then differ, and both are recorded). The bytes are
-  `train.model.kv_bytes_per_token`'s, as final.json reports them.
+  per head, the fewest `train.convert.to_mla` keeps, so the rest goes to the
+  shared latent; 0 without RoPE) and kv_lora_rank R = 2·K·H - Y, so that
+  R + Y = 2·K·H numbers per token and layer, as K heads' keys and values.
+  Where that R is out of `to_mla`'s range [1, min(D, 2·N·H - Y)], the nearest
+  in it (the bytes then differ, and both are recorded). The bytes are
+  `lm.model.kv_bytes_per_token`'s, as final.json reports them.
   numbers: R + Y other than 2·K·H (a latent below GQA-K's width, compared
   with GQA-K's bytes all the same)."""
   N, H = mc.num_heads, mc.head_dim
@@ -522,7 +524,7 @@ def gta_plan(mc, target_bytes: float, kv_heads: list[int]) -> dict:
   tie goes to the smaller cache (GTA is never given more bytes than a
   layout as near below). partner_K: the mean-pooled GQA arm of kv_heads
   whose bytes are nearest GTA's (ties to the smaller), its comparison.
-  Bytes are `train.model.kv_bytes_per_token`'s."""
+  Bytes are `lm.model.kv_bytes_per_token`'s."""
   N, H = mc.num_heads, mc.head_dim
 
   def size(K, Y):

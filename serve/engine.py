@@ -10,7 +10,7 @@ Split as vLLM and JetStream split a server:
   ModelRunner (here)          the jitted functions: a plan's rows as padded
                               [B, T] batches with page tables, through the
                               model (`serve.paged.forward`), one token
-                              sampled per finished row (`train.sampling`)
+                              sampled per finished row (`lm.sampling`)
   Engine (here)               the online API: add_request(), step() -> the
                               outputs finished in that step, has_unfinished()
 
@@ -40,10 +40,11 @@ import numpy as np
 
 from serve import kv_pages, paged, pages as pages_lib
 from serve.scheduler import RequestRefused, Row, Scheduler, Sequence
-from train import model as model_lib
-from train import sample, sampling
-from train.errors import UserError
-from train.sampling import SamplingParams
+from lm import model as model_lib
+from lm import sampling
+from lm import inference
+from infra.errors import UserError
+from lm.sampling import SamplingParams
 
 __all__ = ['Engine', 'ModelRunner', 'Output', 'PoolSizeError', 'PoolTooLarge',
            'PoolTooSmall', 'Request',
@@ -195,7 +196,7 @@ class ModelRunner:
     # compiles in about half the time of one that samples).
     self._step = jax.jit(functools.partial(_run_rows, self.model),
                          donate_argnums=1, static_argnames='needs',
-                         compiler_options=sample.compiler_options())
+                         compiler_options=inference.compiler_options())
 
   def run(self, rows: list[Row], pages: kv_pages.KVPageManager
           ) -> dict[str, int]:

@@ -17,7 +17,7 @@ the run's start, queueing included), "per_token_s"}, or {"id", "error"} (one
 line) for a request refused: a malformed line (then "id" is null and "line"
 its number), an empty prompt, one past the model's max_len, one needing more
 pages than --kv_memory holds. The other requests go on, and the run exits 1
-when any was refused. Sampling is `train.sampling`'s: request id's tokens
+when any was refused. Sampling is `lm.sampling`'s: request id's tokens
 are sampled with --seed and each token's position, so the text does not
 depend on --slots, on what shares a batch, or on the order of the file, and
 equals train.sample's with the same settings.
@@ -49,8 +49,9 @@ import numpy as np
 
 from serve import engine as engine_lib
 from serve import pages
-from train import sample, sampling
-from train.errors import UserError
+from lm import sampling
+from lm import inference
+from infra.errors import UserError
 
 
 # What a prompt line may hold.
@@ -259,8 +260,8 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
   memory = pages.parse_bytes(kv_memory)
   out_path, prompts_path = pathlib.Path(out), pathlib.Path(prompts)
   check_paths(prompts_path, out_path)
-  mc, params, tokenizer, step = sample.load_language_model(workdir,
-                                                           with_step=True)
+  mc, params, tokenizer, step = inference.load_language_model(workdir,
+                                                              with_step=True)
   check(mc)
   settings = settings.check(mc.vocab_size)
   requests, refusals, defaulted = read_prompts(prompts_path, tokenizer,
@@ -376,14 +377,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  settings = sample.settings_from_flags(f)  # Checked by generate_file.
+  settings = inference.settings_from_flags(f)  # Checked by generate_file.
   stats = generate_file(
       f.workdir, f.prompts, f.out, kv_memory=f.kv_memory,
       max_new_tokens=f.max_new_tokens, settings=settings, slots=f.slots,
       page_size=f.page_size, prefill_chunk=f.prefill_chunk,
       admission=f.admission,
       kv_cache_dtype=f.kv_cache_dtype,
-      check=lambda mc: sample.check_decode_flags(f))
+      check=lambda mc: inference.check_decode_flags(f))
   return report(stats, f.out) if stats else 0  # app.run's exit status.
 
 
@@ -405,7 +406,7 @@ def report(stats: engine_lib.Stats, out: str) -> int:
 def run():
   """The command line; flags are defined here, not on import."""
   from absl import flags  # pylint: disable=import-outside-toplevel
-  from train.cli import run_app  # pylint: disable=import-outside-toplevel
+  from infra.cli import run_app  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string('workdir', None, 'a train.main workdir')
   flags.DEFINE_string('prompts', None, 'JSON lines: {"id": ..., "prompt": '
                       '...}; - reads stdin')
@@ -414,7 +415,8 @@ def run():
   flags.DEFINE_string('kv_memory', '256MiB', "the paged cache's bytes "
                       '(e.g. 256MiB, 1GB)')
   flags.DEFINE_integer('max_new_tokens', 200, 'tokens to generate per prompt')
-  sample.define_sampling_flags(temperature=0.0)
+  inference.define_sampling_flags(temperature=0.0)
+  flags.adopt_module_key_flags(inference)  # So that --help lists them.
   flags.DEFINE_integer('slots', 128, 'sequences in flight at most (decoded '
                        'together; fewer when --kv_memory holds fewer)',
                        lower_bound=1)

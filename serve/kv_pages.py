@@ -11,7 +11,7 @@ a model.
 from __future__ import annotations
 
 from serve import pages as pages_lib
-from train.errors import UserError
+from infra.errors import UserError
 
 SCRATCH_PAGE = 0
 

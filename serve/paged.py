@@ -11,7 +11,7 @@ ceil(max_len / p)). Page 0 is never handed out: unused page-table entries,
 idle rows and padding tokens point at it, so their writes land there and
 nothing reads them.
 
-The network is `train.model.Transformer` itself, called with `paging`: each
+The network is `lm.model.Transformer` itself, called with `paging`: each
 attention layer runs `attention.layer.apply`, the one attention step, with a
 `PagedCache` (its pool from the 'cache' collection), so nothing of a layer
 is written twice. Each row of the batch has its own position (`lengths`),
@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from attention import kv_cache
-from train import model as model_lib
+from lm import model as model_lib
 
 
 def page_bytes(config: model_lib.ModelConfig, page_size: int) -> int:
   """Bytes of one page across all layers: the model's KV-cache bytes
-  (`train.model.kv_cache_bytes`, the one count) for one sequence of
+  (`lm.model.kv_cache_bytes`, the one count) for one sequence of
   page_size tokens, every layer keeping all of them."""
   every_global = dataclasses.replace(config, attention_pattern='G',
                                      local_window=None)

@@ -3,7 +3,7 @@
 The engine (the model's shell) calls `schedule()`, runs the plan's rows
 through the model, samples one token for each row with sample=True, and
 hands them back with `update(plan, sampled)`. Pure Python (no arrays; the
-length rule is `train.sampling.length_refusal`, the one train.sample
+length rule is `lm.sampling.length_refusal`, the one train.sample
 applies): the policy is tested without a model.
 
 Policy (vLLM v1's, with JetStream's split of scheduler and model):
@@ -34,8 +34,8 @@ import enum
 from typing import Callable, Literal
 
 from serve.kv_pages import KVPageManager
-from train import sampling
-from train.errors import UserError
+from lm import sampling
+from infra.errors import UserError
 
 FinishReason = Literal['length', 'eos', 'stop']
 

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from train import peers
+from infra import peers
 
 if __name__ == '__main__':
   if os.environ.get(peers.WATCHED):

@@ -1,6 +1,6 @@
 """Workdirs and tokenizers that tests/test_gguf.py and test_llama_cpp.py
 export: random tiny models with Llama's conventions, and byte-level BPE
-tokenizers with each pre-tokenizer llama.cpp names (train.gguf_vocab)."""
+tokenizers with each pre-tokenizer llama.cpp names (train.convert.gguf_vocab)."""
 
 import json
 import pathlib
@@ -10,11 +10,13 @@ import flax.linen as nn
 import jax
 
 from configs import tiny
-from train import config_lib, convert, gguf_vocab, loop
-from train.model import Transformer
+from lm import config_lib
+from lm.model import Transformer
+from train import loop
+from train.convert import gguf_vocab, workdirs
 
 # A SwiGLU model with Gemma's other conventions (RMSNorm by 1 + w,
-# embeddings times √D): what train.to_gguf folds into the weights.
+# embeddings times √D): what train.convert.to_gguf folds into the weights.
 SILU = dict(mlp_activation='silu')
 # Llama's conventions throughout.
 LLAMA = dict(mlp_activation='silu', norm_scale_offset=0.0, embed_scale=False,
@@ -22,10 +24,14 @@ LLAMA = dict(mlp_activation='silu', norm_scale_offset=0.0, embed_scale=False,
 
 
 def tiny_config(**model):
-  """`tiny` with `model`'s fields changed (rope_scaling a dict)."""
+  """`tiny` with `model`'s fields changed (a section's, such as
+  rope_scaling or a layout's settings, as a dict)."""
   config = tiny.get_config()
-  config.model.update({k: v for k, v in model.items() if k != 'rope_scaling'})
-  config.model.rope_scaling.update(model.get('rope_scaling', {}))
+  for name, value in model.items():  # A dict: a section's fields.
+    if isinstance(value, dict):
+      config.model[name].update(value)
+    else:
+      config.model[name] = value
   config.data.seq_len = min(config.data.seq_len, config.model.max_len)
   return config
 
@@ -44,7 +50,7 @@ def random_workdir(path: pathlib.Path, seed: int = 0, tokenizer=None,
   path.mkdir(parents=True)
   if tokenizer is not None:
     (path / 'tokenizer.json').write_bytes(pathlib.Path(tokenizer).read_bytes())
-  convert._write_step0(epath.Path(path), jax.device_get(params), config, {})  # pylint: disable=protected-access
+  workdirs._write_step0(epath.Path(path), jax.device_get(params), config, {})  # pylint: disable=protected-access
   return mc
 
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests import test_gla, test_mesh
-from train import checkpoint, config_lib, loop, sharding
+from lm import checkpoint, config_lib, sharding
+from train import loop
 
 MESH = dict(data=2, fsdp=2, tensor=2)
 CONTROL = dict(data=2, fsdp=1, tensor=4)

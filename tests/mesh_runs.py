@@ -10,7 +10,8 @@ import sys
 import jax
 
 from tests import test_mesh
-from train import checkpoint, loop
+from lm import checkpoint
+from train import loop
 
 
 def main(workdir):

@@ -12,7 +12,7 @@ import sys
 
 from absl import app
 
-from train import cli
+from infra import cli
 
 
 def _parse_then_stop(parse_args):

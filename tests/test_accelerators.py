@@ -23,8 +23,10 @@ from attention import Attention, core, dot_product_attention, splash
 from configs import gqa_base, mha_base, mqa_base
 from tests import hlo, host_devices, reference
 from tests.conftest import OPTIMIZED
-from train import config_lib, loop, sample
-from train.model import Transformer, unroll_layers
+from lm import config_lib
+from lm import inference
+from train import loop
+from lm.model import Transformer, unroll_layers
 
 B, N, H = 1, 8, 32
 KERNEL = 'tpu_custom_call'  # How a Pallas TPU (Mosaic) kernel is lowered.
@@ -239,7 +241,7 @@ def test_model_decode_step_with_patterns_sharing_and_int8_lowers_for_tpu_in_plac
       Transformer(mc, decode=True),
       nn.unbox(loop.init_params(Transformer(mc), 0)))
   batch = 4
-  cache = sample.empty_cache(model, batch)
+  cache = inference.empty_cache(model, batch)
   step = lambda params, cache, token: model.apply(
       {'params': params, 'cache': cache}, token, mutable=['cache'])
   text = hlo.lowered(step, params, cache, jnp.zeros((batch, 1), jnp.int32),

@@ -25,8 +25,10 @@ from tests import gcs_emulator
 from tests.test_faults import _one_line_error, _params_and_losses, _run, REPO
 from tests.test_prepare_data import _word_tokenizer
 from tests.test_train import _config
-from train import checkpoint, errors, loop, storage, workdir
-from train.errors import UserError
+from infra import errors, storage, workdir
+from lm import checkpoint
+from train import loop
+from infra.errors import UserError
 from train.metrics import read_metrics
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from scripts import compare, stats, study
-from train.errors import UserError
+from infra.errors import UserError
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / 'docs' / 'results'
 
@@ -348,12 +348,13 @@ def test_the_aa_control_measures_the_paired_sd_of_a_kv_redraw():
 
 def test_aa_start_redraws_only_the_kv_projections(tmp_path):
   from flax import linen as nn  # pylint: disable=import-outside-toplevel
-  from train import checkpoint, loop  # pylint: disable=import-outside-toplevel
-  from train.model import Transformer  # pylint: disable=import-outside-toplevel
+  from lm import checkpoint  # pylint: disable=import-outside-toplevel
+  from train import loop  # pylint: disable=import-outside-toplevel
+  from lm.model import Transformer  # pylint: disable=import-outside-toplevel
   config = compare.variant_config('tiny', 4, 3, 10, False)
   compare.aa_start(tmp_path / 'aa', config, 3)
   _, params, _ = checkpoint.load_workdir(str(tmp_path / 'aa'))
-  from train import config_lib  # pylint: disable=import-outside-toplevel
+  from lm import config_lib  # pylint: disable=import-outside-toplevel
   start = nn.unbox(loop.init_params(
       Transformer(config_lib.model_config(config)), 3))
   import jax  # pylint: disable=import-outside-toplevel

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, config_lib, convert, data, loop
-from train.model import Transformer
-from train.errors import UserError
+from lm import checkpoint, config_lib, data, evaluator
+from train import convert, loop
+from lm.model import Transformer
+from infra.errors import UserError
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -98,7 +99,7 @@ def test_converted_workdir_uptrains_from_the_converted_weights(
   # The first logged loss is step 0's: the converted weights on batch 0.
   batch = data.batch(data.load('', val_fraction=0.05, seq_len=32).train,
                      seed=config.seed, step=0, batch_size=8, seq_len=32)
-  loss = lambda params: float(loop.loss_fn(params, Transformer(mc), batch))
+  loss = lambda params: float(evaluator.loss_fn(params, Transformer(mc), batch))
   fresh = nn.unbox(loop.init_params(Transformer(mc), config.seed))
   record = loop.train_and_evaluate(config, str(tmp_path / 'mqa'))
   assert 'resuming from step 0' in capsys.readouterr().out

@@ -20,11 +20,15 @@ import numpy as np
 import pytest
 
 from attention import cpu_kernel, kv_cache, layer
+from attention.grouped import GQA
+from attention.latent import MLA
+from attention.tied import GTA
 from attention.core import attention_mask, dot_product_attention
 from configs import tiny
 from serve import paged
-from train import config_lib, loop
-from train.model import Transformer
+from lm import config_lib
+from train import loop
+from lm.model import Transformer
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(),
@@ -203,8 +207,15 @@ TIED_SCALES = {'cached_tied': 'tied_scale', 'cached_rope_key': 'rope_key_scale'}
 
 def _tied_options(K, Y, head_dim=H, **fields):
   return layer.Options(num_heads=N, num_kv_heads=K, head_dim=head_dim,
-                       tie_kv=True, use_rope=Y > 0, qk_rope_head_dim=Y,
+                       layout=GTA(qk_rope_head_dim=Y), use_rope=Y > 0,
                        **fields)
+
+
+def _tied_kernel(options, q_BTNH, kv, visible):
+  """The tied kernel with options' RoPE width (as `tied.GTA` calls it)."""
+  return cpu_kernel.tied_attention(
+      options, q_BTNH, kv, visible,
+      rope_dim=options.layout.qk_rope_head_dim)
 
 
 def _tied_cache(K, Y, dtype, seed, B_=B, S_=S, head_dim=H):
@@ -246,7 +257,8 @@ def _tied_reference(q_BTNH, real, visible, options):
   k_BSKH = t_BSKH
   if 'cached_rope_key' in real:
     r_BSKY = jnp.broadcast_to(real['cached_rope_key'],
-                              (*t_BSKH.shape[:3], options.qk_rope_head_dim))
+                              (*t_BSKH.shape[:3],
+                               options.layout.qk_rope_head_dim))
     k_BSKH = jnp.concatenate(
         [t_BSKH[..., :t_BSKH.shape[3] - r_BSKY.shape[3]], r_BSKY], axis=-1)
   return dot_product_attention(q_BTNH, k_BSKH, t_BSKH, mask=visible,
@@ -279,8 +291,7 @@ def _check_tied(layout, dtype, T, K, Y, head_dim):
   stored, real = _tied_cache(K, Y, dtype, seed=K + Y, head_dim=head_dim)
   kv = _pool(stored) if layout == 'paged' else _dense_tied_kv(stored)
   q_BTNH = jax.random.normal(jax.random.key(T), (B, T, N, head_dim))
-  kernel = jax.jit(lambda q, vis: cpu_kernel.tied_attention(options, q, kv,
-                                                            vis))
+  kernel = jax.jit(lambda q, vis: _tied_kernel(options, q, kv, vis))
   for kind in MASKS:  # One compiled kernel: the masks are arrays.
     visible = _visible(kind, T)
     assert cpu_kernel.refusal(options, kv, visible) is None
@@ -334,8 +345,7 @@ def _check_tied_wide(layout, K, B_, S_, dtype=jnp.float32, soft_cap=None):
     kv = kv_cache.KV(None, None, positions_S=jnp.arange(S_), paged=(
         kv_cache.PagedCache({name: pool(x) for name, x in stored.items()},
                             table_BM.astype(jnp.int32), jnp.zeros(B_, int))))
-  got = jax.jit(lambda q: cpu_kernel.tied_attention(options, q, kv, visible))(
-      q_BTNH)
+  got = jax.jit(lambda q: _tied_kernel(options, q, kv, visible))(q_BTNH)
   chex.assert_trees_all_close(
       got, _tied_reference(q_BTNH, real, visible, options), atol=2e-5,
       rtol=2e-5)
@@ -372,9 +382,6 @@ def test_what_the_kernel_refuses_is_named():
                                                        per_head)
   tied_half = _dense_tied_kv(_tied_cache(2, H // 2, jnp.float16, seed=0)[0])
   assert 'float16' in cpu_kernel.refusal(tied, tied_half, _visible('none', 1))
-  latent = layer.Options(num_heads=N, num_kv_heads=N, head_dim=H,
-                         kv_lora_rank=32)
-  assert 'MLA' in cpu_kernel.refusal(latent, kv, _visible('none', 1))
 
 
 def test_an_unknown_mode_is_one_clear_error(monkeypatch):
@@ -437,20 +444,21 @@ def _decode_step(options, paged: bool):
   return jax.jit(step), (arrays, x_BTD)
 
 
-TARGETS = {  # (tie_kv, paged) -> the custom call of the step.
-    (False, True): cpu_kernel.PAGED_TARGET,
-    (False, False): cpu_kernel.DENSE_TARGET,
-    (True, True): cpu_kernel.PAGED_TIED_TARGET,
-    (True, False): cpu_kernel.DENSE_TIED_TARGET}
+LAYOUTS = {'grouped': GQA(), 'tied': GTA()}
+TARGETS = {  # (layout, paged) -> the custom call of the step.
+    ('grouped', True): cpu_kernel.PAGED_TARGET,
+    ('grouped', False): cpu_kernel.DENSE_TARGET,
+    ('tied', True): cpu_kernel.PAGED_TIED_TARGET,
+    ('tied', False): cpu_kernel.DENSE_TIED_TARGET}
 
 
-@pytest.mark.parametrize('tie_kv', [False, True], ids=['grouped', 'tied'])
+@pytest.mark.parametrize('layout', LAYOUTS)
 @pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
 def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
-    paged, tie_kv, monkeypatch):
+    paged, layout, monkeypatch):
   options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
-                          kv_cache_dtype='int8', tie_kv=tie_kv)
-  target = TARGETS[tie_kv, paged]
+                          kv_cache_dtype='int8', layout=LAYOUTS[layout])
+  target = TARGETS[layout, paged]
   step, args = _decode_step(options, paged)
   assert target in step.lower(*args).compile().as_text()
   out_kernel, cache_kernel = step(*args)
@@ -460,6 +468,18 @@ def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
   out_jax, cache_jax = step(*args)
   chex.assert_trees_all_close(out_kernel, out_jax, atol=1e-5)
   chex.assert_trees_all_equal(cache_kernel, cache_jax)
+
+
+@pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
+def test_a_latent_decode_step_runs_no_kernel(paged):
+  """MLA's decode (absorbed, `attention.latent`) is its own: neither kernel
+  reads a latent cache, so its step holds no custom call of either (the
+  control: the grouped and tied steps above hold theirs)."""
+  options = layer.Options(num_heads=N, num_kv_heads=N, head_dim=H,
+                          layout=MLA(kv_lora_rank=32))
+  step, args = _decode_step(options, paged)
+  text = step.lower(*args).as_text()
+  assert not [target for target in TARGETS.values() if target in text]
 
 
 @pytest.mark.slow
@@ -500,13 +520,13 @@ def test_the_benchmark_times_two_paths_that_agree(layout, tied):
   chex.assert_trees_all_close(runs['kernel'](), runs['jax'](), atol=1e-5)
 
 
-@pytest.mark.parametrize('tie_kv', [False, True], ids=['grouped', 'tied'])
+@pytest.mark.parametrize('layout', LAYOUTS)
 @pytest.mark.parametrize('platform', ['tpu', 'cuda'])
 def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform,
-                                                                 tie_kv):
+                                                                 layout):
   options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=128,
-                          tie_kv=tie_kv)
-  target = TARGETS[tie_kv, True]
+                          layout=LAYOUTS[layout])
+  target = TARGETS[layout, True]
   step, args = _decode_step(options, paged=True)
   text = jax.export.export(step, platforms=[platform])(*args).mlir_module()
   assert target not in text

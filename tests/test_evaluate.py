@@ -35,9 +35,11 @@ from configs import tiny  # pylint: disable=wrong-import-position
 from evaluation import evaluate as evaluate_lib  # pylint: disable=wrong-import-position
 from evaluation import harness  # pylint: disable=wrong-import-position
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from train import checkpoint, config_lib, convert, loop, prepare_data  # pylint: disable=wrong-import-position
-from train.errors import UserError  # pylint: disable=wrong-import-position
-from train.model import Transformer  # pylint: disable=wrong-import-position
+from lm import checkpoint, config_lib, evaluator  # pylint: disable=wrong-import-position
+from train import convert, loop, prepare_data  # pylint: disable=wrong-import-position
+from train.convert import workdirs  # pylint: disable=wrong-import-position
+from infra.errors import UserError  # pylint: disable=wrong-import-position
+from lm.model import Transformer  # pylint: disable=wrong-import-position
 
 REPO = pathlib.Path(__file__).parent.parent
 TASKS_DIR = REPO / 'tests' / 'lm_eval_tasks'
@@ -158,7 +160,7 @@ def _workdir_with_local_and_shared_layers(path: pathlib.Path):
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=3))
   path.mkdir()
-  convert._write_step0(epath.Path(path), jax.device_get(params), config, {})  # pylint: disable=protected-access
+  workdirs._write_step0(epath.Path(path), jax.device_get(params), config, {})  # pylint: disable=protected-access
   return mc, params
 
 
@@ -219,7 +221,7 @@ def test_evaluate_writes_results_for_a_trained_and_an_imported_model(
     assert 'gqa_lab_generate' in report and written['provenance']['commit'] in report
     assert record['held_out'] == written['held_out']
   held_out = written['held_out']
-  expected = loop.evaluate_workdir(str(workdir), data_path=data)
+  expected = evaluator.evaluate_workdir(str(workdir), data_path=data)
   assert held_out['eval_loss'] == expected['eval_loss']
   assert held_out['eval_bpb'] > 0 and 'bits per byte' in report
 

@@ -26,12 +26,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from train import (checkpoint, config_lib, convert, data, loop, peers,
-                   prepare_data, signals, workdir)
+from infra import peers, signals, workdir
+from lm import checkpoint, config_lib, data
+from train import convert, loop, prepare_data
 from train import metrics as metrics_lib
-from train import progress
-from train.cli import check_output_dir
-from train.errors import UserError
+from infra import progress
+from infra.cli import check_output_dir
+from infra.errors import UserError
 from tests.test_train import _config
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -550,7 +551,8 @@ def _scripts(*args):
     ('scripts.bench_decode', ['--variants=K2,GQA3'],
      "argument --variants: 'GQA3' is not a variant; give K<k> (GQA"),
     ('scripts.bench_decode', ['--variants=GLA48g3'],
-     '--variants=GLA48g3: model.latent_groups=3 must divide num_heads=8'),
+     '--variants=GLA48g3: model.mla.latent_groups=3 must divide num_heads=8 '
+     'and mla.kv_lora_rank=48'),
     ('scripts.bench_decode', ['--variants=K2', '--kv_heads=2'],
      '--kv_heads and --variants: give one'),
     ('scripts.bench_decode', ['--variants=K2,GTA2', '--equal_params'],
@@ -753,7 +755,7 @@ def test_a_read_only_checkpoints_folder_is_one_line_about_permission(
   work, logs = _copy(trained, tmp_path / 'w'), tmp_path / 'logs'
   logs.mkdir()
   args = f'--config=tiny --workdir={work} --config.train.steps=30'
-  bypass = ('import sys; from train import checkpoint, main; '
+  bypass = ('import sys; from lm import checkpoint; from train import main; '
             'checkpoint.Checkpointer._check_writable = lambda self: None; '
             'main.run()')
   ckpts = work / 'checkpoints'
@@ -765,7 +767,7 @@ def test_a_read_only_checkpoints_folder_is_one_line_about_permission(
             f'2>{logs}/err2; echo $? >{logs}/rc2')
   # Both runs end well within orbax's 5-minute wait for a save's folders,
   # where a save refused in the background left the process after its
-  # error (train.checkpoint makes the folders before save() returns).
+  # error (lm.checkpoint makes the folders before save() returns).
   run = subprocess.run(['unshare', '--mount', 'sh', '-c', script], cwd=REPO,
                        capture_output=True, text=True, timeout=240)
   if run.returncode == 99 or not (logs / 'rc1').exists():
@@ -1205,7 +1207,7 @@ def test_a_watched_child_dies_with_its_watcher_even_by_sigkill(poll):
   env = {**os.environ, 'FAKE_PEER_EXIT': 'hang',
          **({'FAKE_PEER_POLL': '1'} if poll else {})}
   watcher = subprocess.Popen(
-      [sys.executable, '-c', 'import sys; from train import peers; '
+      [sys.executable, '-c', 'import sys; from infra import peers; '
        'sys.exit(peers.watch("tests.fake_peer", [], None))'], cwd=REPO,
       env=env, stdout=subprocess.PIPE, text=True)
   try:

@@ -3,12 +3,13 @@
 `train.sample` (dense cache, one prompt), `serve.generate` (the paged engine,
 any --slots, beside other requests, prefilled in chunks) and the lm_eval
 model's `generate_until` (dense cache, batches of contexts) all sample
-through `train.sampling`: the same prompt, settings and seed give the same
+through `lm.sampling`: the same prompt, settings and seed give the same
 text, greedy or sampled.
 """
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ pytest.importorskip('lm_eval')
 
 from evaluation import harness  # pylint: disable=wrong-import-position
 from serve import generate  # pylint: disable=wrong-import-position
-from train.sampling import SamplingParams  # pylint: disable=wrong-import-position
+from lm.sampling import SamplingParams  # pylint: disable=wrong-import-position
 
 REPO = pathlib.Path(__file__).parent.parent
 PROMPT, NEW = 'def ', 14
@@ -86,3 +87,16 @@ def test_the_same_request_gives_the_same_text_from_every_front_end(
                            top_k=settings.top_k, top_p=settings.top_p,
                            seed=settings.seed ^ 1, stop=settings.stop)
     assert _train_sample(trained, other) != expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('command', ['train.sample', 'serve.generate'])
+def test_help_lists_the_sampling_flags(command):
+  """The sampling flags lm.inference defines for every generating command
+  are the command's own in --help, not hidden under --helpfull."""
+  result = subprocess.run([sys.executable, '-m', command, '--help'], cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
+  listed = set(re.findall(r'^  --(?:\[no\])?(\w+)', result.stdout, re.M))
+  assert 'workdir' in listed, result.stdout + result.stderr
+  assert {'temperature', 'top_k', 'top_p', 'seed', 'stop'} <= listed, (
+      result.stdout)

@@ -1,4 +1,4 @@
-"""Specification of GGUF export (`train.to_gguf`, `train.gguf_vocab`), read
+"""Specification of GGUF export (`train.convert.to_gguf`, `gguf_vocab`), read
 back with the gguf package's reader; llama.cpp itself runs the exports in
 tests/test_llama_cpp.py."""
 
@@ -16,9 +16,10 @@ gguf = pytest.importorskip(
 
 from attention import rope  # pylint: disable=wrong-import-position
 from tests import gguf_models  # pylint: disable=wrong-import-position
-from train import checkpoint, gguf_vocab, to_gguf  # pylint: disable=wrong-import-position
-from train import model as model_lib  # pylint: disable=wrong-import-position
-from train.errors import UserError  # pylint: disable=wrong-import-position
+from infra.errors import UserError  # pylint: disable=wrong-import-position
+from lm import checkpoint  # pylint: disable=wrong-import-position
+from lm import model as model_lib  # pylint: disable=wrong-import-position
+from train.convert import gguf_vocab, to_gguf  # pylint: disable=wrong-import-position
 
 
 def _norm_rope(x_TEH, base: float):
@@ -160,9 +161,11 @@ def test_matrices_take_the_dtype_asked_and_norms_stay_float32(
 
 @pytest.mark.parametrize('fields, named', [
     ({}, "model.mlp_activation='gelu_tanh'"),
-    (dict(kv_lora_rank=16, num_kv_heads=4, **gguf_models.SILU),
-     'model.kv_lora_rank=16'),
-    (dict(tie_kv=True, **gguf_models.SILU), 'model.tie_kv=True'),
+    (dict(attention='mla', mla=dict(kv_lora_rank=16), num_kv_heads=4,
+          **gguf_models.SILU), "model.attention='mla'"),
+    (dict(attention='mla', mla=dict(kv_lora_rank=16, latent_groups=2),
+          num_kv_heads=4, **gguf_models.SILU), "model.attention='mla'"),
+    (dict(attention='gta', **gguf_models.SILU), "model.attention='gta'"),
     (dict(attention_pattern='LG', local_window=8, **gguf_models.SILU),
      'model.local_window=8'),
     (dict(logits_soft_cap=30.0, **gguf_models.SILU), 'model.logits_soft_cap'),

@@ -31,32 +31,39 @@ from tests.test_latent import _decode_step_hlo, _expanding_attention
 from tests.test_latent import _per_head_kv
 from tests.test_sample import _greedy_by_full_passes
 from tests.test_serve import _alone
-from train import checkpoint, config_lib, flops, hf, loop, sample, sharding
-from train import to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import checkpoint, config_lib, flops, sharding
+from lm import inference
+from train import loop
+from train.convert import hf
+from train.convert import to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # test_latent's widths (A widened to split in 1, 2 and 4 groups): A latent,
 # Y RoPE key, I and U a head's key (without RoPE) and value, N heads.
 A, Y, I, U, N = 12, 4, 8, 6, 4
-GLA = dict(num_kv_heads=N, kv_lora_rank=A, qk_rope_head_dim=Y,
-           qk_nope_head_dim=I, v_head_dim=U)
+WIDTHS = dict(kv_lora_rank=A, qk_rope_head_dim=Y, qk_nope_head_dim=I,
+              v_head_dim=U)
 GROUPS = [2, N]  # Two heads per latent, and one (G = N).
-LAYOUTS = {
+VARIANTS = {
     'global': {},
     # Local layers' ring buffers (window 5), a query latent and kv_share.
     'local_query_latent_sharing': dict(
-        q_lora_rank=12, num_layers=4, attention_pattern='LLGG',
+        mla=dict(q_lora_rank=12), num_layers=4, attention_pattern='LLGG',
         local_window=5, kv_share=2),
-    'nope_no_latent_norm': dict(use_rope=False, qk_rope_head_dim=0,
-                                latent_norm=False, logits_soft_cap=2.0),
+    'nope_no_latent_norm': dict(
+        use_rope=False, mla=dict(qk_rope_head_dim=0, latent_norm=False),
+        logits_soft_cap=2.0),
 }
 
 
-def _config(G, **model):
+def _config(G, mla=None, **model):
+  """`tiny` as GLA: WIDTHS in G latent groups, the MLA settings `mla`, the
+  model fields."""
   config = tiny.get_config()
-  config.model.update(**{**GLA, 'latent_groups': G, **model})
+  config.model.update(attention='mla', num_kv_heads=N, mla={
+      **WIDTHS, 'latent_groups': G, **(mla or {})}, **model)
   config_lib.validate(config, batch_shards=1)
   return config
 
@@ -66,10 +73,10 @@ def _model(G, seed=1, **model):
   return mc, nn.unbox(loop.init_params(Transformer(mc), seed=seed))
 
 
-def _options(G, **given):
-  return layer.Options(**{**dict(
-      num_heads=N, num_kv_heads=N, head_dim=I, kv_lora_rank=A,
-      qk_rope_head_dim=Y, v_head_dim=U, latent_groups=G), **given})
+def _options(G, latent_norm=True, **given):
+  return layer.Options(num_heads=N, num_kv_heads=N, head_dim=I,
+                       layout=latent.MLA(**WIDTHS, latent_groups=G,
+                                         latent_norm=latent_norm), **given)
 
 
 def _params(options, D, seed=0):
@@ -151,15 +158,15 @@ def test_gla_is_mla_with_each_heads_kv_up_zero_outside_its_group():
 
 
 @pytest.mark.parametrize('G', GROUPS)
-@pytest.mark.parametrize('layout', [
-    layout if layout == 'global' else pytest.param(
-        layout, marks=pytest.mark.slow) for layout in LAYOUTS])
-def test_cached_decoding_equals_the_full_pass(G, layout):
+@pytest.mark.parametrize('variant', [
+    variant if variant == 'global' else pytest.param(
+        variant, marks=pytest.mark.slow) for variant in VARIANTS])
+def test_cached_decoding_equals_the_full_pass(G, variant):
   """Logits at every position, fed through the cache token by token and in
   chunks that wrap the local layers' ring buffers, equal the full pass
   (which expands K/V per head); greedy generation equals argmax over full
   passes."""
-  mc, params = _model(G, **LAYOUTS[layout])
+  mc, params = _model(G, **VARIANTS[variant])
   tokens = jax.random.randint(jax.random.key(2), (2, 20), 0, mc.vocab_size)
   full = _full_pass(mc, params, tokens)
   for chunks in ([1] * 20, [7, 1, 1, 6, 1, 4]):
@@ -169,9 +176,9 @@ def test_cached_decoding_equals_the_full_pass(G, layout):
   chex.assert_shape(cache['layers_0']['attention']['cached_latent'],
                     (2 * G, S, A // G))
   prompt = tokens[:1, :6]
-  generated = sample.generate(params, prompt,
-                              model=Transformer(mc, decode=True),
-                              max_new_tokens=8)
+  generated = inference.generate(params, prompt,
+                                 model=Transformer(mc, decode=True),
+                                 max_new_tokens=8)
   np.testing.assert_array_equal(
       generated, _greedy_by_full_passes(Transformer(mc), params, prompt, 8))
 
@@ -214,7 +221,7 @@ def test_the_cache_holds_the_latents_a_numbers_whatever_the_groups(G):
                           ('int8', A + Y + 4 * (G + 1))):
     mc = config_lib.model_config(_config(G, kv_cache_dtype=dtype))
     assert model_lib.kv_bytes_per_token(mc) == expected * mc.num_layers
-    cache = sample.empty_cache(Transformer(dataclasses.replace(
+    cache = inference.empty_cache(Transformer(dataclasses.replace(
         mc, scan_layers=False), decode=True), batch=1)
     held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
         cache) if 'index' not in jax.tree_util.keystr(path))
@@ -267,24 +274,36 @@ def test_gla_is_served_from_a_paged_grouped_cache(kv_cache_dtype):
     assert results[r.id] == _alone(mc, params, r.prompt, r.max_new_tokens)
 
 
-@pytest.mark.parametrize('fields, message', [
-    (dict(latent_groups=3), r'model.latent_groups=3 must divide num_heads=4 '
-     r'and kv_lora_rank=12 .*; pick latent_groups in \[1, 2, 4\]'),
-    (dict(latent_groups=4, kv_lora_rank=10), r'model.latent_groups=4 must '
-     r'divide num_heads=4 and kv_lora_rank=10 .*pick latent_groups in '
-     r'\[1, 2\]'),
-    (dict(latent_groups=2, kv_lora_rank=None, num_kv_heads=2),
-     'model.latent_groups=2 without kv_lora_rank: .*set kv_lora_rank .*or '
-     'latent_groups=1'),
-    (dict(latent_groups=0), r'model.latent_groups=0 must be an integer >= 1'),
+@pytest.mark.parametrize('mla, message', [
+    (dict(latent_groups=3), r'model\.mla\.latent_groups=3 must divide '
+     r'num_heads=4 and mla\.kv_lora_rank=12 .*; pick latent_groups in '
+     r'\[1, 2, 4\]'),
+    (dict(latent_groups=4, kv_lora_rank=10), r'model\.mla\.latent_groups=4 '
+     r'must divide num_heads=4 and mla\.kv_lora_rank=10 .*pick latent_groups '
+     r'in \[1, 2\]'),
+    (dict(latent_groups=0), r'model\.mla\.latent_groups=0 must be an integer '
+     r'>= 1'),
 ])
-def test_bad_latent_groups_are_refused_in_one_line(fields, message):
+def test_bad_latent_groups_are_refused_in_one_line(mla, message):
   config = tiny.get_config()
-  config.model.update(**{**GLA, **fields})
+  config.model.update(attention='mla', num_kv_heads=N,
+                      mla={**WIDTHS, **mla})
   with pytest.raises(UserError, match=message):
     config_lib.validate(config, batch_shards=1)
-  with pytest.raises(ValueError, match=message.removeprefix('model.')):
+  with pytest.raises(ValueError, match=message.removeprefix(r'model\.')):
     config_lib.model_config(config).attention(0)
+
+
+def test_latent_groups_without_mla_are_refused_in_one_line():
+  """Groups of a latent the layout has not (before named layouts: groups
+  without kv_lora_rank) would be ignored."""
+  config = tiny.get_config()
+  config.model.update(mla=dict(latent_groups=2))
+  with pytest.raises(UserError, match=(
+      r"^model\.mla\.latent_groups=2 set, but model\.attention='gqa': "
+      r"another layout's settings; set --config\.model\.attention=mla, or "
+      r'leave model\.mla at its defaults$')):
+    config_lib.validate(config, batch_shards=1)
 
 
 def test_hugging_face_export_refuses_grouped_latents():
@@ -294,8 +313,9 @@ def test_hugging_face_export_refuses_grouped_latents():
                 embed_scale=False)
   assert hf.family_of(config_lib.model_config(_config(1, **fields))) == (
       'deepseek_v3')
-  with pytest.raises(UserError, match=r"model.latent_groups=2 \(grouped "
-                     r"latents: DeepSeek's format has one\)"):
+  with pytest.raises(UserError, match=r"computes model\.mla\.latent_groups=2 "
+                     r"\(grouped latents: DeepSeek's format has one\) in an "
+                     r'MLA \(deepseek\) model'):
     hf.family_of(config_lib.model_config(_config(2, **fields)))
 
 
@@ -307,8 +327,8 @@ def test_latent_groups_split_over_tensor_only_when_it_divides_them():
   mc = config_lib.model_config(_config(2))
   assert dict(sharding.rules(mc, mesh(2)))['latent_groups'] == 'tensor'
   assert dict(sharding.rules(mc, mesh(4)))['latent_groups'] is None
-  assert dict(sharding.rules(dataclasses.replace(mc, latent_groups=1),
-                             mesh(2)))['latent_groups'] is None
+  mla = config_lib.model_config(_config(1))
+  assert dict(sharding.rules(mla, mesh(2)))['latent_groups'] is None
   boxed = jax.eval_shape(lambda: loop.init_params(Transformer(mc), 0))
   specs = nn.get_partition_spec(boxed)['layers']['attention']
   spec = lambda name, t: nn.logical_to_mesh_axes(
@@ -334,9 +354,9 @@ def decode_outputs(mc, params):
   """(logits fed through the cache in chunks, greedy tokens) of a prompt."""
   tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, mc.vocab_size)
   logits, _ = _decode_in_chunks(mc, params, tokens, [6, 1, 1, 8])
-  generated = sample.generate(params, tokens[:, :5],
-                              model=Transformer(mc, decode=True),
-                              max_new_tokens=6)
+  generated = inference.generate(params, tokens[:, :5],
+                                 model=Transformer(mc, decode=True),
+                                 max_new_tokens=6)
   return np.asarray(logits), np.asarray(generated)
 
 
@@ -375,7 +395,7 @@ def test_gla_trains_and_decodes_over_tensor_as_on_one_device(tmp_path):
     np.testing.assert_array_equal(sharded['tokens'], tokens)
 
 
-# --- Conversion (train.to_mla, train.convert --to_mla --latent_groups) ----
+# --- Conversion (train.convert.to_mla, train.convert --to_mla --latent_groups)
 
 @pytest.mark.parametrize('model, rope_dims', [
     (dict(use_rope=False), 0), ({}, 16)],
@@ -397,7 +417,8 @@ def test_a_gqa_model_converted_at_a_groups_full_rank_keeps_its_logits(
   full = 2 * mc.num_kv_heads * mc.head_dim - rope_dims
   converted, new_mc, energy = to_mla.convert_params(
       params, mc, full, rope_dims, scores, latent_groups=2)
-  assert new_mc.latent_groups == 2 and new_mc.kv_lora_rank == full
+  assert new_mc.layout.latent_groups == 2
+  assert new_mc.layout.kv_lora_rank == full
   assert model_lib.kv_bytes_per_token(new_mc) == model_lib.kv_bytes_per_token(
       mc)
   np.testing.assert_allclose(energy, 1.0, rtol=1e-9)
@@ -412,7 +433,7 @@ def test_a_gqa_model_converted_at_a_groups_full_rank_keeps_its_logits(
   mla = to_mla.convert_params(params, mc, full // 2, rope_dims, scores,
                               latent_groups=1)
   chex.assert_trees_all_equal(one[0], mla[0])
-  assert one[1] == mla[1] and one[1].latent_groups == 1
+  assert one[1] == mla[1] and one[1].layout.latent_groups == 1
 
 
 @pytest.mark.parametrize('model, flags, message', [
@@ -454,7 +475,7 @@ def test_the_gla_train_and_decode_steps_lower_for_tpu_and_cuda():
   size (its groups are read in place), which the control, a converted
   copy, fails."""
   G, batch = 2, 4
-  config = _config(G, q_lora_rank=12, dtype='bfloat16',
+  config = _config(G, mla=dict(q_lora_rank=12), dtype='bfloat16',
                    param_dtype='bfloat16', max_len=1024)
   config.data.seq_len = 128
   mc = config_lib.model_config(config)
@@ -473,7 +494,7 @@ def test_the_gla_train_and_decode_steps_lower_for_tpu_and_cuda():
     decoder, params = unroll_layers(
         Transformer(mc_, decode=True),
         nn.unbox(loop.init_params(Transformer(mc_), 0)))
-    cache = sample.empty_cache(decoder, batch)
+    cache = inference.empty_cache(decoder, batch)
     assert cache['layers_0']['attention']['cached_latent'].shape == (
         batch * G, mc.max_len, A // G)
     decode = lambda params, cache, token: decoder.apply(

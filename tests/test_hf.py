@@ -1,4 +1,4 @@
-"""Specification of Hugging Face checkpoints in and out (`train.hf`, `train.convert`).
+"""Specification of Hugging Face checkpoints in and out (`train.convert`).
 
 Models are built by `transformers` from configs with random weights (nothing
 is downloaded): each family imports to logits equal to transformers' own, at
@@ -24,11 +24,13 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
-from train import model as model_lib  # pylint: disable=wrong-import-position
-from train import (checkpoint, config_lib, convert, hf, loop, prepare_data,  # pylint: disable=wrong-import-position
-                   safetensors_io, sample, tokenizer)
-from train.errors import UserError  # pylint: disable=wrong-import-position
-from train.model import Transformer  # pylint: disable=wrong-import-position
+from lm import model as model_lib  # pylint: disable=wrong-import-position
+from lm import checkpoint, config_lib, tokenizer  # pylint: disable=wrong-import-position
+from lm import inference  # pylint: disable=wrong-import-position
+from train import convert, loop, prepare_data  # pylint: disable=wrong-import-position
+from train.convert import hf, safetensors_io  # pylint: disable=wrong-import-position
+from infra.errors import UserError  # pylint: disable=wrong-import-position
+from lm.model import Transformer  # pylint: disable=wrong-import-position
 
 REPO = pathlib.Path(__file__).parent.parent
 SMALL = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -125,8 +127,9 @@ def test_greedy_generation_equals_generate(imported):
         eos_token_id=None, pad_token_id=0).numpy()[:, 7:]
   import dataclasses  # pylint: disable=import-outside-toplevel
   mc = dataclasses.replace(mc, max_len=7 + 16)
-  ours = sample.generate(params, jnp.asarray(prompt_BT),
-                         model=Transformer(mc, decode=True), max_new_tokens=16)
+  ours = inference.generate(params, jnp.asarray(prompt_BT),
+                            model=Transformer(mc, decode=True),
+                            max_new_tokens=16)
   np.testing.assert_array_equal(np.asarray(ours), expected)
 
 
@@ -420,7 +423,7 @@ def test_export_refuses_what_no_architecture_computes(trained, tmp_path, field,
 
 def test_text_is_tokenized_once_into_uint16_or_uint32(tmp_path, capsys):
   from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
-  from train import data  # pylint: disable=import-outside-toplevel
+  from lm import data  # pylint: disable=import-outside-toplevel
   text = tmp_path / 'text.txt'
   text.write_text(' '.join(f'w{i % 97} w{70_000 - i % 89}'
                            for i in range(2000)))
@@ -499,16 +502,16 @@ print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 @pytest.mark.slowest
 @pytest.mark.slow
 def test_the_readme_workflow_runs_on_this_machine(tmp_path):
-  """README: make an MHA model, import it as GQA, prepare the corpus with its
-  tokenizer, uptrain, sample, export;
-  the exported model loads in transformers with the new K/V head count."""
-  readme = (REPO / 'README.md').read_text()
-  block = readme.split('The same commands on this machine')[1]
+  """docs/hugging_face.md: make an MHA model, import it as GQA, prepare the
+  corpus with its tokenizer, uptrain, sample, export; the exported model
+  loads in transformers with the new K/V head count."""
+  page = (REPO / 'docs' / 'hugging_face.md').read_text()
+  block = page.split('The same commands on this machine')[1]
   commands = block.split('```bash\n')[1].split('\n```')[0].splitlines()
   assert len(commands) == 6
   # `python` is this interpreter, as in the environment the README activates.
   path = f'{pathlib.Path(sys.executable).parent}:{os.environ["PATH"]}'
-  # The one warning, which the README explains after the commands.
+  # The one warning, which the page explains after the commands.
   explained = re.search(r'and warns that\s+`(.*?)`', block, re.S).group(1)
   for command in commands:
     result = subprocess.run(command, shell=True, cwd=tmp_path,

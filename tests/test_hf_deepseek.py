@@ -17,9 +17,12 @@ transformers = pytest.importorskip('transformers')
 
 from scripts import make_hf_model  # pylint: disable=wrong-import-position
 from tests.test_faults import _one_line_error, _run  # pylint: disable=wrong-import-position
-from train import checkpoint, convert, hf, sample  # pylint: disable=wrong-import-position
-from train.errors import UserError  # pylint: disable=wrong-import-position
-from train.model import Transformer  # pylint: disable=wrong-import-position
+from lm import checkpoint  # pylint: disable=wrong-import-position
+from lm import inference  # pylint: disable=wrong-import-position
+from train import convert  # pylint: disable=wrong-import-position
+from train.convert import hf  # pylint: disable=wrong-import-position
+from infra.errors import UserError  # pylint: disable=wrong-import-position
+from lm.model import Transformer  # pylint: disable=wrong-import-position
 
 # All layers dense (first_k_dense_replace = 2 layers), though experts are
 # configured: what a dense DeepSeek-V3-style checkpoint looks like.
@@ -70,7 +73,8 @@ def test_imported_logits_and_greedy_tokens_equal_transformers(imported):
   chex.assert_trees_all_close(_ours(root / 'ours', tokens), expected,
                               atol=1e-4, rtol=0)
   mc, params, _ = checkpoint.load_workdir(str(root / 'ours'))
-  assert mc.kv_lora_rank == 12 and mc.latent_norm
+  assert mc.layout.name == 'mla' and mc.layout.kv_lora_rank == 12
+  assert mc.layout.latent_norm
   if mc.rope_scaling is not None:  # The control: YaRN's mscales matter.
     assert mc.rope_scaling.kind == 'yarn'
     unscaled = dataclasses.replace(mc.rope_scaling, mscale=0.0,
@@ -82,10 +86,10 @@ def test_imported_logits_and_greedy_tokens_equal_transformers(imported):
     greedy = model.generate(torch.tensor(prompt), max_new_tokens=12,
                             do_sample=False, eos_token_id=None,
                             pad_token_id=0).numpy()[:, 7:]
-  ours = sample.generate(params, jnp.asarray(prompt),
-                         model=Transformer(dataclasses.replace(
-                             mc, max_len=19), decode=True),
-                         max_new_tokens=12)
+  ours = inference.generate(params, jnp.asarray(prompt),
+                            model=Transformer(dataclasses.replace(
+                                mc, max_len=19), decode=True),
+                            max_new_tokens=12)
   np.testing.assert_array_equal(np.asarray(ours), greedy)
 
 
@@ -134,11 +138,13 @@ def test_mixture_of_experts_layers_are_refused_in_one_line(tmp_path):
 
 def test_mla_models_that_deepseek_does_not_compute_refuse_export():
   from tests.test_latent import _config  # pylint: disable=import-outside-toplevel
-  from train import config_lib  # pylint: disable=import-outside-toplevel
+  from lm import config_lib  # pylint: disable=import-outside-toplevel
   mc = config_lib.model_config(_config(
       mlp_activation='silu', norm_scale_offset=0.0, embed_scale=False))
   assert hf.family_of(mc) == 'deepseek_v3'
-  with pytest.raises(UserError, match='model.latent_norm=False'):
-    hf.family_of(dataclasses.replace(mc, latent_norm=False))
+  with pytest.raises(UserError, match=r'model\.mla\.latent_norm=False '
+                     r'\(DeepSeek normalises the latent\)'):
+    hf.family_of(dataclasses.replace(
+        mc, layout=dataclasses.replace(mc.layout, latent_norm=False)))
   with pytest.raises(UserError, match="Gemma's conventions; DeepSeek's are Llama's"):
     hf.family_of(config_lib.model_config(_config()))

@@ -1,11 +1,15 @@
 """The rooms and their arrows: every import between our packages points down.
 
-attention/ imports none of ours; configs/ none but itself; train/ imports
-attention/ and configs/; serve/ and evaluation/ import those and not each
-other; scripts/ imports anything. A command lives in its room, and a piece two
-rooms need moves down. Every import counts, at module level or inside a
-function (a deferred import is still an arrow), and no chain of them comes
-back to where it started.
+Floor 0: attention/ imports none of ours, infra/ (errors, command-line
+shells, storage, provenance) none; configs/ only attention/ (the layouts'
+settings are config sections). Floor 1: lm/, the model and running it,
+imports those. Floor 2: train/ (the loop, its commands
+and the conversions), serve/ and evaluation/ import the floors below and not
+each other: serving and evaluation never import the training loop. Floor 3:
+scripts/ imports anything. A command lives in its room, and a piece two rooms
+need moves down. Every import counts, at module level or inside a function (a
+deferred import is still an arrow), and no chain of them comes back to where
+it started.
 """
 
 import ast
@@ -14,11 +18,14 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ALLOWED = {  # Room -> the other rooms it may import.
     'attention': set(),
-    'configs': set(),
-    'train': {'attention', 'configs'},
-    'serve': {'attention', 'configs', 'train'},
-    'evaluation': {'attention', 'configs', 'train'},
-    'scripts': {'attention', 'configs', 'train', 'serve', 'evaluation'},
+    'configs': {'attention'},
+    'infra': set(),
+    'lm': {'attention', 'configs', 'infra'},
+    'train': {'attention', 'configs', 'infra', 'lm'},
+    'serve': {'attention', 'configs', 'infra', 'lm'},
+    'evaluation': {'attention', 'configs', 'infra', 'lm'},
+    'scripts': {'attention', 'configs', 'infra', 'lm', 'train', 'serve',
+                'evaluation'},
 }
 
 
@@ -133,22 +140,23 @@ def test_no_modules_import_each_other_in_a_cycle():
 
 def test_the_walker_sees_deferred_and_relative_imports():
   source = ('import attention.layer\n'
-            'from train import loop, errors\n'
+            'from lm import model, evaluator\n'
             'from attention import Attention\n'
             'def run():\n'
             '  from serve.engine import Engine\n'
             '  from . import stats\n'
-            '  from ..train.model import Transformer\n')
-  known = {'attention', 'attention.layer', 'train', 'train.loop',
-           'train.errors', 'train.model', 'serve', 'serve.engine',
-           'scripts', 'scripts.stats'}
+            '  from ..train.convert.hf import HF\n')
+  known = {'attention', 'attention.layer', 'lm', 'lm.model', 'lm.evaluator',
+           'train', 'train.convert', 'train.convert.hf', 'serve',
+           'serve.engine', 'scripts', 'scripts.stats'}
   assert imported(source, 'scripts.x', False, known) == {
-      'attention.layer', 'train.loop', 'train.errors', 'attention',
-      'serve.engine', 'scripts.stats', 'train.model'}
+      'attention.layer', 'lm.model', 'lm.evaluator', 'attention',
+      'serve.engine', 'scripts.stats', 'train.convert.hf'}
   # And the real graph: a module-level arrow, and one inside a function.
   graph = import_graph()
-  assert 'train.checkpoint' in graph['scripts.compare']
+  assert 'lm.checkpoint' in graph['scripts.compare']
   assert 'evaluation.evaluate' in graph['scripts.task_scores']
+  assert 'lm.evaluator' in graph['evaluation.evaluate']
 
 
 def test_the_checks_fail_on_an_arrow_up_and_on_a_cycle():
@@ -158,6 +166,18 @@ def test_the_checks_fail_on_an_arrow_up_and_on_a_cycle():
                          'attention/a.py: imports train.b (attention -> train)',
                          'serve/s.py: imports evaluation.e '
                          '(serve -> evaluation)']
+  # An arrow up from each new floor, and the ones this map forbids since
+  # lm/ holds inference and the evaluator.
+  assert violations({'infra.errors': {'lm.model'},
+                     'lm.checkpoint': {'train.loop', 'infra.storage'},
+                     'serve.engine': {'train.sample', 'lm.inference'},
+                     'evaluation.evaluate': {'train.loop'}}) == [
+                         'evaluation/evaluate.py: imports train.loop '
+                         '(evaluation -> train)',
+                         'infra/errors.py: imports lm.model (infra -> lm)',
+                         'lm/checkpoint.py: imports train.loop (lm -> train)',
+                         'serve/engine.py: imports train.sample '
+                         '(serve -> train)']
   assert cycles({'train.a': {'train.b'}, 'train.b': {'train.c'},
                  'train.c': {'train.a', 'train.d'}, 'train.d': set()}) == [
                      'train.a -> train.b -> train.c -> train.a']

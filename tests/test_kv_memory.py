@@ -13,10 +13,13 @@ import pytest
 
 from configs import tiny
 from tests.test_sample import _greedy_by_full_passes, _sample
-from train import config_lib, convert, hf, loop, sample
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import config_lib
+from lm import inference
+from train import convert, loop
+from train.convert import hf
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 WINDOW = 5
 # (attention_pattern, local_window, kv_share, scan_layers).
@@ -30,8 +33,9 @@ LAYOUTS = {
     'cla2_local_pairs_unscanned': ('LLGG', WINDOW, 2, False),
     'gemma3_conventions': ('LG', WINDOW, 1, True),
 }
-# Gemma 2/3's settings (train.hf's imports): post-norms, QK-norm, a query
-# scale, both soft caps (low enough to bend the logits), a local RoPE base.
+# Gemma 2/3's settings (train.convert.hf's imports): post-norms, QK-norm, a
+# query scale, both soft caps (low enough to bend the logits), a local RoPE
+# base.
 CONVENTIONS = {'gemma3_conventions': dict(
     post_norms=True, qk_norm=True, query_pre_attn_scalar=24.0,
     logits_soft_cap=2.0, final_logits_soft_cap=3.0, local_rope_base=100.0)}
@@ -58,7 +62,7 @@ def _full_pass(mc, params, tokens_BT):
 def _decode_in_chunks(mc, params, tokens_BT, chunks):
   """Logits of feeding tokens_BT through the cache, `chunks` at a time."""
   model, params = unroll_layers(Transformer(mc, decode=True), params)
-  cache = sample.empty_cache(model, tokens_BT.shape[0])
+  cache = inference.empty_cache(model, tokens_BT.shape[0])
   step = jax.jit(lambda params, cache, tokens: model.apply(
       {'params': params, 'cache': cache}, tokens, mutable=['cache']))
   outs, start = [], 0
@@ -89,9 +93,9 @@ def test_cached_decoding_equals_the_full_pass(layout):
   chex.assert_trees_all_close(cached, full, atol=1e-5)
 
   prompt = tokens[:, :6]
-  generated = sample.generate(params, prompt,
-                              model=Transformer(mc, decode=True),
-                              max_new_tokens=12)
+  generated = inference.generate(params, prompt,
+                                 model=Transformer(mc, decode=True),
+                                 max_new_tokens=12)
   np.testing.assert_array_equal(
       generated, _greedy_by_full_passes(Transformer(mc), params, prompt, 12))
 
@@ -127,7 +131,7 @@ def test_kv_bytes_per_token_is_what_the_decode_cache_holds(layout,
   mc = config_lib.model_config(_config(layout, kv_cache_dtype=kv_cache_dtype))
   model, _ = unroll_layers(Transformer(mc, decode=True),
                            nn.unbox(loop.init_params(Transformer(mc), 0)))
-  cache = sample.empty_cache(model, batch=1)
+  cache = inference.empty_cache(model, batch=1)
   held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
       cache) if 'index' not in jax.tree_util.keystr(path))
   assert model_lib.kv_bytes_per_token(mc) == held / mc.max_len

@@ -27,9 +27,11 @@ llama_cpp = pytest.importorskip(
 
 from configs import tiny  # pylint: disable=wrong-import-position
 from tests import gguf_models  # pylint: disable=wrong-import-position
-from train import checkpoint, convert, loop, sample, to_gguf  # pylint: disable=wrong-import-position
-from train import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
-from train.model import Transformer  # pylint: disable=wrong-import-position
+from lm import checkpoint, inference  # pylint: disable=wrong-import-position
+from lm import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
+from lm.model import Transformer  # pylint: disable=wrong-import-position
+from train import convert, loop  # pylint: disable=wrong-import-position
+from train.convert import to_gguf  # pylint: disable=wrong-import-position
 
 HF = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=128,
           vocab_size=300, max_len=512, init_std=0.1)
@@ -150,12 +152,12 @@ def test_qwen2_written_as_llama_with_interleaved_biases_computes_the_same(
 @pytest.mark.slow
 def test_greedy_text_through_the_kv_cache_equals_ours(exported):
   """llama.cpp decoding one token at a time (its KV cache) picks the
-  tokens `train.sample.generate` picks."""
+  tokens `lm.inference.generate` picks."""
   workdir, path = exported
   mc, params, _ = checkpoint.load_workdir(str(workdir))
   prompt_T, new = _prompt(workdir, 8, seed=5), 16
   mc = dataclasses.replace(mc, max_len=len(prompt_T) + new)
-  ours = np.asarray(sample.generate(
+  ours = np.asarray(inference.generate(
       params, jnp.asarray(prompt_T)[None], model=Transformer(mc, decode=True),
       max_new_tokens=new))[0]
   theirs = []
@@ -221,7 +223,7 @@ def test_a_text_completion_is_our_greedy_text(exported):
   prompt, new = 'def main(', 12
   prompt_T = np.frombuffer(prompt.encode(), np.uint8).astype(np.int32)
   mc = dataclasses.replace(mc, max_len=len(prompt_T) + new)
-  ours = np.asarray(sample.generate(
+  ours = np.asarray(inference.generate(
       params, jnp.asarray(prompt_T)[None], model=Transformer(mc, decode=True),
       max_new_tokens=new))[0]
   with _llama(path, n_ctx=64) as llm:
@@ -234,7 +236,7 @@ def test_a_text_completion_is_our_greedy_text(exported):
 def test_the_benchmarks_llama_cpp_peer_serves_our_greedy_tokens(tmp_path):
   """scripts.llama_cpp_peer's continuous batching (3 slots for 6 requests
   in one unified cache, cells freed as requests end) gives each request
-  the tokens `train.sample.generate` gives it alone."""
+  the tokens `lm.inference.generate` gives it alone."""
   from scripts import llama_cpp_peer  # pylint: disable=import-outside-toplevel
   config = gguf_models.tiny_config(**gguf_models.SILU)
   mc = gguf_models.model_config(**gguf_models.SILU)
@@ -248,7 +250,7 @@ def test_the_benchmarks_llama_cpp_peer_serves_our_greedy_tokens(tmp_path):
   for (prompt_T, new), theirs in zip(trace, got['outputs']):
     model = Transformer(dataclasses.replace(mc, max_len=len(prompt_T) + new),
                         decode=True)
-    ours = sample.generate(params, jnp.asarray(prompt_T)[None], model=model,
+    ours = inference.generate(params, jnp.asarray(prompt_T)[None], model=model,
                            max_new_tokens=new)
     assert theirs == np.asarray(ours)[0].tolist()
   assert got['tokens'] == sum(new for _, new in trace)

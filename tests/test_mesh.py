@@ -17,8 +17,9 @@ import pytest
 
 from configs import tiny
 from tests import host_devices
-from train import checkpoint, loop, sharding
-from train.errors import UserError
+from lm import checkpoint, sharding
+from train import loop
+from infra.errors import UserError
 
 MESHES = {
     'data8': (dict(data=8), {}),

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests import host_devices
-from train import checkpoint
+from lm import checkpoint
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent

@@ -21,8 +21,9 @@ from attention import paged as paged_kernel
 from configs import tiny
 from serve import paged
 from tests import hlo
-from train import config_lib, loop
-from train.model import Transformer
+from lm import config_lib
+from train import loop
+from lm.model import Transformer
 
 KERNEL = 'tpu_custom_call'  # How a Pallas TPU (Mosaic) kernel is lowered.
 B, N, H, P, p = 3, 8, 128, 12, 16  # H and p: sizes the kernel takes.
@@ -88,8 +89,6 @@ def test_what_the_kernel_refuses_is_named_and_its_blocks_divide_the_table():
       ('int8 pages', (options, 1, pages | {
           'key_scale': jnp.zeros((2, P, p)),
           'value_scale': jnp.zeros((2, P, p))})),
-      ('a latent (MLA) cache', (layer.Options(
-          num_heads=N, head_dim=H, kv_lora_rank=64), 1, pages)),
       ('head_dim=64', (options, 1, _pool(
           *[jnp.zeros((2, P, p, 64), jnp.bfloat16)] * 2))),
       ('page_size=8', (options, 1, _pool(
@@ -153,6 +152,25 @@ def test_the_serving_step_lowers_for_tpu_with_the_paged_kernel_and_for_cuda(
   cuda = hlo.lowered(step, *args, platform='cuda')
   assert KERNEL not in cuda and _page_gathers(cuda, M) >= 2  # The control.
   assert hlo.big_shapes(cuda, pool_size)  # The gathered pages, transposed.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('model', [
+    dict(attention='mla', num_kv_heads=4), dict(attention='gta',
+                                                num_kv_heads=2)],
+    ids=['mla', 'gta'])
+def test_other_layouts_lower_for_tpu_without_the_paged_kernel(model):
+  """The kernel reads per-head keys and values: only grouped-query attention
+  asks it (`attention.grouped`); a latent or tied pool is gathered. The
+  control: the 'gqa' step above, at the same sizes, holds the kernel."""
+  serving, params = _serving(**model)
+  pool = paged.empty_pool(serving.config, 9, p)
+  step = lambda params, pool, tokens, table, lengths: paged.forward(
+      serving, params, pool, tokens, table, lengths)
+  tpu = hlo.lowered(step, params, pool, jnp.zeros((B, 1), jnp.int32),
+                    jnp.zeros((B, 4), jnp.int32), jnp.zeros((B,), jnp.int32),
+                    platform='tpu')
+  assert 'stablehlo.gather' in tpu and KERNEL not in tpu
 
 
 @pytest.mark.slow

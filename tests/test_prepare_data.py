@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import data, loop, prepare_data
-from train import tokenizer as tokenizer_lib
-from train.errors import UserError
+from lm import data
+from train import loop, prepare_data
+from lm import tokenizer as tokenizer_lib
+from infra.errors import UserError
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -401,7 +402,7 @@ def test_linked_folders_are_read_and_a_link_loop_is_skipped_with_a_note(
 
 
 def test_a_second_preparation_into_a_held_out_folder_is_one_line(tmp_path):
-  from train import workdir  # pylint: disable=import-outside-toplevel
+  from infra import workdir  # pylint: disable=import-outside-toplevel
   path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
   _corpus(tmp_path)
   out = tmp_path / 'out'
@@ -439,7 +440,7 @@ def test_the_output_folder_inside_an_input_folder_is_left_out(
 
 def test_outputs_inside_an_input_folder_are_skipped_with_one_note(
     tmp_path, monkeypatch):
-  from train import workdir  # pylint: disable=import-outside-toplevel
+  from infra import workdir  # pylint: disable=import-outside-toplevel
   path, _ = _word_tokenizer(tmp_path / 'tokenizer.json', 100)
   _corpus(tmp_path)
   texts = tmp_path / 'texts'

@@ -1,10 +1,10 @@
-"""What a results file records of how it was made (`train.provenance`)."""
+"""What a results file records of how it was made (`infra.provenance`)."""
 
 import pathlib
 import subprocess
 import sys
 
-from train import provenance
+from infra import provenance
 
 
 def test_a_record_names_the_command_commit_out_and_given_fields():

@@ -12,8 +12,9 @@ import pytest
 
 from configs import recall, tiny
 from scripts import compare
-from train import data, loop
-from train.model import Transformer
+from lm import data, evaluator
+from train import loop
+from lm.model import Transformer
 
 P, V, T = 6, 64, 32
 
@@ -91,8 +92,8 @@ def test_weighted_loss_and_accuracy_count_only_weighted_targets():
   logp = jax.nn.log_softmax(logits)
   picked = jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
   expected = -picked[:, [3, 10]].mean()
-  loss, accuracy = loop.loss_fn(params, model, tokens, jnp.asarray(weights),
-                                with_accuracy=True)
+  loss, accuracy = evaluator.loss_fn(params, model, tokens,
+                                     jnp.asarray(weights), with_accuracy=True)
   np.testing.assert_allclose(loss, expected, rtol=1e-5)
   hits = logits.argmax(-1)[:, [3, 10]] == tokens[:, 1:][:, [3, 10]]
   np.testing.assert_allclose(accuracy, hits.mean())

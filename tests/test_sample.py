@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from train import checkpoint, config_lib, loop, sample
-from train.model import Transformer
+from lm import checkpoint, config_lib
+from lm import inference
+from train import loop
+from lm.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -40,9 +42,12 @@ def _greedy_by_full_passes(model, params, prompt_BP, new):
     (2, True, False, dict(kv_cache_dtype='int8')),
     (2, True, False, dict(num_layers=4, attention_pattern='LG',
                           local_window=4)),  # A ring cache below max_len.
-    (4, True, False, dict(kv_lora_rank=8, qk_rope_head_dim=4)),  # MLA.
-    (4, False, False, dict(kv_lora_rank=8, qk_rope_head_dim=0)),  # NoPE MLA.
-    (4, False, True, dict(kv_lora_rank=8, qk_rope_head_dim=0))])
+    (4, True, False, dict(attention='mla', mla=dict(
+        kv_lora_rank=8, qk_rope_head_dim=4))),  # MLA.
+    (4, False, False, dict(attention='mla', mla=dict(
+        kv_lora_rank=8, qk_rope_head_dim=0))),  # NoPE MLA.
+    (4, False, True, dict(attention='mla', mla=dict(
+        kv_lora_rank=8, qk_rope_head_dim=0)))])
 @pytest.mark.parametrize('new', [12, 27])  # Below max_len (32), and at it.
 def test_greedy_decoding_with_the_cache_equals_full_passes(
     num_kv_heads, use_rope, learned_positions, more, new):
@@ -56,9 +61,9 @@ def test_greedy_decoding_with_the_cache_equals_full_passes(
   model = Transformer(mc)
   params = nn.unbox(loop.init_params(model, seed=1))
   prompt = jnp.array([[10, 20, 30, 40, 50], [7, 7, 7, 7, 7]], jnp.int32)
-  cached = sample.generate(params, prompt,
-                           model=Transformer(mc, decode=True),
-                           max_new_tokens=new)
+  cached = inference.generate(params, prompt,
+                              model=Transformer(mc, decode=True),
+                              max_new_tokens=new)
   expected = _greedy_by_full_passes(model, params, prompt, new)
   if mc.kv_cache_dtype == 'int8':  # Quantized K/V: the same but for ties.
     assert (np.asarray(cached) == np.asarray(expected)).mean() > 0.8

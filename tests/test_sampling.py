@@ -1,4 +1,4 @@
-"""Specification of choosing the next token (`train.sampling`)."""
+"""Specification of choosing the next token (`lm.sampling`)."""
 
 import chex
 import jax
@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train import sampling
-from train.errors import UserError
-from train.sampling import SamplingParams
+from lm import sampling
+from infra.errors import UserError
+from lm.sampling import SamplingParams
 
 PROBS = np.array([0.1, 0.2, 0.3, 0.4])
 

@@ -16,7 +16,7 @@ from serve.kv_pages import (SCRATCH_PAGE, DoubleFree, KVPageError,
                             KVPageManager)
 from serve.scheduler import (Plan, RequestRefused, Scheduler, Sequence,
                              Status)
-from train.errors import UserError
+from infra.errors import UserError
 
 VOCAB = 50
 

@@ -12,10 +12,12 @@ import pytest
 from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep, stats, timing)
-from train import config_lib, loop, provenance
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer
+from infra import provenance
+from lm import config_lib
+from train import loop
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer
 
 
 def _params(config):
@@ -152,10 +154,13 @@ def test_bench_decode_times_each_named_variant(tmp_path, monkeypatch):
   assert rows['GTA2']['kv_bytes_per_token'] / rows['K2'][
       'kv_bytes_per_token'] == (K * H + Y) / (2 * K * H)
   assert rows['GLA32g2']['kv_bytes_per_token'] == (A + Y) * 4 * L
-  assert (rows['GTA2']['tie_kv'], rows['GTA2']['num_kv_heads'],
-          rows['GTA2']['qk_rope_head_dim']) == (True, K, Y)
-  assert (rows['GLA32g2']['kv_lora_rank'], rows['GLA32g2']['latent_groups'],
-          rows['GLA32g2']['num_kv_heads']) == (A, G, N)
+  assert (rows['K2']['attention'], rows['K2']['layout']) == ('gqa', {})
+  assert (rows['GTA2']['attention'], rows['GTA2']['num_kv_heads'],
+          rows['GTA2']['layout']['qk_rope_head_dim']) == ('gta', K, Y)
+  gla = rows['GLA32g2']
+  assert (gla['attention'], gla['layout']['kv_lora_rank'],
+          gla['layout']['latent_groups'], gla['num_kv_heads']) == (
+              'mla', A, G, N)
   # FLOPs per float32 byte: GQA 2·G / 4 = 1; GLA 2·N·(2·A/G + Y) / (A + Y) / 4.
   assert rows['K2']['attention_flops_per_kv_byte'] == 1
   assert rows['GLA32g2']['attention_flops_per_kv_byte'] == pytest.approx(
@@ -167,20 +172,18 @@ def test_bench_decode_times_each_named_variant(tmp_path, monkeypatch):
 
 
 def test_bench_decode_variants_name_their_fields():
-  """Every variant sets all four layout fields, so that one variant's MLA
-  or tying cannot leak into the next one timed."""
-  model = config_lib.load('gqa_small').model
+  """Every variant sets model.attention and every layout's settings (its
+  own, the others' defaults), so that one variant's MLA or GLA cannot leak
+  into the next one timed."""
+  config = config_lib.load('gqa_small')
+  model = config.model
   for name, fields in (
-      ('K1', dict(num_kv_heads=1, tie_kv=False, kv_lora_rank=None,
-                  latent_groups=1)),
-      ('GLA48g2', dict(num_kv_heads=8, tie_kv=False, kv_lora_rank=48,
-                       latent_groups=2)),
-      ('GTA2', dict(num_kv_heads=2, tie_kv=True, kv_lora_rank=None,
-                    latent_groups=1)),
-      ('MLA48', dict(num_kv_heads=8, tie_kv=False, kv_lora_rank=48,
-                     latent_groups=1))):
+      ('K1', (1, 'gqa', None, 1)), ('GLA48g2', (8, 'mla', 48, 2)),
+      ('GTA2', (2, 'gta', None, 1)), ('MLA48', (8, 'mla', 48, 1))):
     bench_decode.Variant.parse(name).apply_to(model)
-    assert {f: model[f] for f in fields} == fields, name
+    assert (model.num_kv_heads, model.attention, model.mla.kv_lora_rank,
+            model.mla.latent_groups) == fields, name
+    config_lib.validate(config, batch_shards=1)  # No other layout's set.
   for bad in ('K0', 'GQA2', 'GLA48', 'MLA', 'k2', 'GTA2,'):
     with pytest.raises(ValueError, match='is not a variant'):
       bench_decode.Variant.parse(bad)
@@ -586,7 +589,7 @@ def test_kv_frontier_mla_variant_costs_what_mqa_costs():
     config = kv_frontier.variant_config(panel.config, v, 1, 2, panel.window)
     config_lib.validate(config, batch_shards=1)
     mc = config_lib.model_config(config)
-    assert bool(mc.kv_lora_rank) == bool(v.latent)
+    assert mc.layout.name == ('mla' if v.latent else 'gqa')
     costs[v.name] = [model_lib.kv_bytes_per_token(dataclasses.replace(
         mc, kv_cache_dtype=dtype)) for dtype in (None, 'int8')]
   (mla_float, mla_int8), (mqa_float, mqa_int8) = costs.values()
@@ -601,7 +604,10 @@ def test_kv_frontier_gta_and_gla_points_cost_what_their_pairs_say():
     config = kv_frontier.variant_config(panel.config, v, 1, 2, panel.window)
     config_lib.validate(config, batch_shards=1)
     mc = config_lib.model_config(config)
-    assert mc.tie_kv == v.tie and mc.latent_groups == v.groups
+    assert mc.layout.name == ('gta' if v.tie else 'mla' if v.latent
+                              else 'gqa')
+    if v.latent:
+      assert mc.layout.latent_groups == v.groups
     return model_lib.kv_bytes_per_token(mc)
   V = kv_frontier.Variant
   recall, lm = kv_frontier.PANELS['recall'], kv_frontier.PANELS['lm']

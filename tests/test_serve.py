@@ -25,10 +25,12 @@ from configs import tiny
 from scripts import bench_serve
 from serve import engine, generate, paged, pages
 from tests.test_faults import _one_line_error, _run
-from train import checkpoint, config_lib, loop, model as model_lib, sample
-from train import sampling
-from train.errors import UserError
-from train.model import Transformer
+from lm import checkpoint, config_lib, model as model_lib
+from lm import inference
+from train import loop
+from lm import sampling
+from infra.errors import UserError
+from lm.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -36,10 +38,10 @@ REPO = pathlib.Path(__file__).parent.parent
 def _alone(mc, params, prompt, new, settings=None):
   """train.sample's tokens for one prompt decoded by itself (greedy unless
   settings say otherwise)."""
-  out = sample.generate(params, jnp.asarray(prompt)[None],
-                        None if settings is None else sampling.rows([settings]),
-                        model=Transformer(mc, decode=True),
-                        max_new_tokens=new)
+  rows = None if settings is None else sampling.rows([settings])
+  out = inference.generate(params, jnp.asarray(prompt)[None], rows,
+                           model=Transformer(mc, decode=True),
+                           max_new_tokens=new)
   return np.asarray(out[0]).tolist()
 
 
@@ -250,12 +252,13 @@ def test_a_sampled_output_does_not_depend_on_what_shares_the_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('model', [
-    dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4),
-    dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4,
-         kv_cache_dtype='int8')])
-def test_mla_is_served_from_a_paged_latent_cache(model):
-  mc, params = _random_model(**model)
+def test_mla_is_served_from_a_paged_int8_latent_cache():
+  """Requests side by side, chunked prefill beside decoding, int8 latents:
+  each request's tokens are decoding it alone (float32 latents:
+  tests/test_layouts.py's paged pool and serving of MLA)."""
+  mc, params = _random_model(attention='mla', num_kv_heads=4,
+                             kv_cache_dtype='int8',
+                             mla=dict(kv_lora_rank=8, qk_rope_head_dim=4))
   pool = paged.empty_pool(mc, 3, 4)
   assert set(pool['layers_0']['attention']) >= {'cached_latent'}
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,

@@ -12,8 +12,8 @@ import pytest
 
 from configs import tiny
 from scripts import compare, study
-from train import config_lib
-from train.errors import UserError
+from lm import config_lib
+from infra.errors import UserError
 
 from tests.test_faults import REPO, _one_line_error
 

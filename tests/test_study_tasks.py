@@ -14,7 +14,7 @@ import pytest
 
 from evaluation import evaluate as evaluate_lib
 from scripts import compare, stats, task_scores, timing
-from train.errors import UserError
+from infra.errors import UserError
 
 from tests.test_faults import REPO
 

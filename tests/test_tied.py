@@ -1,10 +1,13 @@
 """Specification of grouped-tied attention (GTA, `attention.tied`): the full
 pass equals per-query-head keys and values assembled by hand; cached
-decoding (dense, ring buffers, int8, a paged pool) equals the full pass; the
+decoding equals the full pass for the variants beyond tests/test_layouts.py's
+GTA at its defaults (MHA and MQA, no RoPE, a soft cap, an int8 MQA cache,
+local layers sharing K/V, a paged pool serving requests side by side); the
 cache holds (K·H + Y) / (2·K·H) of grouped-query attention's bytes; the
-decode step lowers for TPU and CUDA, and on the CPU runs the tied kernel
-(tests/test_cpu_kernel.py holds it to the einsum path); bad options and
-conversions are one line; train.convert --to_gta ties an MHA/GQA model."""
+decode step reads the cache in place on TPU, and on the CPU runs the tied
+kernel (tests/test_cpu_kernel.py holds it to the einsum path); bad options
+and conversions are one line; train.convert --to_gta ties an MHA/GQA
+model."""
 
 import dataclasses
 import fractions
@@ -18,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention import Attention, cpu_kernel, kv_cache, layer, paged
+from attention import Attention, cpu_kernel, kv_cache, layer, tied
 from attention import nnx as attention_nnx
 from attention.rope import apply_rope
 from configs import tiny
@@ -27,10 +30,13 @@ from tests import hlo, reference
 from tests.test_faults import _one_line_error, _run
 from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_serve import _alone
-from train import config_lib, convert, flops, hf, loop, sample, to_gta, to_mla
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import config_lib, flops
+from lm import inference
+from train import convert, loop
+from train.convert import hf, to_gta, to_mla
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 
 # N query heads of H features from D-wide inputs; Y the default RoPE key.
 N, H, D = 8, 8, 16
@@ -38,8 +44,9 @@ Y = H // 2
 
 
 def _options(K, **fields):
-  return layer.Options(num_heads=N, num_kv_heads=K, head_dim=H, tie_kv=True,
-                       **fields)
+  """A GTA layer's options: K tied heads, GTA's default RoPE key."""
+  return layer.Options(num_heads=N, num_kv_heads=K, head_dim=H,
+                       layout=tied.GTA(), **fields)
 
 
 def _params(options, seed=0):
@@ -100,10 +107,11 @@ def _decode(module, params, x, chunks):
   return jnp.concatenate(outs, axis=1), cache
 
 
+# GQA-like K = 2 with RoPE, global and local, is test_layouts' GTA.
 @pytest.mark.parametrize('K, fields', [
-    (8, {}), (2, {}), (1, {}), (2, dict(use_rope=False)),
-    (2, dict(local_window=3)), (1, dict(local_window=3, logits_soft_cap=2.0))],
-    ids=['mha', 'gqa', 'mqa', 'gqa_nope', 'gqa_ring', 'mqa_ring_softcap'])
+    (8, {}), (1, {}), (2, dict(use_rope=False)),
+    (1, dict(local_window=3, logits_soft_cap=2.0))],
+    ids=['mha', 'mqa', 'gqa_nope', 'mqa_ring_softcap'])
 def test_cached_decoding_equals_the_full_pass(K, fields):
   """A 4-token prefill (past a 3-slot ring buffer's end), then one token at
   a time, against the full pass; the cache holds tied states of K heads
@@ -122,29 +130,29 @@ def test_cached_decoding_equals_the_full_pass(K, fields):
     chex.assert_shape(cache['cached_rope_key'], (2, S, Y))
 
 
-def test_an_int8_cache_decodes_within_a_stated_tolerance():
-  """int8 tied states and RoPE keys (a float32 scale per token and head)
-  move the outputs by less than 5% of their spread (max |error| / std;
-  measured on three inputs 1.2-2.8%, and 1.4-2.8% for a grouped-query
-  layer's int8 cache of the same K: these small random layers move that
-  much under int8)."""
-  for K in (2, 1):
-    options = _options(K, kv_cache_dtype='int8')
-    params = _params(options)
-    x = jax.random.normal(jax.random.key(5), (2, 9, D))
-    full = layer.apply(options, params, x)[0]
-    cached, cache = _decode(Attention.from_options(options, decode=True),
-                            params, x, [4, 1, 1, 1, 1, 1])
-    assert cache['cached_tied'].dtype == jnp.int8
-    chex.assert_shape(cache['tied_scale'], (2 * K, 9))
-    chex.assert_shape(cache['rope_key_scale'], (2, 9))
-    error = float(jnp.max(jnp.abs(cached - full)) / jnp.std(full))
-    assert 0 < error < 0.05, (K, error)
+def test_an_int8_mqa_cache_decodes_within_a_stated_tolerance():
+  """int8 tied states and RoPE keys (a float32 scale per token and head) of
+  one tied head move the outputs by less than 5% of their spread (max
+  |error| / std; measured on three inputs 1.2-2.8%, and 1.4-2.8% for a
+  grouped-query layer's int8 cache of the same K: these small random layers
+  move that much under int8). K = 2 is test_layouts' GTA."""
+  K = 1
+  options = _options(K, kv_cache_dtype='int8')
+  params = _params(options)
+  x = jax.random.normal(jax.random.key(5), (2, 9, D))
+  full = layer.apply(options, params, x)[0]
+  cached, cache = _decode(Attention.from_options(options, decode=True),
+                          params, x, [4, 1, 1, 1, 1, 1])
+  assert cache['cached_tied'].dtype == jnp.int8
+  chex.assert_shape(cache['tied_scale'], (2 * K, 9))
+  chex.assert_shape(cache['rope_key_scale'], (2, 9))
+  error = float(jnp.max(jnp.abs(cached - full)) / jnp.std(full))
+  assert 0 < error < 0.05, error
 
 
 def _config(**model):
   config = tiny.get_config()  # N = 4, K = 2, H = 8, 2 layers.
-  config.model.update(**{'tie_kv': True, **model})
+  config.model.update(**{'attention': 'gta', **model})
   config_lib.validate(config, batch_shards=1)
   return config
 
@@ -171,7 +179,8 @@ def test_a_model_with_local_layers_and_shared_kv_decodes_as_its_full_pass():
 @pytest.mark.slow
 def test_linen_and_nnx_shells_compute_the_same_and_decode_alike():
   x = jax.random.normal(jax.random.key(0), (2, 7, D))
-  linen = Attention(num_heads=N, num_kv_heads=2, head_dim=H, tie_kv=True)
+  linen = Attention(num_heads=N, num_kv_heads=2, head_dim=H,
+                    layout=tied.GTA())
   params = linen.init(jax.random.key(1), x)['params']
   ours = attention_nnx.Attention.from_linen(linen, params)
   full = linen.apply({'params': params}, x)
@@ -180,17 +189,16 @@ def test_linen_and_nnx_shells_compute_the_same_and_decode_alike():
   steps = [ours(x[:, :3])] + [ours(x[:, t:t + 1]) for t in range(3, 7)]
   chex.assert_trees_all_close(jnp.concatenate(steps, 1), full, atol=1e-5)
   assert set(nnx.state(ours, nnx.Param)) == set(params)
-  assert ours.cached_tied is not None and ours.cached_key is None
+  assert ours.cached_tied is not None and not hasattr(ours, 'cached_key')
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('model', [
-    dict(num_kv_heads=2), dict(num_kv_heads=1, kv_cache_dtype='int8')],
-    ids=['gqa', 'mqa_int8'])
-def test_gta_is_served_from_a_paged_tied_cache(model):
+def test_gta_is_served_from_a_paged_tied_cache():
   """The serving engine (paged pool, chunked prefill beside decoding) gives
-  each request the tokens of decoding it alone from a dense cache."""
-  mc, params = _model(**model)
+  each request the tokens of decoding it alone from a dense cache, for one
+  int8 tied head (K = 2 in float32: test_layouts' paged pool and serving
+  of GTA)."""
+  mc, params = _model(num_kv_heads=1, kv_cache_dtype='int8')
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
                          prefill_chunk=4)
   requests = [engine.Request(0, np.arange(1, 12, dtype=np.int32) * 7, 10),
@@ -226,7 +234,7 @@ def test_kv_bytes_per_token_is_the_tied_states_and_rope_key_per_layer():
       (dict(kv_cache_dtype='int8'), (K * H + Y + (K + 1) * 4) * 2)):
     mc = config_lib.model_config(_config(**model))
     assert model_lib.kv_bytes_per_token(mc) == expected, model
-    cache = sample.empty_cache(Transformer(dataclasses.replace(
+    cache = inference.empty_cache(Transformer(dataclasses.replace(
         mc, scan_layers=False), decode=True), batch=1)
     held = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(
         cache) if 'index' not in jax.tree_util.keystr(path))
@@ -243,48 +251,61 @@ def test_flops_count_the_tied_projection_once():
   assert flops.decode_flops_per_token(mc, C - 1) == expected
 
 
-@pytest.mark.parametrize('fields, message', [
-    (dict(kv_lora_rank=8), 'kv_lora_rank=8 with tie_kv=True: .*set '
-     'kv_lora_rank=None, or tie_kv=False'),
-    (dict(fused_qkv=True), 'fused_qkv=True with tie_kv=True: .*set '
+@pytest.mark.parametrize('fields, gta, message', [
+    (dict(fused_qkv=True), {}, "fused_qkv=True with attention='gta': .*set "
      'fused_qkv=False'),
-    (dict(qkv_bias=True), 'qkv_bias=True with tie_kv=True: .*set '
+    (dict(qkv_bias=True), {}, "qkv_bias=True with attention='gta': .*set "
      'qkv_bias=False'),
-    (dict(qk_norm=True), 'qk_norm=True with tie_kv=True: .*set qk_norm=False'),
-    (dict(qk_rope_head_dim=3), r'qk_rope_head_dim=3 with tie_kv=True and '
+    (dict(qk_norm=True), {}, "qk_norm=True with attention='gta': .*set "
+     'qk_norm=False'),
+    ({}, dict(qk_rope_head_dim=3), r'gta\.qk_rope_head_dim=3 with '
      r'use_rope=True: .*even .*; set it \(None: head_dim / 2 = 4\)'),
-    (dict(qk_rope_head_dim=8), 'qk_rope_head_dim=8 with tie_kv=True'),
-    (dict(qk_rope_head_dim=0), 'qk_rope_head_dim=0 with tie_kv=True'),
-    (dict(use_rope=False, qk_rope_head_dim=4), 'qk_rope_head_dim=4 with '
-     'tie_kv=True and use_rope=False: .*set qk_rope_head_dim=0'),
-    (dict(q_lora_rank=4), 'q_lora_rank=4 with tie_kv=True: an MLA field; '
-     'unset it'),
-    (dict(latent_groups=2), 'latent_groups=2 with tie_kv=True: .*set '
-     'latent_groups=1'),
-    (dict(rope_pairs=(0,)), r'rope_pairs=\[0\] must list qk_rope_head_dim / '
-     '2 = 2 frequency indices'),
-    (dict(tie_kv='yes'), "tie_kv='yes' must be True or False"),
+    ({}, dict(qk_rope_head_dim=8), r'gta\.qk_rope_head_dim=8 with '
+     'use_rope=True'),
+    ({}, dict(qk_rope_head_dim=0), r'gta\.qk_rope_head_dim=0 with '
+     'use_rope=True'),
+    (dict(use_rope=False), dict(qk_rope_head_dim=4), r'gta\.qk_rope_head_dim=4 '
+     'with use_rope=False: .*set qk_rope_head_dim=0'),
+    ({}, dict(rope_pairs=(0,)), r'gta\.rope_pairs=\[0\] must list '
+     'qk_rope_head_dim / 2 = 2 frequency indices'),
+    # The layer's type check (the config's field is an int: ml_collections
+    # refuses a string there).
+    ({}, dict(qk_rope_head_dim='4'), r"gta\.qk_rope_head_dim='4' must be an "
+     'integer$'),
 ])
-def test_bad_options_are_refused_in_one_line_naming_the_fix(fields, message):
+def test_bad_options_are_refused_in_one_line_naming_the_fix(fields, gta,
+                                                            message):
   with pytest.raises(ValueError, match=message):
-    layer.Options(**{**dict(num_heads=N, num_kv_heads=2, head_dim=H,
-                            tie_kv=True), **fields})
-  if fields.get('tie_kv', True) is not True:
-    return  # The config's tie_kv is a bool field: ml_collections refuses it.
+    layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
+                  layout=tied.GTA(**gta), **fields)
+  if isinstance(gta.get('qk_rope_head_dim'), str):
+    return
   config = tiny.get_config()
-  config.model.update(**{'tie_kv': True, **fields})
-  if 'rope_pairs' in fields:
-    config.model.rope_pairs = list(fields['rope_pairs'])
-  with pytest.raises(UserError, match=f'model.{message}'):
+  config.model.update(attention='gta', **fields, gta={
+      k: list(v) if isinstance(v, tuple) else v for k, v in gta.items()})
+  with pytest.raises(UserError, match=f'^model\\.{message}'):
     config_lib.validate(config, batch_shards=1)
 
 
-def test_the_tpu_kernel_refuses_a_tied_cache_and_the_cpu_kernel_takes_it():
+@pytest.mark.parametrize('mla', [
+    dict(kv_lora_rank=8), dict(q_lora_rank=4), dict(latent_groups=2)])
+def test_latent_settings_with_gta_are_refused_in_one_line(mla):
+  """MLA's settings under model.attention='gta' would be ignored (before
+  named layouts, tie_kv with MLA fields: the same mistake)."""
+  config = tiny.get_config()
+  config.model.update(attention='gta', mla=mla)
+  (name, value), = mla.items()
+  with pytest.raises(UserError, match=(
+      rf"^model\.mla\.{name}={value} set, but model\.attention='gta': "
+      r"another layout's settings; set --config\.model\.attention=mla, or "
+      r'leave model\.mla at its defaults$')):
+    config_lib.validate(config, batch_shards=1)
+
+
+def test_the_cpu_kernel_takes_a_tied_cache():
+  """(The TPU's paged kernel is grouped-query attention's alone: a tied
+  layer never asks it, tests/test_paged_attention.py.)"""
   options = _options(2)
-  pool = {name: jnp.zeros(s.shape, s.dtype) for name, s in
-          kv_cache.paged_spec(options, 4, 8, jnp.bfloat16).items()}
-  assert paged.kernel_refusal(options, 1, pool).startswith(
-      'a tied (GTA) cache')
   if not cpu_kernel.available():
     pytest.skip('the CPU kernel is not built')
   kv = layer.KV(jnp.zeros((4, 5, H)), jnp.zeros((2, 5, Y)),
@@ -312,7 +333,7 @@ def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(model):
   def run():  # Traced here: the path the environment chooses now.
     step = jax.jit(lambda cache, token: decoder.apply(
         {'params': params, 'cache': cache}, token, mutable=['cache']))
-    cache = sample.empty_cache(decoder, batch=2)
+    cache = inference.empty_cache(decoder, batch=2)
     text = step.lower(cache, tokens[:, :1]).compile().as_text()
     logits = []
     for t in range(tokens.shape[1]):
@@ -345,7 +366,7 @@ def test_the_decode_step_lowers_for_tpu_and_cuda_reading_the_cache_in_place():
     decoder, params = unroll_layers(
         Transformer(mc_, decode=True),
         nn.unbox(loop.init_params(Transformer(mc_), 0)))
-    cache = sample.empty_cache(decoder, batch)
+    cache = inference.empty_cache(decoder, batch)
     assert cache['layers_0']['attention']['cached_tied'].size == tied_size
     step = lambda params, cache, token, d=decoder: d.apply(
         {'params': params, 'cache': cache}, token, mutable=['cache'])
@@ -372,7 +393,7 @@ def test_train_main_writes_the_tied_kv_bytes_per_token(tmp_path):
   assert np.isfinite(final['eval_loss'])
 
 
-# --- Conversion into GTA (train.to_gta, train.convert --to_gta) -----------
+# --- Conversion into GTA (train.convert.to_gta, train.convert --to_gta) -------
 
 def _source(seed=3, **model):
   config = tiny.get_config()
@@ -417,9 +438,10 @@ def test_a_source_with_tied_kv_converts_exactly(model, rope_dims, zero_pair):
   scores = (to_mla.calibration_scores(mc, params, tokens) if mc.use_rope
             else None)
   converted, new_mc = to_gta.convert_params(params, mc, rope_dims, scores)
-  assert new_mc.tie_kv and new_mc.qk_rope_head_dim == rope_dims
+  assert new_mc.layout.name == 'gta'
+  assert new_mc.layout.qk_rope_head_dim == rope_dims
   if mc.use_rope:
-    assert zero_pair not in new_mc.rope_pairs
+    assert zero_pair not in new_mc.layout.rope_pairs
   chex.assert_trees_all_close(_full_pass(new_mc, converted, tokens),
                               _full_pass(mc, params, tokens), atol=1e-5)
   lossy, lossy_mc = to_gta.convert_params(untied, mc, rope_dims, scores)
@@ -435,7 +457,7 @@ def test_conversion_gives_the_documented_parameters():
   tokens = jax.random.randint(jax.random.key(4), (2, 24), 0, mc.vocab_size)
   scores = to_mla.calibration_scores(mc, params, tokens)
   converted, new_mc = to_gta.convert_params(params, mc, Y, scores)
-  pairs = np.array(new_mc.rope_pairs)
+  pairs = np.array(new_mc.layout.rope_pairs)
   assert len(pairs) == Y // 2 and list(pairs) == sorted(pairs)
   np.testing.assert_array_equal(pairs, to_mla.select_pairs(
       scores.sum(0, keepdims=True), Y)[0])
@@ -465,10 +487,13 @@ def _next_token_loss(logits_BTV, tokens_BT):
 
 
 @pytest.mark.parametrize('model, rope_dims, message', [
-    (dict(tie_kv=True), 4, r'--source already is GTA \(model.tie_kv=True\); '
-     '--to_gta converts MHA/GQA models'),
-    (dict(num_kv_heads=4, kv_lora_rank=8, qk_rope_head_dim=4), 4,
-     r'--source is MLA \(model.kv_lora_rank=8\); --to_gta converts MHA/GQA'),
+    (dict(attention='gta'), 4, r"--source is model\.attention='gta' \(GTA: "
+     r'2 tied KV heads x 8 \+ a RoPE key of 4\); --to_gta converts MHA/GQA '
+     'models'),
+    (dict(attention='mla', num_kv_heads=4,
+          mla=dict(kv_lora_rank=8, qk_rope_head_dim=4)), 4,
+     r"--source is model\.attention='mla' \(MLA: a latent of 8 \+ a RoPE key "
+     r'of 4\); --to_gta converts MHA/GQA'),
     ({}, 0, r"no --qk_rope_head_dim: the source uses RoPE, so "
      r"--qk_rope_head_dim, the shared RoPE key's width, must be even, from 2 "
      r"to head_dim - 2 = 6 \(GTA's default is head_dim / 2 = 4\)"),
@@ -488,12 +513,20 @@ def test_to_gta_refuses_what_it_cannot_convert_in_one_line(model, rope_dims,
 
 def test_other_conversions_and_hugging_face_refuse_a_gta_model():
   mc = config_lib.model_config(_config())
-  with pytest.raises(UserError, match=r'no Hugging Face architecture '
-                     r'computes grouped-tied attention \(model.tie_kv=True\)'):
+  described = r'\(GTA: 2 tied KV heads x 8 \+ a RoPE key of 4\)'
+  gta = rf"model\.attention='gta' {described}"
+  with pytest.raises(UserError, match=rf'^no Hugging Face architecture '
+                     rf'computes {gta}; keep the workdir, or export the '
+                     'MHA/GQA model it was converted from$'):
     hf.family_of(mc)
-  with pytest.raises(UserError, match='--source is GTA'):
+  with pytest.raises(UserError, match=rf'^--source is {gta}; --to_mla '
+                     'converts MHA/GQA models'):
     to_mla.check_source(mc, 8, 4)
-  with pytest.raises(UserError, match='--to_gta --num_kv_heads=K instead'):
+  with pytest.raises(UserError, match=(
+      rf'^--num_kv_heads pools the K/V heads of grouped-query attention, '
+      rf"which a model\.attention='gta' model {described} has not; convert "
+      r'its MHA/GQA source instead \(--to_gta --num_kv_heads=K pools, then '
+      r'ties\)$')):
     convert.convert_params({}, mc, 1, 'mean')
 
 
@@ -525,17 +558,18 @@ def test_a_trained_gqa_model_converts_trains_on_and_refuses_export(
   assert len(info['rope_pairs']) == 2 and info['calibration']
   assert np.isfinite(info['eval_loss_before_uptraining'])
   uptrain = config_lib.load(str(target))
-  assert uptrain.model.tie_kv and uptrain.model.num_kv_heads == 1
-  assert list(uptrain.model.rope_pairs) == info['rope_pairs']
+  assert uptrain.model.attention == 'gta' and uptrain.model.num_kv_heads == 1
+  assert list(uptrain.model.gta.rope_pairs) == info['rope_pairs']
   uptrain.train.update(steps=4, eval_every=4, checkpoint_every=4,
                        warmup_steps=1)
   assert np.isfinite(loop.train_and_evaluate(uptrain, str(target))[
       'eval_loss'])
   _one_line_error(_run('train.convert', f'--source={target}',
                        f'--to_hf={tmp_path / "hf"}'),
-                  'no Hugging Face architecture computes grouped-tied '
-                  'attention (model.tie_kv=True)')
+                  "no Hugging Face architecture computes model.attention="
+                  "'gta' (GTA: 1 tied KV heads x 8 + a RoPE key of 4)")
   _one_line_error(_run('train.convert', f'--source={target}',
                        f'--workdir={tmp_path / "again"}', '--to_gta',
                        '--qk_rope_head_dim=4'),
-                  '--source already is GTA (model.tie_kv=True)')
+                  "--source is model.attention='gta' (GTA: 1 tied KV heads "
+                  'x 8 + a RoPE key of 4); --to_gta converts MHA/GQA models')

@@ -18,11 +18,14 @@ import optax
 import pytest
 
 from attention import layer
+from attention.latent import MLA
+from attention.tied import GTA
 from configs import tiny
-from train import checkpoint, config_lib, data, flops, loop
-from train import model as model_lib
-from train.errors import UserError
-from train.model import Transformer, unroll_layers
+from lm import checkpoint, config_lib, data, evaluator, flops
+from train import loop
+from lm import model as model_lib
+from infra.errors import UserError
+from lm.model import Transformer, unroll_layers
 from train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -147,7 +150,7 @@ def test_evaluate_workdir_is_the_loops_evaluation_of_the_last_checkpoint(
     tmp_path):
   record = loop.train_and_evaluate(_config(), str(tmp_path))
   before = sorted(p.name for p in tmp_path.rglob('*'))
-  evaluated = loop.evaluate_workdir(str(tmp_path))
+  evaluated = evaluator.evaluate_workdir(str(tmp_path))
   assert evaluated['eval_loss'] == pytest.approx(record['eval_loss'],
                                                  rel=1e-6)
   assert evaluated.keys() == {'eval_loss', 'eval_accuracy', 'eval_bpb'}
@@ -377,13 +380,14 @@ def test_decode_is_judged_against_the_lower_of_its_bandwidth_and_flop_bounds():
     (dict(num_kv_heads=2, kv_cache_dtype='int8'), 'float32', 1024 / 144),
     # GTA-2, Y=16: one tied state of 32 per KV head and one RoPE key, 80
     # numbers; its FLOPs are GQA's.
-    (dict(num_kv_heads=2, tie_kv=True), 'float32', 1024 / 320),
+    (dict(num_kv_heads=2, layout=GTA()), 'float32', 1024 / 320),
     # MLA, A=48, Y=16, absorbed: 2·8·(48+16) + 2·8·48 = 1,792 per key over
     # 64 numbers.
-    (dict(num_kv_heads=8, kv_lora_rank=48), 'float32', 1792 / 256),
+    (dict(num_kv_heads=8, layout=MLA(kv_lora_rank=48)), 'float32',
+     1792 / 256),
     # GLA-2: each head reads its group's 24: 2·8·(24+16) + 2·8·24 = 1,024.
-    (dict(num_kv_heads=8, kv_lora_rank=48, latent_groups=2), 'float32',
-     1024 / 256),
+    (dict(num_kv_heads=8, layout=MLA(kv_lora_rank=48, latent_groups=2)),
+     'float32', 1024 / 256),
 ])
 def test_decode_intensity_is_attention_flops_per_cache_byte(fields, dtype,
                                                             expected):
@@ -490,7 +494,7 @@ def test_remat_gives_the_same_gradients():
   tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
   params = nn.unbox(Transformer(config).init(jax.random.key(1), tokens)[
       'params'])
-  grads = [jax.jit(jax.grad(loop.loss_fn), static_argnums=1)(
+  grads = [jax.jit(jax.grad(evaluator.loss_fn), static_argnums=1)(
                params, Transformer(c), tokens)
            for c in (config, dataclasses.replace(config, remat=True))]
   chex.assert_trees_all_close(grads[0], grads[1], atol=1e-6)
@@ -514,7 +518,7 @@ def test_gradient_accumulation_matches_one_large_batch():
 def test_weight_decay_spares_norm_scales_and_biases_even_when_scanned():
   """Under nn.scan a norm scale is [L, D], as many dims as a matrix: the
   decision is by name, for every parameter of a model with biases and QK-norm."""
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
+  from lm import model as model_lib  # pylint: disable=import-outside-toplevel
   config = tiny.get_config()
   config.model.update(qkv_bias=True, qk_norm=True)
   shapes = model_lib.parameter_shapes(config_lib.model_config(config))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from scripts import stats, uptrain_report, uptrain_study
-from train import config_lib
+from lm import config_lib
 
 SOURCE = 2.0
 STEPS = [1, 2, 4, 8, 16]  # Uptraining steps of the alphas, S = 100.
@@ -419,7 +419,7 @@ def test_the_study_runs_end_to_end_through_the_training_loop(tmp_path):
   assert all(s['curve'][-1]['step'] == 96 for s in lm['scratch'])
   assert len(results['recall']['runs']) == 4 * 2
   # MHA -> MLA at K = 1's bytes, per seed, in both arms: the conversion's
-  # cache (train.model's count, in its convert.json) is GQA K = 1's.
+  # cache (lm.model's count, in its convert.json) is GQA K = 1's.
   for arm in (lm, results['recall']):
     (conversion,) = arm['mla']['conversions']
     assert conversion['converted_kv_bytes_per_token'] == \

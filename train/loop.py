@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import sys
 import time
 from typing import Any, Callable
@@ -18,14 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import checkpoint, config_lib, data as data_lib, flops, sharding
-from train import signals, storage
-from train import tokenizer as tokenizer_lib
-from train import workdir as workdir_lib
-from train.checkpoint import Checkpointer
-from train.errors import UserError
-from train import model as model_lib
-from train.model import Transformer
+from lm import config_lib, data as data_lib, evaluator, flops, sharding
+from infra import signals, storage
+from infra import workdir as workdir_lib
+from lm.checkpoint import Checkpointer
+from infra.errors import UserError
+from lm import model as model_lib
+from lm.model import Transformer
 from train.metrics import MetricsWriter, left_range_at, read_metrics
 
 
@@ -86,7 +84,7 @@ def decays(path) -> bool:
 
 
 def init_params(model: Transformer, seed: int):
-  """Parameters with their logical-axis boxes (see `train.sharding`)."""
+  """Parameters with their logical-axis boxes (see `lm.sharding`)."""
   return _init_params(model, jax.random.key(seed))
 
 
@@ -108,30 +106,10 @@ def fresh_state(params, tx) -> TrainState:
   return TrainState(jnp.array(0, jnp.int32), params, tx.init(params))
 
 
-def loss_fn(params, model: Transformer, tokens_BT1: jax.Array,
-            weights_T: jax.Array | None = None, with_accuracy: bool = False):
-  """Mean next-token cross-entropy in nats, float32.
-
-  weights_T: which targets count (the recall task scores only its answers);
-  None counts all. with_accuracy: also return the argmax accuracy on them.
-  """
-  logits_BTV = model.apply({'params': params}, tokens_BT1[:, :-1])
-  targets_BT = tokens_BT1[:, 1:]
-  if weights_T is None:
-    weights_T = jnp.ones(targets_BT.shape[1], jnp.float32)
-  weights_BT = jnp.broadcast_to(weights_T, targets_BT.shape)
-  mean = lambda x_BT: (x_BT * weights_BT).sum() / weights_BT.sum()
-  loss = mean(optax.softmax_cross_entropy_with_integer_labels(
-      logits_BTV, targets_BT))
-  if not with_accuracy:
-    return loss
-  return loss, mean(logits_BTV.argmax(-1) == targets_BT)
-
-
 def train_step(state: TrainState, tokens_BT1, *, model, tx, accum_steps: int,
                weights_T=None):
   """One optimizer update, averaging gradients over `accum_steps` microbatches."""
-  grad_fn = jax.value_and_grad(loss_fn)
+  grad_fn = jax.value_and_grad(evaluator.loss_fn)
   if accum_steps == 1:
     loss, grads = grad_fn(state.params, model, tokens_BT1, weights_T)
   else:
@@ -150,11 +128,6 @@ def train_step(state: TrainState, tokens_BT1, *, model, tx, accum_steps: int,
   return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def eval_step(params, tokens_BT1, *, model, weights_T=None):
-  """(held-out loss, next-token accuracy) on the scored targets."""
-  return loss_fn(params, model, tokens_BT1, weights_T, with_accuracy=True)
-
-
 def train_and_evaluate(config, workdir: str, *,
                        should_stop: Callable[[], bool] | None = None,
                        on_eval: Callable[[int, Any, dict], bool] | None = None
@@ -166,10 +139,10 @@ def train_and_evaluate(config, workdir: str, *,
   'stopped_at'. Without `should_stop`, SIGTERM and SIGINT (Ctrl-C) stop it
   so, at the next step, and then raise `signals.Interrupted` (one line,
   exit status 128 + the signal): a study's Ctrl-C stops the study, never
-  lost in a garbage collection (train/signals.py). `on_eval(step, params,
+  lost in a garbage collection (infra/signals.py). `on_eval(step, params,
   record)`, called after each evaluation (a study's own measures), ends the
   run there, as finished, by returning True. Holds WORKDIR/lock throughout
-  (`train.workdir`), and on every way out, an error included, waits for
+  (`infra.workdir`), and on every way out, an error included, waits for
   pending checkpoint saves.
   """
   if should_stop is None:  # No caller handles signals: this run does.
@@ -258,7 +231,7 @@ def setup(config, path: epath.Path, mesh, is_chief: bool) -> Run:
   _check_resume(config, path)
   mc = config_lib.model_config(config)
   tc = config.train
-  dataset = _dataset(config.data, mc, path, is_chief)
+  dataset = data_lib.for_model(config.data, mc, path, is_chief)
   program = _Programs(config, mc, mesh, dataset.loss_weights)
   warn = (lambda text: print(text, file=sys.stderr, flush=True)) if (
       is_chief) else (lambda _: None)
@@ -272,7 +245,7 @@ def setup(config, path: epath.Path, mesh, is_chief: bool) -> Run:
     reporter.message(f'resuming from step {resume_step} '
                      f'({checkpointer.directory})')
 
-  global_batch = _batches(dataset, config, mesh)
+  global_batch = sharding.global_batches(dataset, config, mesh)
   get_batch = lambda step: global_batch('train', seed=config.seed, step=step)
   start, step_fn = int(state.step), None
   if start < tc.steps:
@@ -283,7 +256,8 @@ def setup(config, path: epath.Path, mesh, is_chief: bool) -> Run:
     reporter.message('reused the compiled train step' if reused else
                      'compiled the train step in '
                      f'{time.perf_counter() - t0:.1f}s')
-  evaluate = _evaluator(config, dataset, program)
+  evaluate = evaluator.build(config, dataset, mesh, program.eval_step(
+      program.state_sharding.params))
 
   written = path / 'config.json'
   config_file = _ConfigFile(written, config.to_json(indent=2), (
@@ -305,9 +279,9 @@ class _Programs:
   """
   _cache: dict = {}
 
-  def __init__(self, config, mc, mesh, weights_T, through_cache=False):
+  def __init__(self, config, mc, mesh, weights_T):
     tc = config.train
-    model = model_lib.ThroughCache(mc) if through_cache else Transformer(mc)
+    model = Transformer(mc)
     self.model, self.mesh, self.weights_T = model, mesh, weights_T
     self.tx = make_optimizer(tc)[0]  # The state's structure; not its rates.
     self.replicated = jax.NamedSharding(mesh, jax.P())
@@ -372,38 +346,12 @@ class _Programs:
     return self._get('step', build)
 
   def eval_step(self, params_sharding):
-    return self._get(('eval', params_sharding is None), lambda: jax.jit(
-        lambda p, b: eval_step(p, b, model=self.model,
-                               weights_T=self.weights_T),
-        in_shardings=(params_sharding or self.replicated,
-                      self.batch_sharding),
-        out_shardings=self.replicated))[0]
-
-
-def evaluate_workdir(workdir: str, flag: str = '--workdir', *,
-                     through_cache: bool = False,
-                     kv_cache_dtype: str | None = None,
-                     data_path: str | None = None) -> dict:
-  """The held-out metrics of WORKDIR's latest checkpoint, as `train.main`
-  logs them (eval_loss, eval_accuracy[, eval_bpb]): the same evaluator on the
-  same batches. through_cache: the logits that decoding gives instead
-  (`model.ThroughCache`), its cache in kv_cache_dtype (None: the model's).
-  data_path: another corpus's held-out split (a prepared one, read with the
-  workdir's tokenizer) instead of the run's data.path.
-  Reads WORKDIR, writes nothing."""
-  mc, params, config = checkpoint.load_workdir(workdir, flag)
-  if kv_cache_dtype is not None:
-    mc = dataclasses.replace(mc, kv_cache_dtype=kv_cache_dtype)
-  if data_path is not None:
-    config.data.path = data_path
-  mesh = sharding.make_mesh(config.mesh)
-  config_lib.validate(config, mesh.shape['data'] * mesh.shape['fsdp'],
-                      jax.process_count())
-  dataset = _dataset(config.data, mc, storage.path(workdir, flag),
-                     is_chief=False)
-  program = _Programs(config, mc, mesh, dataset.loss_weights,
-                      through_cache=through_cache)
-  return _evaluator(config, dataset, program, sharded=False)(params)
+    """`evaluator.eval_program` for this run, params laid out by
+    params_sharding (None: replicated)."""
+    return self._get(('eval', params_sharding is None),
+                     lambda: evaluator.eval_program(
+                         self.model, self.mesh, self.weights_T,
+                         params_sharding))[0]
 
 
 def _check_resume(config, path: epath.Path):
@@ -431,20 +379,6 @@ def _restore_or_init(config, program: _Programs, checkpointer, warn):
   return state, step
 
 
-def _cached_per_token(mc) -> str:
-  """What a layer caches per token, in words."""
-  o = mc.attention(0)
-  if o.kv_lora_rank:
-    groups = (f' in {o.latent_groups} groups (GLA)' if o.latent_groups > 1
-              else '')
-    return (f'MLA: a latent of {o.kv_lora_rank}{groups} + a RoPE key of '
-            f'{o.qk_rope_head_dim}')
-  if o.tie_kv:
-    return (f'GTA: {mc.num_kv_heads} tied KV heads x {mc.head_dim} + a RoPE '
-            f'key of {o.qk_rope_head_dim}')
-  return f'{mc.num_kv_heads} KV heads x {mc.head_dim}'
-
-
 def _introduce(say, config, mc, dataset, mesh):
   """The run's first lines: config, data, model size, devices."""
   flops_per_token = flops.training_flops_per_token(mc, config.data.seq_len)
@@ -453,7 +387,7 @@ def _introduce(say, config, mc, dataset, mesh):
   say(f'data: {dataset.summary()}')
   say(f'model: {model_lib.num_params(mc):,} parameters; decode cache '
       f'{model_lib.kv_bytes_per_token(mc):,.1f} bytes/token at max_len '
-      f'{mc.max_len} ({_cached_per_token(mc)}, {_layer_kinds(mc)}, {mc.kv_cache_dtype or np.dtype(mc.dtype).name}); '
+      f'{mc.max_len} ({mc.layout_description()}, {_layer_kinds(mc)}, {mc.kv_cache_dtype or np.dtype(mc.dtype).name}); '
       f'{flops_per_token / 1e6:,.1f} MFLOPs/token to train')
   hosts = jax.process_count()
   rows = (f'; each of {hosts} processes builds {config.train.batch_size // hosts}'
@@ -475,79 +409,12 @@ def _layer_kinds(mc) -> str:
   return text
 
 
-def _batches(dataset: data_lib.Source, config, mesh) -> Callable:
-  """(split, seed, step[, stream]) -> a global batch on the mesh; each host
-  makes only its own rows."""
-  tc, dc = config.train, config.data
-  batch_sharding = sharding.batch_sharding(mesh)
-
-  def global_batch(split, **kwargs):
-    local = dataset.batch(split, batch_size=tc.batch_size,
-                          seq_len=dc.seq_len, shard=jax.process_index(),
-                          num_shards=jax.process_count(), **kwargs)
-    if local.shape[0] * jax.process_count() != tc.batch_size:
-      raise ValueError(f'this process built {local.shape[0]} rows, not its '
-                       f'share of {tc.batch_size}')  # A bug, not bad input.
-    return jax.make_array_from_process_local_data(
-        batch_sharding, local, (tc.batch_size, dc.seq_len + 1))
-  return global_batch
-
-
-def _evaluator(config, dataset, program: _Programs, sharded: bool = True):
-  """params -> {'eval_loss', 'eval_accuracy'[, 'eval_bpb']}: the mean over
-  the train.eval_batches held-out batches (the same for every run of the
-  data). sharded: params laid out as the run's state (else replicated)."""
-  global_batch = _batches(dataset, config, program.mesh)
-  batches = [global_batch('val', seed=0, step=i, stream=1)
-             for i in range(config.train.eval_batches)]
-  eval_fn = program.eval_step(
-      program.state_sharding.params if sharded else None)
-
-  def evaluate(params):
-    with jax.set_mesh(program.mesh):
-      loss, accuracy = np.mean(jax.device_get(
-          [eval_fn(params, b) for b in batches]), axis=0).tolist()
-    out = {'eval_loss': loss, 'eval_accuracy': accuracy}
-    if dataset.bytes_per_token:
-      out['eval_bpb'] = loss / math.log(2) / dataset.bytes_per_token
-    return out
-  return evaluate
-
-
 def training_data(config, workdir: str) -> data_lib.Source:
   """The data a run of `config` in WORKDIR reads, checked against its model
   as `train.main` checks it; writes nothing (a benchmark feeds its peers
   from it)."""
-  return _dataset(config.data, config_lib.model_config(config),
-                  storage.path(workdir), is_chief=False)
-
-
-def _dataset(dc, mc, path: epath.Path, is_chief: bool) -> data_lib.Source:
-  """The run's data, checked against the model; the workdir remembers the
-  tokenizer it was read with."""
-  tokenizer = _tokenizer(dc, path)
-  dataset = data_lib.load(dc.path, val_fraction=dc.val_fraction,
-                          seq_len=dc.seq_len, cache_dir=dc.cache_dir or None,
-                          task=dc.task, recall_pairs=dc.recall_pairs,
-                          recall_gap=dc.recall_gap,
-                          vocab_size=mc.vocab_size, tokenizer=tokenizer)
-  as_bytes = tokenizer is not None and tokenizer.name == 'bytes' and (
-      dataset.bytes_per_token == 1.0)
-  if as_bytes and mc.vocab_size != 256:
-    raise UserError(
-        f'{dataset.description} is read as UTF-8 bytes (256 ids), but '
-        f'model.vocab_size={mc.vocab_size}: give the model\'s tokenizer '
-        f'(data.tokenizer, or {tokenizer_lib.FILE} in the workdir) or '
-        'token ids (.bin), or set model.vocab_size=256')
-  if dataset.vocab_size > mc.vocab_size:
-    raise UserError(f'{dataset.description} has token ids up to '
-                    f'{dataset.vocab_size - 1}; set model.vocab_size >= '
-                    f'{dataset.vocab_size}')
-  remembered = path / tokenizer_lib.FILE  # Once the data is known to fit.
-  if tokenizer is not None and tokenizer.name != 'bytes' and is_chief and (
-      not remembered.exists()):
-    remembered.write_bytes(epath.Path(tokenizer.name).read_bytes())
-  return dataset
+  return data_lib.for_model(config.data, config_lib.model_config(config),
+                            storage.path(workdir), is_chief=False)
 
 
 def _check_recipe(path: epath.Path, learning_rate: float, warn):
@@ -560,25 +427,6 @@ def _check_recipe(path: epath.Path, learning_rate: float, warn):
          f'uptraining recipe\'s {limit:g} for this converted checkpoint '
          f'({path / workdir_lib.CONVERT_INFO}); a from-scratch rate can undo '
          'what it learnt')
-
-
-def _tokenizer(dc, path: epath.Path):
-  """data.tokenizer, which the workdir then remembers, or the workdir's own;
-  a fresh workdir training on a prepared corpus remembers the corpus's."""
-  remembered = path / tokenizer_lib.FILE
-  if dc.task != 'lm':
-    return None
-  source = dc.get('tokenizer') or (
-      None if remembered.exists() else data_lib.prepared_tokenizer(dc.path))
-  if not source:
-    return tokenizer_lib.of_workdir(path)
-  given = tokenizer_lib.load(source)
-  if remembered.exists():
-    if tokenizer_lib.load(remembered).fingerprint != given.fingerprint:
-      raise UserError(f'{path} was trained with the tokenizer in {remembered}, '
-                      f'not data.tokenizer={dc.tokenizer!r}; unset '
-                      'data.tokenizer, or use a new --workdir')
-  return given
 
 
 class _NonFinite(Exception):

@@ -13,7 +13,7 @@ with several processes, all of them at the next step they log
 (train.log_every), so that they stop together.
 Launched as one of several processes (a multi-host TPU slice, SLURM, Open MPI,
 or JAX_COORDINATOR_ADDRESS set), it trains in a watched child process that
-joins JAX's distributed runtime (train/peers.py: a lost peer ends the run in
+joins JAX's distributed runtime (infra/peers.py: a lost peer ends the run in
 one line, the child dies with its watcher, and the multi-process variables
 are checked first, GQA_LAB_COORDINATOR_TIMEOUT bounding the wait for the
 others).
@@ -26,9 +26,10 @@ import sys
 from absl import flags, logging
 from ml_collections import config_flags
 
-from train import config_lib, peers, signals
-from train.errors import UserError
-from train.cli import exit_on_user_error, run_app
+from infra import peers, signals
+from lm import config_lib
+from infra.errors import UserError
+from infra.cli import exit_on_user_error, run_app
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'config name or file')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'output directory')
@@ -51,7 +52,7 @@ def main(argv):
           'them: GQA_LAB_COORDINATOR_TIMEOUT)', flush=True)
     jax.distributed.initialize(**setup)
   from train import loop  # pylint: disable=import-outside-toplevel
-  # A peer lost mid-collective: one line (train/peers.py).
+  # A peer lost mid-collective: one line (infra/peers.py).
   with signals.recorded() as received, peers.reported_as_lost_peer(
       _WORKDIR.value):
     record = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
@@ -88,7 +89,7 @@ def run():
   if os.environ.get(peers.WATCHED):
     peers.follow_watcher(os.environ)  # Killed with its watcher, even by -9.
   elif peers.is_multiprocess(os.environ):
-    # One of several processes: train in a watched child (train/peers.py).
+    # One of several processes: train in a watched child (infra/peers.py).
     workdir = next((a.split('=', 1)[1] for a in sys.argv
                     if a.startswith('--workdir=')), None)
     exit_on_user_error(lambda: sys.exit(

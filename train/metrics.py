@@ -14,9 +14,9 @@ import time
 
 from etils import epath
 
-from train import storage
-from train.errors import UserError
-from train.progress import duration
+from infra import storage
+from infra.errors import UserError
+from infra.progress import duration
 
 
 class MetricsWriter:

@@ -20,7 +20,7 @@ meta.json is not a corpus. Train on it with --config.data.path=DIR.
 
 Streaming: documents are read and encoded --batch_mb at a time by the
 `tokenizers` batch encoder, which uses every core; a long document is encoded
-in pieces (train.tokenizer.PIECE_RULE, recorded in meta.json), so memory is
+in pieces (lm.tokenizer.PIECE_RULE, recorded in meta.json), so memory is
 bounded by the batch and the largest document's text, not by the corpus.
 Folders are walked in order, links to folders followed, the output folder
 left out, and so are prepared corpora and workdirs inside them (in a note).
@@ -34,7 +34,7 @@ read; a rerun over inputs that changed is refused, naming the file, and so is
 one over a finished corpus (meta.json records them too). A run that ends
 with no text or an empty split removes what it wrote: it could never finish,
 and the rerun with other settings starts clean. DIR/lock keeps a second run
-out while one writes (train.workdir).
+out while one writes (infra.workdir).
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ from typing import Iterator
 
 import numpy as np
 
-from train import data
-from train import tokenizer as tokenizer_lib
-from train import workdir as workdir_lib
-from train.errors import UserError
-from train.storage import refuse_url
-from train.cli import run_app
-from train.progress import Progress
+from lm import data
+from lm import tokenizer as tokenizer_lib
+from infra import workdir as workdir_lib
+from infra.errors import UserError
+from infra.storage import refuse_url
+from infra.cli import run_app
+from infra.progress import Progress
 
 META = data.PREPARED_META
 PROGRESS = data.PREPARED_PROGRESS
@@ -119,7 +119,7 @@ def input_files(inputs: list[str], out: pathlib.Path | None = None, say=print
 def output_folder(path: pathlib.Path) -> str | None:
   """What the folder is, if an output of this project and not text: a
   prepared corpus (finished or partial) or a workdir (a config.json and
-  checkpoints, or a train.workdir lock); else None."""
+  checkpoints, or a infra.workdir lock); else None."""
   def first_json(file: pathlib.Path):
     try:
       with open(file, 'rb') as f:

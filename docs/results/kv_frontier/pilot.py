@@ -6,8 +6,8 @@ Lines go to /tmp/kv_pilots/NAME/log.txt (the loop's log), the last one also to s
 import os, sys, time, pathlib, shutil
 import jax, numpy as np
 from scripts import study
-from train import config_lib, data
-from train.model import Transformer
+from lm import config_lib, data
+from lm.model import Transformer
 name, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 config = config_lib.load(os.environ.get('PILOT_CONFIG', 'kv_recall'))
 for kv in sys.argv[4:]:

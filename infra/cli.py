@@ -1,0 +1,117 @@
+"""Command-line shells: flags parsed and checked, and a UserError printed as one
+line with exit status 1 instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import sys
+from typing import Callable, Sequence
+
+from infra.errors import UserError
+
+
+def exit_on_user_error(fn: Callable[[], object]):
+  """Runs fn(); a UserError, or a bucket that cannot be reached, becomes one
+  line on stderr and exit status 1 (an interruption's: 128 + its signal), as
+  does a Ctrl-C that no run turned into a stop at a step."""
+  from infra import storage  # pylint: disable=import-outside-toplevel
+  try:
+    fn()
+  except UserError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(getattr(e, 'exit_status', 1))
+  except KeyboardInterrupt:
+    print('error: interrupted (Ctrl-C)', file=sys.stderr)
+    sys.exit(128 + signal.SIGINT)
+  except Exception as e:  # pylint: disable=broad-except
+    fault = storage.bucket_fault(e)
+    if fault is None:
+      raise
+    print(f'error: {fault}', file=sys.stderr)
+    sys.exit(1)
+
+
+def run_app(main: Callable, *, required: Sequence[str] = (),
+            parse: Callable | None = None):
+  """absl's `app.run(main)`, every flag error and UserError one line, exit 1."""
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  flags.mark_flags_as_required(list(required))
+  exit_on_user_error(lambda: app.run(main, flags_parser=parse or parse_flags))
+
+
+def parse_flags(argv):
+  """absl's flag parsing, an error raised as one UserError line."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    raise UserError(f'{str(e).rstrip(".")}; see --help') from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse for the scripts: a bad flag is one UserError line; --help
+  prints the description (a script's docstring) as it is written."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault('formatter_class', argparse.RawDescriptionHelpFormatter)
+    super().__init__(*args, **kwargs)
+
+  def error(self, message):
+    raise UserError(f'{message.rstrip(".")}; see --help')
+
+
+def positive_int(text: str) -> int:
+  """An argparse type: an integer >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer')
+  return value
+
+
+def int_list(text: str) -> list[int]:
+  """'8,2,1' -> [8, 2, 1]: an argparse type of positive integers."""
+  try:
+    return [positive_int(x) for x in text.split(',')]
+  except argparse.ArgumentTypeError:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a comma-separated list of positive integers'
+    ) from None
+
+
+def float_list(text: str) -> list[float]:
+  """'0,0.05' -> [0.0, 0.05]: an argparse type of numbers >= 0."""
+  try:
+    values = [float(x) for x in text.split(',')]
+  except ValueError:
+    values = [-1.0]
+  if min(values) < 0:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not a comma-separated list of numbers >= 0')
+  return values
+
+
+def check_output_dir(path: str, flag: str = '--out', *, new: bool = False):
+  """Refuses, before any work, an output folder that a script could not
+  write its results into at the end.
+
+  new: refuse one that already holds files (results that a rerun would
+  otherwise mix with, or report as, its own)."""
+  from infra.storage import refuse_url  # pylint: disable=import-outside-toplevel
+  refuse_url(path, flag)
+  out = pathlib.Path(path).expanduser()
+  if out.exists() and not out.is_dir():
+    raise UserError(f'{flag}={path} is a file; give a folder for the results')
+  if new and out.is_dir() and any(out.iterdir()):
+    raise UserError(f'{flag}={path} already holds results; give a new folder '
+                    '(or remove that one) so that every number is measured '
+                    'by this run')
+  parent = next(p for p in (out, *out.absolute().parents) if p.exists())
+  if not parent.is_dir() or not os.access(parent, os.W_OK):
+    raise UserError(f'{flag}={path} cannot be created in {parent}; give a '
+                    'folder you can write to')
