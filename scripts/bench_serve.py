@@ -498,14 +498,13 @@ def report(results, args) -> str:
       'tokens/s (tokens per CPU-second); the median over requests of the '
       'time to first token (its wait in the queue included) and of the '
       'time per later token.', '',
-      '| variant | K | page bytes | usable pages | high-water (pages) | mean in '
-      'flight | tokens/s (per CPU-s) | median TTFT | median per-token | '
-      'one at a time tokens/s (per CPU-s) | vs one at a time | static '
-      'batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
+      '| variant | K | page bytes | usable pages | high-water (pages) | '
+      'mean in flight | tokens/s (per CPU-s) | median TTFT | median '
+      'per-token | one at a time tokens/s (per CPU-s) | vs one at a time | '
+      'static batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
           ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
           'vs transformers |' if hf else ''),
-      '|---|---|---|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
-                                                    else '')]
+      '|---' * 13 + '|' + ('---|---|---|' if hf else '')]
   for r in results['rows']:
     line = (
         f'| {r.get("variant", "K" + str(r["num_kv_heads"]))} | '
