@@ -200,6 +200,7 @@ def test_cached_decoding_equals_the_full_pass(fields):
                     (2 * tpa.v_rank, S, N + H))
 
 
+@pytest.mark.slow  # Two int8 decodes of 6 steps each.
 def test_an_int8_cache_balances_each_pair_to_share_one_scale(monkeypatch):
   """Head factors 300x larger and token factors 300x smaller (the same
   layer: a ⊗ b is unchanged; a converted model's one-hots can dwarf its
@@ -371,6 +372,7 @@ def _source(seed=3, **model):
       loop.init_params(Transformer(mc), seed=seed)))
 
 
+@pytest.mark.slow  # A model's full pass and decoding compiled, twice.
 @pytest.mark.parametrize('model', [
     {}, dict(num_kv_heads=4), dict(num_kv_heads=1),
     dict(num_layers=4, kv_share=2, attention_pattern='LLGG', local_window=8),
