@@ -23,7 +23,7 @@ from attention import Attention, kv_cache, layer, tensor_product
 from attention.rope import apply_rope
 from configs import tiny
 from infra.errors import UserError
-from lm import config_lib, flops
+from lm import checkpoint, config_lib, flops
 from lm import model as model_lib
 from lm.model import Transformer
 from tests import reference
@@ -504,7 +504,6 @@ def test_a_trained_gqa_model_converts_exactly_uptrains_and_refuses_export(
                        warmup_steps=1)
   assert np.isfinite(loop.train_and_evaluate(uptrain, str(target))[
       'eval_loss'])
-  from lm import checkpoint  # pylint: disable=import-outside-toplevel
   _, params, _ = checkpoint.load_workdir(str(target))
   assert np.any(params['layers']['attention']['key_head_factors'])
   _one_line_error(_run('train.convert', f'--source={target}',
