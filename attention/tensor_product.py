@@ -30,7 +30,7 @@ Letters (with those of `attention.core`: B, T, S, N, H, D; here only):
           KV-only queries), a constant a_r = W_a x + c_r. A layer sharing
           another's K/V (kv_share) has the query's and out only.
   cache   cached_key_factors [B, S, r, F] and cached_value_factors
-          [B, S, v, F] per token (dense [Z, S, F], Z = B·r or B·v rows;
+          [B, S, v, F] per token (dense [Z, F, S], Z = B·r or B·v rows;
           paged [r or v, P, p, F]): (R_K + R_V)(N + H) numbers per token and
           layer; int8: key_factors_scale and value_factors_scale, one
           float32 per token and rank.
@@ -156,9 +156,12 @@ class TPA(Layout):
     """Per token, the keys' R_K factor pairs [a_r ; b_r] and the values'
     R_V, N + H numbers each: the cache's only contents."""
     F = options.num_heads + options.head_dim
-    return (kv_cache.Entry('cached_key_factors', self.k_rank, F, False,
+    # Stored [F, S] per row of the dense cache (`kv_cache.Entry`'s
+    # transposed): each row's head factors a contiguous [N, S] block, and
+    # both matmuls of `factor_attention` read the cache without repacking.
+    return (kv_cache.Entry('cached_key_factors', self.k_rank, F, True,
                            'key_factors_scale'),
-            kv_cache.Entry('cached_value_factors', self.v_rank, F, False,
+            kv_cache.Entry('cached_value_factors', self.v_rank, F, True,
                            'value_factors_scale'))
 
   def project(self, options, params, w, x_BTD, pos_bT, shared: bool
@@ -311,7 +314,7 @@ def balanced(a_BTRN: Array, b_BTRH: Array) -> tuple[Array, Array]:
           (b_BTRH / c).astype(b_BTRH.dtype))
 
 
-def factor_attention(q_heads_BTqN, q_rows_BTqH, key_ZSF, value_ZSF, visible,
+def factor_attention(q_heads_BTqN, q_rows_BTqH, key_ZFS, value_ZFS, visible,
                      *, scale: float, logits_soft_cap: float | None,
                      key_scale_ZS=None, value_scale_ZS=None) -> Array:
   """[B, T, N, H]: T queries against S cached factor pairs, no per-head key
@@ -319,63 +322,79 @@ def factor_attention(q_heads_BTqN, q_rows_BTqH, key_ZSF, value_ZSF, visible,
 
   q_heads_BTqN: the queries' head factors [B, T, q, N] (q = R_Q), or None
   for per-head queries (KV-only: q_rows are then the N heads' queries);
-  q_rows_BTqH: their token factors [B, T, q, H], turned by RoPE. key [Z, S,
-  F] (Z = B·R_K rows, batch row b's rank r at b·R_K + r, F = N + H: [a_r ;
-  b_r]) and value [B·R_V, S, F] are read as stored (int8 with their [Z, S]
-  float32 scales, which, squared, multiply the head factors: a pair's two
-  halves share one); visible: boolean broadcastable to [B, N, T, S] (True =
-  attend), or None.
+  q_rows_BTqH: their token factors [B, T, q, H], turned by RoPE. key
+  [Z, F, S] (Z = B·R_K rows, batch row b's rank r at b·R_K + r; F = N + H
+  features, [a_r ; b_r]) and value [B·R_V, F, S] are read as stored (int8
+  with their [Z, S] float32 scales, which, squared, multiply the head
+  factors: a pair's two halves share one); visible: boolean broadcastable
+  to [B, N, T, S] (True = attend), or None.
 
-  Each cache matrix is an operand as it lies, [B, R·S, F] per batch row:
-  the query rows are padded with N zeros to meet the pairs' F features (no
-  [.., N:] slice of the cache to copy), and the weighted sum of value pairs
-  keeps its last H features.
+  Each row's [F, S] matrix is a matmul operand where it lies, and its head
+  factors, the first N of its F rows, a contiguous [N, S] block: the query
+  rows are padded with N zeros to meet the pairs' F features (no [N:] slice
+  of the cache to copy), the weighted sum of the value pairs keeps its last
+  H features, and the small contractions over the ranks are unrolled sums
+  (XLA's CPU reduces a non-minor axis, or batches tiny matmuls, several
+  times slower). In a preliminary microbenchmark on a loaded 2-core Zen 5
+  (B = 64, S = 2048, gqa_small's N = 8, H = 32, T6's ranks) this ran 5x
+  faster than [Z, S, F] pairs with batched contractions and reduces, and
+  3x slower than grouped-query attention's step at 1.25x fewer bytes;
+  `scripts.bench_decode --variants=K2,TPA2` is the measurement.
   """
   B, T, q, H = q_rows_BTqH.shape
-  Zk, S, F = key_ZSF.shape
-  N, Rk, Rv = F - H, Zk // B, value_ZSF.shape[0] // B
+  Zk, F, S = key_ZFS.shape
+  N, Rk, Rv = F - H, Zk // B, value_ZFS.shape[0] // B
   dtype = q_rows_BTqH.dtype
-  # The query rows against every cached key token factor, [B, T·q, R_K·S].
+  # The query rows against every cached key token factor: per row of the
+  # cache [T·q, F] x [F, S], the rows repeated for each of its R_K ranks.
   rows_BXF = jnp.pad(q_rows_BTqH, [(0, 0)] * 3 + [(N, 0)]).reshape(
-      B, T * q, F)
-  c_BTqrS = _matmul(rows_BXF, key_ZSF.reshape(B, Rk * S, F),
-                    contract=2).reshape(B, T, q, Rk, S)
+      B, 1, T * q, F)
+  rows_ZXF = jnp.broadcast_to(rows_BXF, (B, Rk, T * q, F)).reshape(
+      Zk, T * q, F)
+  c_BrTqS = _matmul(rows_ZXF, key_ZFS, contract=1).reshape(B, Rk, T, q, S)
+  a_BrTNS = _head_factors(key_ZFS, key_scale_ZS, B, N)
   if q_heads_BTqN is None:  # Per-head queries: the rows are the heads.
-    u_BTNrS = c_BTqrS
+    per_head = lambda r: c_BrTqS[:, r]
     rank_q = 1
-  else:  # Each head's combination of the q rows: [B, T, N, R_K, S].
-    u_BTNrS = jnp.einsum('BTqN,BTqrS->BTNrS',
-                         q_heads_BTqN.astype(jnp.float32), c_BTqrS)
+  else:  # Each head's combination of the q rows: [B, T, N, S].
+    a_BTqN1 = q_heads_BTqN.astype(jnp.float32)[..., None]
+    per_head = lambda r: sum(a_BTqN1[:, :, i] * c_BrTqS[:, r, :, i, None]
+                             for i in range(q))
     rank_q = q
-  # The keys' head factors, Σ_r a_r[n]·u[n, r]: the logits [B, T, N, S].
-  a_B1NrS = _head_factors(key_ZSF, key_scale_ZS, B, N)
-  logits_BTNS = jnp.sum(u_BTNrS * a_B1NrS, axis=3) * (scale / (rank_q * Rk))
+  # The keys' head factors, Σ_r a_r[n]·(head n's row r): the logits.
+  logits_BTNS = sum(per_head(r) * a_BrTNS[:, r] for r in range(Rk)) * (
+      scale / (rank_q * Rk))
   logits_BTNS = numerics.soft_cap(logits_BTNS, logits_soft_cap)
   mask_BTNS = None if visible is None else jnp.swapaxes(visible, 1, 2)
   probs_BTNS = numerics.masked_softmax(logits_BTNS, mask_BTNS)
-  # The values: p·a_r[n] weights each cached token factor b_r, summed over
-  # the R_V·S pairs of a row in one matmul: [B, T·N, F], its last H kept.
-  weights_BTNvS = (probs_BTNS[:, :, :, None]
-                   * _head_factors(value_ZSF, value_scale_ZS, B, N) / Rv)
-  out_BXF = _matmul(weights_BTNvS.reshape(B, T * N, Rv * S).astype(dtype),
-                    value_ZSF.reshape(B, Rv * S, F), contract=1)
-  return out_BXF[..., N:].reshape(B, T, N, H).astype(dtype)
+  # The values: p·a_r[n] weights each cached token factor b_r; per row of
+  # the cache [F, S] x [S, T·N], summed over the R_V ranks, last H kept.
+  weights_ZXS = (probs_BTNS[:, None]
+                 * _head_factors(value_ZFS, value_scale_ZS, B, N) / Rv
+                 ).reshape(B * Rv, T * N, S)
+  out_BFX = _matmul(value_ZFS, weights_ZXS.astype(dtype), contract=2
+                    ).reshape(B, Rv, F, T * N).sum(1)
+  return jnp.swapaxes(out_BFX[:, N:], 1, 2).reshape(B, T, N, H).astype(dtype)
 
 
-def _head_factors(pairs_ZSF, scale_ZS, B: int, N: int) -> Array:
-  """[B, 1, N, R, S] float32: the cached pairs' head factors, as the
-  [.., N, R, S] products take them, times their int8 scale squared (the
-  pair's token factor shares it)."""
-  Z, S, _ = pairs_ZSF.shape
-  a_BRSN = pairs_ZSF[..., :N].astype(jnp.float32).reshape(B, Z // B, S, N)
+def _head_factors(pairs_ZFS, scale_ZS, B: int, N: int) -> Array:
+  """[B, R, 1, N, S] float32: the cached pairs' head factors (each row's
+  first N features), times their int8 scale squared (the pair's token
+  factor shares it)."""
+  Z, _, S = pairs_ZFS.shape
+  a_ZNS = pairs_ZFS[:, :N].astype(jnp.float32)
   if scale_ZS is not None:
-    a_BRSN = a_BRSN * jnp.square(scale_ZS).reshape(B, Z // B, S, 1)
-  return a_BRSN.transpose(0, 3, 1, 2)[:, None]
+    a_ZNS = a_ZNS * jnp.square(scale_ZS)[:, None]
+  return a_ZNS.reshape(B, Z // B, 1, N, S)
 
 
-def _matmul(a_BXC, b_BYC, contract: int):
-  """Per batch row, [X, C] x the cache [Y, C] as stored: contract=2, its
-  features (-> [B, X, Y]), or [X, Y] x [Y, C], contract=1, its rows (->
-  [B, X, C]); float32, the cache in its own dtype (as `attention.decode`)."""
-  return jax.lax.dot_general(a_BXC, b_BYC, (((2,), (contract,)), ((0,), (0,))),
+def _matmul(a_ZXC, b_ZYC, contract: int):
+  """Per row z, a [X, C] x the cache [C, S] as stored (contract=1, -> [Z,
+  X, S]), or the cache [F, S] x a's [S, X]ᵀ (a: [Z, X, S], contract=2, ->
+  [Z, F, X]); float32, the cache in its own dtype (as `attention.decode`).
+  The cache is an operand in the layout the CPU's matmul kernels take."""
+  if contract == 1:
+    return jax.lax.dot_general(a_ZXC, b_ZYC, (((2,), (1,)), ((0,), (0,))),
+                               preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(a_ZXC, b_ZYC, (((2,), (2,)), ((0,), (0,))),
                              preferred_element_type=jnp.float32)

@@ -113,7 +113,8 @@ def test_the_layer_and_its_gradients_equal_the_papers_equations(fields):
 
 
 def _pairs(seed, B, S, R, scale_a=1.0):
-  """Cached factor pairs [B·R, S, N + H] (heads-major, as the dense cache)."""
+  """Factor pairs [B·R, S, N + H], heads-major (the dense cache stores each
+  row transposed, [N + H, S])."""
   ka, kb = jax.random.split(jax.random.key(seed))
   a = jax.random.normal(ka, (B * R, S, N)) * scale_a
   b = jax.random.normal(kb, (B * R, S, H))
@@ -156,8 +157,9 @@ def test_decoding_from_the_factors_equals_building_keys_and_values(
     rows = jax.random.normal(kr, (B, T, q_rank, H))
     q_BTNH = jnp.einsum('BTqN,BTqH->BTNH', heads, rows) / q_rank
   visible = jax.random.bernoulli(km, 0.7, (B, 1, T, S)).at[..., 0].set(True)
+  as_stored = lambda pairs_ZSF: jnp.swapaxes(pairs_ZSF, 1, 2)  # [Z, F, S].
   got = tensor_product.factor_attention(
-      heads, rows, keys, values, visible, scale=0.3,
+      heads, rows, as_stored(keys), as_stored(values), visible, scale=0.3,
       logits_soft_cap=soft_cap, **scales)
   expected = reference.attention_repeated(
       q_BTNH, k_BSNH, v_BSNH, np.broadcast_to(visible, (B, N, T, S)),
@@ -195,9 +197,9 @@ def test_cached_decoding_equals_the_full_pass(fields):
   S, tpa = options.cache_length(9), options.layout
   assert set(cache) == {'cached_key_factors', 'cached_value_factors',
                         'cache_index'}
-  chex.assert_shape(cache['cached_key_factors'], (2 * tpa.k_rank, S, N + H))
+  chex.assert_shape(cache['cached_key_factors'], (2 * tpa.k_rank, N + H, S))
   chex.assert_shape(cache['cached_value_factors'],
-                    (2 * tpa.v_rank, S, N + H))
+                    (2 * tpa.v_rank, N + H, S))
 
 
 @pytest.mark.slow  # Two int8 decodes of 6 steps each.
