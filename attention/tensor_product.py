@@ -11,7 +11,7 @@ factors, its eq. 3.2):
                                                    a^K_r[n] b^K_r
 
 and likewise the values (R_V) and the queries (R_Q), or, in the paper's
-TPA-KV-only variant (q_rank=None), per-head queries as grouped-query
+TPA-KV-only variant (q_rank=0), per-head queries as grouped-query
 attention's. RoPE turns the token factors b^Q and b^K (a rotation of the H
 features commutes with the sum over ranks: RoPE(K_t[n]) = (1/R_K)
 Σ_r a_r[n] RoPE(b_r), the paper's Theorem 1), so the cache holds turned
@@ -81,7 +81,7 @@ _KINDS = ('query', 'key', 'value')
 @dataclasses.dataclass(frozen=True)
 class TPA(Layout):
   """Tensor product attention's settings: the ranks of the queries (q_rank,
-  R_Q; None: per-head queries, the paper's TPA-KV-only), keys (k_rank, R_K)
+  R_Q; 0: per-head queries, the paper's TPA-KV-only), keys (k_rank, R_K)
   and values (v_rank, R_V), T6's 6, 2 and 2 by default; head_bias, a
   learnable constant beside each head factor (a converted model's one-hot).
   The heads are the layer's num_heads (num_kv_heads must equal it)."""
@@ -97,7 +97,9 @@ class TPA(Layout):
       'query': ('embed', 'q_heads', 'head_dim'),
       'out': ('q_heads', 'head_dim', 'embed'),
   }
-  q_rank: int | None = 6
+  # 0, not None, for per-head queries: a config's int field cannot be set
+  # to None from the command line.
+  q_rank: int = 6
   k_rank: int = 2
   v_rank: int = 2
   head_bias: bool = False
@@ -111,13 +113,13 @@ class TPA(Layout):
     return self
 
   def _problem(self, o) -> str | None:
-    is_rank = lambda v: isinstance(v, int) and not isinstance(v, bool) and (
-        v >= 1)
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     for name in ('k_rank', 'v_rank'):
-      if not is_rank(getattr(self, name)):
-        return f'tpa.{name}={getattr(self, name)!r} must be an integer >= 1'
-    if self.q_rank is not None and not is_rank(self.q_rank):
-      return (f'tpa.q_rank={self.q_rank!r} must be an integer >= 1, or None '
+      value = getattr(self, name)
+      if not (is_int(value) and value >= 1):
+        return f'tpa.{name}={value!r} must be an integer >= 1'
+    if not (is_int(self.q_rank) and self.q_rank >= 0):
+      return (f'tpa.q_rank={self.q_rank!r} must be an integer >= 1, or 0 '
               '(per-head queries: TPA-KV-only)')
     if not isinstance(self.head_bias, bool):
       return f'tpa.head_bias={self.head_bias!r} must be True or False'
@@ -132,8 +134,9 @@ class TPA(Layout):
     return None
 
   def ranks(self) -> dict[str, int | None]:
-    """{'query': R_Q (None: per-head queries), 'key': R_K, 'value': R_V}."""
-    return dict(zip(_KINDS, (self.q_rank, self.k_rank, self.v_rank)))
+    """{'query': R_Q (None: per-head queries, q_rank=0), 'key': R_K,
+    'value': R_V}."""
+    return dict(zip(_KINDS, (self.q_rank or None, self.k_rank, self.v_rank)))
 
   def param_shapes(self, options, d_model: int, *, shared_kv: bool = False
                    ) -> dict[str, tuple[int, ...]]:
@@ -177,7 +180,7 @@ class TPA(Layout):
     rope = ((lambda x: apply_rope(x, pos_bT, base=options.rope_base,
                                   scaling=options.rope_scaling))
             if options.use_rope else (lambda x: x))
-    if self.q_rank is None:
+    if not self.q_rank:
       q_BTNH = (x_XD @ w['query'].reshape(D, -1)).reshape(
           B, T, options.num_heads, options.head_dim)
       queries = (None, rope(q_BTNH))
@@ -262,8 +265,8 @@ class TPA(Layout):
     if not absorbed:
       return 2 * 2 * N * H
     Rk, Rv = self.k_rank, self.v_rank
-    rows = N if self.q_rank is None else self.q_rank
-    heads = 0 if self.q_rank is None else 2 * self.q_rank * Rk * N
+    rows = self.q_rank or N
+    heads = 2 * self.q_rank * Rk * N
     return (2 * rows * Rk * H + heads + 2 * Rk * N
             + Rv * N + 2 * Rv * N * H)
 
@@ -277,7 +280,7 @@ class TPA(Layout):
 
   def describe(self, options) -> str:
     N, H = options.num_heads, options.head_dim
-    queries = ('per-head queries (KV-only)' if self.q_rank is None
+    queries = ('per-head queries (KV-only)' if not self.q_rank
                else f'queries of rank {self.q_rank}')
     bias = ', head-factor biases' if self.head_bias else ''
     return (f'TPA: K and V of rank {self.k_rank} and {self.v_rank} over {N} '

@@ -18,7 +18,7 @@ model.mla.kv_lora_rank, `attention.latent`), GLA<a>g<g> MLA's latent in g
 groups (model.mla.latent_groups), TPA<r> tensor product attention with keys
 and values of rank r (model.attention='tpa', model.tpa.k_rank and v_rank,
 `attention.tensor_product`; queries at its default rank, T6's 6), TPAKV<r>
-the same with per-head queries (model.tpa.q_rank=None, the paper's
+the same with per-head queries (model.tpa.q_rank=0, the paper's
 TPA-KV-only); the RoPE key of GTA, MLA and GLA is the layout's default
 (head_dim / 2). On gqa_small TPA2 caches 2·2·(8 + 32) = 160 numbers a token
 and layer, between GQA-2's 128 and MHA's 512.
@@ -159,8 +159,7 @@ class Variant:
   name: str
   num_kv_heads: int | None
   attention: str = 'gqa'
-  # The layout's own, set (None: a setting's None, e.g. TPA's q_rank).
-  settings: tuple[tuple[str, int | None], ...] = ()
+  settings: tuple[tuple[str, int], ...] = ()  # The layout's own, set.
 
   PATTERNS = {  # Name -> the fields of its numbers.
       r'K(\d+)': lambda k: dict(num_kv_heads=k),
@@ -174,7 +173,7 @@ class Variant:
                                   settings=(('k_rank', r), ('v_rank', r))),
       r'TPAKV(\d+)': lambda r: dict(
           num_kv_heads=None, attention='tpa',
-          settings=(('q_rank', None), ('k_rank', r), ('v_rank', r))),
+          settings=(('q_rank', 0), ('k_rank', r), ('v_rank', r))),
   }
 
   @classmethod

@@ -185,7 +185,7 @@ def test_bench_decode_variants_name_their_fields():
             model.mla.latent_groups) == fields, name
     config_lib.validate(config, batch_shards=1)  # No other layout's set.
   for name, fields in (('TPA2', (8, 'tpa', 6, 2, 2)),
-                       ('TPAKV3', (8, 'tpa', None, 3, 3)),
+                       ('TPAKV3', (8, 'tpa', 0, 3, 3)),
                        ('K2', (2, 'gqa', 6, 2, 2))):
     bench_decode.Variant.parse(name).apply_to(model)
     tpa = model.tpa

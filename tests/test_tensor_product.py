@@ -75,7 +75,7 @@ def _by_the_papers_equations(params, x_BTD, options):
     return heads / R
 
   q = (rope(jnp.einsum('btd,dnh->btnh', x_BTD, params['query']))
-       if tpa.q_rank is None else per_head('query', rope))
+       if not tpa.q_rank else per_head('query', rope))
   k, v = per_head('key', rope), per_head('value', lambda b: b)
   allowed = reference.allowed_positions(B, N, T, T, is_causal=True,
                                         local_window=options.local_window)
@@ -84,9 +84,9 @@ def _by_the_papers_equations(params, x_BTD, options):
 
 
 VARIANTS = {
-    't6': {}, 'kv_only': dict(q_rank=None),
+    't6': {}, 'kv_only': dict(q_rank=0),
     'biased': dict(head_bias=True, k_rank=3, v_rank=1),
-    'kv_only_biased_nope': dict(q_rank=None, head_bias=True,
+    'kv_only_biased_nope': dict(q_rank=0, head_bias=True,
                                 use_rope=False),
 }
 
@@ -131,7 +131,7 @@ def _built(pairs_ZSF, B):
              for r in range(R)) / R
 
 
-@pytest.mark.parametrize('q_rank', [6, None], ids=['factored', 'kv_only'])
+@pytest.mark.parametrize('q_rank', [6, 0], ids=['factored', 'kv_only'])
 @pytest.mark.parametrize('T, soft_cap', [(1, None), (3, 2.0)])
 @pytest.mark.parametrize('int8', [False, True], ids=['float', 'int8'])
 def test_decoding_from_the_factors_equals_building_keys_and_values(
@@ -149,7 +149,7 @@ def test_decoding_from_the_factors_equals_building_keys_and_values(
   k_BSNH = _built(dequantized(keys, scales.get('key_scale_ZS')), B)
   v_BSNH = _built(dequantized(values, scales.get('value_scale_ZS')), B)
   kq, kr, km = jax.random.split(jax.random.key(7), 3)
-  if q_rank is None:
+  if not q_rank:
     heads, rows = None, jax.random.normal(kr, (B, T, N, H))
     q_BTNH = rows
   else:
@@ -180,9 +180,9 @@ def _decode(module, params, x, chunks):
 
 # T6 at its defaults, global and local, is test_layouts'.
 @pytest.mark.parametrize('fields', [
-    dict(q_rank=None), dict(head_bias=True, q_rank=3, k_rank=1, v_rank=3),
+    dict(q_rank=0), dict(head_bias=True, q_rank=3, k_rank=1, v_rank=3),
     dict(use_rope=False),
-    dict(q_rank=None, local_window=3, logits_soft_cap=2.0)],
+    dict(q_rank=0, local_window=3, logits_soft_cap=2.0)],
     ids=['kv_only', 'biased_ranks_3_1_3', 'nope', 'kv_only_ring_softcap'])
 def test_cached_decoding_equals_the_full_pass(fields):
   """A 4-token prefill (past a 3-slot ring's end), then one token at a
@@ -247,7 +247,7 @@ def test_the_cache_is_the_factors_r_k_plus_r_v_times_n_plus_h(
     Rk, Rv, N_, H_, kv_cache_dtype, itemsize):
   """(R_K + R_V)(N + H) numbers per token and layer (int8: and a float32
   scale per rank), whatever the query rank."""
-  for q_rank in (6, None):
+  for q_rank in (6, 0):
     options = layer.Options(
         num_heads=N_, head_dim=H_, kv_cache_dtype=kv_cache_dtype,
         layout=tensor_product.TPA(q_rank=q_rank, k_rank=Rk, v_rank=Rv))
@@ -278,10 +278,10 @@ def test_decode_flops_per_key_are_the_contractions_xla_counts():
     weights = p[:, :, :, None] * a_v.transpose(0, 3, 1, 2)[:, None]
     return logits, jnp.einsum('BTNvS,BvSH->BTNH', weights, b_v)
 
-  for q_rank, Rk, Rv in ((6, 2, 2), (None, 3, 1), (2, 1, 4)):
+  for q_rank, Rk, Rv in ((6, 2, 2), (0, 3, 1), (2, 1, 4)):
     options = _options(q_rank=q_rank, k_rank=Rk, v_rank=Rv)
-    q = N if q_rank is None else q_rank
-    shapes = [(B, T, q, H), None if q_rank is None else (B, T, q, N),
+    q = q_rank or N
+    shapes = [(B, T, q, H), (B, T, q, N) if q_rank else None,
               (B, Rk, S, H), (B, Rk, S, N), (B, T, N, S), (B, Rv, S, N),
               (B, Rv, S, H)]
     args = [None if s is None else jnp.ones(s) for s in shapes]
@@ -296,7 +296,7 @@ def test_projection_flops_are_twice_the_kernels_and_the_builds():
   parameter), plus, in the full pass, building Q, K and V per head from
   the factors (2·R·N·H each, KV-only queries none); a layer sharing K/V
   has no K/V factors."""
-  for fields in ({}, dict(q_rank=None), dict(head_bias=True, k_rank=3)):
+  for fields in ({}, dict(q_rank=0), dict(head_bias=True, k_rank=3)):
     options = _options(**fields)
     tpa = options.layout
     for shared in (False, True):
@@ -313,7 +313,7 @@ def test_projection_flops_are_twice_the_kernels_and_the_builds():
 
 @pytest.mark.parametrize('tpa, model, message', [
     (dict(k_rank=0), {}, "tpa.k_rank=0 must be an integer >= 1"),
-    (dict(q_rank=0), {}, r"tpa.q_rank=0 must be an integer >= 1, or None "
+    (dict(q_rank=-1), {}, r"tpa.q_rank=-1 must be an integer >= 1, or 0 "
      r"\(per-head queries: TPA-KV-only\)"),
     ({}, dict(num_kv_heads=2), r"num_kv_heads=2 with attention='tpa': TPA "
      r"builds every query head's key and value from its factors; set "
@@ -333,7 +333,9 @@ def test_bad_settings_are_refused_in_one_line_naming_the_fix(tpa, model,
 @pytest.mark.parametrize('tpa, message', [
     (dict(v_rank=1.5), 'tpa.v_rank=1.5 must be an integer >= 1'),
     (dict(k_rank=True), 'tpa.k_rank=True must be an integer >= 1'),
-    (dict(head_bias=1), 'tpa.head_bias=1 must be True or False')])
+    (dict(head_bias=1), 'tpa.head_bias=1 must be True or False'),
+    (dict(q_rank=None), r'tpa.q_rank=None must be an integer >= 1, or 0 '
+     r'\(per-head queries: TPA-KV-only\)')])
 def test_bad_types_are_refused_by_the_layout_in_one_line(tpa, message):
   """What the config's typed fields cannot hold, the layout refuses when it
   is built in code."""
@@ -355,7 +357,7 @@ def test_tensor_parallel_axes_split_the_heads_and_keep_the_factors_whole():
   the query heads (tensor), the token factors and ranks stay whole."""
   tpa = tensor_product.TPA(head_bias=True)
   names = set(_options(head_bias=True).param_shapes(D)) | set(
-      _options(q_rank=None).param_shapes(D))
+      _options(q_rank=0).param_shapes(D))
   assert names <= set(tpa.logical_axes)
   for name in names:
     axes = tpa.logical_axes[name]
@@ -385,7 +387,7 @@ def test_an_mha_or_gqa_model_converts_exactly(model):
   mc, params = _source(**model)
   converted, new_mc = to_tpa.convert_params(params, mc)
   K = mc.num_kv_heads
-  assert new_mc.layout == tensor_product.TPA(q_rank=None, k_rank=K,
+  assert new_mc.layout == tensor_product.TPA(q_rank=0, k_rank=K,
                                              v_rank=K, head_bias=True)
   assert jax.tree.map(np.shape, converted) == jax.tree.map(
       np.shape, model_lib.parameter_shapes(new_mc))
@@ -500,7 +502,7 @@ def test_a_trained_gqa_model_converts_exactly_uptrains_and_refuses_export(
                              info['source_eval_loss'], rtol=1e-5)
   uptrain = config_lib.load(str(target))
   assert uptrain.model.attention == 'tpa' and uptrain.model.num_kv_heads == N
-  assert uptrain.model.tpa.to_dict() == dict(q_rank=None, k_rank=2, v_rank=2,
+  assert uptrain.model.tpa.to_dict() == dict(q_rank=0, k_rank=2, v_rank=2,
                                              head_bias=True)
   uptrain.train.update(steps=4, eval_every=4, checkpoint_every=4,
                        warmup_steps=1)

@@ -19,7 +19,7 @@ heads to K as its --method says (`train.convert.workdirs.convert_params`;
                        token yet
   *_head_factors_bias  K·one-hot [K, N] (tpa.head_bias=True): the constant
                        head factors
-  query, out           copied: per-head queries (tpa.q_rank=None, the
+  query, out           copied: per-head queries (tpa.q_rank=0, the
                        paper's TPA-KV-only), the source's out
 
 The converted model computes the pooled one's logits (a test holds them to
@@ -62,7 +62,7 @@ def target_config(mc):
   config.json holds them) of the pooled MHA/GQA model `mc`: ranks K, per-head
   queries, head-factor biases, num_kv_heads = num_heads."""
   K, N = mc.num_kv_heads, mc.num_heads
-  tpa = dict(q_rank=None, k_rank=K, v_rank=K, head_bias=True)
+  tpa = dict(q_rank=0, k_rank=K, v_rank=K, head_bias=True)
   return (dataclasses.replace(mc, num_kv_heads=N, layout=TPA(**tpa)),
           dict(num_kv_heads=N, attention='tpa', tpa=tpa))
 
