@@ -1,7 +1,8 @@
 """Decode throughput per variant against the roofline, and against PyTorch.
 
   python -m scripts.bench_decode [--config=gqa_small]
-      [--variants=K8,K2,K1,GTA2,GTA1,MLA48,GLA48g2 | --kv_heads=8,2,1]
+      [--variants=K8,K2,K1,GTA2,GTA1,MLA48,GLA48g2,TPA2,TPAKV2 |
+       --kv_heads=8,2,1]
       [--batches=1,16,256] [--contexts=256,2048] [--out=DIR]
       [--kv_cache_dtype=bfloat16|int8] [--equal_params]
       [--markdown=BENCHMARKS.md] [--llama_cpp]
@@ -14,8 +15,13 @@ at 1; --kv_heads=8,2,1 means K8,K2,K1), GTA<k> grouped-tied attention with k
 tied heads (model.attention='gta', `attention.tied`), MLA<a> multi-head
 latent attention with a latent of a (model.attention='mla',
 model.mla.kv_lora_rank, `attention.latent`), GLA<a>g<g> MLA's latent in g
-groups (model.mla.latent_groups); the RoPE key of GTA, MLA and GLA is the
-layout's default (head_dim / 2).
+groups (model.mla.latent_groups), TPA<r> tensor product attention with keys
+and values of rank r (model.attention='tpa', model.tpa.k_rank and v_rank,
+`attention.tensor_product`; queries at its default rank, T6's 6), TPAKV<r>
+the same with per-head queries (model.tpa.q_rank=0, the paper's
+TPA-KV-only); the RoPE key of GTA, MLA and GLA is the layout's default
+(head_dim / 2). On gqa_small TPA2 caches 2·2·(8 + 32) = 160 numbers a token
+and layer, between GQA-2's 128 and MHA's 512.
 On gqa_small (N=8, H=32) the default holds MHA, GQA-2, MQA, GTA at 2 and 1
 heads (80 and 48 numbers a token and layer), and MLA and GLA-2 at MQA's 64.
 Its grid is batches 1,16,256 and contexts 256,2048, trimmed from the K-only
@@ -156,8 +162,9 @@ def main():
 
 MODEL_SECTION = 'Decoding with the whole model: against the roofline'
 GRAMMAR = ('K<k> (GQA, k K/V heads), GTA<k> (grouped-tied, k heads), MLA<a> '
-           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), '
-           'comma-separated')
+           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), TPA<r> '
+           '(tensor product, K/V of rank r), TPAKV<r> (the same, per-head '
+           'queries), comma-separated')
 DEFAULT_VARIANTS = ('K8', 'K2', 'K1', 'GTA2', 'GTA1', 'MLA48', 'GLA48g2')
 
 
@@ -180,6 +187,11 @@ class Variant:
       r'GLA(\d+)g(\d+)': lambda a, g: dict(
           num_kv_heads=None, attention='mla',
           settings=(('kv_lora_rank', a), ('latent_groups', g))),
+      r'TPA(\d+)': lambda r: dict(num_kv_heads=None, attention='tpa',
+                                  settings=(('k_rank', r), ('v_rank', r))),
+      r'TPAKV(\d+)': lambda r: dict(
+          num_kv_heads=None, attention='tpa',
+          settings=(('q_rank', 0), ('k_rank', r), ('v_rank', r))),
   }
 
   @classmethod
@@ -228,8 +240,10 @@ def model_markdown(results, args) -> str:
       'weights and the KV cache read once per step at that bandwidth, and '
       "the step's FLOPs at the peak; the roofline is the lower of the two, "
       'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
-      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups; '
-      'K is model.num_kv_heads (MLA\'s: the query heads). KV bytes per '
+      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups, '
+      'TPA<r> tensor product attention with K/V of rank r (TPAKV<r>: '
+      'per-head queries); K is model.num_kv_heads (MLA\'s and TPA\'s: the '
+      'query heads). KV bytes per '
       'token: all layers\' (`lm.model.kv_bytes_per_token`); attention '
       "FLOPs per KV byte: a decode step's scores and mix over the cache "
       'bytes they read (`lm.flops.attention_decode_intensity`).' + (

@@ -1,7 +1,8 @@
 """Serving throughput against K at one KV-memory budget: continuous batching
 over the paged cache, with one-request-at-a-time `train.sample` beside it.
 
-  python -m scripts.bench_serve [--config=gqa_small] [--kv_heads=8,2,1]
+  python -m scripts.bench_serve [--config=gqa_small]
+      [--kv_heads=8,2,1 | --variants=K2,TPA2 --no_hf]
       [--kv_memory=4MiB] [--slots=32] [--requests=32] [--page_size=16]
       [--prompt_len=8,96] [--output_len=8,64] [--length_step=1] [--seed=0]
       [--repeats=3] [--no_hf] [--llama_cpp] [--out=DIR]
@@ -11,7 +12,11 @@ batch); prompt and output lengths drawn uniformly from LOW, LOW + step, ...
 up to HIGH of the inclusive ranges --prompt_len and --output_len (step
 --length_step: a coarser step means fewer shapes for the one-at-a-time peer
 to compile) with numpy's generator seeded by --seed; the prompt tokens
-uniform over the vocabulary. Each K gets a random model
+uniform over the vocabulary. --variants names layouts in
+`scripts.bench_decode`'s grammar (K<k>, GTA<k>, MLA<a>, GLA<a>g<g>, TPA<r>,
+TPAKV<r>) in place of --kv_heads' K<k>; the transformers peer computes
+grouped-query attention only, so other layouts need --no_hf. Each K (or
+variant) gets a random model
 (speed does not depend on the weights) and the same trace, served by
 `serve.engine.Engine` in --slots slots over --kv_memory bytes of pages: with
 fewer K/V heads a page holds more tokens' worth of memory, so more sequences
@@ -82,7 +87,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scripts import llama_cpp_peer
+from scripts import bench_decode, llama_cpp_peer
 from serve import engine as engine_lib, pages, runner
 from train import loop
 from lm import checkpoint
@@ -99,7 +104,11 @@ from lm.model import Transformer
 def main():
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
+  parser.add_argument('--kv_heads', type=int_list, default=None,
+                      help='K of each grouped-query model (default 8,2,1)')
+  parser.add_argument('--variants', type=bench_decode.variant_list,
+                      help='layouts in place of --kv_heads: '
+                      f'{bench_decode.GRAMMAR}')
   parser.add_argument('--kv_memory', default='4MiB')
   parser.add_argument('--slots', type=positive_int, default=32)
   parser.add_argument('--requests', type=positive_int, default=32)
@@ -127,6 +136,7 @@ def main():
     hf_worker(args)
     return
   check_output_dir(args.out)
+  variants = _variants(args)
   kv_memory = pages.parse_bytes(args.kv_memory)
   config = config_lib.load(args.config)
   if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
@@ -134,22 +144,25 @@ def main():
     config.model.mlp_activation = 'silu'
   trace = make_trace(args, config.model.vocab_size, config.model.max_len)
   longest = max(len(prompt) + new for prompt, new in trace)
-  for K in args.kv_heads:  # Every bad setting refused before any run.
-    config.model.num_kv_heads = K
-    config_lib.validate(config, batch_shards=1)
+  for v in variants:  # Every bad setting refused before any run.
+    v.apply_to(config.model)
+    try:
+      config_lib.validate(config, batch_shards=1)
+    except UserError as e:
+      raise UserError(f'--variants={v.name}: {e}') from None
     mc = config_lib.model_config(config)
     usable = engine_lib.pool_pages(mc, kv_memory, args.page_size) - 1
     need = pages.pages_for(longest, args.page_size)
     if need > usable:
       raise UserError(
-          f'K={K}: the trace\'s longest request ({longest} tokens) needs '
-          f'{need} pages of {args.page_size} tokens, and --kv_memory='
+          f'{_label(v)}: the trace\'s longest request ({longest} tokens) '
+          f'needs {need} pages of {args.page_size} tokens, and --kv_memory='
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
           f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
   rows = []
-  for K in args.kv_heads:
-    config.model.num_kv_heads = K
+  for v in variants:
+    v.apply_to(config.model)
     mc = config_lib.model_config(config)
     params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
     with contextlib.ExitStack() as stack:
@@ -165,8 +178,8 @@ def main():
       # Taking turns: each repeat runs the engine, then each peer.
       runs = [functools.reduce(operator.or_, (run() for run in contestants))
               for _ in range(args.repeats)]
-    row = summarize(runs)
-    print(f'K={K}: {row["tokens_per_sec"]:,.1f} tokens/s, '
+    row = {'variant': v.name, **summarize(runs)}
+    print(f'{_label(v)}: {row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
           f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s, engine over it '
@@ -190,12 +203,34 @@ def main():
                          'output_len': args.output_len,
                          'length_step': args.length_step, 'seed': args.seed},
                'machine': machine()}
-    out = pathlib.Path(args.out)  # After each K: a late failure loses none.
+    out = pathlib.Path(args.out)  # After each variant: a late failure loses
+    # none.
     out.mkdir(parents=True, exist_ok=True)
     (out / 'serve.json').write_text(json.dumps(results, indent=1))
   (out / 'report.md').write_text(report(results, args))
   plot(rows, out / 'serve.png')
   print(f'wrote {out}/serve.json, report.md and serve.png')
+
+
+def _variants(args) -> list:
+  """The layouts to serve: --variants, or --kv_heads' K<k> (8,2,1 by
+  default); UserError for both, or for a layout transformers cannot compute
+  without --no_hf."""
+  if args.variants and args.kv_heads:
+    raise UserError('give --kv_heads or --variants, not both (K<k> in '
+                    '--variants is --kv_heads\' k)')
+  variants = args.variants or [bench_decode.Variant.parse(f'K{k}')
+                               for k in args.kv_heads or (8, 2, 1)]
+  others = [v.name for v in variants if not v.is_gqa]
+  if others and not args.no_hf:
+    raise UserError(f'--variants={",".join(others)}: the transformers peer '
+                    'computes grouped-query attention only; add --no_hf')
+  return variants
+
+
+def _label(v) -> str:
+  """'K=2' for grouped-query attention's K<k>, else the variant's name."""
+  return f'K={v.num_kv_heads}' if v.is_gqa else v.name
 
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:
@@ -528,20 +563,20 @@ def report(results, args) -> str:
       'tokens/s (tokens per CPU-second); the median over requests of the '
       'time to first token (its wait in the queue included) and of the '
       'time per later token.', '',
-      '| K | page bytes | usable pages | high-water (pages) | mean in '
-      'flight | tokens/s (per CPU-s) | median TTFT | median per-token | '
-      'one at a time tokens/s (per CPU-s) | vs one at a time | static '
-      'batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
+      '| variant | K | page bytes | usable pages | high-water (pages) | '
+      'mean in flight | tokens/s (per CPU-s) | median TTFT | median '
+      'per-token | one at a time tokens/s (per CPU-s) | vs one at a time | '
+      'static batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
           ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
           'vs transformers |' if hf else '') + (
           ' llama.cpp tokens/s (per CPU-s) | its mean in flight, TTFT, '
           'per-token | vs llama.cpp |' if llama else ''),
-      '|---|---|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
-                                                    else '')
+      '|---' * 13 + '|' + ('---|---|---|' if hf else '')
       + ('---|---|---|' if llama else '')]
   for r in results['rows']:
     line = (
-        f'| {r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
+        f'| {r.get("variant", "K" + str(r["num_kv_heads"]))} | '
+        f'{r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
         f'| {r["high_water_pages"]} | {r["mean_in_flight"]:.1f} | '
         f'{r["tokens_per_sec"]:,.0f} ({r.get("tokens_per_cpu_sec", 0):,.0f})'
         f' | {r["time_to_first_token_s"]:.2f} s | '
@@ -586,8 +621,8 @@ def plot(rows, path):
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-  labels = [f'K={r["num_kv_heads"]}\n{r["mean_in_flight"]:.1f} in flight'
-            for r in rows]
+  labels = [f'{r.get("variant", "K" + str(r["num_kv_heads"]))}\n'
+            f'{r["mean_in_flight"]:.1f} in flight' for r in rows]
   x = np.arange(len(rows))
   bars = [('', 'continuous batching'), ('alone_', 'one at a time '
                                         '(train.sample)')]
