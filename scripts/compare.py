@@ -174,7 +174,8 @@ def main():
       list(everything.items()),
       lambda c: {'control': f'control (K={control_K}, no context)',
                  'aa': f'A/A (K={control_K}, K/V initialisation redrawn)'}.get(
-                     c[0][0], f'num_kv_heads={c[0][0]}') + f' seed={c[0][1]}'):
+                     c[0][0], f'num_kv_heads={c[0][0]}') + f' seed={c[0][1]}',
+      reused=lambda c: study.finished(out / f'{_name(c[0][0])}_s{c[0][1]}')):
     workdir = out / f'{_name(K)}_s{seed}'
     if K == 'aa':
       aa_start(workdir, config, seed)

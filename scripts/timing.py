@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm import sampling
-from lm import inference
 from train import loop
+from lm import inference
+from lm import sampling
 from lm.model import Transformer, unroll_layers
 
 
@@ -22,28 +22,35 @@ def median_time(fn, repeats: int) -> float:
   return median_times({'fn': fn}, repeats)['fn']
 
 
-def median_times(fns: dict, repeats: int) -> dict:
+def median_times(fns: dict, repeats: int, self_timed: dict | None = None
+                 ) -> dict:
   """{name: median seconds}, the fns timed in turn, round after round
   (`all_times`)."""
   return {name: float(np.median(t))
-          for name, t in all_times(fns, repeats).items()}
+          for name, t in all_times(fns, repeats, self_timed).items()}
 
 
-def all_times(fns: dict, repeats: int) -> dict:
+def all_times(fns: dict, repeats: int, self_timed: dict | None = None
+              ) -> dict:
   """{name: [seconds of each round]}, the fns timed in turn, round after
   round.
 
   Interleaving puts every contestant under the same drift of the machine's
   load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
+  self_timed: {name: fn} taking turns with them, each returning its own
+  seconds (a peer in another process, which times itself there).
   """
-  for fn in fns.values():
+  self_timed = self_timed or {}
+  for fn in (*fns.values(), *self_timed.values()):
     jax.block_until_ready(fn())  # Compile and warm up.
-  times = {name: [] for name in fns}
+  times = {name: [] for name in (*fns, *self_timed)}
   for _ in range(repeats):
     for name, fn in fns.items():
       start = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - start)
+    for name, fn in self_timed.items():
+      times[name].append(fn())
   return times
 
 
@@ -68,12 +75,13 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
 
 
 def decode_steps(mc, batch: int, context: int, steps: int = 8):
-  """A callable decoding `steps` greedy tokens of each of `batch` sequences
-  against a KV cache filled to `context`: `lm.inference.decode`, the loop
-  that train.sample runs, so the cache is updated in place rather than
-  copied: it is donated to each call and handed to the next, its positions
-  set back to `context` (an undonated input would be copied whole into the
-  loop first, on every call). Compiled on its first call.
+  """A function decoding `steps` greedy tokens for `batch` sequences whose
+  cache is filled to `context`, each call from the same place.
+
+  It runs `lm.inference.decode`, the loop that train.sample runs, so the
+  cache is updated in place rather than copied: it is donated to each call
+  and handed to the next, its positions set back to `context` (an undonated
+  input would be copied whole into the loop first, on every call).
   """
   mc = dataclasses.replace(mc, max_len=context + steps)
   model, params = unroll_layers(
@@ -87,8 +95,8 @@ def decode_steps(mc, batch: int, context: int, steps: int = 8):
   greedy = sampling.rows([sampling.SamplingParams()] * batch)
 
   def run(cache, token_B):
-    sampled, cache = inference.decode(model, params, cache, token_B, greedy,
-                                      context, steps)
+    sampled, cache = inference.decode(model, params, cache, token_B, greedy, 0,
+                                   steps)
     return sampled, refill(cache)
 
   run = jax.jit(run, donate_argnums=0,

@@ -96,7 +96,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import shutil
 
 import numpy as np
 
@@ -158,12 +157,13 @@ def _reached(step, params, record) -> bool:
   return record['eval_accuracy'] >= RECALL_TARGET
 
 
-def _trained(config, workdir: pathlib.Path, stop: bool = False
-             ) -> list[dict]:
-  """Trains (or reuses) `config` in WORKDIR; its evaluations. stop: end
-  at the recall target (`_reached`)."""
+def _trained(config, workdir: pathlib.Path, stop: bool = False,
+             start: pathlib.Path | None = None) -> list[dict]:
+  """Trains (or reuses) `config` in WORKDIR, from the conversion START if
+  given (`study.train`); its evaluations. stop: end at the recall target
+  (`_reached`)."""
   study.train(config, workdir, workdir / 'log.txt',
-              on_eval=_reached if stop else None)
+              on_eval=_reached if stop else None, start=start)
   return [{'step': r['step'], 'loss': r['eval_loss'],
            'accuracy': r['eval_accuracy']}
           for r in read_metrics(workdir) if 'eval_loss' in r]
@@ -181,18 +181,30 @@ def train_source(workdir: pathlib.Path, config) -> dict:
 def convert_one(out: pathlib.Path, source: pathlib.Path, arm: Arm,
                 seed: int) -> pathlib.Path:
   """ARM's converted workdir (random's depends on the seed)."""
-  key = arm.name + (f'_s{seed}' if arm.method == 'random' else '')
-  workdir = out / 'converted' / key
-  if not (workdir / 'config.json').exists():
-    shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
-    workdir.parent.mkdir(parents=True, exist_ok=True)
+  seeded = arm.method == 'random'  # The others do not draw.
+  key = arm.name + (f'_s{seed}' if seeded else '')
+  method = 'mean' if arm.method == 'identity' else arm.method
+  return _convert_once(out, key, source, dict(
+      conversion='convert_workdir', num_kv_heads=arm.K, method=method,
+      seed=seed if seeded else None, optimizer=arm.start),
+      lambda workdir: convert.convert_workdir(
+          str(source), str(workdir), arm.K, method, seed=seed,
+          optimizer=arm.start))
+
+
+def _convert_once(out: pathlib.Path, name: str, source: pathlib.Path,
+                  settings: dict, convert_to) -> pathlib.Path:
+  """OUT/converted/NAME, SOURCE converted by convert_to(workdir) (its lines
+  in OUT/converted/log.txt), made once for these settings and the
+  source's parameters (`study.made_once`: reused while they are the same,
+  refused when they are not)."""
+  workdir = out / 'converted' / name
+  def make():
     with (out / 'converted' / 'log.txt').open('a') as f, (
         contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
-      convert.convert_workdir(
-          str(source), str(workdir), arm.K,
-          'mean' if arm.method == 'identity' else arm.method, seed=seed,
-          optimizer=arm.start)
-  return workdir
+      convert_to(workdir)
+  return study.made_once(workdir, {'source': study.fingerprint(source),
+                                   **settings}, make)
 
 
 def uptrain_config(converted: pathlib.Path, source, steps: int, rate: float,
@@ -221,9 +233,7 @@ def uptrain(out: pathlib.Path, name: str, converted: pathlib.Path, source,
   if converted not in _AT0:  # Deterministic: once per conversion.
     _AT0[converted] = evaluator.evaluate_workdir(str(converted))
   at0 = _AT0[converted]
-  if not workdir.exists():
-    shutil.copytree(converted, workdir)
-  curve = _trained(config, workdir, stop)
+  curve = _trained(config, workdir, stop, start=converted)
   return [{'step': 0, 'loss': at0['eval_loss'],
            'accuracy': at0['eval_accuracy']}, *curve]
 
@@ -281,7 +291,8 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   runs = []
   for arm, seed in progress.runs(
       plan, lambda p: f'{p[0].method} -> K={p[0].K}, {p[0].start} Adam, '
-      f'seed {p[1]}'):
+      f'seed {p[1]}', reused=lambda p: study.finished(
+          out / 'runs' / p[0].name / f's{p[1]}')):
     curve = uptrain(out, f'runs/{arm.name}/s{seed}',
                     convert_one(out, source_dir, arm, seed), config, top,
                     chosen['rate'], seed, unit)
@@ -291,7 +302,8 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   scratches = []
   for K, seed in progress.runs(
       [(K, s) for K in [N, *kv_heads] for s in seeds],
-      lambda p: f'K={p[0]} from scratch, seed {p[1]}'):
+      lambda p: f'K={p[0]} from scratch, seed {p[1]}',
+      reused=lambda p: study.finished(out / 'scratch' / f'K{p[0]}_s{p[1]}')):
     scratches.append({'K': K, 'seed': seed, 'curve': scratch(
         out, config, K, seed, S + top)})
   return {'source': source, 'pilot': chosen, 'runs': runs,
@@ -322,7 +334,9 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   runs = []
   every = max(1, budget // 20)
   for arm, seed in progress.runs(
-      plan, lambda p: f'recall: {p[0].method} -> K={p[0].K}, seed {p[1]}'):
+      plan, lambda p: f'recall: {p[0].method} -> K={p[0].K}, seed {p[1]}',
+      reused=lambda p: study.finished(
+          out / 'recall' / 'runs' / p[0].name / f's{p[1]}')):
     curve = uptrain(out / 'recall', f'runs/{arm.name}/s{seed}',
                     convert_one(out / 'recall', source_dir, arm, seed),
                     config, budget, config.train.learning_rate, seed, every,
@@ -332,9 +346,11 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   mla = mla_arm(out / 'recall', source_dir, config, kv_heads, seeds,
                 config.train.learning_rate, budget, every, stop=True)
   scratches = []
-  for K, seed in progress.runs([(K, s) for K in kv_heads for s in seeds],
-                               lambda p: f'recall: K={p[0]} from scratch, '
-                               f'seed {p[1]}'):
+  for K, seed in progress.runs(
+      [(K, s) for K in kv_heads for s in seeds],
+      lambda p: f'recall: K={p[0]} from scratch, seed {p[1]}',
+      reused=lambda p: study.finished(
+          out / 'recall' / 'scratch' / f'K{p[0]}_s{p[1]}')):
     curve = scratch(out / 'recall', config, K, seed, S, stop=True)
     scratches.append({'K': K, 'seed': seed, 'curve': curve,
                       'steps_to_target': steps_to(curve)})
@@ -373,11 +389,9 @@ def score_lm(out: pathlib.Path, config, lm: dict, what) -> dict:
                                                         arm.start, seed))
     replay = where / 'replay' / name
     converted = convert_one(out, out / 'source', arm, seed)
-    if not replay.exists():
-      shutil.copytree(converted, replay)
     study.train(uptrain_config(converted, config, top, lm['pilot']['rate'],
                                seed, unit), replay, replay / 'log.txt',
-                on_eval=lambda step, *_: step >= at)
+                on_eval=lambda step, *_: step >= at, start=converted)
     replayed = json.loads((replay / 'final.json').read_text())
     for step, workdir in ((at, replay), (top, out / 'runs' / name)):
       scored['runs'].append({
@@ -431,15 +445,14 @@ def convert_mla(out: pathlib.Path, source: pathlib.Path, plan: dict
   """PLAN's MLA conversion of SOURCE (deterministic: one for every seed)
   and its convert.json record (the energy kept per layer); plan['method']
   names its workdir (default MLA)."""
-  workdir = out / 'converted' / Arm(plan.get('method', MLA), plan['K']).name
-  if not (workdir / 'config.json').exists():
-    shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
-    workdir.parent.mkdir(parents=True, exist_ok=True)
-    with (out / 'converted' / 'log.txt').open('a') as f, (
-        contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
-      convert.convert_to_mla(str(source), str(workdir), plan['kv_lora_rank'],
-                             plan['qk_rope_head_dim'],
-                             plan.get('latent_groups', 1))
+  groups = plan.get('latent_groups', 1)
+  workdir = _convert_once(
+      out, Arm(plan.get('method', MLA), plan['K']).name, source, dict(
+          conversion='convert_to_mla', kv_lora_rank=plan['kv_lora_rank'],
+          qk_rope_head_dim=plan['qk_rope_head_dim'], latent_groups=groups),
+      lambda workdir: convert.convert_to_mla(
+          str(source), str(workdir), plan['kv_lora_rank'],
+          plan['qk_rope_head_dim'], groups))
   return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
 
 
@@ -448,14 +461,14 @@ def convert_gta(out: pathlib.Path, source: pathlib.Path, plan: dict
   """PLAN's GTA conversion of SOURCE (`gta_plan`: K/V heads mean-pooled
   to its K, then tied; deterministic, one for every seed) and its
   convert.json record."""
-  workdir = out / 'converted' / Arm(plan['method'], plan['K']).name
-  if not (workdir / 'config.json').exists():
-    shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
-    workdir.parent.mkdir(parents=True, exist_ok=True)
-    with (out / 'converted' / 'log.txt').open('a') as f, (
-        contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
-      convert.convert_to_gta(str(source), str(workdir), plan['K'],
-                             plan['qk_rope_head_dim'], plan['pooling'])
+  workdir = _convert_once(
+      out, Arm(plan['method'], plan['K']).name, source, dict(
+          conversion='convert_to_gta', num_kv_heads=plan['K'],
+          qk_rope_head_dim=plan['qk_rope_head_dim'],
+          pooling=plan['pooling']),
+      lambda workdir: convert.convert_to_gta(
+          str(source), str(workdir), plan['K'], plan['qk_rope_head_dim'],
+          plan['pooling']))
   return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
 
 
@@ -476,7 +489,9 @@ def mla_arm(out: pathlib.Path, source_dir: pathlib.Path, config, kv_heads,
                             info['kv_bytes_per_token']})
     for seed in progress.runs(seeds, lambda s: (
         f'MHA -> MLA at K={K}\'s bytes (kv_lora_rank {plan["kv_lora_rank"]}, '
-        f'RoPE dims {plan["qk_rope_head_dim"]}), seed {s}')):
+        f'RoPE dims {plan["qk_rope_head_dim"]}), seed {s}'),
+                              reused=lambda s: study.finished(
+                                  out / 'runs' / Arm(MLA, K).name / f's{s}')):
       curve = uptrain(out, f'runs/{Arm(MLA, K).name}/s{seed}', converted,
                       config, steps, rate, seed, every, stop)
       runs.append({'method': MLA, 'K': K, 'start': 'fresh', 'seed': seed,
@@ -593,7 +608,8 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
   for arm, seed in progress.runs(
       [(a, s) for a in replicated_arms(N, kv_heads) for s in seeds],
       lambda p: f'S={S} seed {config.seed}: {p[0].method} -> K={p[0].K}, '
-      f'uptraining seed {p[1]}'):
+      f'uptraining seed {p[1]}', reused=lambda p: study.finished(
+          out / 'runs' / p[0].name / f's{p[1]}')):
     curve = uptrain(out, f'runs/{arm.name}/s{seed}',
                     convert_one(out, source_dir, arm, seed), config,
                     read['top'], rate, seed, read['every'])
@@ -613,7 +629,9 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
   for arm, at, seed in progress.runs(
       [(a, w, s) for a, w, _ in latent for s in seeds],
       lambda p: f'S={S} seed {config.seed}: {p[0]["method"]} at '
-      f'{p[0]["kv_bytes_per_token"]:g} bytes/token, uptraining seed {p[2]}'):
+      f'{p[0]["kv_bytes_per_token"]:g} bytes/token, uptraining seed {p[2]}',
+      reused=lambda p: study.finished(
+          out / 'runs' / Arm(p[0]['method'], p[0]['K']).name / f's{p[2]}')):
     curve = uptrain(out, f'runs/{Arm(arm["method"], arm["K"]).name}/s{seed}',
                     at, config, read['top'], rate, seed, read['every'])
     runs.append({'method': arm['method'], 'K': arm['K'], 'start': 'fresh',
@@ -627,7 +645,8 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
   scratches = [{'K': K, 'seed': config.seed, 'curve': scratch(
       out, config, K, config.seed, S)} for K in progress.runs(
           scratch_kv_heads, lambda K: f'S={S} seed {config.seed}: K={K} from '
-          f'scratch, {S} steps')]
+          f'scratch, {S} steps', reused=lambda K: study.finished(
+              out / 'scratch' / f'K{K}_s{config.seed}'))]
   return {'steps': S, 'seed': config.seed, 'source': source, 'runs': runs,
           'scratch': scratches,
           'reads': read, 'rate': rate,
