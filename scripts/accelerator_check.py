@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import core, dot_product_attention
-from scripts import timing
+from studies import timing
 from lm import config_lib, flops
 from train import loop
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,

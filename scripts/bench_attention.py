@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import dot_product_attention
-from scripts import timing
-from scripts.timing import median_times, read_bandwidth, read_test
+from studies import timing
+from studies.timing import median_times, read_bandwidth, read_test
 from infra.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
 
 

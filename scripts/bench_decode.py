@@ -71,7 +71,7 @@ import numpy as np
 
 from attention import cpu_kernel, layer
 from attention import layout as layout_lib
-from scripts import stats, timing
+from studies import stats, timing
 from infra import provenance
 from lm import config_lib, flops
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,

@@ -46,7 +46,7 @@ import time
 import jax
 import numpy as np
 
-from scripts import timing
+from studies import timing
 from lm import config_lib, flops, sharding
 from train import loop
 from train import metrics as metrics_lib

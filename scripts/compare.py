@@ -60,7 +60,7 @@ import pathlib
 
 import numpy as np
 
-from scripts import stats, study, task_scores, timing
+from studies import stats, study, task_scores, timing
 import jax
 from flax import linen as nn
 

@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scripts import stats, study
+from studies import stats, study
 from infra import provenance, storage
 from lm import checkpoint, config_lib, evaluator
 from lm import data as data_lib

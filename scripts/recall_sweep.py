@@ -41,7 +41,7 @@ import time
 import jax
 import numpy as np
 
-from scripts import stats, study
+from studies import stats, study
 from infra import progress, provenance
 from lm import config_lib, data
 from lm import model as model_lib

@@ -41,7 +41,8 @@ import pathlib
 
 import numpy as np
 
-from scripts import stats, uptrain_report
+from scripts import uptrain_report
+from studies import stats
 from infra import provenance
 
 MLA_BELOW = 'mla_half'  # scripts.uptrain_study's method for that arm.

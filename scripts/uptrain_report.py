@@ -34,7 +34,7 @@ import pathlib
 
 import numpy as np
 
-from scripts import stats, task_scores
+from studies import stats, task_scores
 from infra import provenance
 
 UP_METHODS = ('identity', 'mean', 'first', 'random')

@@ -100,7 +100,8 @@ import shutil
 
 import numpy as np
 
-from scripts import stats, study, task_scores, uptrain_replication
+from scripts import uptrain_replication
+from studies import stats, study, task_scores
 from scripts import uptrain_report
 from infra import progress, provenance
 from lm import config_lib, evaluator

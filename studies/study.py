@@ -164,7 +164,7 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
   log.parent.mkdir(parents=True, exist_ok=True)
   # Where this run was trained (the commit as it starts, not as it ends):
   # a study that reuses it later says so.
-  trained = provenance.record('scripts.study', workdir)
+  trained = provenance.record('studies.study', workdir)
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):
     record = loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)
@@ -208,7 +208,7 @@ def record_rebuild(prov: dict, module: str, out) -> dict:
   """PROV (a results file's provenance, as saved) with this rebuild beside
   it, never in its place: 'rebuilt' (the command, commit and machine of
   this --report_only), and the statistics convention the rebuild applies."""
-  from scripts import stats  # pylint: disable=import-outside-toplevel
+  from studies import stats  # pylint: disable=import-outside-toplevel
   now = provenance.record(module, out)
   prov.update(statistics=stats.CONVENTION, rebuilt={
       k: now[k] for k in ('command', 'commit', 'machine')})

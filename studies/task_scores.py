@@ -14,7 +14,7 @@ task's metrics, the settings and the run's final.json. A rerun reuses a
 scored.json of the same settings and the same finished run; anything else
 (other tasks, the run trained again) is scored again. `lines(arms,
 reference)` and `comparisons(arms, reference)`: the report's tables and
-results.json's paired differences (scripts/stats.py).
+results.json's paired differences (studies/stats.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import logging
 import math
 import pathlib
 
-from scripts import stats
+from studies import stats
 from infra.cli import positive_int
 from infra.errors import UserError
 

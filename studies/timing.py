@@ -1,5 +1,6 @@
-"""How the scripts time things: medians taken in turns, the machine's read
-bandwidth, and a model's decode step as `train.sample` runs it."""
+"""How the benchmarks and studies time things: medians taken in turns, the
+machine's read bandwidth, and a model's decode step as `train.sample` runs
+it."""
 
 from __future__ import annotations
 

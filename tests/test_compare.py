@@ -14,7 +14,8 @@ import types
 import numpy as np
 import pytest
 
-from scripts import compare, stats, study
+from scripts import compare
+from studies import stats, study
 from infra.errors import UserError
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / 'docs' / 'results'
@@ -374,7 +375,7 @@ def test_an_aa_run_without_the_redraw_is_the_reference_run(tmp_path,
   """The A/A path (a step-0 workdir, then train.main) trains what the
   reference trains from init: with the redraw's seed equal to the run's,
   the same held-out loss to the bit; so an A/A difference is the redraw's."""
-  from scripts import study  # pylint: disable=import-outside-toplevel
+  from studies import study  # pylint: disable=import-outside-toplevel
   config = compare.variant_config('tiny', 4, 1, 10, False)
   reference = study.train(config, tmp_path / 'K4_s1', tmp_path / 'log.txt')
   monkeypatch.setattr(compare, 'AA_REDRAW', 0)

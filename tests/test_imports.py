@@ -6,11 +6,13 @@ settings are config sections). Floor 1: lm/, the model and running it,
 imports those. Floor 2: train/ (the loop, its commands
 and the conversions), serve/ and evaluation/ import the floors below and not
 each other: serving and evaluation never import the training loop. Floor 3:
-scripts/ imports anything. A command lives in its room, and a piece two rooms
-need moves down. Every import counts, at module level or inside a function (a
-deferred import is still an arrow), and no chain of them comes back to where
-it started.
-"""
+studies/, the study machinery (statistics, runs, timing, task scores,
+reports, each study's design and reading), imports the floors below. Floor
+4: scripts/, the entry points, imports anything but another script: a piece
+two commands share lives in a room below. A command lives in its room, and
+a piece two rooms need moves down. Every import counts, at module level or
+inside a function (a deferred import is still an arrow), and no chain of
+them comes back to where it started."""
 
 import ast
 import pathlib
@@ -24,8 +26,10 @@ ALLOWED = {  # Room -> the other rooms it may import.
     'train': {'attention', 'configs', 'infra', 'lm'},
     'serve': {'attention', 'configs', 'infra', 'lm'},
     'evaluation': {'attention', 'configs', 'infra', 'lm'},
-    'scripts': {'attention', 'configs', 'infra', 'lm', 'train', 'serve',
+    'studies': {'attention', 'configs', 'infra', 'lm', 'train', 'serve',
                 'evaluation'},
+    'scripts': {'attention', 'configs', 'infra', 'lm', 'train', 'serve',
+                'evaluation', 'studies'},
 }
 
 
@@ -148,14 +152,14 @@ def test_the_walker_sees_deferred_and_relative_imports():
             '  from ..train.convert.hf import HF\n')
   known = {'attention', 'attention.layer', 'lm', 'lm.model', 'lm.evaluator',
            'train', 'train.convert', 'train.convert.hf', 'serve',
-           'serve.engine', 'scripts', 'scripts.stats'}
-  assert imported(source, 'scripts.x', False, known) == {
+           'serve.engine', 'studies', 'studies.stats'}
+  assert imported(source, 'studies.x', False, known) == {
       'attention.layer', 'lm.model', 'lm.evaluator', 'attention',
-      'serve.engine', 'scripts.stats', 'train.convert.hf'}
+      'serve.engine', 'studies.stats', 'train.convert.hf'}
   # And the real graph: a module-level arrow, and one inside a function.
   graph = import_graph()
   assert 'lm.checkpoint' in graph['scripts.compare']
-  assert 'evaluation.evaluate' in graph['scripts.task_scores']
+  assert 'evaluation.evaluate' in graph['studies.task_scores']
   assert 'lm.evaluator' in graph['evaluation.evaluate']
 
 

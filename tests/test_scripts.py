@@ -330,7 +330,7 @@ def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
   commit and machine of the rebuild) is normalised, in both."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  from scripts import study  # pylint: disable=import-outside-toplevel
+  from studies import study  # pylint: disable=import-outside-toplevel
   published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
                'results' / 'recall' / 'sweep')
   shutil.copy(published / 'sweep.json', tmp_path / 'sweep.json')
@@ -566,7 +566,7 @@ def test_a_published_kv_frontier_report_rebuilds_identically(
   normalised, in both."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  from scripts import study  # pylint: disable=import-outside-toplevel
+  from studies import study  # pylint: disable=import-outside-toplevel
   published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
                'results' / folder)
   shutil.copy(published / 'frontier.json', tmp_path / 'frontier.json')

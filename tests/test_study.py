@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from configs import tiny
-from scripts import compare, study
+from scripts import compare
+from studies import study
 from lm import config_lib
 from infra.errors import UserError
 

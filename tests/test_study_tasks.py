@@ -13,7 +13,8 @@ import types
 import pytest
 
 from evaluation import evaluate as evaluate_lib
-from scripts import compare, stats, task_scores, timing
+from scripts import compare
+from studies import stats, task_scores, timing
 from infra.errors import UserError
 
 from tests.test_faults import REPO

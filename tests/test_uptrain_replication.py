@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from scripts import stats, uptrain_replication, uptrain_report, uptrain_study
+from scripts import uptrain_replication, uptrain_report, uptrain_study
+from studies import stats
 
 SOURCE = {400: 1.90, 1600: 1.66, 3200: 1.60}  # Loss of a source of S steps.
 GTA = {'K': 1, 'qk_rope_head_dim': 14, 'method': 'gta', 'pooling': 'mean',
@@ -278,7 +279,8 @@ def test_every_published_uptrain_report_is_what_its_json_makes():
   makes today (--report_only rebuilds it identically): no hand-written
   text, no stale reading."""
   import pathlib  # pylint: disable=import-outside-toplevel
-  from scripts import study, uptrain_report  # pylint: disable=import-outside-toplevel
+  from scripts import uptrain_report  # pylint: disable=import-outside-toplevel
+  from studies import study  # pylint: disable=import-outside-toplevel
   root = pathlib.Path(__file__).resolve().parent.parent / 'docs/results/uptrain'
   found = sorted(root.glob('**/results.json'))
   assert len(found) >= 2

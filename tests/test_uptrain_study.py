@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from scripts import stats, uptrain_report, uptrain_study
+from scripts import uptrain_report, uptrain_study
+from studies import stats
 from lm import config_lib
 
 SOURCE = 2.0
