@@ -11,7 +11,8 @@ import pytest
 
 from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
-                     recall_sweep, stats, timing)
+                     recall_sweep)
+from studies import stats, timing
 from infra import provenance
 from lm import config_lib
 from train import loop
