@@ -60,7 +60,7 @@ import pathlib
 
 import numpy as np
 
-from studies import stats, study, task_scores, timing
+from studies import report, stats, study, task_scores, timing
 import jax
 from flax import linen as nn
 
@@ -147,7 +147,7 @@ def main():
                       '--report_only; rerun without it (finished runs are '
                       'reused)')
     result = study.saved(out / 'results.json')
-    study.record_rebuild(result['provenance'], 'scripts.compare', out)
+    report.record_rebuild(result['provenance'], 'scripts.compare', out)
     write(out, result)
     print(f'wrote {out}/report.md (from {out}/results.json)')
     return
@@ -662,7 +662,7 @@ def text(result: dict) -> str:
   found = result['comparisons']
   lines = [
       '# Comparing MHA, GQA and MQA', '', made(prov), '',
-      *study.rebuilt_lines(prov, 'results.json'),
+      *report.rebuilt_lines(prov, 'results.json'),
       _settings_line(result), '',
       _reading(rows, found, result.get('control')), '',
       _data_line(s), '',

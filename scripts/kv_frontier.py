@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from studies import report as report_lib
 from studies import stats, study
 from infra import provenance, storage
 from lm import checkpoint, config_lib, evaluator
@@ -228,7 +229,7 @@ def main():
     # The per-seed values as measured; the statistics and the reading as
     # this commit makes them (the provenance says which did which).
     result = study.saved(out / 'frontier.json')
-    study.record_rebuild(result['provenance'], 'scripts.kv_frontier', out)
+    report_lib.record_rebuild(result['provenance'], 'scripts.kv_frontier', out)
     write(out, result)
     print(f'wrote {out}/report.md and frontier.png (from frontier.json)')
     return
@@ -652,7 +653,7 @@ def report(result: dict) -> str:
            + (f' Runs trained: {prov["trained"]}.' if prov.get('trained')
               else '')
            + (f' {prov["note"]}' if prov.get('note') else ''), '',
-           *study.rebuilt_lines(prov, 'frontier.json'),
+           *report_lib.rebuilt_lines(prov, 'frontier.json'),
            stats.CONVENTION, '',
            'Bytes: the decode cache per token of context at max_len '
            '(`model.kv_bytes_per_token`: every layer that owns a cache, local '

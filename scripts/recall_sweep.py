@@ -41,7 +41,7 @@ import time
 import jax
 import numpy as np
 
-from studies import stats, study
+from studies import report, stats, study
 from infra import progress, provenance
 from lm import config_lib, data
 from lm import model as model_lib
@@ -261,7 +261,7 @@ def _report_lines(cell, kvs, dims, meta) -> list[str]:
       f'{meta["minutes"]:.1f} minutes in all'
       + (f'; commit {meta["provenance"]["commit"]}' if 'provenance' in meta
          else '') + '.' + (f' {meta["note"]}' if meta.get('note') else ''),
-      '', *study.rebuilt_lines(meta, 'sweep.json'),
+      '', *report.rebuilt_lines(meta, 'sweep.json'),
       f'Statistics: {stats.CONVENTION}', '',
       _reading(cell, kvs, dims), '',
       'First-query accuracy (retrieval alone; chance 1/P = '
@@ -346,7 +346,7 @@ def main():
     # The runs as saved; the statistics and the reading as this commit
     # makes them, the rebuild recorded beside the run (meta).
     sweep = study.saved(out / 'sweep.json')
-    study.record_rebuild(sweep['meta'], 'scripts.recall_sweep', out)
+    report.record_rebuild(sweep['meta'], 'scripts.recall_sweep', out)
     (out / 'sweep.json').write_text(study.to_json(sweep))
     write_report(out, sweep['cells'], sweep['meta'])
     print(f'wrote {out}/report.md')

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from scripts import compare
-from studies import stats, study
+from studies import report, stats, study
 from infra.errors import UserError
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / 'docs' / 'results'
@@ -271,10 +271,10 @@ def test_report_only_rebuilds_from_results_json_alone(tmp_path, monkeypatch):
       'decode timed and results.json written by `python -m scripts.compare '
       f'--seeds=4 --out={tmp_path}` at commit ')
   assert lines[4].startswith(
-      f'{study.REBUILT} from results.json by `python -m scripts.compare '
+      f'{report.REBUILT} from results.json by `python -m scripts.compare '
       f'--out={tmp_path} --report_only` at commit ')
-  assert study.normalise_rebuilt(rebuilt).replace(
-      f'{study.REBUILT}\n\n', '') == trained
+  assert report.normalise_rebuilt(rebuilt).replace(
+      f'{report.REBUILT}\n\n', '') == trained
   saved = json.loads((tmp_path / 'results.json').read_text())
   assert saved['provenance']['command'] == (
       f'python -m scripts.compare --seeds=4 --out={tmp_path}')
@@ -318,15 +318,15 @@ def test_a_published_report_rebuilds_identically_from_its_json(
   """docs/results/{folder}/report.md is what `python -m scripts.compare
   --out=DIR --report_only` makes from the results.json beside it, byte for
   byte, rebuilt here into a fresh folder from a copy of that JSON alone.
-  Only the rebuild's own line (study.REBUILT: the command, commit and
+  Only the rebuild's own line (report.REBUILT: the command, commit and
   machine of the rebuild) is normalised, in both."""
   published = DOCS / folder
   shutil.copy(published / 'results.json', tmp_path / 'results.json')
   monkeypatch.setattr(sys, 'argv', ['compare', f'--out={tmp_path}',
                                     '--report_only'])
   compare.main()
-  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      study.normalise_rebuilt((published / 'report.md').read_text()))
+  assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      report.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def test_the_aa_control_measures_the_paired_sd_of_a_kv_redraw():

@@ -12,7 +12,7 @@ import pytest
 from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep)
-from studies import stats, timing
+from studies import report, stats, timing
 from infra import provenance
 from lm import config_lib
 from train import loop
@@ -327,19 +327,18 @@ def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
   """docs/results/recall/sweep/report.md is what `python -m
   scripts.recall_sweep --out=DIR --report_only` makes from the sweep.json
   beside it, byte for byte, rebuilt here into a fresh folder from a copy of
-  that JSON alone. Only the rebuild's own line (study.REBUILT: the command,
+  that JSON alone. Only the rebuild's own line (report.REBUILT: the command,
   commit and machine of the rebuild) is normalised, in both."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  from studies import study  # pylint: disable=import-outside-toplevel
   published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
                'results' / 'recall' / 'sweep')
   shutil.copy(published / 'sweep.json', tmp_path / 'sweep.json')
   monkeypatch.setattr(sys, 'argv', ['recall_sweep', f'--out={tmp_path}',
                                     '--report_only'])
   recall_sweep.main()
-  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      study.normalise_rebuilt((published / 'report.md').read_text()))
+  assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      report.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
@@ -563,19 +562,18 @@ def test_a_published_kv_frontier_report_rebuilds_identically(
   --out=DIR --report_only` makes from the frontier.json beside it, byte for
   byte, rebuilt here into a fresh folder from a copy of that JSON alone:
   the reading included (nothing hand-written). Only the rebuild's own line
-  (study.REBUILT: the command, commit and machine of the rebuild) is
+  (report.REBUILT: the command, commit and machine of the rebuild) is
   normalised, in both."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  from studies import study  # pylint: disable=import-outside-toplevel
   published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
                'results' / folder)
   shutil.copy(published / 'frontier.json', tmp_path / 'frontier.json')
   monkeypatch.setattr(sys, 'argv', ['kv_frontier', f'--out={tmp_path}',
                                     '--report_only'])
   kv_frontier.main()
-  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      study.normalise_rebuilt((published / 'report.md').read_text()))
+  assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      report.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def test_kv_frontier_mla_variant_costs_what_mqa_costs():

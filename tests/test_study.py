@@ -12,7 +12,7 @@ import pytest
 
 from configs import tiny
 from scripts import compare
-from studies import study
+from studies import report, study
 from lm import config_lib
 from infra.errors import UserError
 
@@ -210,8 +210,8 @@ def test_compare_report_only_rebuilds_what_results_json_holds(
   rebuilt = (out / 'report.md').read_text()
   assert ('Negative control (a model without context): left out '
           '(--no_control, or one seed)') in rebuilt
-  assert study.normalise_rebuilt(rebuilt).replace(
-      f'{study.REBUILT}\n\n', '') == trained
+  assert report.normalise_rebuilt(rebuilt).replace(
+      f'{report.REBUILT}\n\n', '') == trained
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1'])
   compare.main()
   assert not list(out.glob('control_s*'))
