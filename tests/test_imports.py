@@ -158,7 +158,7 @@ def test_the_walker_sees_deferred_and_relative_imports():
       'serve.engine', 'studies.stats', 'train.convert.hf'}
   # And the real graph: a module-level arrow, and one inside a function.
   graph = import_graph()
-  assert 'lm.checkpoint' in graph['scripts.compare']
+  assert 'lm.checkpoint' in graph['studies.compare.runs']
   assert 'evaluation.evaluate' in graph['studies.task_scores']
   assert 'lm.evaluator' in graph['evaluation.evaluate']
 

@@ -13,6 +13,7 @@ from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep)
 from studies import report, stats, timing
+from studies.compare import design
 from infra import provenance
 from lm import config_lib
 from train import loop
@@ -29,9 +30,9 @@ def _params(config):
 
 @pytest.mark.parametrize('K', [2, 1])
 def test_equal_params_widens_the_mlp_to_mha_size(K):
-  mha = _params(compare.variant_config('gqa_small', 8, 0, 10, False))
-  plain = _params(compare.variant_config('gqa_small', K, 0, 10, False))
-  equal = _params(compare.variant_config('gqa_small', K, 0, 10, True))
+  mha = _params(design.variant_config('gqa_small', 8, 0, 10, False))
+  plain = _params(design.variant_config('gqa_small', K, 0, 10, False))
+  equal = _params(design.variant_config('gqa_small', K, 0, 10, True))
   assert plain < 0.9 * mha
   assert equal == pytest.approx(mha, rel=0.005)
 
@@ -198,7 +199,7 @@ def test_bench_decode_equal_params_times_the_models_compare_trains():
                              repeats=1, equal_params=True)
   widths = {r['num_kv_heads']: r['mlp_dim'] for r in results['rows']}
   for K in (4, 1):
-    config = compare.variant_config('tiny', K, seed=0, steps=0,
+    config = design.variant_config('tiny', K, seed=0, steps=0,
                                     equal_params=True)
     assert widths[K] == config.model.mlp_dim
   assert widths[1] > widths[4] == config_lib.load('tiny').model.mlp_dim

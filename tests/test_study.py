@@ -13,6 +13,8 @@ import pytest
 from configs import tiny
 from scripts import compare
 from studies import report, study
+from studies.compare import design, plots
+from studies.compare import runs as compare_runs
 from lm import config_lib
 from infra.errors import UserError
 
@@ -132,7 +134,7 @@ def test_compare_refuses_its_finished_runs_under_other_steps(tmp_path):
   """The issue's repro through the command line: runs finished at 2 steps,
   the study asked for 3; refused before anything trains or is timed."""
   out = tmp_path / 'out'
-  config = compare.variant_config('tiny', 4, 0, 2, False)
+  config = design.variant_config('tiny', 4, 0, 2, False)
   study.train(config, out / 'K4_s0', out / 'K4_s0' / 'log.txt')
   before = _snapshot(out / 'K4_s0')
   result = subprocess.run(
@@ -191,11 +193,11 @@ def test_compare_report_only_rebuilds_what_results_json_holds(
   results.json it says to run without it first. One seed trains no control
   (it could not be tested)."""
   out = tmp_path / 'out'
-  for plot in ('_plot_loss', '_plot_throughput'):
-    monkeypatch.setattr(compare, plot, lambda *_: None)
-  monkeypatch.setattr(compare.timing, 'decode_step_seconds',
+  for plot in ('loss', 'throughput'):
+    monkeypatch.setattr(plots, plot, lambda *_: None)
+  monkeypatch.setattr(compare_runs.timing, 'decode_step_seconds',
                       lambda *_, **__: 1e-3)
-  monkeypatch.setattr(compare.timing, 'read_bandwidth', lambda *_: 1e10)
+  monkeypatch.setattr(compare_runs.timing, 'read_bandwidth', lambda *_: 1e10)
   argv = ['compare', f'--out={out}', '--config=tiny', '--kv_heads=4',
           '--steps=2']
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1', '--report_only'])
