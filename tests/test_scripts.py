@@ -12,6 +12,7 @@ import pytest
 from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
                      recall_sweep)
+from studies import recall_sweep as recall_study
 from studies import report, stats, timing
 from studies.compare import design
 from infra import provenance
@@ -299,7 +300,7 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   cells = [_sweep_cell(8, 16, [1, 1, 1]), _sweep_cell(1, 16, [1, 1, 1]),
            _sweep_cell(8, 8, [0, 1, 0]), _sweep_cell(1, 8, [1, 1, 0])]
   cell = {(c['K'], c['H']): c for c in cells}
-  found = {(c['H'], c['K']): c for c in recall_sweep.comparisons(
+  found = {(c['H'], c['K']): c for c in recall_study.comparisons(
       cell, [8, 1], [16, 8])}
   assert found[16, 1]['verdict'] == 'equal on all seeds'
   d = found[8, 1]['difference']
@@ -308,8 +309,7 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   assert found[8, 1]['verdict'] == stats.decide(d) == 'not claimed'
   meta = dict(argv=['--out=x'], description='recall', model='m', steps=500,
               batch_size=64, seeds=3, minutes=1.0, pairs=8)
-  report = '\n'.join(recall_sweep._report_lines(cell, [8, 1], [16, 8],  # pylint: disable=protected-access
-                                                meta))
+  report = '\n'.join(recall_study.report_lines(cell, [8, 1], [16, 8], meta))
   assert ('no difference of K is claimed at any head size (1 equal on all '
           'seeds, 1 not claimed)') in report
   assert '| 8 | 1 | 2/3 / 1/3 | +0.33 [' in report
@@ -318,7 +318,7 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   # seeds' counts and stats.decide's verdict, whatever it is.
   cells = [_sweep_cell(8, 8, [0, 1, 0, 1, 0, 1]),
            _sweep_cell(1, 8, [1, 1, 1, 1, 1, 1])]
-  (c,) = recall_sweep.comparisons({(x['K'], x['H']): x for x in cells},
+  (c,) = recall_study.comparisons({(x['K'], x['H']): x for x in cells},
                                   [8, 1], [8])
   assert c['verdict'] == stats.decide(c['difference'])
 
