@@ -15,8 +15,10 @@ import pytest
 
 from scripts import uptrain_study
 from studies import stats
-from studies.uptrain import common, design, single_reading, single_summary, single_tables
+from studies.uptrain import (common, design, single_reading, single_summary,
+                             single_tables)
 from lm import config_lib
+from train.convert import to_mla
 
 SOURCE = 2.0
 STEPS = [1, 2, 4, 8, 16]  # Uptraining steps of the alphas, S = 100.
@@ -268,8 +270,7 @@ def test_task_scores_are_paired_against_the_control_at_each_alpha():
 
 
 def test_mla_plan_matches_the_gqa_targets_cache_bytes():
-  mc = config_lib.model_config(design.source_config('uptrain_source',
-                                                           None))
+  mc = config_lib.model_config(design.source_config('uptrain_source', None))
   # N = 4 heads of H = 16, RoPE: 2·N = 8 RoPE dims (a pair per head), the
   # rest of 2·K·H to the latent.
   for K, rank in ((2, 56), (1, 24)):
@@ -290,8 +291,7 @@ def test_mla_plan_matches_the_gqa_targets_cache_bytes():
 
 
 def test_gta_and_gla_plans_sit_at_mla_belows_cache_bytes():
-  mc = config_lib.model_config(design.source_config('uptrain_source',
-                                                           None))
+  mc = config_lib.model_config(design.source_config('uptrain_source', None))
   below = design.mla_below_plan(mc, [2, 1])
   assert below['kv_bytes_per_token'] == 32 * mc.num_layers * 4  # GQA-1's.
   # GLA-2: MLA-below's latent and RoPE dims, so its bytes.
@@ -299,6 +299,12 @@ def test_gta_and_gla_plans_sit_at_mla_belows_cache_bytes():
   assert (gla['kv_lora_rank'], gla['qk_rope_head_dim'],
           gla['latent_groups']) == (24, 8, 2)
   assert gla['kv_bytes_per_token'] == below['kv_bytes_per_token']
+  # What the reports read of a plan, and the conversion it passes through
+  # (`train.convert.to_mla`, the one place that reads those settings).
+  assert to_mla.latent(gla) == (24, 8, 2) and to_mla.latent(below) == (
+      24, 8, 1)
+  assert to_mla.arguments(gla) == dict(kv_lora_rank=24, qk_rope_head_dim=8,
+                                       latent_groups=2)
   # GTA caches K·H + Y (H = 16, Y even in 2..14, K | 4): 32 numbers is not
   # among them; 30 (K = 1, Y = 14) and 34 (K = 2, Y = 2) are as near, and
   # the tie goes to the smaller cache. Its GQA partner: K = 1 (32 numbers).
