@@ -10,8 +10,9 @@ import pytest
 
 from scripts import uptrain_study
 from studies import stats
+from studies.uptrain import (common, design, replicated_report,
+                             replicated_summary)
 from studies.uptrain import results as uptrain_results
-from studies.uptrain import common, design, replicated_report, replicated_summary
 
 SOURCE = {400: 1.90, 1600: 1.66, 3200: 1.60}  # Loss of a source of S steps.
 GTA = {'K': 1, 'qk_rope_head_dim': 14, 'method': 'gta', 'pooling': 'mean',

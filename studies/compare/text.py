@@ -183,12 +183,12 @@ def _paired_lines(result) -> list[str]:
       ['seed', *(f'K={K}' for K in kvs)],
       ([seed, *(f'{losses[K][seed]:.4f}' if seed in losses[K] else '-'
                 for K in kvs)] for seed in seeds))]
+  shazeer = not s.get('equal_params', True) and reference == kvs[0]
   lines += ['', f'Paired by seed (a seed fixes the data order), each variant '
-            f'minus K={reference} (positive: worse than it); verdicts against the papers only where the '
-            'seeds can tell' + ('' if s.get('equal_params', True)
-                                 or reference != kvs[0]
-                                 else ' (Shazeer compared at equal '
-                                 'parameters: --equal_params)') + ':', '']
+            f'minus K={reference} (positive: worse than it); verdicts '
+            'against the papers only where the seeds can tell'
+            + (' (Shazeer compared at equal parameters: --equal_params)'
+               if shazeer else '') + ':', '']
   rows_ = []
   for c in found:
     d = stats.as_estimate(c['difference'])

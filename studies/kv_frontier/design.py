@@ -189,7 +189,8 @@ def _variants(names: list[str], args) -> dict[str, tuple[Variant, ...]]:
   known = {v.name for grid in grids.values() for v in grid}
   if wanted - known:
     raise UserError(f'--variants: {", ".join(sorted(wanted - known))} not '
-                    f'in the panels\' grids; pick from {", ".join(sorted(known))}')
+                    'in the panels\' grids; pick from '
+                    f'{", ".join(sorted(known))}')
   return {name: tuple(v for v in grid if v.name in wanted)
           for name, grid in grids.items()}
 

@@ -222,7 +222,7 @@ def equivalent(sources: list[dict], K: int, step: int, vocab_size: int
           **({} if censored else stats.mean(E).as_dict())}
 
 
-# --- across lengths -------------------------------------------------------------
+# --- across lengths ---------------------------------------------------------
 
 def _slopes(plan: dict, lengths: dict, name: str, read: str) -> dict:
   """Per source seed, the least-squares slope of `name`'s per-source value

@@ -346,6 +346,7 @@ def _median(c: dict, budget: str) -> str:
     return ''
   median = (f'> {budget}' if math.isinf(c['median']) else
             f'{c["median"]:.0f} steps')
-  censored = ', — counted beyond the budget' if c['k'] < len(c['steps']) else ''
+  censored = (', — counted beyond the budget' if c['k'] < len(c['steps'])
+              else '')
   return f' (median {median}{censored}; each: ' + ', '.join(
       '—' if s is None else str(s) for s in c['steps']) + ')'

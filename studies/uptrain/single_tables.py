@@ -182,7 +182,8 @@ def task_lines(results: dict) -> list[str]:
       f'{worst:.1e} nats' + (
           ' (**not** the run\'s state: read its scores as a rerun\'s)'
           if worst > REPLAY_EQUAL else '') + '. Intervals are over seeds '
-      '(what training varies), not over documents (lm_eval\'s stderr, in those results.json).', '',
+      '(what training varies), not over documents (lm_eval\'s stderr, in '
+      'those results.json).', '',
       'The source: ' + '; '.join(
           f'{task} {metric} {value:.4g}'
           for task, metrics in tasks['source'].items()
