@@ -32,8 +32,8 @@ import time
 import flax.linen as nn
 import numpy as np
 
-from scripts import bench_serve
 from infra import provenance
+from studies import timing
 from lm import checkpoint, config_lib
 from train import loop
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -82,8 +82,8 @@ def command_runner(workdir, prompts_file, out_dir, args):
 
 def alone_runner(mc, params, prompts, new: int):
   """The requests one after another through lm.inference.generate
-  (`scripts.bench_serve.generate_runner`)."""
-  return bench_serve.alone_runner(mc, params, [
+  (`studies.timing.alone_runner`)."""
+  return timing.alone_runner(mc, params, [
       (np.frombuffer(p.encode(), np.uint8).astype(np.int32), new)
       for p in prompts])
 
@@ -137,7 +137,7 @@ def main():
   results = {
       'command': 'python -m scripts.bench_generate ' + ' '.join(sys.argv[1:]),
       'commit': provenance.commit(), 'date': time.strftime('%Y-%m-%d'),
-      'machine': bench_serve.machine(), 'args': vars(args), 'runs': runs,
+      'machine': timing.machine(), 'args': vars(args), 'runs': runs,
       'speedup': float(np.median(ratios)),
       'speedup_range': [min(ratios), max(ratios)]}
   out = pathlib.Path(args.out)

@@ -55,11 +55,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import json
 import operator
-import os
 import pathlib
 import subprocess
 import sys
@@ -67,20 +65,19 @@ import tempfile
 import time
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from serve import engine as engine_lib, paged, pages
 from infra import provenance
 from lm import checkpoint, config_lib
-from lm import inference
 from train import loop
 from lm import model as model_lib
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from infra.errors import UserError
 from lm.model import Transformer
+# The peers and the machine, shared with bench_generate.
+from studies.timing import alone_runner, generate_runner, jax_threads, machine
 
 
 def main():
@@ -225,43 +222,6 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
   return run
 
 
-def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
-                    name: str, **fields):
-  """A function timing lm.inference.generate once over each of `prompts`
-  ([B, P] batches, left-padded) with its `news` tokens, one call after
-  another, each shape compiled here before any clock; its numbers are
-  '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
-  model = Transformer(mc, decode=True)
-  compiled, calls = {}, []
-  for prompts_BP, new in zip(prompts, news):
-    args = (params, jnp.asarray(prompts_BP))
-    if (prompts_BP.shape, new) not in compiled:
-      compiled[prompts_BP.shape, new] = jax.jit(functools.partial(
-          inference.generate, model=model, max_new_tokens=new),
-          compiler_options=inference.compiler_options()).lower(*args).compile()
-    calls.append((compiled[prompts_BP.shape, new], args))
-  tokens = fields.pop('tokens')
-
-  def run() -> dict:
-    start, cpu = time.perf_counter(), time.process_time()
-    for fn, args in calls:
-      np.asarray(fn(*args))
-    seconds = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    return {f'{name}_seconds': seconds, f'{name}_cpu_seconds': cpu,
-            f'{name}_tokens_per_sec': tokens / seconds,
-            f'{name}_tokens_per_cpu_sec': tokens / cpu, **fields}
-  return run
-
-
-def alone_runner(mc, params, trace):
-  """The trace one request after another through lm.inference.generate
-  (`generate_runner`)."""
-  return generate_runner(mc, params, [p[None] for p, _ in trace],
-                         [new for _, new in trace], 'alone',
-                         tokens=sum(new for _, new in trace))
-
-
 def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
   """The static-batch peer's batch: as many sequences as --kv_memory holds
   dense caches for, each as long as the trace's longest request (a static
@@ -310,18 +270,6 @@ def summarize(runs: list[dict]) -> dict:
       row[f'{peer}_{name}_range'] = [min(ratios), max(ratios)]
   row['runs'] = runs
   return row
-
-
-def jax_threads() -> int:
-  """The cores this process (and so JAX's CPU thread pool) may run on."""
-  return len(os.sched_getaffinity(0))
-
-
-def machine() -> dict:
-  """The CPU family, its vector extensions and the cores used
-  (`infra.provenance.machine`), and the load."""
-  return {**provenance.machine(), 'cores': jax_threads(),
-          'load_average': list(os.getloadavg())}
 
 
 @contextlib.contextmanager

@@ -5,6 +5,8 @@ it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import pathlib
 import time
 
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infra import provenance
 from lm import sampling
 from lm import inference
 from train import loop
@@ -88,6 +91,57 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
     sampled, state['cache'] = run(state['cache'], token)
     return sampled
   return median_time(go, repeats) / steps
+
+
+def jax_threads() -> int:
+  """The cores this process (and so JAX's CPU thread pool) may run on."""
+  return len(os.sched_getaffinity(0))
+
+
+def machine() -> dict:
+  """The CPU family, its vector extensions and the cores used
+  (`infra.provenance.machine`), and the load: what a benchmark's figures
+  are printed beside."""
+  return {**provenance.machine(), 'cores': jax_threads(),
+          'load_average': list(os.getloadavg())}
+
+
+def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
+                    name: str, **fields):
+  """A function timing lm.inference.generate once over each of `prompts`
+  ([B, P] batches, left-padded) with its `news` tokens, one call after
+  another, each shape compiled here before any clock; its numbers are
+  '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
+  model = Transformer(mc, decode=True)
+  compiled, calls = {}, []
+  for prompts_BP, new in zip(prompts, news):
+    args = (params, jnp.asarray(prompts_BP))
+    if (prompts_BP.shape, new) not in compiled:
+      compiled[prompts_BP.shape, new] = jax.jit(functools.partial(
+          inference.generate, model=model, max_new_tokens=new),
+          compiler_options=inference.compiler_options()).lower(*args).compile()
+    calls.append((compiled[prompts_BP.shape, new], args))
+  tokens = fields.pop('tokens')
+
+  def run() -> dict:
+    start, cpu = time.perf_counter(), time.process_time()
+    for fn, args in calls:
+      np.asarray(fn(*args))
+    seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    return {f'{name}_seconds': seconds, f'{name}_cpu_seconds': cpu,
+            f'{name}_tokens_per_sec': tokens / seconds,
+            f'{name}_tokens_per_cpu_sec': tokens / cpu, **fields}
+  return run
+
+
+def alone_runner(mc, params, trace):
+  """The trace (prompt, new tokens) one request after another through
+  lm.inference.generate (`generate_runner`): the one-at-a-time peer of
+  the serving benchmarks."""
+  return generate_runner(mc, params, [p[None] for p, _ in trace],
+                         [new for _, new in trace], 'alone',
+                         tokens=sum(new for _, new in trace))
 
 
 def replace_section(path: str, title: str, body: str):

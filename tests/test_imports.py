@@ -89,6 +89,16 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
   return found
 
 
+def scripts_importing_scripts(graph: dict[str, set[str]]) -> list[str]:
+  """'scripts/a.py: imports scripts.b' for each entry point that imports
+  another (scripts/ holds commands only: what two share lives in studies/
+  or a room below); the package's __init__ is no command."""
+  return [f'{module.replace(".", "/")}.py: imports {target}'
+          for module, targets in sorted(graph.items())
+          if module.startswith('scripts.')
+          for target in sorted(targets) if target.startswith('scripts.')]
+
+
 def cycles(graph: dict[str, set[str]]) -> list[str]:
   """One cycle, as 'a -> b -> a', for each strongly connected set of modules
   (Tarjan's algorithm), and each module that imports itself."""
@@ -137,6 +147,11 @@ def test_every_import_points_down_a_room():
   assert not found, 'imports against the rooms:\n' + '\n'.join(found)
 
 
+def test_no_script_imports_another():
+  found = scripts_importing_scripts(import_graph())
+  assert not found, 'scripts importing scripts:\n' + '\n'.join(found)
+
+
 def test_no_modules_import_each_other_in_a_cycle():
   found = cycles(import_graph())
   assert not found, 'import cycles:\n' + '\n'.join(found)
@@ -182,6 +197,9 @@ def test_the_checks_fail_on_an_arrow_up_and_on_a_cycle():
                          'lm/checkpoint.py: imports train.loop (lm -> train)',
                          'serve/engine.py: imports train.sample '
                          '(serve -> train)']
+  assert scripts_importing_scripts({
+      'scripts.a': {'scripts.b', 'studies.stats'}, 'scripts.b': set(),
+      'studies.stats': set()}) == ['scripts/a.py: imports scripts.b']
   assert cycles({'train.a': {'train.b'}, 'train.b': {'train.c'},
                  'train.c': {'train.a', 'train.d'}, 'train.d': set()}) == [
                      'train.a -> train.b -> train.c -> train.a']
