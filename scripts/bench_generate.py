@@ -109,6 +109,27 @@ def main():
     raise UserError(f'--prompt_len and --max_new_tokens reach '
                     f'{args.prompt_len[1] + args.max_new_tokens} tokens, past '
                     f'model.max_len ({config.model.max_len}); lower them')
+  runs = measure(config, args)
+  ratios = [r['speedup'] for r in runs]
+  results = {
+      'command': 'python -m scripts.bench_generate ' + ' '.join(sys.argv[1:]),
+      'commit': provenance.commit(), 'date': time.strftime('%Y-%m-%d'),
+      'machine': timing.machine(), 'args': vars(args), 'runs': runs,
+      'speedup': float(np.median(ratios)),
+      'speedup_range': [min(ratios), max(ratios)]}
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'generate.json').write_text(json.dumps(results, indent=1))
+  (out / 'report.md').write_text(report_text(results, args))
+  print(f'serve.generate is {results["speedup"]:.2f}x one request at a time '
+        f'(median of {len(runs)} turns); wrote {out}/generate.json and '
+        'report.md')
+
+
+def measure(config, args) -> list[dict]:
+  """The command and the one-at-a-time peer over the same prompts on a
+  random model of CONFIG (a step-0 workdir), taking turns --repeats times:
+  each turn's numbers and the command's speedup."""
   prompts = make_prompts(args)
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
@@ -133,18 +154,14 @@ def main():
             f'included), one at a time {run["alone_seconds"]:.1f} s: '
             f'{run["speedup"]:.2f}x', flush=True)
       runs.append(run)
-  ratios = [r['speedup'] for r in runs]
-  results = {
-      'command': 'python -m scripts.bench_generate ' + ' '.join(sys.argv[1:]),
-      'commit': provenance.commit(), 'date': time.strftime('%Y-%m-%d'),
-      'machine': timing.machine(), 'args': vars(args), 'runs': runs,
-      'speedup': float(np.median(ratios)),
-      'speedup_range': [min(ratios), max(ratios)]}
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'generate.json').write_text(json.dumps(results, indent=1))
-  m = results['machine']
-  (out / 'report.md').write_text(
+  return runs
+
+
+def report_text(results: dict, args) -> str:
+  """report.md: the command, the machine and its load, the speedup."""
+  m, runs = results['machine'], results['runs']
+  low, high = results['speedup_range']
+  return (
       f'# serve.generate against one request at a time\n\n'
       f'`{results["command"]}` at commit {results["commit"]} on '
       f'{results["date"]}; CPU {m["cpu"]} (avx2: {m["avx2"]}, avx512f: '
@@ -153,14 +170,11 @@ def main():
       f'{args.requests} requests x {args.max_new_tokens} new tokens, '
       f'--kv_memory={args.kv_memory}, --slots={args.slots}: the command '
       f'(everything included) is {results["speedup"]:.2f}x one request at a '
-      f'time in wall time (range {min(ratios):.2f} to {max(ratios):.2f} over '
+      f'time in wall time (range {low:.2f} to {high:.2f} over '
       f'{len(runs)} turns; the command '
       f'{np.median([r["command_seconds"] for r in runs]):.1f} s, one at a '
       f'time {np.median([r["alone_seconds"] for r in runs]):.1f} s, '
       'medians).\n')
-  print(f'serve.generate is {results["speedup"]:.2f}x one request at a time '
-        f'(median of {len(runs)} turns); wrote {out}/generate.json and '
-        'report.md')
 
 
 if __name__ == '__main__':
