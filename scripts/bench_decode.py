@@ -71,7 +71,7 @@ import numpy as np
 
 from attention import cpu_kernel, layer
 from attention import layout as layout_lib
-from studies import stats, timing
+from studies import report, stats, timing
 from infra import provenance
 from lm import config_lib, flops
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -214,19 +214,18 @@ def model_markdown(results, args) -> str:
       'token: all layers\' (`lm.model.kv_bytes_per_token`); attention '
       "FLOPs per KV byte: a decode step's scores and mix over the cache "
       'bytes they read (`lm.flops.attention_decode_intensity`).', '',
-      '| variant | K | batch | context | tokens/s | KV bytes per token | '
-      'KV cache | attention FLOPs per KV byte | bandwidth bound | '
-      'FLOP bound | share of the roofline |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
-  for r in results['rows']:
-    lines.append(
-        f'| {r["variant"]} | {r["num_kv_heads"]} | {r["batch"]} | '
-        f'{r["context"]} | {r["tokens_per_sec"]:,.0f} | '
-        f'{r["kv_bytes_per_token"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
-        f'{r["attention_flops_per_kv_byte"]:.2f} | '
-        f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
-        f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
-        f'{100 * r["fraction_of_roofline"]:.0f}% |')
+      *report.table(
+          ['variant', 'K', 'batch', 'context', 'tokens/s',
+           'KV bytes per token', 'KV cache', 'attention FLOPs per KV byte',
+           'bandwidth bound', 'FLOP bound', 'share of the roofline'],
+          ([r['variant'], r['num_kv_heads'], r['batch'], r['context'],
+            f'{r["tokens_per_sec"]:,.0f}', f'{r["kv_bytes_per_token"]:,.0f}',
+            f'{r["kv_bytes"] / 2**20:,.0f} MiB',
+            f'{r["attention_flops_per_kv_byte"]:.2f}',
+            f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f}',
+            f'{r["compute_roofline_tokens_per_sec"]:,.0f}',
+            f'{100 * r["fraction_of_roofline"]:.0f}%']
+           for r in results['rows']))]
   return '\n'.join(lines)
 
 
@@ -236,6 +235,30 @@ def run(config_name, variants, batches, contexts, repeats,
   (a Variant, or an int k for K<k>), batch and context."""
   variants = [v if isinstance(v, Variant) else Variant.parse(f'K{v}')
               for v in variants]
+  config, set_variant = _variants(config_name, variants, kv_cache_dtype,
+                                  equal_params)
+  bandwidth = timing.read_bandwidth(repeats)
+  peak, peak_source = flops.peak_flops()
+  rows = []
+  print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:,.0f} '
+        f'GFLOP/s ({peak_source})')
+  print(f'{"variant":>8} {"batch":>6} {"context":>8} {"tokens/s":>10} '
+        f'{"KV B/tok":>9} {"KV MiB":>8} {"FLOP/B":>7} {"bytes bound":>12} '
+        f'{"FLOP bound":>11} {"of the lower":>12}')
+  for v in variants:
+    set_variant(v)
+    mc = config_lib.model_config(config)
+    for batch in batches:
+      for context in contexts:
+        rows.append(_measure(v, mc, batch, context, repeats, bandwidth, peak))
+  return {'bandwidth': bandwidth, 'peak_flops': peak,
+          'peak_source': peak_source, 'rows': rows}
+
+
+def _variants(config_name, variants, kv_cache_dtype, equal_params):
+  """(the config, a function setting a variant in it: its layout, and with
+  `equal_params` its MLP widened to MHA's parameters), every variant
+  refused, if bad, before any measurement."""
   if equal_params and not all(v.is_gqa for v in variants):
     others = ','.join(v.name for v in variants if not v.is_gqa)
     raise UserError(f'--equal_params with --variants={others}: it widens '
@@ -254,52 +277,44 @@ def run(config_name, variants, batches, contexts, repeats,
           mlp_dim, config.model.num_heads, config.model.num_kv_heads,
           config.model.head_dim)
 
-  for v in variants:  # Every bad setting refused before any measurement.
+  for v in variants:
     set_variant(v)
     try:
       config_lib.validate(config, batch_shards=1)
     except UserError as e:
       raise UserError(f'--variants={v.name}: {e}') from None
-  bandwidth = timing.read_bandwidth(repeats)
-  peak, peak_source = flops.peak_flops()
-  rows = []
-  print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:,.0f} '
-        f'GFLOP/s ({peak_source})')
-  print(f'{"variant":>8} {"batch":>6} {"context":>8} {"tokens/s":>10} '
-        f'{"KV B/tok":>9} {"KV MiB":>8} {"FLOP/B":>7} {"bytes bound":>12} '
-        f'{"FLOP bound":>11} {"of the lower":>12}')
-  for v in variants:
-    set_variant(v)
-    mc = config_lib.model_config(config)
-    options = mc.attention(0)  # The layers' layouts are the same.
-    intensity = flops.attention_decode_intensity(options, mc.dtype)
-    for batch in batches:
-      for context in contexts:
-        seconds = timing.decode_step_seconds(mc, batch, context, repeats)
-        kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
-        per_token = model_lib.kv_bytes_per_token(
-            dataclasses.replace(mc, max_len=context))
-        bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
-                                                     bandwidth, peak)
-        row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
-                   attention=options.layout.name,
-                   layout=dataclasses.asdict(options.layout),
-                   mlp_dim=mc.mlp_dim, batch=batch, context=context,
-                   tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
-                   kv_bytes_per_token=per_token,
-                   attention_flops_per_kv_byte=intensity,
-                   bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
-                   compute_roofline_tokens_per_sec=bound['compute'],
-                   roofline_tokens_per_sec=bound['roofline'],
-                   fraction_of_roofline=batch / seconds / bound['roofline'])
-        rows.append(row)
-        print(f'{v.name:>8} {batch:>6} {context:>8} '
-              f'{row["tokens_per_sec"]:>10,.0f} {per_token:>9,.0f} '
-              f'{kv_bytes / 2**20:>8.1f} {intensity:>7.2f} '
-              f'{bound["bandwidth"]:>12,.0f} {bound["compute"]:>11,.0f} '
-              f'{100 * row["fraction_of_roofline"]:>11.0f}%', flush=True)
-  return {'bandwidth': bandwidth, 'peak_flops': peak,
-          'peak_source': peak_source, 'rows': rows}
+  return config, set_variant
+
+
+def _measure(v, mc, batch: int, context: int, repeats: int,
+             bandwidth: float, peak: float) -> dict:
+  """Variant v's decode step at BATCH and CONTEXT, timed, beside its
+  bounds; printed as a line of the progress table."""
+  options = mc.attention(0)  # The layers' layouts are the same.
+  intensity = flops.attention_decode_intensity(options, mc.dtype)
+  seconds = timing.decode_step_seconds(mc, batch, context, repeats)
+  kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
+  per_token = model_lib.kv_bytes_per_token(
+      dataclasses.replace(mc, max_len=context))
+  bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
+                                               bandwidth, peak)
+  row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
+             attention=options.layout.name,
+             layout=dataclasses.asdict(options.layout),
+             mlp_dim=mc.mlp_dim, batch=batch, context=context,
+             tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
+             kv_bytes_per_token=per_token,
+             attention_flops_per_kv_byte=intensity,
+             bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
+             compute_roofline_tokens_per_sec=bound['compute'],
+             roofline_tokens_per_sec=bound['roofline'],
+             fraction_of_roofline=batch / seconds / bound['roofline'])
+  print(f'{v.name:>8} {batch:>6} {context:>8} '
+        f'{row["tokens_per_sec"]:>10,.0f} {per_token:>9,.0f} '
+        f'{kv_bytes / 2**20:>8.1f} {intensity:>7.2f} '
+        f'{bound["bandwidth"]:>12,.0f} {bound["compute"]:>11,.0f} '
+        f'{100 * row["fraction_of_roofline"]:>11.0f}%', flush=True)
+  return row
 
 
 # One attention layer against PyTorch (--layer).
@@ -462,22 +477,19 @@ def layer_markdown(env, rows, args) -> str:
       'step against a cache filled to context - 8. Ours as users get it, '
       f'here with {kernel}, and by the pure-JAX path. Medians of '
       f'{args.repeats} steps, the three taking turns in one process.', '',
-      '| K | batch | context | ours ms | pure-JAX path ms | PyTorch ms '
-      '| ours / PyTorch |',
-      '|---|---|---|---|---|---|---|']
-  for r in rows:
-    lines.append(f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
-                 f'{r["ours_seconds"] * 1e3:.2f} | '
-                 f'{r["ours_jax_seconds"] * 1e3:.2f} | '
-                 f'{r["torch_seconds"] * 1e3:.2f} | '
-                 f'{r["ours_over_torch"]:.2f} |')
+      *report.table(
+          ['K', 'batch', 'context', 'ours ms', 'pure-JAX path ms',
+           'PyTorch ms', 'ours / PyTorch'],
+          ([r['num_kv_heads'], r['batch'], r['context'],
+            f'{r["ours_seconds"] * 1e3:.2f}',
+            f'{r["ours_jax_seconds"] * 1e3:.2f}',
+            f'{r["torch_seconds"] * 1e3:.2f}', f'{r["ours_over_torch"]:.2f}']
+           for r in rows))]
   return '\n'.join(lines)
 
 
 def plot(results, path):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = report.pyplot()
   rows = results['rows']
   contexts = sorted({r['context'] for r in rows})
   fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4),
@@ -497,8 +509,7 @@ def plot(results, path):
            ylabel='decoded tokens/s',
            title=f'context {context} (dashed: the roofline)')
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  report.save(fig, path)
 
 
 if __name__ == '__main__':
