@@ -1,4 +1,4 @@
-"""The studies' statistics (scripts/stats.py) against scipy and simulation."""
+"""The studies' statistics (studies/stats.py) against scipy and simulation."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""scripts/study.py: a study reuses a finished run only under the settings it
+"""studies/study.py: a study reuses a finished run only under the settings it
 was trained with (issue 39: kv_frontier --quick, then --steps=30, reported
 "30 steps" over runs of 15)."""
 

@@ -94,6 +94,12 @@ def made(prov: dict) -> str:
           + (f' {prov["note"]}' if prov.get('note') else ''))
 
 
+# The files the published reports name (scripts/timing.py, scripts/stats.py)
+# are where the timing and the rule were when they were written; they are
+# studies/timing.py and studies/stats.py now, and the words stay so that
+# every published report rebuilds byte for byte.
+
+
 def _settings_line(result) -> str:
   s, d = result.get('settings'), result['decode']
   decode = (f'Decode: batch {d["batch"]}, context {d["context"]}, the cache '
