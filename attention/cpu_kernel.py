@@ -216,5 +216,7 @@ def _call(target, options, q_BTNH, caches, scales, extra, visible, S):
   return out_BTNH.astype(q_BTNH.dtype)
 
 
-if mode() == 'require' and _loaded() is not None:
+# The raw value: a bad one is refused where it is used (`mode`), and by the
+# commands in one line before any work, not by every import of attention.
+if os.environ.get(ENV) == 'require' and _loaded() is not None:
   raise ImportError(f'{ENV}=require but {_loaded()}')

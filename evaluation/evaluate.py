@@ -73,7 +73,8 @@ def evaluate(workdir: str, tasks: list[str], *, include_path=None,
              seed: int = 0, log_samples: bool = False,
              max_gen_toks: int = 256) -> dict:
   """lm_eval.simple_evaluate of WORKDIR on TASKS; its results dict,
-  without lm_eval's environment report."""
+  without lm_eval's environment report, with 'checkpoint': the step and
+  parameter fingerprint scored (`lm.checkpoint.fingerprint`)."""
   from unittest import mock  # pylint: disable=import-outside-toplevel
   import lm_eval  # pylint: disable=import-outside-toplevel
   from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
@@ -86,11 +87,12 @@ def evaluate(workdir: str, tasks: list[str], *, include_path=None,
   # subprocesses: 4 of a small task's 5.7 s, measured) for keys that
   # write_results does not keep; a study scores dozens of checkpoints.
   with mock.patch.object(evaluator, 'add_env_info', lambda _: None):
-    return lm_eval.simple_evaluate(
+    results = lm_eval.simple_evaluate(
         model=model, tasks=tasks, task_manager=manager, limit=limit,
         num_fewshot=num_fewshot, log_samples=log_samples, random_seed=seed,
         numpy_random_seed=seed, fewshot_random_seed=seed,
         bootstrap_iters=1000)
+  return {**results, 'checkpoint': model.checkpoint}
 
 
 def _check_generation_room(tasks: dict, model) -> None:
@@ -145,7 +147,8 @@ def write_results(workdir: str, tasks: list[str], out: str, *,
   results = evaluate(workdir, tasks, include_path=include_path, limit=limit,
                      batch_size=batch_size, num_fewshot=num_fewshot,
                      seed=seed, max_gen_toks=max_gen_toks)
-  record = {'provenance': provenance, 'workdir': workdir, 'tasks': tasks,
+  record = {'provenance': provenance, 'workdir': workdir,
+            'checkpoint': results['checkpoint'], 'tasks': tasks,
             **{k: results[k] for k in ('results', 'groups', 'configs',
                                         'versions', 'n-shot', 'n-samples')
                if k in results}, 'held_out': held_out}

@@ -23,9 +23,12 @@ score the same:
 - generate_until: the context left-truncated to max_len - max_gen_toks,
   then `lm.inference.generate` (prefill, then the KV cache one token per
   step: local layers' ring buffers, shared K/V, int8 caches as the model
-  decodes), sampled by `lm.sampling` (temperature, top_k, top_p per
-  request; the seed of model_args, with each token's position: the text
-  `train.sample --seed` and `serve.generate` give), cut by `sampling.cut`
+  decodes), sampled by `lm.sampling` (temperature, top_k, top_p and seed
+  per request: gen_kwargs' `seed`, else one derived from model_args' seed
+  and the request (`sampling.request_seed` of its task, document, index and
+  repeat), so that a task's repeats sample independently; the same seed
+  gives the text `train.sample --seed` and `serve.generate` give), cut by
+  `sampling.cut`
   at the first end-of-sequence token and at the first stop sequence. It
   decodes max_gen_toks tokens and cuts after, where `hf` stops
   as soon as every row has stopped: the same text, more work.
@@ -48,8 +51,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models import utils as model_utils
 
 from attention import layer
-from lm import checkpoint, sampling
+from lm import checkpoint
 from lm import inference
+from lm import sampling
 from lm import tokenizer as tokenizer_lib
 from infra.errors import UserError
 from lm.model import Transformer
@@ -81,7 +85,8 @@ class WorkdirLM(TemplateLM):
   model_args: workdir (required; local or gs://), batch_size (rows per
   pass, default 8), max_gen_toks (default 256, as `hf`), kv_cache_dtype
   (generation's cache, default the model's), seed (sampling at
-  temperature > 0). flag: what named the workdir, for error messages
+  temperature > 0: the seed each request's own is derived from, where its
+  gen_kwargs give none). flag: what named the workdir, for error messages
   (`evaluation.evaluate` passes its --workdir).
   """
 
@@ -101,7 +106,11 @@ class WorkdirLM(TemplateLM):
     if kv_cache_dtype not in (None, *layer.KV_CACHE_DTYPES):
       raise UserError(f'kv_cache_dtype={kv_cache_dtype!r}; use one of '
                       f'{", ".join(layer.KV_CACHE_DTYPES)}')
-    mc, self.params, config = checkpoint.load_workdir(workdir, flag)
+    mc, self.params, config, step = checkpoint.load_workdir_step(workdir,
+                                                                 flag)
+    # What was scored, by content: results.json records it.
+    self.checkpoint = {'step': step,
+                       'parameters': checkpoint.fingerprint(self.params)}
     if config.data.get('task', 'lm') != 'lm':
       raise UserError(f'{workdir} was trained on data.task='
                       f'{config.data.task!r}, not text; evaluate a language '
@@ -252,8 +261,12 @@ class WorkdirLM(TemplateLM):
     max_gen_toks tokens). Rows of one prompt length and one set of
     generation settings decode together."""
     del disable_tqdm
-    groups, truncated = {}, 0
-    for i, (context, gen_kwargs) in enumerate(r.args for r in requests):
+    groups, truncated, repeats = {}, 0, {}
+    for i, request in enumerate(requests):
+      context, gen_kwargs = request.args
+      # lm_eval passes a request with repeats (pass@k) that many times,
+      # the same object: each its own seed.
+      repeat = repeats[id(request)] = repeats.get(id(request), -1) + 1
       kwargs = model_utils.normalize_gen_kwargs(dict(gen_kwargs),
                                                 self.max_gen_toks)
       until = model_utils.handle_stop_sequences(kwargs.pop('until', None),
@@ -266,9 +279,13 @@ class WorkdirLM(TemplateLM):
       temperature = float(kwargs.pop('temperature', 0.0) or 0.0)
       if not kwargs.pop('do_sample', False):
         temperature = 0.0
+      seed = kwargs.pop('seed', None)
+      if seed is None:
+        seed = sampling.request_seed(self._seed, [
+            request.task_name, request.doc_id, request.idx, repeat])
       settings = sampling.SamplingParams(
           temperature=temperature, top_k=int(kwargs.pop('top_k', 0) or 0),
-          top_p=float(kwargs.pop('top_p', 1.0) or 1.0), seed=self._seed,
+          top_p=float(kwargs.pop('top_p', 1.0) or 1.0), seed=seed,
           stop=tuple(until)).check(self.mc.vocab_size, prefix='gen_kwargs ')
       if kwargs:
         log.warning('%s ignores generation settings %s', NAME, sorted(kwargs))
@@ -301,4 +318,6 @@ class WorkdirLM(TemplateLM):
 
   def get_model_info(self) -> dict:
     return {'model_workdir': self.workdir,
-            'model_num_kv_heads': self.mc.num_kv_heads}
+            'model_num_kv_heads': self.mc.num_kv_heads,
+            'model_step': self.checkpoint['step'],
+            'model_parameters': self.checkpoint['parameters']}

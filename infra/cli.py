@@ -19,6 +19,7 @@ def exit_on_user_error(fn: Callable[[], object]):
   does a Ctrl-C that no run turned into a stop at a step."""
   from infra import storage  # pylint: disable=import-outside-toplevel
   try:
+    _check_environment()
     fn()
   except UserError as e:
     print(f'error: {e}', file=sys.stderr)
@@ -32,6 +33,28 @@ def exit_on_user_error(fn: Callable[[], object]):
       raise
     print(f'error: {fault}', file=sys.stderr)
     sys.exit(1)
+
+
+# Checks of environment variables that a room above reads late (lm registers
+# GQA_LAB_CPU_KERNEL's, read when the first decode step is traced, deep inside
+# jax): run first, so a bad value is one line before any work, not a
+# traceback after it.
+_ENVIRONMENT_CHECKS: list[Callable[[], object]] = []
+
+
+def check_environment_with(check: Callable[[], object]):
+  """Registers check(), which raises ValueError (its one line) on a bad
+  environment variable, to run before every command's work."""
+  _ENVIRONMENT_CHECKS.append(check)
+  return check
+
+
+def _check_environment():
+  for check in _ENVIRONMENT_CHECKS:
+    try:
+      check()
+    except ValueError as e:
+      raise UserError(str(e)) from None
 
 
 def run_app(main: Callable, *, required: Sequence[str] = (),

@@ -92,17 +92,26 @@ def duration(seconds: float) -> str:
 
 
 def runs(items: list, describe, stream: TextIO | None = None, *,
-         cost=lambda item: 1.0):
+         cost=lambda item: 1.0, reused=lambda item: False):
   """Yields `items` (the runs of a study), announcing each on stdout:
   '=== run i of n: DESCRIPTION (elapsed m:ss, ETA m:ss)', the ETA from the
-  runs done so far, weighted by `cost(item)` (e.g. its steps)."""
+  runs trained so far, weighted by `cost(item)` (e.g. its steps). An item
+  that `reused` says is done already (a finished run that a rerun reuses)
+  is announced as '=== run i of n: DESCRIPTION: reused' and left out of
+  the ETA, which it would otherwise make look fast."""
   start = time.perf_counter()
-  costs = [cost(item) for item in items]
+  again = [bool(reused(item)) for item in items]
+  costs = [0.0 if r else cost(item) for item, r in zip(items, again)]
   for i, item in enumerate(items):
+    head = f'=== run {i + 1} of {len(items)}: {describe(item)}'
+    if again[i]:
+      print(f'{head}: reused (finished before)', file=stream or sys.stdout,
+            flush=True)
+      yield item
+      continue
     elapsed = time.perf_counter() - start
     done = sum(costs[:i])
     eta = elapsed / done * sum(costs[i:]) if done else float('inf')
-    print(f'=== run {i + 1} of {len(items)}: {describe(item)} (elapsed '
-          f'{duration(elapsed)}, ETA {duration(eta)})',
+    print(f'{head} (elapsed {duration(elapsed)}, ETA {duration(eta)})',
           file=stream or sys.stdout, flush=True)
     yield item

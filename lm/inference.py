@@ -49,9 +49,9 @@ def empty_cache(model: Transformer, batch: int, length: int | None = None):
 
 
 def decode(model: Transformer, params, cache, token_B, settings: sampling.Rows,
-           position: int, steps: int):
-  """Feeds token_B (sampled at `position`), then each token sampled after
-  it, `steps` times.
+           index: int, steps: int):
+  """Feeds token_B (the `index`-th token of each row's generation, 0 for
+  the first), then each token sampled after it, `steps` times.
 
   One fixed-shape `lax.scan` step per token: the cache is updated in place
   (use an unrolled model, `unroll_layers`). Returns (the `steps` tokens
@@ -59,16 +59,16 @@ def decode(model: Transformer, params, cache, token_B, settings: sampling.Rows,
   """
   B = token_B.shape[0]
 
-  def step(carry, position):
+  def step(carry, index):
     cache, token_B = carry
     logits_B1V, mutated = model.apply({'params': params, 'cache': cache},
                                       token_B[:, None], mutable=['cache'])
     next_B = sampling.sample(logits_B1V[:, 0], settings,
-                             jnp.full((B,), position))
+                             jnp.full((B,), index))
     return (mutated['cache'], next_B), next_B
 
-  positions = position + 1 + jnp.arange(steps)
-  (cache, _), sampled = jax.lax.scan(step, (cache, token_B), positions)
+  indices = index + 1 + jnp.arange(steps)
+  (cache, _), sampled = jax.lax.scan(step, (cache, token_B), indices)
   return sampled.T, cache  # The scan stacks steps first.
 
 
@@ -77,7 +77,8 @@ def generate(params, prompt_BT, settings: sampling.Rows | None = None, *,
              model: Transformer, max_new_tokens: int):
   """[B, T] prompt tokens -> [B, max_new_tokens] generated tokens, row b
   sampled by its settings (`sampling.sample`: the key of each token is its
-  row's seed and its position, T for the first); None: greedy."""
+  row's seed and its index in the generation, 0 for the first); None:
+  greedy."""
   model, params = unroll_layers(model, params)
   B, T = prompt_BT.shape
   if settings is None:
@@ -85,8 +86,8 @@ def generate(params, prompt_BT, settings: sampling.Rows | None = None, *,
   cache = empty_cache(model, B, T + max_new_tokens)
   logits_BTV, mutated = model.apply({'params': params, 'cache': cache},
                                     prompt_BT, mutable=['cache'])
-  first_B = sampling.sample(logits_BTV[:, -1], settings, jnp.full((B,), T))
-  rest, _ = decode(model, params, mutated['cache'], first_B, settings, T,
+  first_B = sampling.sample(logits_BTV[:, -1], settings, jnp.zeros((B,)))
+  rest, _ = decode(model, params, mutated['cache'], first_B, settings, 0,
                    max_new_tokens - 1)
   return jnp.concatenate([first_B[:, None], rest], axis=1)
 
@@ -113,8 +114,9 @@ def define_sampling_flags(temperature: float):
   flags.DEFINE_integer('top_k', 0, 'sample among the k likeliest; 0 = all')
   flags.DEFINE_float('top_p', 1.0, 'sample among the likeliest tokens '
                      'holding probability top_p (nucleus); 1 = all')
-  flags.DEFINE_integer('seed', 0, 'sampling seed (with each token\'s '
-                       'position)')
+  flags.DEFINE_integer('seed', 0, 'sampling seed: a request\'s random '
+                       'stream (its i-th token drawn with fold_in(key(seed), '
+                       'i))')
   flags.DEFINE_multi_string('stop', [], 'a string that ends a text (not '
                             'included); repeat the flag for several')
 

@@ -34,9 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention import Attention, kv_cache, layer, numerics
+from attention import Attention, cpu_kernel, kv_cache, layer, numerics
 from attention.layout import Layout
 from attention.rope import RopeScaling
+from infra import cli
+
+# GQA_LAB_CPU_KERNEL is read when a decode step is traced; every command that
+# runs the model checks it first, in one line (infra.cli).
+cli.check_environment_with(cpu_kernel.mode)
 
 Activation = Literal['gelu_tanh', 'silu']
 ACTIVATIONS = {'gelu_tanh': functools.partial(nn.gelu, approximate=True),

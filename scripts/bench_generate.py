@@ -42,18 +42,6 @@ from infra.errors import UserError
 from lm.model import Transformer
 
 
-def make_prompts(args) -> list[str]:
-  """--requests prompts of printable ASCII, lengths uniform in
-  --prompt_len, seeded by --seed."""
-  low, high = args.prompt_len
-  if low < 1 or low > high:
-    raise UserError(f'--prompt_len={low},{high} must be LOW,HIGH with '
-                    '1 <= LOW <= HIGH')
-  rng = np.random.default_rng(args.seed)
-  return [rng.integers(32, 127, int(rng.integers(low, high + 1))).astype(
-      np.uint8).tobytes().decode() for _ in range(args.requests)]
-
-
 def command_runner(workdir, prompts_file, out_dir, args):
   """A function running serve.generate once into a fresh OUT, timed from
   the process's start to its exit."""
@@ -130,7 +118,7 @@ def measure(config, args) -> list[dict]:
   """The command and the one-at-a-time peer over the same prompts on a
   random model of CONFIG (a step-0 workdir), taking turns --repeats times:
   each turn's numbers and the command's speedup."""
-  prompts = make_prompts(args)
+  prompts = timing.ascii_prompts(args)
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
   with tempfile.TemporaryDirectory() as tmp:

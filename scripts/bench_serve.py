@@ -4,7 +4,7 @@ over the paged cache, with one-request-at-a-time `train.sample` beside it.
   python -m scripts.bench_serve [--config=gqa_small] [--kv_heads=8,2,1]
       [--kv_memory=4MiB] [--slots=32] [--requests=32] [--page_size=16]
       [--prompt_len=8,96] [--output_len=8,64] [--length_step=1] [--seed=0]
-      [--repeats=3] [--no_hf] [--out=DIR]
+      [--repeats=3] [--no_hf] [--llama_cpp] [--out=DIR]
 
 The trace: --requests requests, all arriving at the start (an offline
 batch); prompt and output lengths drawn uniformly from LOW, LOW + step, ...
@@ -41,6 +41,17 @@ Peers, in the same run, taking turns with the engine for each K:
                  longest max_new_tokens (a request's tokens past its own are
                  computed but not counted: static batching's cost), after a
                  warm-up batch
+  llama.cpp      with --llama_cpp: the same model as GGUF (the same weight
+                 dtype; `studies.llama_cpp_peer`, a process of its own on
+                 the same threads), the trace through continuous batching
+                 over llama.cpp's batch API: one unified KV cache of as many
+                 tokens as --kv_memory holds (in our cache's dtype), at most
+                 --slots sequences, each llama_decode carrying every running
+                 sequence's next token and the waiting prompts that fit, a
+                 request admitted when its prompt and output fit (our
+                 'reserve' admission). llama.cpp computes SwiGLU MLPs only,
+                 so with --llama_cpp the model, ours too, is the config with
+                 model.mlp_activation='silu'.
 Each contestant is compiled (or loaded) once, then timed --repeats times,
 the three taking turns (engine, one at a time, transformers, engine, ...):
 the report gives medians, and each ratio, paired within a turn, as its
@@ -55,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import operator
@@ -67,15 +79,17 @@ import time
 import flax.linen as nn
 import numpy as np
 
-from serve import engine as engine_lib, paged, pages
-from infra import provenance
-from lm import checkpoint, config_lib
+from serve import engine as engine_lib, pages, runner
 from train import loop
+from lm import checkpoint
+from lm import config_lib
+from infra import provenance
 from lm import model as model_lib
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from infra.errors import UserError
 from lm.model import Transformer
+from studies import llama_cpp_peer
 # The peers and the machine, shared with bench_generate.
 from studies.timing import alone_runner, generate_runner, jax_threads, machine
 
@@ -100,6 +114,10 @@ def main():
   parser.add_argument('--out', default='out/serve')
   parser.add_argument('--no_hf', action='store_true',
                       help='leave out the transformers peer')
+  parser.add_argument('--llama_cpp', action='store_true',
+                      help='add llama.cpp serving the same trace at the same '
+                      'KV memory (studies.llama_cpp_peer; the model with '
+                      'SwiGLU)')
   parser.add_argument('--hf_worker', help=argparse.SUPPRESS)
   parser.add_argument('--trace_file', help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -109,6 +127,9 @@ def main():
   check_output_dir(args.out)
   kv_memory = pages.parse_bytes(args.kv_memory)
   config = config_lib.load(args.config)
+  if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
+    llama_cpp_peer.check_installed()
+    config.model.mlp_activation = 'silu'
   trace = make_trace(args, config.model.vocab_size, config.model.max_len)
   longest = max(len(prompt) + new for prompt, new in trace)
   for K in args.kv_heads:  # Every bad setting refused before any run.
@@ -122,7 +143,7 @@ def main():
           f'K={K}: the trace\'s longest request ({longest} tokens) needs '
           f'{need} pages of {args.page_size} tokens, and --kv_memory='
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
-          f'{(need + 1) * paged.page_bytes(mc, args.page_size):,} bytes, or '
+          f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
   rows = []
   for K in args.kv_heads:
@@ -136,6 +157,9 @@ def main():
       if not args.no_hf:
         contestants.append(stack.enter_context(
             transformers_runner(config, params, trace, args.slots)))
+      if args.llama_cpp:
+        contestants.append(stack.enter_context(
+            llama_cpp_runner(config, params, trace, kv_memory, args.slots)))
       # Taking turns: each repeat runs the engine, then each peer.
       runs = [functools.reduce(operator.or_, (run() for run in contestants))
               for _ in range(args.repeats)]
@@ -150,6 +174,9 @@ def main():
               '' if args.no_hf else
               f'; transformers {row["hf_tokens_per_sec"]:,.1f} tokens/s, '
               f'engine over it {_speedup(row, "hf")}')
+          + ('' if not args.llama_cpp else
+             f'; llama.cpp {row["llama_cpp_tokens_per_sec"]:,.1f} tokens/s, '
+             f'engine over it {_speedup(row, "llama_cpp")}')
           + f' (medians of {args.repeats} turns)', flush=True)
     rows.append(row)
     results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
@@ -200,7 +227,11 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
 
   def run() -> dict:
     cpu = time.process_time()
-    results = list(served.run(requests))
+    # The whole trace arrives at once: each request's time to first token
+    # counts from here, though the engine takes requests as it has room.
+    now = time.perf_counter()
+    results = list(served.run(dataclasses.replace(r, arrival=now)
+                              for r in requests))
     cpu = time.process_time() - cpu
     s = served.stats
     refused = [r.error for r in results if r.error]
@@ -260,7 +291,7 @@ def summarize(runs: list[dict]) -> dict:
   row = {key: (float(np.median([r[key] for r in runs]))
                if isinstance(value, float) else value)
          for key, value in runs[0].items()}
-  for peer in ('alone', 'static', 'hf'):
+  for peer in ('alone', 'static', 'hf', 'llama_cpp'):
     if f'{peer}_tokens_per_sec' not in row:
       continue
     for unit, name in (('sec', 'speedup'), ('cpu_sec', 'cpu_speedup')):
@@ -270,6 +301,34 @@ def summarize(runs: list[dict]) -> dict:
       row[f'{peer}_{name}_range'] = [min(ratios), max(ratios)]
   row['runs'] = runs
   return row
+
+
+@contextlib.contextmanager
+def llama_cpp_runner(config, params, trace, kv_memory: int, slots: int):
+  """Yields a function serving the trace once through llama.cpp
+  (`studies.llama_cpp_peer`, serve) in as many KV cells as kv_memory holds
+  (whole blocks of 256, which llama.cpp rounds a context up to), in
+  --slots sequences; its numbers are 'llama_cpp_*'."""
+  mc = config_lib.model_config(config)
+  per_token = model_lib.kv_cache_bytes(mc, 1, 1)
+  n_ctx = kv_memory // per_token // 256 * 256
+  kv_dtype = np.dtype(mc.kv_cache_dtype or mc.dtype).name
+  with llama_cpp_peer.started(config, params) as peer:
+    def run() -> dict:
+      r = peer.serve(trace, n_ctx, slots, kv_dtype)
+      return {'llama_cpp_seconds': r['seconds'],
+              'llama_cpp_cpu_seconds': r['cpu_seconds'],
+              'llama_cpp_tokens_per_sec': r['tokens'] / r['seconds'],
+              'llama_cpp_tokens_per_cpu_sec': r['tokens'] / r['cpu_seconds'],
+              'llama_cpp_mean_in_flight': r['mean_in_flight'],
+              'llama_cpp_time_to_first_token_s': r['time_to_first_token_s'],
+              'llama_cpp_per_token_s': r['per_token_s'],
+              'llama_cpp_kv_tokens': r['n_ctx'],
+              'llama_cpp_kv_bytes': r['n_ctx'] * per_token,
+              'llama_cpp': llama_cpp_peer.version(),
+              'wait_policy': llama_cpp_peer.wait_policy()}
+    run()  # Warm-up: the context made, every kernel run once.
+    yield run
 
 
 @contextlib.contextmanager
@@ -378,6 +437,7 @@ def _loaded(machine: dict) -> bool:
 def report(results, args) -> str:
   m = results.get('machine', {})
   hf = all('hf_tokens_per_sec' in r for r in results['rows'])
+  llama = all('llama_cpp_tokens_per_sec' in r for r in results['rows'])
   load = m.get('load_average')
   lines = [
       '# Serving throughput against K at one KV-memory budget', '',
@@ -394,6 +454,13 @@ def report(results, args) -> str:
       'trace\'s longest request), padded to the batch\'s longest prompt and '
       'output' + (", transformers is `generate()` in batches of --slots on "
                    'the same weights in a process of its own' if hf else '')
+      + (f', llama.cpp is llama-cpp-python {results["rows"][0]["llama_cpp"]} '
+         'on the same model as GGUF (SwiGLU for every contestant), continuous '
+         'batching over one unified KV cache of '
+         f'{results["rows"][0]["llama_cpp_kv_tokens"]:,} tokens at K='
+         f'{results["rows"][0]["num_kv_heads"]} (--kv_memory\'s bytes, each '
+         'K its own), in a process of its own (OMP_WAIT_POLICY '
+         f'{results["rows"][0]["wait_policy"] or "default"})' if llama else '')
       + f'. {results.get("repeats", 1)} timed run(s) of each, taking turns: '
       'every number is the median over them; a ratio is the engine\'s '
       'tokens/s over the peer\'s within each turn, given as the median of '
@@ -415,9 +482,12 @@ def report(results, args) -> str:
       'one at a time tokens/s (per CPU-s) | vs one at a time | static '
       'batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
           ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
-          'vs transformers |' if hf else ''),
+          'vs transformers |' if hf else '') + (
+          ' llama.cpp tokens/s (per CPU-s) | its mean in flight, TTFT, '
+          'per-token | vs llama.cpp |' if llama else ''),
       '|---|---|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
-                                                    else '')]
+                                                    else '')
+      + ('---|---|---|' if llama else '')]
   for r in results['rows']:
     line = (
         f'| {r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
@@ -437,6 +507,13 @@ def report(results, args) -> str:
                f'{r["hf_time_to_first_token_s"]:.2f} s, '
                f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms | '
                f'{_speedup(r, "hf")} |')
+    if llama:
+      line += (f' {r["llama_cpp_tokens_per_sec"]:,.0f} '
+               f'({r["llama_cpp_tokens_per_cpu_sec"]:,.0f}) | '
+               f'{r["llama_cpp_mean_in_flight"]:.1f}, '
+               f'{r["llama_cpp_time_to_first_token_s"]:.2f} s, '
+               f'{1e3 * (r["llama_cpp_per_token_s"] or 0):.1f} ms | '
+               f'{_speedup(r, "llama_cpp")} |')
     lines.append(line)
   return '\n'.join(lines) + '\n\n![tokens/s against K](serve.png)\n'
 

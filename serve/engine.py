@@ -3,14 +3,15 @@
 Split as vLLM and JetStream split a server:
 
   serve.scheduler.Scheduler   which sequences prefill (in chunks) and which
-                              decode this step; preempts the newest when the
-                              pool runs out (pure Python, tested alone)
-  serve.kv_pages.KVPageManager  the pages each sequence owns, grown on
+                              decode this step, with the pages each row
+                              uses; preempts the newest when the pool runs
+                              out (pure Python, no JAX, tested alone)
+  serve.pages.KVPageManager   the pages each sequence owns, grown on
                               demand; a double free refused
-  ModelRunner (here)          the jitted functions: a plan's rows as padded
-                              [B, T] batches with page tables, through the
-                              model (`serve.paged.forward`), one token
-                              sampled per finished row (`lm.sampling`)
+  serve.runner.ModelRunner    the jitted step: a plan's rows as padded
+                              [B, T] batches with their page tables, through
+                              the model over the pool, one token sampled per
+                              finished row (`lm.sampling`)
   Engine (here)               the online API: add_request(), step() -> the
                               outputs finished in that step, has_unfinished()
 
@@ -18,37 +19,32 @@ Every step decodes one token for each running sequence whose prompt is in
 the cache and, beside them, feeds the next chunk of the prompts being
 prefilled, so running sequences keep producing while new ones arrive. A
 sequence's settings are its own (temperature, top_k, top_p, seed, stop
-strings) and its token at position t is sampled with the key of (its seed,
-t), so what shares its batch, or a preemption, changes nothing:
-`train.sample` gives the same text.
-
-Letters: B rows, T tokens per row, M pages per row's table, V vocabulary.
+strings) and its i-th generated token is sampled with the key
+fold_in(key(its seed), i), so what shares its batch, or a preemption,
+changes nothing: `train.sample` gives the same text. One `Stats` counts
+what the scheduler and the engine did.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import time
 from typing import Callable, Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from serve import kv_pages, paged, pages as pages_lib
-from serve.scheduler import RequestRefused, Row, Scheduler, Sequence
+from serve import pages as pages_lib
+from serve import runner as runner_lib
+from serve.scheduler import RequestRefused, Scheduler, Sequence, Stats
 from lm import model as model_lib
-from lm import sampling
-from lm import inference
 from infra.errors import UserError
-from lm.sampling import SamplingParams
+from lm.sampling_params import SamplingParams, StopStrings
 
-__all__ = ['Engine', 'ModelRunner', 'Output', 'PoolSizeError', 'PoolTooLarge',
-           'PoolTooSmall', 'Request',
-           'RequestRefused', 'Stats', 'pool_pages']
+__all__ = ['Engine', 'Output', 'PoolSizeError', 'PoolTooLarge', 'PoolTooSmall',
+           'Request', 'RequestRefused', 'Stats', 'pool_pages']
 
 
 @dataclasses.dataclass
@@ -73,30 +69,6 @@ class Output:
   time_to_first_token_s: float | None = None  # From arrival, queue included.
   per_token_s: float | None = None  # Mean between later tokens.
   error: str | None = None
-
-
-@dataclasses.dataclass
-class Stats:
-  """What the engine did since it was made (or `run` began): requests done
-  and refused, tokens generated, steps, running sequences summed over steps
-  (mean in flight = in_flight / steps), preemptions, prefill tokens (those
-  recomputed after a preemption included), the pool's high-water mark in
-  pages, its size, and the seconds from the first request to the last step."""
-  done: int = 0
-  refused: int = 0
-  tokens: int = 0
-  steps: int = 0
-  in_flight: int = 0
-  preemptions: int = 0
-  prefill_tokens: int = 0
-  high_water_pages: int = 0
-  usable_pages: int = 0
-  page_bytes: int = 0
-  seconds: float = 0.0
-
-  @property
-  def mean_in_flight(self) -> float:
-    return self.in_flight / self.steps if self.steps else 0.0
 
 
 class PoolSizeError(UserError):
@@ -127,7 +99,7 @@ def pool_pages(config: model_lib.ModelConfig, kv_memory: int,
                page_size: int) -> int:
   """The pages of page_size tokens that kv_memory bytes hold (page 0 the
   scratch page); PoolTooSmall if too few for any sequence."""
-  page_bytes = paged.page_bytes(config, page_size)
+  page_bytes = runner_lib.page_bytes(config, page_size)
   num_pages = kv_memory // page_bytes
   if num_pages < 2:  # The scratch page and one for a sequence.
     raise PoolTooSmall(
@@ -139,96 +111,7 @@ def pool_pages(config: model_lib.ModelConfig, kv_memory: int,
   return num_pages
 
 
-# Sizes per octave of the batch, length and table-width buckets: 4 pads by
-# less than a quarter (exact up to 8), at 4 compiled sizes per doubling.
-BUCKETS_PER_OCTAVE = 4
-# Page-table widths, two per doubling (exact up to 4, then 6, 8, 12, 16, ...):
-# a sequence crosses every width as it grows, each a compile (about 1 s for
-# gqa_small on 2 cores), while a wider table costs a step little more.
-WIDTHS_PER_OCTAVE = 2
-
-
-def bucket(n: int, per_octave: int = BUCKETS_PER_OCTAVE) -> int:
-  """The least size >= n (n >= 1) among n itself up to 2·per_octave, then
-  per_octave evenly spaced sizes per doubling (per_octave a power of two;
-  1: the next power of two): at most per_octave·(log2(limit) + 1) sizes up
-  to a limit."""
-  unit = 1 << max(0, (n - 1).bit_length() - per_octave.bit_length())
-  return -(-n // unit) * unit
-
-
-def _run_rows(model, params, pool, tokens_BT, table_BM, lengths_B, num_new_B,
-              settings: sampling.Rows, needs: sampling.Needs | None = None):
-  """Each row's tokens written at positions lengths_B.. of its pages (the
-  first num_new_B real; None: all T), and one token sampled from the logits
-  of each row's last real token, at position lengths_B + num_new_B:
-  (tokens [B], the pool). needs (static): what the rows' sampling uses."""
-  logits_BTV, pool = paged.forward(model, params, pool, tokens_BT, table_BM,
-                                   lengths_B, num_new_B)
-  B, T, _ = logits_BTV.shape
-  num_new_B = jnp.full((B,), T) if num_new_B is None else num_new_B
-  last_BV = jnp.take_along_axis(
-      logits_BTV, jnp.maximum(num_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
-  return sampling.sample(last_BV, settings, lengths_B + num_new_B,
-                         needs), pool
-
-
-class ModelRunner:
-  """The device side: the pool, the model and its jitted step.
-
-  `run(rows, pages)` feeds a plan's rows as the first rows of a batch of the
-  next bucket size (at least 2: a one-row write becomes an update XLA does
-  on a copy of the whole pool), padded to the bucket of the longest row's
-  tokens, with page tables as wide as the bucket of the pages the rows
-  reach: a few compiled shapes however lengths mix, and short sequences do
-  not read max_len positions. Decode rows (one token each) and prefill
-  chunks are separate calls, so a decode row is never padded to a chunk.
-  """
-
-  def __init__(self, config: model_lib.ModelConfig, params, *,
-               num_pages: int, page_size: int):
-    self.model, self.params = paged.serving_model(config, params)
-    self.config = self.model.config
-    self.page_size = page_size
-    self.max_pages = pages_lib.pages_for(self.config.max_len, page_size)
-    self.pool = paged.empty_pool(self.config, num_pages, page_size)
-    # Programs specialised to what the rows' sampling needs (a greedy batch
-    # compiles in about half the time of one that samples).
-    self._step = jax.jit(functools.partial(_run_rows, self.model),
-                         donate_argnums=1, static_argnames='needs',
-                         compiler_options=inference.compiler_options())
-
-  def run(self, rows: list[Row], pages: kv_pages.KVPageManager
-          ) -> dict[str, int]:
-    """{sequence id: its sampled token} for the rows that sample; every
-    row's tokens written into its pages."""
-    if not rows:
-      return {}
-    B = max(2, bucket(len(rows)))
-    T = bucket(max(len(row.tokens) for row in rows))
-    M = min(self.max_pages, bucket(max(
-        pages_lib.pages_for(row.end, self.page_size) for row in rows),
-        WIDTHS_PER_OCTAVE))
-    tokens_BT = np.zeros((B, T), np.int32)
-    table_BM = np.zeros((B, M), np.int32)  # Idle rows: the scratch page.
-    lengths_B = np.zeros(B, np.int32)
-    num_new_B = np.zeros(B, np.int32)
-    params = [SamplingParams()] * B
-    for b, row in enumerate(rows):
-      tokens_BT[b, :len(row.tokens)] = row.tokens
-      owned = pages.pages(row.seq.id)[:M]
-      table_BM[b, :len(owned)] = owned
-      lengths_B[b], num_new_B[b] = row.start, len(row.tokens)
-      params[b] = row.seq.sampling
-    # One token per row (decoding): no padding to mask, none passed.
-    padded = None if T == 1 else num_new_B
-    tokens_B, self.pool = self._step(self.params, self.pool, tokens_BT,
-                                     table_BM, lengths_B, padded,
-                                     sampling.rows(params),
-                                     needs=sampling.needs(params))
-    tokens_B = np.asarray(tokens_B)
-    return {row.seq.id: int(tokens_B[b]) for b, row in enumerate(rows)
-            if row.sample}
+_END = object()
 
 
 @dataclasses.dataclass
@@ -236,6 +119,7 @@ class _Tracked:
   request: Request
   arrival: float
   first_at: float | None = None
+  stops: StopStrings | None = None  # Its text so far, with stop strings.
 
 
 class Engine:
@@ -248,9 +132,9 @@ class Engine:
   the pool can carry it and the running ones to their max_new_tokens (no
   recompute, which on a CPU costs as much as the prefill it repeats);
   'optimistic' (vLLM's) admits on its first chunk's pages and preempts the
-  newest when the pool runs out (`serve.scheduler`). Errors are typed (RequestRefused,
-  PoolTooSmall, kv_pages.KVPageError, all UserErrors); a command turns
-  them into its flags' messages.
+  newest when the pool runs out (`serve.scheduler`). Errors are typed
+  (RequestRefused, PoolTooSmall, pages.KVPageError, all UserErrors); a
+  command turns them into its flags' messages.
   """
 
   def __init__(self, config: model_lib.ModelConfig, params, *,
@@ -270,14 +154,14 @@ class Engine:
       raise UserError(f'page_size={page_size} is more than model.max_len '
                       f'({config.max_len}): a page would hold more than any '
                       f'sequence; give at most {config.max_len} (16 is usual)')
-    self.page_bytes = paged.page_bytes(config, page_size)
+    self.page_bytes = runner_lib.page_bytes(config, page_size)
     num_pages = pool_pages(config, kv_memory, page_size)
     limit = device_memory()
     if limit is not None and num_pages * self.page_bytes > limit:
       raise PoolTooLarge(
           f'the KV memory ({kv_memory:,} bytes) is more than the device '
           f'holds ({limit:,} bytes); give less (the pool is allocated whole)')
-    self.pages = kv_pages.KVPageManager(num_pages, page_size)
+    self.pages = pages_lib.KVPageManager(num_pages, page_size)
     self.eos_ids = tuple(int(t) for t in eos_ids)
     self.detokenize = detokenize
     self.scheduler = Scheduler(
@@ -285,16 +169,16 @@ class Engine:
         max_len=config.max_len, eos_ids=self.eos_ids, stop=self._stopped,
         reserve=admission == 'reserve')
     self.slots = slots
-    self.runner = ModelRunner(config, params, num_pages=num_pages,
-                              page_size=page_size)
+    self.runner = runner_lib.ModelRunner(config, params, num_pages=num_pages,
+                                         page_size=page_size)
     self.config = self.runner.config
     self._tracked: dict[str, _Tracked] = {}
-    self._count = 0
     self.reset_stats()
 
   def reset_stats(self):
-    self.stats = Stats(usable_pages=self.pages.usable,
-                       page_bytes=self.page_bytes)
+    """A new `Stats` for the scheduler and the engine to count into."""
+    self.stats = self.scheduler.stats = Stats(usable_pages=self.pages.usable,
+                                              page_bytes=self.page_bytes)
     self.started = None
 
   # The online API.
@@ -302,17 +186,17 @@ class Engine:
   def add_request(self, request: Request):
     """Queues the request; RequestRefused (its `.reason` one line) if it
     can never run: bad settings, an empty prompt, past max_len, more pages
-    than the pool holds, or an id already in flight."""
+    than the pool holds, or an id already in flight (the scheduler's
+    check)."""
     key = json.dumps(request.id)
-    if key in self._tracked:
-      raise RequestRefused(key, f'id {key} is already in flight; give each '
-                           'request its own id')
     settings = request.sampling
     try:
       settings.check(self.config.vocab_size, prefix='')
     except UserError as e:
+      self.stats.refused += 1
       raise RequestRefused(key, str(e)) from None
     if settings.stop and self.detokenize is None:
+      self.stats.refused += 1
       raise RequestRefused(key, 'stop strings need the engine to be given '
                            'detokenize; pass the tokenizer\'s decode')
     self.scheduler.add(Sequence(
@@ -321,11 +205,19 @@ class Engine:
     now = time.perf_counter()
     if self.started is None:
       self.started = now
-    self._tracked[key] = _Tracked(request, (
-        now if request.arrival is None else request.arrival))
+    self._tracked[key] = _Tracked(
+        request, now if request.arrival is None else request.arrival,
+        stops=StopStrings(self.detokenize, settings.stop) if settings.stop
+        else None)
 
   def has_unfinished(self) -> bool:
     return self.scheduler.has_unfinished()
+
+  def wants_requests(self) -> bool:
+    """Whether to add another request before the next step: fewer wait
+    than `slots`, so that admission never starves while requests are read
+    only as they can be served (not all queued first)."""
+    return self.scheduler.num_waiting < self.slots
 
   def step(self) -> list[Output]:
     """One step of the plan: decode rows and prefill chunks through the
@@ -338,42 +230,47 @@ class Engine:
         raise RuntimeError('the scheduler planned nothing with requests '
                            'waiting; a bug')
       return []
-    sampled = self.runner.run(plan.decode, self.pages)
-    sampled.update(self.runner.run(plan.prefill, self.pages))
+    sampled = self.runner.run(plan.decode)
+    sampled.update(self.runner.run(plan.prefill))
     finished = self.scheduler.update(plan, sampled)
     now = time.perf_counter()
     for key in sampled:
       tracked = self._tracked[key]
       if tracked.first_at is None:
         tracked.first_at = now
-    s = self.stats
-    s.steps += 1
-    s.in_flight += len(plan.rows)
-    s.preemptions += len(plan.preempted)
-    s.prefill_tokens += plan.prefill_tokens
-    s.high_water_pages = max(s.high_water_pages, self.pages.high_water)
-    s.seconds = now - self.started
+    self.stats.high_water_pages = max(self.stats.high_water_pages,
+                                      self.pages.high_water)
+    self.stats.seconds = now - self.started
     return [self._output(seq, now) for seq in finished]
 
   def run(self, requests: Iterable[Request]) -> Iterator[Output]:
     """Every request served; yields each Output as it finishes (a refusal at
-    once, as an Output with `error`). `stats` counts this run."""
+    once, as an Output with `error`). Requests are taken from the iterable
+    as the engine has room for them (`wants_requests`), so the first
+    outputs come while the rest are still unread. `stats` counts this
+    run."""
     self.reset_stats()
-    for request in requests:
-      try:
-        self.add_request(request)
-      except RequestRefused as e:
-        self.stats.refused += 1
-        yield Output(request.id, error=e.reason)
-    while self.has_unfinished():
-      yield from self.step()
+    pending, more = iter(requests), True
+    while more or self.has_unfinished():
+      while more and self.wants_requests():
+        request = next(pending, _END)
+        if request is _END:
+          more = False
+          break
+        try:
+          self.add_request(request)
+        except RequestRefused as e:
+          yield Output(request.id, error=e.reason)
+      if self.has_unfinished():
+        yield from self.step()
 
   # Helpers.
 
   def _stopped(self, seq: Sequence) -> bool:
-    stop = seq.sampling.stop
-    return bool(stop) and sampling.stop_at(
-        self.detokenize(seq.generated), stop) is not None
+    """Whether seq's newest token completes a stop string (its text checked
+    incrementally, `StopStrings`)."""
+    stops = self._tracked[seq.id].stops
+    return stops is not None and stops.add(seq.generated[-1])
 
   def _output(self, seq: Sequence, now: float) -> Output:
     tracked = self._tracked.pop(seq.id)
@@ -381,8 +278,6 @@ class Engine:
     if seq.finish_reason == 'eos':
       tokens = tokens[:-1]
     n = len(seq.generated)
-    self.stats.done += 1
-    self.stats.tokens += n
     return Output(
         tracked.request.id, tokens, seq.finish_reason,
         time_to_first_token_s=tracked.first_at - tracked.arrival,

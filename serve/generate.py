@@ -5,42 +5,52 @@
       [--top_p=1] [--seed=0] [--stop=STR] [--slots=128] [--page_size=16] \
       [--prefill_chunk=64] [--admission=reserve] [--kv_cache_dtype=int8]
 
-A thin loop over `serve.engine.Engine` (add_request, step): the prompts are
-added as the engine has room for them, and each result is written as its
-request finishes. A prompt line is {"id": ..., "prompt": "..."} (optionally
-"max_new_tokens"); each result line, appended to OUT as its request
-finishes, is {"id", "text" (the continuation, as train.sample prints it: up
-to an end-of-sequence token or a --stop string), "tokens" (the ids generated,
-up to an end-of-sequence token: a stop string's kept),
-"finish_reason" ("length", "eos" or "stop"), "time_to_first_token_s" (from
-the run's start, queueing included), "per_token_s"}, or {"id", "error"} (one
-line) for a request refused: a malformed line (then "id" is null and "line"
-its number), an empty prompt, one past the model's max_len, one needing more
-pages than --kv_memory holds. The other requests go on, and the run exits 1
-when any was refused. Sampling is `lm.sampling`'s: request id's tokens
-are sampled with --seed and each token's position, so the text does not
-depend on --slots, on what shares a batch, or on the order of the file, and
-equals train.sample's with the same settings.
+A thin loop over `serve.engine.Engine` (add_request, step): prompt lines are
+read as the engine has room for them (`serve.prompts`), so the first result
+comes in seconds whatever the file's length, and memory does not grow with
+it; each result is written as its request finishes. A prompt line is {"id":
+..., "prompt": "..."}, optionally with "max_new_tokens" and "seed" of its
+own; each result line, appended to OUT as its request finishes, is {"id",
+"text" (the continuation, as train.sample prints it: up to an
+end-of-sequence token or a --stop string), "tokens" (the ids generated, up
+to an end-of-sequence token: a stop string's kept), "finish_reason"
+("length", "eos" or "stop"), "seed" (when sampling), "request" (the hash of
+what decides the text: prompt, max_new_tokens, settings, seed),
+"time_to_first_token_s" (from when its line was read, queueing included),
+"per_token_s"}, or {"id", "error"} (one line) for a request refused: an
+empty prompt, one past the model's max_len, one needing more pages than
+--kv_memory holds, a bad "max_new_tokens" or "seed"; a line with no usable
+id (not JSON, no "id") is {"line", "error"}, with no "id". The other
+requests go on, and the run exits 1 when any was refused.
 
-Nothing lost: OUT is written a line at a time; a rerun into the same OUT
-(after a kill, a full disk, or a fix to a refused line) skips the requests
-it holds results for, retries those it holds errors for, and drops a line
-cut short. OUT's settings (the model's checkpoint, sampling, max_new_tokens,
-cache dtype) are kept beside it in OUT.settings.json, and a rerun under
-other settings is refused, naming the difference, rather than mixed into it.
-One process writes an OUT at a time (OUT.lock). Duplicate ids and --out equal
-to --prompts are refused before anything is written. For a pipe, --prompts=-
-reads stdin and --out=- streams the result lines to stdout (nothing to
-resume, so no OUT.settings.json or lock). Progress (requests
-done, tokens/s, sequences in flight, pages) goes to stderr.
+Sampling is `lm.sampling`'s, and a request's randomness is its own: its
+i-th token is drawn with fold_in(key(seed), i), the seed its line's
+"seed", else one derived from --seed and its id (`sampling.request_seed`),
+which its result records. So the text does not depend on --slots, on what
+shares a batch, or on the order of the file; one prompt under two ids
+samples two independent texts; and a line's seed gives the text
+`train.sample --seed` gives with the same settings.
+
+Nothing lost, and nothing reused that does not match (`serve.results`): OUT
+is written a line at a time; a rerun into the same OUT (after a kill, a
+full disk, or a fix to a refused line) keeps each result whose request hash
+is the same, regenerates a request whose hash changed (an edited prompt),
+retries those it holds errors for, and drops a line cut short. OUT's
+settings and the fingerprint of the checkpoint's parameters are kept beside
+it in OUT.settings.json; a rerun under other settings, or with another
+checkpoint (a workdir trained again), is refused, naming the difference,
+rather than mixed into it. One process writes an OUT at a time (OUT.lock,
+removed when it ends). Duplicate ids in a file and --out equal to --prompts
+are refused before anything is written. For a pipe, --prompts=- reads
+stdin as it comes (a duplicate id there is refused by its line) and --out=-
+streams the result lines to stdout (nothing to resume, so no
+OUT.settings.json or lock). Which checkpoint was loaded, and progress
+(requests done, tokens/s, sequences in flight, pages), go to stderr.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
-import os
 import pathlib
 import sys
 import time
@@ -49,236 +59,37 @@ import numpy as np
 
 from serve import engine as engine_lib
 from serve import pages
-from lm import sampling
+from serve import prompts as prompts_lib
+from serve import results as results_lib
+from lm import checkpoint
 from lm import inference
+from lm.sampling_params import SamplingParams, cut
 from infra.errors import UserError
 
-
-# What a prompt line may hold.
-LINE_KEYS = frozenset({'id', 'prompt', 'max_new_tokens'})
-STDIO = '-'  # --prompts=- reads stdin; --out=- streams to stdout.
-
-
-def read_prompts(path: pathlib.Path, tokenizer, max_new_tokens: int,
-                 settings: sampling.SamplingParams = sampling.SamplingParams()):
-  """(requests, refusals, defaulted): the prompt file's lines as engine
-  Requests, a result line for each malformed one (keyed by id, or by its line
-  when it has none), and the ids (as JSON) of the requests taking
-  max_new_tokens rather than a "max_new_tokens" of their own. A UserError
-  when two lines share an id (the results could not be told apart)."""
-  requests, refusals, seen, defaulted = [], [], {}, set()
-  try:
-    lines = (sys.stdin.read() if str(path) == STDIO
-             else path.read_text(encoding='utf-8')).splitlines()
-  except (OSError, UnicodeDecodeError) as e:
-    raise UserError(f'--prompts={path} cannot be read ({e}); give a UTF-8 '
-                    'JSON-lines file') from None
-  for n, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    refuse = lambda why: refusals.append({'id': None, 'line': n, 'error':
-                                          f'line {n}: {why}'})
-    try:
-      entry = json.loads(line)
-    except json.JSONDecodeError as e:
-      refuse(f'not JSON ({e.msg}); write {{"id": ..., "prompt": "..."}}')
-      continue
-    if not isinstance(entry, dict) or 'id' not in entry:
-      refuse('needs an "id" and a "prompt" string; write '
-             '{"id": ..., "prompt": "..."}')
-      continue
-    key = json.dumps(entry['id'])
-    unknown = sorted(set(entry) - LINE_KEYS)
-    if not isinstance(entry.get('prompt'), str) or unknown:
-      if key in seen:
-        raise UserError(f'--prompts={path}: id {key} is on lines {seen[key]} '
-                        f'and {n}; give each prompt its own id (nothing was '
-                        'written)')
-      seen[key] = n
-      refusals.append({'id': entry['id'], 'error': (
-          f'line {n}: unknown key(s) {", ".join(unknown)}; a line takes '
-          '"id", "prompt" and "max_new_tokens" (sampling is set by the '
-          'flags)') if unknown else (
-              f'line {n}: needs a "prompt" string; write '
-              '{"id": ..., "prompt": "..."}')})
-      continue
-    if key in seen:
-      raise UserError(f'--prompts={path}: id {key} is on lines {seen[key]} '
-                      f'and {n}; give each prompt its own id (nothing was '
-                      'written)')
-    seen[key] = n
-    new = entry.get('max_new_tokens', max_new_tokens)
-    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
-      refusals.append({'id': entry['id'], 'error': f'max_new_tokens={new!r} '
-                       'must be an integer >= 1'})
-      continue
-    try:
-      tokens = tokenizer.encode(entry['prompt'])
-    except UnicodeEncodeError:
-      refusals.append({'id': entry['id'], 'error': 'the prompt is not valid '
-                       'UTF-8 text (a lone surrogate); fix its escapes'})
-      continue
-    if 'max_new_tokens' not in entry:
-      defaulted.add(key)
-    requests.append(engine_lib.Request(entry['id'], tokens, new,
-                                       sampling=settings))
-  return requests, refusals, defaulted
-
-
-def read_out(out: pathlib.Path) -> tuple[str, set[str]]:
-  """(the text OUT keeps on a rerun, the requests it holds results for: ids
-  as JSON). A request whose line is an error is not done: its line is not
-  kept, so that the rerun retries it and OUT ends with one line per request.
-  A last line cut short by a kill is not kept either, so it is redone."""
-  if not out.exists():
-    return '', set()
-  text = out.read_text(encoding='utf-8')
-  kept, keys = [], set()
-  for line in text.splitlines(keepends=True):
-    if not line.endswith('\n'):
-      break  # Cut short.
-    try:
-      entry = json.loads(line)
-    except json.JSONDecodeError:
-      entry = None
-    if isinstance(entry, dict) and 'error' in entry:
-      continue
-    kept.append(line)
-    if isinstance(entry, dict):
-      keys.add(_key(entry))
-  return ''.join(kept), keys
-
-
-def rewrite(out: pathlib.Path, text: str):
-  """OUT replaced by `text` at once (a temporary file renamed over it), so a
-  kill leaves either the old file or the new one."""
-  tmp = out.with_name(f'.{out.name}.tmp')
-  tmp.write_text(text, encoding='utf-8')
-  os.replace(tmp, out)
-
-
-def _key(entry: dict) -> str:
-  return (f'line {entry["line"]}' if entry.get('id') is None and 'line' in
-          entry else json.dumps(entry.get('id')))
-
-
-def check_paths(prompts: pathlib.Path, out: pathlib.Path):
-  """--out must not be --prompts (a rerun would read results as prompts),
-  nor a device (OUT.lock and OUT.settings.json go beside OUT)."""
-  if str(out) == STDIO:
-    return
-  if out.absolute().parts[1:2] in (('dev',), ('proc',)):
-    raise UserError(f'--out={out} is a device; give a file for the results, '
-                    'or --out=- to stream them to stdout (no resuming)')
-  if str(prompts) == STDIO:
-    return
-  if out.resolve() == prompts.resolve() or (
-      out.exists() and prompts.exists() and out.samefile(prompts)):
-    raise UserError(f'--out={out} is the --prompts file; give another file '
-                    'for the results')
-  if out.exists() and not out.is_file():
-    raise UserError(f'--out={out} is not a file; give a file for the results')
-
-
-def settings_path(out: pathlib.Path) -> pathlib.Path:
-  return out.with_name(out.name + '.settings.json')
-
-
-def check_settings(out: pathlib.Path, settings: dict, holds_results: bool):
-  """Refuses (one line naming the first difference) an OUT holding results
-  made under other settings (OUT.settings.json records them), and an OUT
-  holding anything without that record (not this command's: not to be
-  appended to)."""
-  path = settings_path(out)
-  if not path.exists() and out.exists() and out.stat().st_size:
-    raise UserError(f'--out={out} is a file this command did not write (no '
-                    f'{path.name} beside it); give a new file for the '
-                    'results')
-  if not holds_results:
-    return  # A new OUT, or one holding only errors (they are retried).
-  try:
-    made = json.loads(path.read_text(encoding='utf-8'))
-  except FileNotFoundError:
-    raise UserError(f'--out={out} holds results with no record of their '
-                    f'settings ({path.name}); give another --out') from None
-  except (OSError, json.JSONDecodeError) as e:
-    raise UserError(f'{path} cannot be read ({e}); give another --out'
-                    ) from None
-  for name, value in settings.items():
-    if made.get(name) != value:
-      raise UserError(
-          f'--out={out} holds results made with {name}={made.get(name)!r}, '
-          f'not {value!r}; rerun with the same settings or give another '
-          '--out')
-
-
-class _Lock:
-  """OUT.lock held (flock) while a run writes OUT: a second is refused."""
-
-  def __init__(self, out: pathlib.Path):
-    self.path = out.with_name(out.name + '.lock')
-
-  def __enter__(self):
-    self.file = self.path.open('a+', encoding='utf-8')
-    try:
-      fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-      self.file.seek(0)
-      holder = self.file.read().strip() or 'another process'
-      self.file.close()
-      raise UserError(f'{self.path.name[:-5]} is being written by '
-                      f'{holder}; wait for it to end or give another --out'
-                      ) from None
-    self.file.seek(0)
-    self.file.truncate()
-    self.file.write(f'serve.generate pid {os.getpid()}\n')
-    self.file.flush()
-    return self
-
-  def __exit__(self, *exc):
-    self.file.close()  # Releases the lock.
-
-
-def _disk_full(out: pathlib.Path, e: OSError) -> UserError:
-  return UserError(f'cannot write {out} ({e.strerror or e}); free space and '
-                   'rerun the same command: the results written are kept '
-                   'and the rest are done')
+STDIO = prompts_lib.STDIO
 
 
 def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
                   max_new_tokens: int,
-                  settings: sampling.SamplingParams = sampling.SamplingParams(),
+                  settings: SamplingParams = SamplingParams(),
                   slots: int = 128, page_size: int = 16,
                   prefill_chunk: int = 64, admission: str = 'reserve',
                   kv_cache_dtype=None, progress_every: float = 10.0,
                   check=lambda config: None) -> engine_lib.Stats | None:
-  """Runs every request of PROMPTS without a result in OUT, appending its
-  line; the run's Stats (None when nothing was left to do), `refused`
-  counting the malformed lines too. check(model config): raises a UserError
-  for flags the model cannot take. Every check is made before OUT is
-  touched."""
+  """Runs every request of PROMPTS without a result of the same request
+  hash in OUT, appending its line; the run's Stats (None when nothing was
+  left to do), `refused` counting the refused lines too. check(model
+  config): raises a UserError for flags the model cannot take. Every check
+  a file allows is made before OUT is touched."""
   memory = pages.parse_bytes(kv_memory)
   out_path, prompts_path = pathlib.Path(out), pathlib.Path(prompts)
-  check_paths(prompts_path, out_path)
+  results_lib.check_paths(prompts_path, out_path)
   mc, params, tokenizer, step = inference.load_language_model(workdir,
-                                                              with_step=True)
+                                                           with_step=True)
   check(mc)
   settings = settings.check(mc.vocab_size)
-  requests, refusals, defaulted = read_prompts(prompts_path, tokenizer,
-                                               max_new_tokens, settings)
-  if not requests and not refusals:
-    raise UserError(f'--prompts={prompts} holds no prompts; write '
-                    '{"id": ..., "prompt": "..."} lines')
-  greedy = settings.temperature == 0  # Then top_k, top_p and seed do not
-  record = {'workdir': str(pathlib.Path(workdir).resolve()), 'step': step,
-            'max_new_tokens': max_new_tokens,  # change a text.
-            'kv_cache_dtype': kv_cache_dtype or mc.kv_cache_dtype or np.dtype(
-                mc.dtype).name,
-            'temperature': settings.temperature,
-            'top_k': None if greedy else settings.top_k,
-            'top_p': None if greedy else settings.top_p,
-            'seed': None if greedy else settings.seed,
-            'stop': list(settings.stop)}
+  record = _record(workdir, step, checkpoint.fingerprint(params), mc,
+                   max_new_tokens, kv_cache_dtype, settings)
   try:
     engine = engine_lib.Engine(
         mc, params, kv_memory=memory, page_size=page_size, slots=slots,
@@ -287,86 +98,203 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
         admission=admission)
   except engine_lib.PoolSizeError as e:
     raise UserError(f'--kv_memory={kv_memory}: {e}') from None
-  check_max_new_tokens(max_new_tokens, mc.max_len, [
-      r.id for r in requests if json.dumps(r.id) in defaulted])
+  run = _Run(engine, tokenizer, max_new_tokens, settings, progress_every)
+  loaded = (f'generate: {workdir} at step {step} (parameters '
+            f'{record["checkpoint"]})')
   if out == STDIO:  # A stream: nothing kept to resume, so no lock either.
-    return _write_all(sys.stdout, engine, requests, refusals, tokenizer,
-                      settings, progress_every)
+    run.total = _scan(run, prompts, mc)
+    print(loaded, file=sys.stderr, flush=True)
+    return run.serve(sys.stdout, prompts_lib.Lines(prompts))
   out_path.parent.mkdir(parents=True, exist_ok=True)
-  with _Lock(out_path):
-    kept, done = read_out(out_path)
-    check_settings(out_path, record, bool(done))
-    requests = [r for r in requests if json.dumps(r.id) not in done]
-    refusals = [r for r in refusals if _key(r) not in done]
+  with results_lib.Lock(out_path):
+    held = results_lib.plan(out_path, retry_errors=True)
+    run.total = _scan(run, prompts, mc)
+    results_lib.check_settings(out_path, record, bool(held.done))
+    run.done = held.done
     try:
-      rewrite(settings_path(out_path), json.dumps(record, indent=1) + '\n')
-      if out_path.exists() and kept != out_path.read_text(encoding='utf-8'):
-        rewrite(out_path, kept)  # Errors dropped: they are retried below.
-      total = len(requests) + len(refusals)
-      if not total:
+      results_lib.write_settings(out_path, record)
+      results_lib.compact(out_path, held.drop)  # Errors: retried below.
+      print(loaded, file=sys.stderr, flush=True)
+      with out_path.open('a', encoding='utf-8') as f:
+        stats = run.serve(f, prompts_lib.Lines(prompts))
+      if run.replaced:  # Lines of requests generated again: the old go.
+        results_lib.compact(
+            out_path, results_lib.plan(out_path, retry_errors=False).drop)
+      if not run.written:
         print(f'generate: all requests are already in {out}',
               file=sys.stderr)
         return None
-      with out_path.open('a', encoding='utf-8') as f:
-        return _write_all(f, engine, requests, refusals, tokenizer, settings,
-                          progress_every)
+      return stats
     except OSError as e:
-      if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        raise _disk_full(out_path, e) from None
-      raise
+      full = results_lib.disk_full(out_path, e)
+      if full is None:
+        raise
+      raise full from None
 
 
-def _write_all(f, engine: engine_lib.Engine, requests, refusals, tokenizer,
-               settings: sampling.SamplingParams, progress_every: float
-               ) -> engine_lib.Stats:
-  """Writes the refusals' lines, then each request's as it finishes, to f
-  (flushed a line at a time); progress to stderr. The run's Stats,
-  `refused` counting the refusals too."""
-  write = lambda entry: (f.write(json.dumps(entry) + '\n'), f.flush())
-  for entry in refusals:
-    write(entry)
-  total = len(requests) + len(refusals)
-  count, last = len(refusals), time.perf_counter()
-  for result in engine.run(requests):
-    write(_entry(result, tokenizer, settings))
-    count += 1
-    if time.perf_counter() - last >= progress_every or count == total:
-      last = time.perf_counter()
-      print(_progress(count, total, engine), file=sys.stderr, flush=True)
-  engine.stats.refused += len(refusals)
-  return engine.stats
+def _record(workdir: str, step: int, fingerprint: str, mc, max_new_tokens,
+            kv_cache_dtype, settings: SamplingParams) -> dict:
+  """OUT.settings.json: what decides every text of the run (the
+  checkpoint's parameters, sampling, max_new_tokens, cache dtype), and
+  where the parameters were read (`results.INFORMATION`, not compared)."""
+  greedy = settings.temperature == 0  # Then top_k, top_p and seed do not
+  return {'workdir': str(pathlib.Path(workdir).resolve()), 'step': step,
+          'checkpoint': fingerprint,  # change a text.
+          'max_new_tokens': max_new_tokens,
+          'kv_cache_dtype': kv_cache_dtype or mc.kv_cache_dtype or np.dtype(
+              mc.dtype).name,
+          'temperature': settings.temperature,
+          'top_k': None if greedy else settings.top_k,
+          'top_p': None if greedy else settings.top_p,
+          'seed': None if greedy else settings.seed,
+          'stop': list(settings.stop)}
 
 
-def check_max_new_tokens(max_new_tokens: int, max_len: int, ids: list):
+def _scan(run: '_Run', prompts: str, mc) -> int | None:
+  """A prompt file read once ahead (`prompts.scan`): duplicate ids and a
+  --max_new_tokens leaving no room refused before anything is written;
+  how many lines it holds. None for stdin (read as it comes)."""
+  if prompts == STDIO:
+    return None
+  found = prompts_lib.scan(pathlib.Path(prompts))
+  if not found.lines:
+    raise UserError(f'--prompts={prompts} holds no prompts; write '
+                    f'{prompts_lib.LINE_SHAPE} lines')
+  check_max_new_tokens(run.max_new_tokens, mc.max_len, found.defaulted,
+                       found.first_defaulted)
+  return found.lines
+
+
+class _Run:
+  """One run's loop: lines read as the engine has room, each request's
+  result (or refusal) written as it comes; progress to stderr."""
+
+  def __init__(self, engine: engine_lib.Engine, tokenizer,
+               max_new_tokens: int, settings: SamplingParams,
+               progress_every: float):
+    self.engine, self.tokenizer = engine, tokenizer
+    self.max_new_tokens, self.settings = max_new_tokens, settings
+    self.progress_every = progress_every
+    self.total: int | None = None  # Lines; None: unknown (stdin).
+    self.done: dict[int, str] = {}  # OUT's results: id digest -> request.
+    self.ids = prompts_lib.Ids()
+    self.in_flight: dict[str, prompts_lib.Line] = {}  # By id as JSON.
+    self.count = self.written = self.refused = 0
+    self.replaced = 0  # Results in OUT whose requests changed.
+
+  def serve(self, f, lines: prompts_lib.Lines) -> engine_lib.Stats:
+    """Every line of `lines` served or refused into f (flushed a line at
+    a time); the run's Stats, `refused` counting the refused lines."""
+    self._out = f
+    engine = self.engine
+    engine.reset_stats()
+    self._last = time.perf_counter()
+    more = True
+    while more or engine.has_unfinished():
+      while more and engine.wants_requests():
+        item = lines.get(block=not engine.has_unfinished())
+        if item is None:
+          break  # Nothing read yet: step what the engine holds.
+        if item is prompts_lib.END:
+          more = False
+          break
+        self._add(*item)
+      if engine.has_unfinished():
+        for result in engine.step():
+          self._finished(self._entry(result))
+    engine.stats.refused += self.refused  # Beside the engine's own.
+    return engine.stats
+
+  def _add(self, number: int, text: str):
+    line = prompts_lib.parse(number, text, self.max_new_tokens,
+                             self.settings)
+    if line is None:
+      return
+    first = line.has_id and self.ids.earlier(line.key, number)
+    if first:  # Read as it came (stdin): refused by its line.
+      return self._refuse({'line': number, 'error': (
+          f'line {number}: id {line.key} is on line {first} too; give each '
+          'prompt its own id')})
+    # OUT's result for this id: kept if its request is this line's, else
+    # replaced by what this line now gives (a result or a refusal).
+    held = (self.done.get(prompts_lib.digest(line.key), False)
+            if line.has_id else False)
+    if line.error is None and held == line.request:
+      return self._counted()
+    self.replaced += held is not False
+    if line.error:
+      return self._refuse(line.record())
+    try:
+      tokens = self.tokenizer.encode(line.prompt)
+    except UnicodeEncodeError:
+      return self._refuse(line.record('the prompt is not valid UTF-8 text (a '
+                                      'lone surrogate); fix its escapes'))
+    try:
+      self.engine.add_request(engine_lib.Request(
+          line.id, tokens, line.max_new_tokens, sampling=line.settings))
+    except engine_lib.RequestRefused as e:  # The engine's Stats count it.
+      return self._finished(line.record(_flag_words(e.reason)))
+    self.in_flight[line.key] = line
+
+  def _refuse(self, entry: dict):
+    """A line refused before it reached the engine: counted here."""
+    self.refused += 1
+    self._finished(entry)
+
+  def _finished(self, entry: dict):
+    self._out.write(json.dumps(entry) + '\n')
+    self._out.flush()
+    self.written += 1
+    self._counted()
+
+  def _counted(self):
+    """One more line handled (written, or kept from OUT); progress."""
+    self.count += 1
+    now = time.perf_counter()
+    if now - self._last >= self.progress_every or self.count == self.total:
+      self._last = now
+      print(_progress(self.count, self.total, self.engine), file=sys.stderr,
+            flush=True)
+
+  def _entry(self, result: engine_lib.Output) -> dict:
+    line = self.in_flight.pop(json.dumps(result.id))
+    done = cut(result.tokens, eos_ids=(),
+                        decode=self.tokenizer.decode, stop=line.settings.stop)
+    greedy = line.settings.temperature == 0
+    return {'id': result.id, 'text': done.text, 'tokens': result.tokens,
+            'finish_reason': result.finish_reason,
+            **({} if greedy else {'seed': line.settings.seed}),
+            'request': line.request,
+            'time_to_first_token_s': round(result.time_to_first_token_s, 6),
+            'per_token_s': (None if result.per_token_s is None
+                            else round(result.per_token_s, 6))}
+
+
+def _flag_words(reason: str) -> str:
+  """An engine refusal in this command's words: its pool is --kv_memory."""
+  return reason.replace('give the pool more pages', 'raise --kv_memory')
+
+
+def check_max_new_tokens(max_new_tokens: int, max_len: int, count: int,
+                         first_id=None):
   """A UserError, before any work, when --max_new_tokens leaves no room in
-  the model's max_len for even a one-token prompt and some requests (ids)
-  take it rather than a "max_new_tokens" of their own."""
-  if ids and max_new_tokens > max_len - 1:
+  the model's max_len for even a one-token prompt and `count` requests
+  (first_id the first) take it rather than a "max_new_tokens" of their
+  own."""
+  if count and max_new_tokens > max_len - 1:
     raise UserError(
         f'--max_new_tokens={max_new_tokens} leaves no room for a prompt in '
-        f'model.max_len ({max_len}), so {len(ids)} request(s) taking it '
-        f'(id {json.dumps(ids[0])} first) could never run; give at most '
+        f'model.max_len ({max_len}), so {count} request(s) taking it '
+        f'(id {json.dumps(first_id)} first) could never run; give at most '
         f'{max_len - 1}, or a "max_new_tokens" on their lines')
 
 
-def _entry(result: engine_lib.Output, tokenizer,
-           settings: sampling.SamplingParams) -> dict:
-  if result.error:  # The engine's pool is this command's --kv_memory.
-    return {'id': result.id, 'error': result.error.replace(
-        'give the pool more pages', 'raise --kv_memory')}
-  done = sampling.cut(result.tokens, eos_ids=(), decode=tokenizer.decode,
-                      stop=settings.stop)
-  return {'id': result.id, 'text': done.text, 'tokens': result.tokens,
-          'finish_reason': result.finish_reason,
-          'time_to_first_token_s': round(result.time_to_first_token_s, 6),
-          'per_token_s': (None if result.per_token_s is None
-                          else round(result.per_token_s, 6))}
-
-
-def _progress(count: int, total: int, engine: engine_lib.Engine) -> str:
+def _progress(count: int, total: int | None, engine: engine_lib.Engine
+              ) -> str:
   s, a = engine.stats, engine.pages
   seconds = time.perf_counter() - (engine.started or time.perf_counter())
-  return (f'generate: {count}/{total} requests, {s.tokens:,} tokens, '
+  of = '' if total is None else f'/{total}'
+  return (f'generate: {count}{of} lines, {s.tokens:,} tokens, '
           f'{s.tokens / max(seconds, 1e-9):,.1f} tokens/s, '
           f'{s.mean_in_flight:.1f} in flight, pages {a.in_use}/{a.usable} '
           f'(high-water {a.high_water}), {s.preemptions} preempted')
@@ -409,7 +337,8 @@ def run():
   from infra.cli import run_app  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string('workdir', None, 'a train.main workdir')
   flags.DEFINE_string('prompts', None, 'JSON lines: {"id": ..., "prompt": '
-                      '...}; - reads stdin')
+                      '..., optional "max_new_tokens" and "seed"}; - reads '
+                      'stdin as it comes')
   flags.DEFINE_string('out', None, 'JSON lines written as requests finish; '
                       '- streams them to stdout (a file can be resumed)')
   flags.DEFINE_string('kv_memory', '256MiB', "the paged cache's bytes "

@@ -2,9 +2,12 @@
 
 The engine (the model's shell) calls `schedule()`, runs the plan's rows
 through the model, samples one token for each row with sample=True, and
-hands them back with `update(plan, sampled)`. Pure Python (no arrays; the
-length rule is `lm.sampling.length_refusal`, the one train.sample
-applies): the policy is tested without a model.
+hands them back with `update(plan, sampled)`. The plan is the only message
+between the two: each row carries the page ids its tokens are written to
+and read from, so the runner never reads the page manager (vLLM v1's
+SchedulerOutput and its block ids). Pure Python, importing nothing that
+imports JAX (the length rule is `lm.sampling_params.length_refusal`, the
+one train.sample applies): the policy is tested without a model.
 
 Policy (vLLM v1's, with JetStream's split of scheduler and model):
   1. Decode first: every running sequence whose context is computed but for
@@ -33,9 +36,9 @@ import dataclasses
 import enum
 from typing import Callable, Literal
 
-from serve.kv_pages import KVPageManager
-from lm import sampling
+from serve.pages import KVPageManager
 from infra.errors import UserError
+from lm.sampling_params import length_refusal
 
 FinishReason = Literal['length', 'eos', 'stop']
 
@@ -72,13 +75,15 @@ class Sequence:
 
 @dataclasses.dataclass(eq=False)
 class Row:
-  """Feeds `tokens` at positions start..end-1 of `seq`; sample: the row
-  reaches the end of the context, so the logits of its last token give the
-  next one."""
+  """Feeds `tokens` at positions start..end-1 of `seq`, whose pages (in
+  position order, holding at least positions 0..end-1) are `pages`;
+  sample: the row reaches the end of the context, so the logits of its last
+  token give the next one."""
   seq: Sequence
   start: int
   tokens: list[int]
   sample: bool
+  pages: tuple[int, ...] = ()
 
   @property
   def end(self) -> int:
@@ -111,18 +116,32 @@ class RequestRefused(UserError):
 
 
 @dataclasses.dataclass
-class SchedulerStats:
-  """Steps planned; tokens fed as decode rows and as prefill chunks (the
-  latter including recomputed ones); preemptions and the computed tokens they
-  threw away; requests admitted (re-admissions included), finished, refused."""
+class Stats:
+  """What a scheduler (and the engine over it) did: steps planned with
+  rows; rows summed over those steps (mean in flight = in_flight / steps);
+  tokens fed as decode rows and as prefill chunks (the latter including
+  recomputed ones); preemptions and the computed tokens they threw away;
+  requests admitted (re-admissions included), done and refused; the tokens
+  the requests done generated. The engine adds the pool's high-water mark,
+  its size, and the seconds from the first request to the last step."""
   steps: int = 0
+  in_flight: int = 0
   decode_tokens: int = 0
   prefill_tokens: int = 0
   preemptions: int = 0
   recomputed_tokens: int = 0
   admitted: int = 0
-  finished: int = 0
+  done: int = 0
   refused: int = 0
+  tokens: int = 0
+  high_water_pages: int = 0
+  usable_pages: int = 0
+  page_bytes: int = 0
+  seconds: float = 0.0
+
+  @property
+  def mean_in_flight(self) -> float:
+    return self.in_flight / self.steps if self.steps else 0.0
 
 
 class Scheduler:
@@ -157,10 +176,11 @@ class Scheduler:
     self.prefill_budget = prefill_budget
     self.eos_ids, self.stop = frozenset(eos_ids), stop
     self.reserve = reserve
-    self.stats = SchedulerStats()
+    self.stats = Stats()
     self._waiting: list[Sequence] = []  # By arrival.
     self._running: list[Sequence] = []  # By arrival.
     self._prefilling: set[str] = set()  # Running; no sample since admitted.
+    self._live: set[str] = set()  # The ids waiting or running: O(1) checks.
     self._arrivals = 0
     self._pending: Plan | None = None  # Scheduled, not yet updated.
 
@@ -173,6 +193,7 @@ class Scheduler:
     seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
     seq.status, seq.num_computed, seq.finish_reason = Status.WAITING, 0, None
     self._waiting.append(seq)
+    self._live.add(seq.id)
 
   def has_unfinished(self) -> bool:
     return bool(self._waiting or self._running)
@@ -181,6 +202,10 @@ class Scheduler:
   def running(self) -> tuple[Sequence, ...]:
     """The sequences holding pages, by arrival."""
     return tuple(self._running)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
 
   @property
   def waiting(self) -> tuple[Sequence, ...]:
@@ -197,7 +222,7 @@ class Scheduler:
       if seq.status is Status.RUNNING and seq.id not in self._prefilling:
         if self._make_room(seq, seq.num_computed + 1, plan):
           plan.decode.append(Row(seq, seq.num_computed, [seq.generated[-1]],
-                                 sample=True))
+                                 sample=True, pages=self._pages(seq)))
     budget = self.prefill_budget
     for seq in list(self._running):  # 2. Prefills under way.
       if (seq.status is Status.RUNNING and seq.id in self._prefilling and
@@ -223,7 +248,9 @@ class Scheduler:
       self.stats.admitted += 1
       plan.prefill.append(self._chunk(seq, n))
       budget -= n
-    self.stats.steps += 1
+    if plan.rows:
+      self.stats.steps += 1
+      self.stats.in_flight += len(plan.rows)
     self.stats.decode_tokens += len(plan.decode)
     self.stats.prefill_tokens += plan.prefill_tokens
     self._pending = plan
@@ -268,14 +295,22 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.pages.free(seq.id)
         self._running.remove(seq)
+        self._live.discard(seq.id)
         finished.append(seq)
-    self.stats.finished += len(finished)
+    self.stats.done += len(finished)
+    self.stats.tokens += sum(len(seq.generated) for seq in finished)
     return finished
 
   def _chunk(self, seq: Sequence, n: int) -> Row:
     start = seq.num_computed
     return Row(seq, start, seq.context[start:start + n],
-               sample=start + n == seq.context_len)
+               sample=start + n == seq.context_len, pages=self._pages(seq))
+
+  def _pages(self, seq: Sequence) -> tuple[int, ...]:
+    """seq's pages as a row carries them: ensured before its row is made,
+    and changed by nothing else in the step (a preempted sequence's rows
+    leave the plan with its pages)."""
+    return tuple(self.pages.pages(seq.id))
 
   def _make_room(self, seq: Sequence, num_tokens: int, plan: Plan) -> bool:
     """Ensures seq's pages hold num_tokens, preempting the newest running
@@ -302,11 +337,11 @@ class Scheduler:
   def _refusal(self, seq: Sequence) -> str | None:
     """Why seq can never run, in one line, or None."""
     P, new = len(seq.prompt), seq.max_new_tokens
-    if any(s.id == seq.id for s in self._waiting + self._running):
+    if seq.id in self._live:
       return 'its id is already in flight; give each live request its own id'
     if seq.generated or seq.status is not Status.WAITING:
       return 'it was added before; add a fresh Sequence'
-    why = sampling.length_refusal(P, new, self.max_len)
+    why = length_refusal(P, new, self.max_len)
     if why:
       return why
     # The last sampled token is never fed, so never written.

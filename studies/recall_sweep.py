@@ -345,7 +345,8 @@ def run(args) -> dict:
   start, cells = time.perf_counter(), []
   for (K, H), cell in progress.runs(
       list(configs.items()), lambda c: f'cell K={c[0][0]} H={c[0][1]}, '
-      f'{len(c[1])} seed(s)'):
+      f'{len(c[1])} seed(s)', reused=lambda c: all(
+          study.finished(run_dir(out, config)) for config in c[1])):
     mc = config_lib.model_config(cell[0])
     cells.append(dict(K=K, H=H, runs=train_cell(cell, out),
                       kv_bytes=model_lib.kv_bytes_per_token(mc)))

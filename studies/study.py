@@ -1,5 +1,13 @@
-"""What every study script shares: its common flags, a run trained once and
-quietly, a result saved as strict JSON and read back for --report_only."""
+"""What every study shares: its common flags, a run trained once and
+quietly, a conversion made once, a result saved as strict JSON and read
+back for --report_only.
+
+Reuse is keyed by content: a finished run is reused only under the settings
+it was trained with (`check_reusable`), a conversion only while the
+parameters it was made from and its settings are the same (`made_once`:
+the source's fingerprint, `lm.checkpoint.fingerprint`), and a run that
+starts from a conversion only while that conversion is the one it started
+from (`train`'s `start`)."""
 
 from __future__ import annotations
 
@@ -7,10 +15,13 @@ import contextlib
 import json
 import math
 import pathlib
+import shutil
+from typing import Callable
 
-from infra import provenance
-from lm import config_lib
 from train import loop
+from lm import checkpoint
+from lm import config_lib
+from infra import provenance
 from infra.cli import ArgumentParser, int_list, positive_int
 from infra.errors import UserError
 
@@ -124,13 +135,18 @@ def _refuse_if_changed(recorded: pathlib.Path, config, workdir: pathlib.Path,
                     'to train it again')
 
 
-def check_reusable(config, workdir: pathlib.Path):
+def check_reusable(config, workdir: pathlib.Path,
+                   start: pathlib.Path | None = None):
   """Refuses, in one line, a finished run in WORKDIR (final.json) whose
   config.json is not `config` (a study reusing it would report its numbers
   under settings it was not trained with), and an interrupted one that this
   or another study started with other settings (resuming it would mix the
-  two). Call it for every run before any trains, so that a study is refused
-  at its start, not hours in."""
+  two); with `start` (the conversion it starts from, `made_once`'s), a run
+  started from another conversion than START holds now. Call it for every
+  run before any trains, so that a study is refused at its start, not
+  hours in."""
+  if start is not None and workdir.exists():
+    _check_start(workdir, start)
   if not (workdir / 'final.json').exists():
     if (workdir / REQUESTED).exists():
       _refuse_if_changed(workdir / REQUESTED, config, workdir,
@@ -146,15 +162,20 @@ def check_reusable(config, workdir: pathlib.Path):
 
 
 def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
-          on_eval=None) -> dict:
+          on_eval=None, start: pathlib.Path | None = None) -> dict:
   """`train.main`'s loop, its lines (and warnings) in LOG; a finished run
   (WORKDIR/final.json) is reused if it was trained with `config`
   (`check_reusable`, refused otherwise), an interrupted one resumed.
-  on_eval: the loop's (returning True ends the run there, as finished)."""
-  check_reusable(config, workdir)
+  on_eval: the loop's (returning True ends the run there, as finished).
+  start: a conversion (`made_once`'s workdir) the run starts from, copied
+  into WORKDIR with its record of what it was made from, which a rerun
+  checks."""
+  check_reusable(config, workdir, start)
   final = workdir / 'final.json'
   if final.exists():
     return json.loads(final.read_text())
+  if start is not None and not workdir.exists():
+    shutil.copytree(start, workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   requested = workdir / REQUESTED
   if not requested.exists():
@@ -174,6 +195,79 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
 
 
 TRAINED_BY = 'trained_by.json'  # Beside a run `train` trained: its commit.
+
+
+def finished(workdir: pathlib.Path) -> bool:
+  """Whether WORKDIR holds a finished run (which `train` would reuse)."""
+  return (pathlib.Path(workdir) / 'final.json').exists()
+
+
+_FINGERPRINTS: dict = {}
+
+
+def fingerprint(workdir: pathlib.Path) -> str:
+  """The parameters of WORKDIR's latest checkpoint, as 16 hex digits
+  (`lm.checkpoint.fingerprint`); computed once per checkpoint a
+  process reads (keyed by its folder's path, step and modification time,
+  so a checkpoint written again is read again)."""
+  root = pathlib.Path(workdir) / 'checkpoints'
+  steps = [p for p in root.iterdir() if p.name.isdigit()] if root.is_dir() \
+      else []
+  latest = max(steps, key=lambda p: int(p.name), default=None)
+  key = (str(latest and latest.resolve()),
+         latest and latest.stat().st_mtime_ns)
+  if latest is None or key not in _FINGERPRINTS:
+    _, state = checkpoint.restore_latest(workdir)
+    _FINGERPRINTS[key] = checkpoint.fingerprint(state['params'])
+  return _FINGERPRINTS[key]
+
+
+# Beside a conversion `made_once` made: what it was made from (the source's
+# parameters and the conversion's settings). A run that starts from it
+# carries a copy (`train`'s start), which a rerun compares.
+MADE_FROM = 'made_from.json'
+
+
+def made_once(workdir: pathlib.Path, inputs: dict,
+              make: Callable[[], object]) -> pathlib.Path:
+  """WORKDIR as make() writes it from `inputs` (what decides it: e.g.
+  {'source': fingerprint(SOURCE), 'method': 'mean', 'K': 2}), made once:
+  reused while its record (WORKDIR/made_from.json) holds the same inputs,
+  refused in one line when it holds others (runs may have started from
+  it), made again when it has none (interrupted, or made before records
+  were kept)."""
+  record = workdir / MADE_FROM
+  if record.exists():
+    made = json.loads(record.read_text())
+    if made == inputs:
+      return workdir
+    changed = '; '.join(f'{k} {made.get(k, "(absent)")} -> '
+                        f'{inputs.get(k, "(absent)")}'
+                        for k in sorted(made.keys() | inputs.keys())
+                        if made.get(k) != inputs.get(k))
+    raise UserError(f'{workdir} holds a conversion made from other inputs '
+                    f'({changed}); give another --out, or delete {workdir} '
+                    'and the runs started from it to make it again')
+  shutil.rmtree(workdir, ignore_errors=True)
+  workdir.parent.mkdir(parents=True, exist_ok=True)
+  make()
+  partial = record.with_suffix('.partial')
+  partial.write_text(json.dumps(inputs, indent=1))
+  partial.replace(record)
+  return workdir
+
+
+def _check_start(workdir: pathlib.Path, start: pathlib.Path):
+  """Refuses a run in WORKDIR started from another conversion than the one
+  START holds now (its copy of made_from.json differs, or has none)."""
+  read = lambda p: json.loads(p.read_text()) if p.exists() else None
+  mine, now = read(workdir / MADE_FROM), read(start / MADE_FROM)
+  if mine != now:
+    what = ('no record of it (made before studies kept one)' if mine is None
+            else f'made from {mine}, not {now}')
+    raise UserError(f'{workdir} holds a run started from another conversion '
+                    f'than {start} ({what}); give another --out, or delete '
+                    f'{workdir} to train it again')
 
 
 def trained_by(workdirs) -> str | None:

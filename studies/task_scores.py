@@ -10,9 +10,11 @@ without --tasks it is None and lm_eval is never imported. `score(spec,
 workdir, out)` is `evaluation.evaluate.write_results` of WORKDIR into OUT (its
 results.json and report.md, whose provenance is the `python -m
 evaluation.evaluate` command that remakes them), then OUT/scored.json: each
-task's metrics, the settings and the run's final.json. A rerun reuses a
-scored.json of the same settings and the same finished run; anything else
-(other tasks, the run trained again) is scored again. `lines(arms,
+task's metrics, the settings, the run's final.json and the fingerprint of
+the checkpoint scored (`lm.checkpoint.fingerprint`). A rerun reuses a
+scored.json of the same settings, the same finished run and the same
+parameters; anything else (other tasks, the run trained again, another
+checkpoint in its place) is scored again. `lines(arms,
 reference)` and `comparisons(arms, reference)`: the report's tables and
 results.json's paired differences (studies/stats.py).
 """
@@ -26,7 +28,7 @@ import logging
 import math
 import pathlib
 
-from studies import stats
+from studies import stats, study
 from infra.cli import positive_int
 from infra.errors import UserError
 
@@ -87,10 +89,12 @@ def score(what: Spec, workdir: pathlib.Path, out: pathlib.Path) -> dict:
   OUT/scored.json's {'scores': {task: {metric: value}}, 'documents':
   {task: n}, 'higher_is_better': {task: {metric: bool}}, ...}."""
   run = json.loads((workdir / 'final.json').read_text())
+  parameters = study.fingerprint(workdir)
   done = out / 'scored.json'
   if done.exists():
     saved = json.loads(done.read_text())
-    if saved['settings'] == what.settings() and saved['run'] == run:
+    if (saved['settings'] == what.settings() and saved['run'] == run and
+        saved.get('checkpoint') == parameters):
       return saved
   from evaluation import evaluate  # pylint: disable=import-outside-toplevel
   logging.getLogger('lm_eval').setLevel(logging.ERROR)
@@ -101,7 +105,7 @@ def score(what: Spec, workdir: pathlib.Path, out: pathlib.Path) -> dict:
         str(workdir), list(what.tasks), str(out),
         include_path=what.include_path, limit=what.limit,
         argv=[f'--workdir={workdir}', *what.flags(), f'--out={out}'])
-  saved = {'settings': what.settings(), 'run': run,
+  saved = {'settings': what.settings(), 'run': run, 'checkpoint': parameters,
            **main_scores(record, what.tasks)}
   done.write_text(json.dumps(saved, indent=1))
   return saved

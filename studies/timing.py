@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from infra import provenance
-from lm import sampling
+from infra.errors import UserError
 from lm import inference
+from lm import sampling
 from train import loop
 from lm.model import Transformer, unroll_layers
 
@@ -26,20 +27,26 @@ def median_time(fn, repeats: int) -> float:
   return median_times({'fn': fn}, repeats)['fn']
 
 
-def median_times(fns: dict, repeats: int) -> dict:
+def median_times(fns: dict, repeats: int, self_timed: dict | None = None
+                 ) -> dict:
   """{name: median seconds}, the fns timed in turn, round after round.
 
   Interleaving puts every contestant under the same drift of the machine's
   load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
+  self_timed: {name: fn} taking turns with them, each returning its own
+  seconds (a peer in another process, which times itself there).
   """
-  for fn in fns.values():
+  self_timed = self_timed or {}
+  for fn in (*fns.values(), *self_timed.values()):
     jax.block_until_ready(fn())  # Compile and warm up.
-  times = {name: [] for name in fns}
+  times = {name: [] for name in (*fns, *self_timed)}
   for _ in range(repeats):
     for name, fn in fns.items():
       start = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - start)
+    for name, fn in self_timed.items():
+      times[name].append(fn())
   return {name: float(np.median(t)) for name, t in times.items()}
 
 
@@ -58,13 +65,19 @@ def read_bandwidth(repeats: int) -> float:
 
 def decode_step_seconds(mc, batch: int, context: int, repeats: int,
                         steps: int = 8) -> float:
-  """Median time per decoded token (all sequences), cache filled to `context`.
+  """Median time per decoded token (all sequences), cache filled to
+  `context` (`decode_steps`)."""
+  return median_time(decode_steps(mc, batch, context, steps), repeats) / steps
 
-  Times `steps` greedy tokens of `lm.inference.decode`, the loop that
-  train.sample runs, so the cache is updated in place rather than copied:
-  it is donated to each call and handed to the next, its positions set back
-  to `context` (an undonated input would be copied whole into the loop
-  first, on every call).
+
+def decode_steps(mc, batch: int, context: int, steps: int = 8):
+  """A function decoding `steps` greedy tokens for `batch` sequences whose
+  cache is filled to `context`, each call from the same place.
+
+  It runs `lm.inference.decode`, the loop that train.sample runs, so the
+  cache is updated in place rather than copied: it is donated to each call
+  and handed to the next, its positions set back to `context` (an undonated
+  input would be copied whole into the loop first, on every call).
   """
   mc = dataclasses.replace(mc, max_len=context + steps)
   model, params = unroll_layers(
@@ -78,8 +91,8 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
   greedy = sampling.rows([sampling.SamplingParams()] * batch)
 
   def run(cache, token_B):
-    sampled, cache = inference.decode(model, params, cache, token_B, greedy,
-                                      context, steps)
+    sampled, cache = inference.decode(model, params, cache, token_B, greedy, 0,
+                                   steps)
     return sampled, refill(cache)
 
   run = jax.jit(run, donate_argnums=0,
@@ -90,7 +103,20 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
   def go():
     sampled, state['cache'] = run(state['cache'], token)
     return sampled
-  return median_time(go, repeats) / steps
+  return go
+
+
+def ascii_prompts(args) -> list[str]:
+  """--requests prompts of printable ASCII, lengths uniform in
+  --prompt_len (LOW,HIGH), seeded by --seed: the serving benchmarks'
+  JSONL prompts."""
+  low, high = args.prompt_len
+  if low < 1 or low > high:
+    raise UserError(f'--prompt_len={low},{high} must be LOW,HIGH with '
+                    '1 <= LOW <= HIGH')
+  rng = np.random.default_rng(args.seed)
+  return [rng.integers(32, 127, int(rng.integers(low, high + 1))).astype(
+      np.uint8).tobytes().decode() for _ in range(args.requests)]
 
 
 def jax_threads() -> int:

@@ -25,7 +25,7 @@ from attention.latent import MLA
 from attention.tied import GTA
 from attention.core import attention_mask, dot_product_attention
 from configs import tiny
-from serve import paged
+from serve import runner as paged
 from lm import config_lib
 from train import loop
 from lm.model import Transformer
@@ -485,7 +485,7 @@ def test_a_latent_decode_step_runs_no_kernel(paged):
 @pytest.mark.slow
 @pytest.mark.parametrize('kv_cache_dtype', [None, 'int8'])
 def test_the_serving_step_reads_the_pool_in_place(kv_cache_dtype):
-  """The engine's decode step (`serve.paged.forward`) compiled for this CPU:
+  """The engine's decode step (`serve.runner.forward`) compiled for this CPU:
   every layer's attention is the kernel, and no page of the pool is
   gathered; with the kernel off (the control) each layer gathers its keys
   and values."""

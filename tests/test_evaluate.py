@@ -213,6 +213,10 @@ def test_evaluate_writes_results_for_a_trained_and_an_imported_model(
         batch_size=3, data=data, argv=['--limit=2'])  # Programs as above.
     written = json.loads((out / 'results.json').read_text())
     assert set(written['results']) == set(TASKS), name
+    # What was scored, by content (a study's reuse of scores checks it).
+    _, state = checkpoint.restore_latest(path)
+    assert written['checkpoint']['parameters'] == checkpoint.fingerprint(
+        state['params']), name
     assert written['results']['gqa_lab_choice']['sample_len'] == 2
     assert 0 < written['results']['gqa_lab_rolling']['bits_per_byte,none']
     assert written['provenance']['command'] == (

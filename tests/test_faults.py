@@ -420,6 +420,18 @@ def test_study_runs_announce_their_number_elapsed_and_eta():
   assert lines[2].startswith('=== run 3 of 3: C (elapsed 0:00, ETA 0:00')
 
 
+def test_a_reused_run_is_announced_as_reused_not_as_trained():
+  """A resumed study printed its reused runs as if it trained them ("run 1
+  of 14 ... elapsed 0:00"), and counted them in its ETA."""
+  out = io.StringIO()
+  list(progress.runs(['a', 'b', 'c'], str.upper, stream=out,
+                     reused=lambda item: item != 'c'))
+  assert out.getvalue().splitlines() == [
+      '=== run 1 of 3: A: reused (finished before)',
+      '=== run 2 of 3: B: reused (finished before)',
+      '=== run 3 of 3: C (elapsed 0:00, ETA ?)']
+
+
 # Settings that train wrongly must be refused, one line each.
 
 @pytest.mark.parametrize('field, value, message', [
@@ -565,6 +577,8 @@ def _scripts(*args):
      '--config: not used with --layer'),
     ('scripts.bench_decode', ['--layer', '--equal_params'],
      '--equal_params: not used with --layer'),
+    ('scripts.bench_decode', ['--layer', '--llama_cpp'],
+     '--llama_cpp: not used with --layer'),
     ('scripts.bench_train', ['--rounds=0'], 'argument --rounds'),
     ('scripts.bench_train', ['--configs=gqa_small,nope'],
      "unknown config 'nope'"),

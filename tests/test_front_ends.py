@@ -4,7 +4,10 @@
 any --slots, beside other requests, prefilled in chunks) and the lm_eval
 model's `generate_until` (dense cache, batches of contexts) all sample
 through `lm.sampling`: the same prompt, settings and seed give the same
-text, greedy or sampled.
+text, greedy or sampled. The request's seed is `train.sample --seed`, the
+prompt line's "seed" and the gen_kwargs' `seed` (where a request names none,
+serve.generate and the lm_eval model derive one from their own seed and the
+request's id: tests/test_seeds.py).
 """
 
 import json
@@ -43,7 +46,8 @@ def _serve(workdir, tmp_path, settings: SamplingParams, slots: int,
   """The text of request 'me' served with `neighbours` around it."""
   prompts, out = tmp_path / f'p{slots}.jsonl', tmp_path / f'o{slots}.jsonl'
   lines = [{'id': f'n{i}', 'prompt': p} for i, p in enumerate(neighbours)]
-  lines.insert(len(lines) // 2, {'id': 'me', 'prompt': PROMPT})
+  lines.insert(len(lines) // 2, {'id': 'me', 'prompt': PROMPT,
+                                 'seed': settings.seed})
   prompts.write_text(''.join(json.dumps(line) + '\n' for line in lines))
   generate.generate_file(str(workdir), str(prompts), str(out),
                          kv_memory='1MiB', max_new_tokens=NEW,
@@ -54,11 +58,11 @@ def _serve(workdir, tmp_path, settings: SamplingParams, slots: int,
 
 
 def _lm_eval(workdir, settings: SamplingParams) -> str:
-  model = harness.WorkdirLM(str(workdir), batch_size=3, seed=settings.seed)
+  model = harness.WorkdirLM(str(workdir), batch_size=3)
   kwargs = {'until': list(settings.stop) or ['\x00\x00'], 'max_gen_toks': NEW,
             'do_sample': settings.temperature > 0,
             'temperature': settings.temperature, 'top_k': settings.top_k,
-            'top_p': settings.top_p}
+            'top_p': settings.top_p, 'seed': settings.seed}
   requests = [harness_request(context, kwargs)
               for context in ['Def ', PROMPT, 'deg ']]  # Same length: batched.
   return model.generate_until(requests)[1]

@@ -24,7 +24,7 @@ import pytest
 from attention import kv_cache, latent, layer
 from attention.rope import apply_rope
 from configs import tiny
-from serve import engine, paged
+from serve import engine, runner as paged
 from tests import hlo, host_devices, test_mesh
 from tests.test_kv_memory import _decode_in_chunks, _full_pass
 from tests.test_latent import _decode_step_hlo, _expanding_attention

@@ -502,16 +502,16 @@ print(base * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 @pytest.mark.slowest
 @pytest.mark.slow
 def test_the_readme_workflow_runs_on_this_machine(tmp_path):
-  """README: make an MHA model, import it as GQA, prepare the corpus with its
-  tokenizer, uptrain, sample, export;
-  the exported model loads in transformers with the new K/V head count."""
-  readme = (REPO / 'README.md').read_text()
-  block = readme.split('The same commands on this machine')[1]
+  """docs/hugging_face.md: make an MHA model, import it as GQA, prepare the
+  corpus with its tokenizer, uptrain, sample, export; the exported model
+  loads in transformers with the new K/V head count."""
+  page = (REPO / 'docs' / 'hugging_face.md').read_text()
+  block = page.split('The same commands on this machine')[1]
   commands = block.split('```bash\n')[1].split('\n```')[0].splitlines()
   assert len(commands) == 6
   # `python` is this interpreter, as in the environment the README activates.
   path = f'{pathlib.Path(sys.executable).parent}:{os.environ["PATH"]}'
-  # The one warning, which the README explains after the commands.
+  # The one warning, which the page explains after the commands.
   explained = re.search(r'and warns that\s+`(.*?)`', block, re.S).group(1)
   for command in commands:
     result = subprocess.run(command, shell=True, cwd=tmp_path,

@@ -30,7 +30,7 @@ import pytest
 from attention import layout as layout_lib
 from configs import tiny
 from serve import engine as engine_lib
-from serve import paged
+from serve import runner as paged
 from tests import hlo, host_devices, toy_layout  # pylint: disable=unused-import
 from lm import checkpoint, config_lib, evaluator, sampling
 from lm import inference as sample

@@ -1,5 +1,5 @@
 """Attention over the paged KV cache (`attention.kv_cache.PagedCache`,
-`attention.paged`, `serve.paged`) on each platform, proven
+`attention.paged`, `serve.runner`) on each platform, proven
 on a CPU host as `tests/test_accelerators.py` proves splash attention: JAX's
 TPU paged-attention kernel runs here in Pallas's TPU interpret mode against
 the gather path (which `tests/test_serve.py` holds equal to `train.sample`),
@@ -19,7 +19,7 @@ import pytest
 from attention import decode, kv_cache, layer
 from attention import paged as paged_kernel
 from configs import tiny
-from serve import paged
+from serve import runner as paged
 from tests import hlo
 from lm import config_lib
 from train import loop

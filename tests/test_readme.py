@@ -35,10 +35,12 @@ def test_ci_runs_the_readme_test_command():
 
 
 def _command_lines() -> list[tuple[int, str]]:
-  """(block number, line) for every command of the README's bash blocks."""
+  """(block number, line) for every command of the README's bash blocks
+  (a `#` line says what the next one is for)."""
   blocks = re.findall(r'```bash\n(.*?)\n```', README.read_text(), re.S)
   return [(i, line) for i, block in enumerate(blocks)
-          for line in block.splitlines() if line.strip()]
+          for line in block.splitlines()
+          if line.strip() and not line.lstrip().startswith('#')]
 
 
 def _invocations(line: str) -> list[list[str]]:

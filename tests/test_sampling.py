@@ -1,5 +1,11 @@
 """Specification of choosing the next token (`lm.sampling`)."""
 
+import hashlib
+import os
+import re
+import subprocess
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -7,6 +13,7 @@ import numpy as np
 import pytest
 
 from lm import sampling
+from lm import sampling_params
 from infra.errors import UserError
 from lm.sampling import SamplingParams
 
@@ -53,9 +60,10 @@ def test_top_k_and_top_p_together_take_the_smaller_set():
                     n=1000)) == {2, 3}
 
 
-def test_a_token_depends_only_on_its_seed_and_position():
-  """The same (settings, seed, position) gives the same token in any row of
-  any batch, beside any neighbours: what makes the front ends agree."""
+def test_a_token_depends_only_on_its_seed_and_index():
+  """The same (settings, seed, index in the generation) gives the same token
+  in any row of any batch, beside any neighbours: what makes the front ends
+  agree."""
   rng = np.random.default_rng(0)
   logits_BV = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
   mine = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7)
@@ -63,22 +71,21 @@ def test_a_token_depends_only_on_its_seed_and_position():
             SamplingParams(temperature=1.0, top_p=0.3, seed=7),
             SamplingParams(temperature=0.5, top_k=1, seed=1),
             SamplingParams(temperature=1.0, seed=99)]
-  positions = jnp.array([11, 3, 4, 5, 6, 7])
-  alone = sampling.sample(logits_BV[:1], sampling.rows([mine]),
-                          positions[:1])
+  indices = jnp.array([11, 3, 4, 5, 6, 7])
+  alone = sampling.sample(logits_BV[:1], sampling.rows([mine]), indices[:1])
   for row in range(6):  # `mine` moved to each row, with its logits.
     order = others[:row] + [mine] + others[row:]
     perm = [1, 2, 3, 4, 5]
     perm.insert(row, 0)
     batch = sampling.sample(logits_BV[jnp.array(perm)], sampling.rows(order),
-                            positions[jnp.array(perm)])
+                            indices[jnp.array(perm)])
     chex.assert_trees_all_equal(batch[row], alone[0])
 
 
-def test_seed_and_position_each_change_the_draws():
+def test_seed_and_index_each_change_the_draws():
   base = _draws(SamplingParams(temperature=1.0, seed=1))
   assert (base != _draws(SamplingParams(temperature=1.0, seed=2))).mean() > 0.3
-  # The same seed at positions shifted by one: other keys.
+  # The same seed at indices shifted by one: other keys.
   logits_BV = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS)), (400, 4))
   shifted = np.asarray(sampling.sample(
       logits_BV, sampling.rows([SamplingParams(temperature=1.0, seed=1)] *
@@ -86,11 +93,42 @@ def test_seed_and_position_each_change_the_draws():
   assert (base[1:] == shifted[:-1]).all() and (base != shifted).mean() > 0.3
 
 
-def test_the_key_of_a_token_is_seed_then_position():
+def test_the_key_of_a_token_is_its_requests_seed_then_its_index():
+  """vLLM's per-request generator: key(seed) alone, the token's index in
+  its generation folded in (not its position in the sequence, which the
+  prompt's length would shift)."""
   key = sampling.token_keys(jnp.array([5], jnp.uint32), jnp.array([9]))[0]
-  expected = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 5), 9)
+  expected = jax.random.fold_in(jax.random.key(5), 9)
   chex.assert_trees_all_equal(jax.random.key_data(key),
                               jax.random.key_data(expected))
+
+
+def test_requests_of_different_seeds_draw_uncorrelated_streams():
+  """Two requests' draws at the same indices, from the same distribution:
+  as often equal as independent draws are (sum of p^2 = 0.3), not more."""
+  n = 4000
+  a = _draws(SamplingParams(temperature=1.0, seed=1), n=n)
+  b = _draws(SamplingParams(temperature=1.0, seed=2), n=n)
+  same = (a == b).mean()
+  expected = (PROBS ** 2).sum()
+  assert abs(same - expected) < 4 * np.sqrt(expected * (1 - expected) / n)
+
+
+def test_a_request_seed_is_derived_from_the_seed_and_the_id_stably():
+  """SHA-256 of [seed, id] as compact JSON, its first 4 bytes: the same in
+  any process (Python's hash() of a str is salted per process), another for
+  another id or seed, any JSON id."""
+  digest = hashlib.sha256(b'[3,"a"]').digest()
+  assert sampling.request_seed(3, 'a') == int.from_bytes(digest[:4], 'big')
+  seeds = {sampling.request_seed(s, i) for s in (0, 1)
+           for i in ('a', 'b', 7, None, [1, 2], {'k': 1})}
+  assert len(seeds) == 12 and all(0 <= s < 2**32 for s in seeds)
+  code = 'from lm import sampling; print(sampling.request_seed(3, "a"))'
+  for salt in ('1', '2'):
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                         text=True, check=True,
+                         env={**os.environ, 'PYTHONHASHSEED': salt})
+    assert int(out.stdout) == sampling.request_seed(3, 'a')
 
 
 @pytest.mark.parametrize('params, message', [
@@ -105,7 +143,7 @@ def test_the_key_of_a_token_is_seed_then_position():
     (SamplingParams(stop=('',)), "--stop=[''] must be non-empty strings"),
 ])
 def test_settings_out_of_range_are_refused_in_one_line(params, message):
-  with pytest.raises(UserError, match='^' + __import__('re').escape(message)):
+  with pytest.raises(UserError, match='^' + re.escape(message)):
     params.check(vocab_size=4)
 
 
@@ -153,3 +191,27 @@ def test_a_program_specialised_to_what_the_rows_need_draws_the_same(batch):
       jax.jit(sampling.sample, static_argnames='needs')(
           logits_BV, settings, positions, needs=needs),
       sampling.sample(logits_BV, settings, positions))
+
+
+def test_stop_strings_found_as_tokens_come_where_the_whole_text_finds_them():
+  """The engine checked its stop strings by decoding the whole text after
+  every token (quadratic in the length). `StopStrings` decodes the newest
+  tokens only and stops where the whole text first holds a stop string,
+  multi-byte characters split across tokens included."""
+  rng = np.random.default_rng(0)
+  text = ''.join(rng.choice(list('ab é€😀\n'), 400))
+  tokens = list(text.encode())
+  for stop in (('😀a',), ('\n\n', 'é€'), ('€ b',), ('never',)):
+    decoded = []
+    def decode(ids):
+      decoded.append(len(ids))
+      return _decode(ids)
+    checker = sampling_params.StopStrings(decode, stop)
+    found = next((n for n, t in enumerate(tokens) if checker.add(t)), None)
+    whole = next((n for n in range(len(tokens)) if sampling.stop_at(
+        _decode(tokens[:n + 1]), stop) is not None), None)
+    assert found == whole, stop
+    # A few tokens decoded per token (a 4-byte character's held back while
+    # it is incomplete; the whole text once, to confirm): linear, where
+    # decoding the whole text after every token was n(n + 1)/2 (280k here).
+    assert sum(decoded) <= 10 * len(tokens), stop

@@ -8,12 +8,13 @@ changes what is sampled, and the reference (decoding each request alone, by
 the same hash of its context) no longer matches.
 """
 
+import subprocess
+import sys
 import zlib
 
 import pytest
 
-from serve.kv_pages import (SCRATCH_PAGE, DoubleFree, KVPageError,
-                            KVPageManager)
+from serve.pages import SCRATCH_PAGE, DoubleFree, KVPageError, KVPageManager
 from serve.scheduler import (Plan, RequestRefused, Scheduler, Sequence,
                              Status)
 from infra.errors import UserError
@@ -43,10 +44,13 @@ class FakeModel:
     self.pool = [[None] * pages.page_size for _ in range(pages.num_pages)]
 
   def step(self, plan: Plan) -> dict[str, int]:
+    """Each row through the pages the plan gives it (`Row.pages`), as the
+    runner reads them: never the page manager."""
     size, sampled = self.pages.page_size, {}
     for row in plan.rows:
-      table = self.pages.pages(row.seq.id)
+      table = row.pages
       assert len(table) * size >= row.end  # Its pages hold what it writes.
+      assert list(table) == self.pages.pages(row.seq.id)  # And are its own.
       for pos, token in enumerate(row.tokens, row.start):
         self.pool[table[pos // size]][pos % size] = token
       if row.sample:
@@ -99,7 +103,7 @@ def test_each_request_generates_what_it_would_alone(num_pages, page_size,
     assert seqs[i].finish_reason == 'length'
   if num_pages == 9:  # The pool is too small to hold all at their peak.
     assert sched.stats.preemptions > 0 and pages.high_water == pages.usable
-  assert sched.stats.finished == len(MIXED)
+  assert sched.stats.done == len(MIXED)
 
 
 def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks():
@@ -322,3 +326,15 @@ def test_a_pool_too_small_is_refused_with_what_to_give(num_pages, page_size):
   with pytest.raises(KVPageError,
                      match=r'give num_pages >= 2 .* page_size >= 1'):
     KVPageManager(num_pages, page_size)
+
+
+def test_the_scheduler_and_its_pages_import_nothing_that_imports_jax():
+  """Issue 58: the scheduler imported train.sampling, which imports JAX.
+  The policy and the page manager are host code: a process importing them
+  (and the prompt reader) holds no jax module."""
+  code = ('import sys; import serve.scheduler, serve.pages, serve.prompts; '
+          'print(sorted(m for m in sys.modules if m.split(".")[0] in '
+          '("jax", "jaxlib", "flax")))')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                       text=True, check=True)
+  assert out.stdout.strip() == '[]'

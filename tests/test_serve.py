@@ -23,11 +23,15 @@ import pytest
 
 from configs import tiny
 from scripts import bench_serve
-from serve import engine, generate, paged, pages
+from serve import engine, generate, pages, runner
+from serve import prompts as prompts_lib
+from serve import results as results_lib
 from tests.test_faults import _one_line_error, _run
-from lm import checkpoint, config_lib, model as model_lib
-from lm import inference
 from train import loop
+from lm import checkpoint
+from lm import config_lib
+from lm import model as model_lib
+from lm import inference
 from lm import sampling
 from infra.errors import UserError
 from lm.model import Transformer
@@ -38,10 +42,10 @@ REPO = pathlib.Path(__file__).parent.parent
 def _alone(mc, params, prompt, new, settings=None):
   """train.sample's tokens for one prompt decoded by itself (greedy unless
   settings say otherwise)."""
-  rows = None if settings is None else sampling.rows([settings])
-  out = inference.generate(params, jnp.asarray(prompt)[None], rows,
-                           model=Transformer(mc, decode=True),
-                           max_new_tokens=new)
+  out = inference.generate(params, jnp.asarray(prompt)[None],
+                        None if settings is None else sampling.rows([settings]),
+                        model=Transformer(mc, decode=True),
+                        max_new_tokens=new)
   return np.asarray(out[0]).tolist()
 
 
@@ -84,10 +88,10 @@ def test_the_allocator_reuses_returned_pages_and_never_hands_out_page_0():
          kv_cache_dtype='bfloat16')])
 def test_a_page_holds_the_bytes_the_models_kv_count_gives(model):
   mc = _config(**model)
-  pool = paged.empty_pool(mc, 3, 8)
+  pool = runner.empty_pool(mc, 3, 8)
   every_global = dataclasses.replace(mc, attention_pattern='G',
                                      local_window=None)
-  assert sum(x.nbytes for x in jax.tree.leaves(pool)) == 3 * paged.page_bytes(
+  assert sum(x.nbytes for x in jax.tree.leaves(pool)) == 3 * runner.page_bytes(
       mc, 8) == 3 * model_lib.kv_cache_bytes(every_global, 1, 8)
 
 
@@ -103,7 +107,7 @@ def test_more_prompts_than_slots_in_a_small_pool_each_equal_to_decoding_alone():
   requests = [engine.Request(i, rng.integers(0, 256, P).astype(np.int32), new)
               for i, (P, new) in enumerate(MIXED)]
   need = sum(pages.pages_for(P + new, 8) for P, new in MIXED)  # 13 pages.
-  served = engine.Engine(mc, params, kv_memory=9 * paged.page_bytes(mc, 8),
+  served = engine.Engine(mc, params, kv_memory=9 * runner.page_bytes(mc, 8),
                          page_size=8, slots=2)
   results = {r.id: r for r in served.run(requests)}
   assert served.stats.usable_pages == 8 < need
@@ -131,7 +135,7 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(admission):
                              new, sampling=hot if i % 2 else
                              sampling.SamplingParams())
               for i, (P, new) in enumerate(MIXED)]
-  served = engine.Engine(mc, params, kv_memory=9 * paged.page_bytes(mc, 4),
+  served = engine.Engine(mc, params, kv_memory=9 * runner.page_bytes(mc, 4),
                          page_size=4, slots=3, prefill_chunk=8,
                          admission=admission)
   results = {r.id: r for r in served.run(requests)}
@@ -220,12 +224,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
 
 
 def test_buckets_pad_by_less_than_a_quarter_past_8_with_few_sizes():
-  sizes = [engine.bucket(n) for n in range(1, 129)]
+  sizes = [runner.bucket(n) for n in range(1, 129)]
   assert sizes[:8] == list(range(1, 9))  # 9 pages read as 10, not 16:
   assert sizes[8] == 10 and sizes[18] == 20  # 19 busy slots run as 20.
   assert all(n <= size < 1.25 * n for n, size in enumerate(sizes, 1))
   assert len(set(sizes)) == 24
-  assert [engine.bucket(n, 1) for n in (1, 3, 9, 19)] == [1, 4, 16, 32]  # pylint: disable=protected-access
+  assert [runner.bucket(n, 1) for n in (1, 3, 9, 19)] == [1, 4, 16, 32]  # pylint: disable=protected-access
 
 
 @pytest.mark.slow
@@ -259,7 +263,7 @@ def test_mla_is_served_from_a_paged_int8_latent_cache():
   mc, params = _random_model(attention='mla', num_kv_heads=4,
                              kv_cache_dtype='int8',
                              mla=dict(kv_lora_rank=8, qk_rope_head_dim=4))
-  pool = paged.empty_pool(mc, 3, 4)
+  pool = runner.empty_pool(mc, 3, 4)
   assert set(pool['layers_0']['attention']) >= {'cached_latent'}
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=2,
                          prefill_chunk=4)
@@ -307,18 +311,32 @@ def test_the_engine_refuses_bad_requests_typed_and_in_one_line():
 def test_a_rerun_keeps_results_and_retries_errors_and_a_cut_short_line(
     tmp_path):
   out = tmp_path / 'out.jsonl'
-  results = [{'id': 'a', 'text': 'x', 'tokens': [120]},
-             {'id': 7, 'text': '', 'tokens': []}]
+  results = [{'id': 'a', 'text': 'x', 'tokens': [120], 'request': 'r1'},
+             {'id': 7, 'text': '', 'tokens': [], 'request': 'r2'}]
   _write_lines(out, [results[0], {'id': 'b', 'error': 'empty prompt; ...'},
-                     {'id': None, 'line': 3, 'error': 'line 3: not JSON'},
-                     results[1]])
+                     {'line': 3, 'error': 'line 3: not JSON'}, results[1]])
   out.write_text(out.read_text() + '{"id": "c", "te')  # Killed mid-write.
-  kept, done = generate.read_out(out)
-  assert done == {'"a"', '7'}  # 'b', line 3 and 'c' are run again.
-  generate.rewrite(out, kept)
-  assert [json.loads(line) for line in out.read_text().splitlines()] == (
-      results)
+  held = results_lib.plan(out, retry_errors=True)
+  # 'b', line 3 and 'c' are run again.
+  assert held.done == {prompts_lib.digest('"a"'): 'r1',
+                       prompts_lib.digest('7'): 'r2'}
+  results_lib.compact(out, held.drop)
+  assert _lines(out) == results
   assert [p.name for p in tmp_path.iterdir()] == ['out.jsonl']
+
+
+def test_the_last_line_for_an_id_wins_and_replaces_the_ones_before(tmp_path):
+  """A regenerated request's line is appended; the run's end drops the
+  line it replaces, and an error after a result means: not done."""
+  out = tmp_path / 'out.jsonl'
+  old, new = ({'id': 'a', 'text': 'x', 'request': 'r1'},
+              {'id': 'a', 'text': 'y', 'request': 'r2'})
+  _write_lines(out, [old, {'id': 'b', 'text': 'z', 'request': 'r3'}, new,
+                     {'id': 'b', 'error': 'empty prompt'}])
+  held = results_lib.plan(out, retry_errors=False)
+  assert held.done == {prompts_lib.digest('"a"'): 'r2'}
+  results_lib.compact(out, held.drop)
+  assert _lines(out) == [new, {'id': 'b', 'error': 'empty prompt'}]
 
 
 class _Bytes:
@@ -330,14 +348,16 @@ def test_a_max_new_tokens_leaving_no_room_is_one_line_unless_lines_give_theirs(
   prompts = tmp_path / 'prompts.jsonl'
   _write_lines(prompts, [{'id': 'own', 'prompt': 'ab', 'max_new_tokens': 4},
                          {'id': 'flag', 'prompt': 'c'}])
-  requests, _, defaulted = generate.read_prompts(prompts, _Bytes, 32)
-  assert [r.max_new_tokens for r in requests] == [4, 32]
-  assert defaulted == {'"flag"'}
+  lines = [prompts_lib.parse(n, text, 32, sampling.SamplingParams())
+           for n, text in enumerate(prompts.read_text().splitlines(), 1)]
+  assert [line.max_new_tokens for line in lines] == [4, 32]
+  found = prompts_lib.scan(prompts)
+  assert (found.defaulted, found.first_defaulted) == (1, 'flag')
   with pytest.raises(UserError, match=r'^--max_new_tokens=32 leaves no room '
                      r'for a prompt in model.max_len \(32\), so 1 request'):
-    generate.check_max_new_tokens(32, 32, ['flag'])
-  generate.check_max_new_tokens(31, 32, ['flag'])  # A one-token prompt fits.
-  generate.check_max_new_tokens(32, 32, [])  # Every line gives its own.
+    generate.check_max_new_tokens(32, 32, 1, 'flag')
+  generate.check_max_new_tokens(31, 32, 1, 'flag')  # A one-token prompt fits.
+  generate.check_max_new_tokens(32, 32, 0)  # Every line gives its own.
 
 
 def test_the_summary_counts_refusals_and_exits_1_when_any(capsys):
@@ -367,13 +387,13 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
       {'id': 7, 'prompt': 'import', 'max_new_tokens': 4}])
   mc, params, _ = checkpoint.load_workdir(str(trained))
   # 3 usable pages of 8 tokens: 'big' (32 tokens, 4 pages) can never fit.
-  memory = str(4 * paged.page_bytes(mc, 8))
+  memory = str(4 * runner.page_bytes(mc, 8))
   run = lambda: generate.generate_file(str(trained), str(prompts), str(out),
                                        kv_memory=memory, max_new_tokens=10,
                                        page_size=8, slots=1)
   stats = run()
   lines = [json.loads(line) for line in out.read_text().splitlines()]
-  by_key = {(e['id'], e.get('line')): e for e in lines}
+  by_key = {(e.get('id'), e.get('line')): e for e in lines}
   assert len(lines) == 7 and stats.high_water_pages <= 3
   assert (stats.done, stats.refused) == (2, 5)
   assert by_key[(None, 2)]['error'].startswith('line 2: not JSON')
@@ -391,7 +411,7 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   # A rerun into the same OUT retries only the refused (refused again, their
   # lines replaced, not repeated); a cut-short last line (a kill mid-write)
   # is redone.
-  fields = lambda e: str([e['id'], e.get('line'), e.get('tokens'),
+  fields = lambda e: str([e.get('id'), e.get('line'), e.get('tokens'),
                           e.get('error')])
   read = lambda: sorted(map(fields, map(json.loads,
                                         out.read_text().splitlines())))
@@ -406,7 +426,8 @@ def test_bad_requests_are_one_line_each_and_the_rest_are_served_once(
   prompts.write_text(text)
   stats = run()
   assert (stats.done, stats.refused) == (1, 4)
-  fixed = {e['id']: e for e in map(json.loads, out.read_text().splitlines())}
+  fixed = {e.get('id'): e for e in map(json.loads,
+                                         out.read_text().splitlines())}
   assert len(out.read_text().splitlines()) == 7
   assert fixed['empty']['tokens'] == by_key[('a', None)]['tokens']
   # --max_new_tokens leaving no room for a prompt: one line before any work.
@@ -448,7 +469,7 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
   runs = [engine() | alone() | static() for _ in range(3)]
   row = bench_serve.summarize(runs)
   assert row['tokens'] == sum(new for _, new in trace)
-  assert row['usable_pages'] == 24 * 2**10 // paged.page_bytes(mc, 8) - 1
+  assert row['usable_pages'] == 24 * 2**10 // runner.page_bytes(mc, 8) - 1
   assert row['tokens_per_sec'] > 0 and row['alone_tokens_per_sec'] > 0
   assert row['tokens_per_cpu_sec'] > 0 and row['alone_tokens_per_cpu_sec'] > 0
   assert 1 <= row['mean_in_flight'] <= 2
@@ -522,14 +543,15 @@ def _ynn_dots(compiled_text: str) -> int:
 def test_the_cpu_decode_step_leaves_its_matmuls_to_xla_not_ynnpack():
   mc, params = _random_model()
   served = engine.Engine(mc, params, kv_memory=2**20, page_size=4, slots=8)
-  runner, B = served.runner, 8
+  model_runner, B = served.runner, 8
   rows = lambda: np.zeros(B, np.int32)
-  args = (runner.params, runner.pool, np.zeros((B, 1), np.int32),
+  args = (model_runner.params, model_runner.pool, np.zeros((B, 1), np.int32),
           np.zeros((B, 2), np.int32), rows(), None,
-          sampling.rows([sampling.SamplingParams()] * B))
-  ours = runner._step.lower(*args).compile().as_text()  # pylint: disable=protected-access
+          sampling.rows([sampling.SamplingParams()] * B), rows())
+  ours = model_runner._step.lower(*args).compile().as_text()  # pylint: disable=protected-access
   control = jax.jit(functools.partial(  # The same step, XLA's defaults.
-      engine._run_rows, runner.model)).lower(*args).compile().as_text()  # pylint: disable=protected-access
+      runner._run_rows, model_runner.model)).lower(  # pylint: disable=protected-access
+          *args).compile().as_text()
   assert _ynn_dots(control) > 0
   assert _ynn_dots(ours) == 0
 
@@ -614,7 +636,7 @@ def test_a_rerun_under_other_settings_is_refused_naming_the_difference(
 def test_a_second_process_on_the_same_out_is_refused(trained, tmp_path):
   prompts = _prompts(tmp_path / 'prompts.jsonl', ['a'])
   out = tmp_path / 'out.jsonl'
-  with generate._Lock(out):  # pylint: disable=protected-access
+  with results_lib.Lock(out):
     with pytest.raises(UserError, match=r'^out.jsonl is being written by '
                        rf'serve.generate pid {os.getpid()}; wait for it to '
                        'end or give another --out$'):
@@ -627,19 +649,19 @@ def test_a_full_disk_is_one_line_and_a_rerun_completes_the_rest(
     trained, tmp_path, monkeypatch):
   prompts = _prompts(tmp_path / 'prompts.jsonl', ['a', 'b', 'c', 'd'])
   out = tmp_path / 'out.jsonl'
-  entry, written = generate._entry, []  # pylint: disable=protected-access
+  entry, written = generate._Run._entry, []  # pylint: disable=protected-access
   def fills_up(*args):
     if len(written) == 2:
       raise OSError(errno.ENOSPC, 'No space left on device')
     written.append(1)
     return entry(*args)
-  monkeypatch.setattr(generate, '_entry', fills_up)
+  monkeypatch.setattr(generate._Run, '_entry', fills_up)  # pylint: disable=protected-access
   with pytest.raises(UserError, match=r'^cannot write .*out.jsonl \(No space '
                      r'left on device\); free space and rerun the same '
                      'command: the results written are kept'):
     _generate(trained, prompts, out)
   assert len(_lines(out)) == 2
-  monkeypatch.setattr(generate, '_entry', entry)
+  monkeypatch.undo()
   _generate(trained, prompts, out)
   assert sorted(e['id'] for e in _lines(out)) == ['a', 'b', 'c', 'd']
 
@@ -691,8 +713,9 @@ def test_prompt_lines_with_unknown_keys_or_no_prompt_are_refused_by_id(
   stats = _generate(trained, prompts, out)
   by_id = {e['id']: e for e in _lines(out)}
   assert by_id['hot']['error'] == (
-      'line 1: unknown key(s) temperature; a line takes "id", "prompt" and '
-      '"max_new_tokens" (sampling is set by the flags)')
+      'line 1: unknown key(s) temperature; a line takes "id", "prompt", '
+      '"max_new_tokens" and "seed" (the rest of sampling is set by the '
+      'flags)')
   assert by_id['none']['error'].startswith('line 2: needs a "prompt" string')
   assert 'tokens' in by_id['ok'] and (stats.done, stats.refused) == (1, 2)
 

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs import tiny
@@ -15,6 +17,7 @@ from scripts import compare
 from studies import report, study
 from studies.compare import design, plots
 from studies.compare import runs as compare_runs
+from lm import checkpoint
 from lm import config_lib
 from infra.errors import UserError
 
@@ -219,3 +222,83 @@ def test_compare_report_only_rebuilds_what_results_json_holds(
   assert not list(out.glob('control_s*'))
   assert ('Negative control (a model without context): left out '
           '(--no_control, or one seed)') in (out / 'report.md').read_text()
+
+
+def _retrained(workdir):
+  """WORKDIR's checkpoints replaced by other parameters (its final.json and
+  config.json kept): a run trained again in its place, or a hand edit."""
+  _, state = checkpoint.restore_latest(workdir)
+  other = jax.tree.map(lambda x: np.asarray(x) + 1, state['params'])
+  shutil.rmtree(workdir / 'checkpoints')
+  checkpoint.save_params(workdir, other)
+
+
+def test_a_conversion_is_reused_only_from_the_same_parameters(trained,
+                                                              tmp_path):
+  """A study's conversion was reused when its folder held a config.json,
+  whatever it was made from. Now its record (the source's fingerprint and
+  the settings) decides: the same, reused; another source or setting,
+  refused in one line; none (interrupted), made again."""
+  source = tmp_path / 'source'
+  shutil.copytree(trained, source)
+  made = []
+  def make(workdir):
+    return lambda: (workdir.mkdir(), made.append(workdir))
+  converted = tmp_path / 'converted'
+  inputs = lambda: {'source': study.fingerprint(source), 'method': 'mean',
+                    'K': 1}
+  study.made_once(converted, inputs(), make(converted))
+  study.made_once(converted, inputs(), make(converted))
+  assert len(made) == 1  # Reused.
+  with pytest.raises(UserError, match=r"holds a conversion made from other "
+                     r"inputs \(K 1 -> 2\); give another --out, or delete "):
+    study.made_once(converted, {**inputs(), 'K': 2}, make(converted))
+  _retrained(source)
+  with pytest.raises(UserError, match=r'made from other inputs \(source '
+                     r'[0-9a-f]{16} -> [0-9a-f]{16}\)'):
+    study.made_once(converted, inputs(), make(converted))
+  (converted / study.MADE_FROM).unlink()  # As if interrupted.
+  study.made_once(converted, inputs(), make(converted))
+  assert len(made) == 2
+
+
+def test_a_run_started_from_another_conversion_is_refused(trained,
+                                                          tmp_path):
+  """An uptraining run copies its conversion (and its record); a rerun
+  whose conversion was made again from other inputs refuses the run that
+  started from the old one, which its config alone could not tell."""
+  converted = tmp_path / 'converted'
+  study.made_once(converted, {'source': 'a'},
+                  lambda: shutil.copytree(trained, converted))
+  run = tmp_path / 'run'
+  shutil.copytree(converted, run)  # What `train` does with start=.
+  study.check_reusable(tiny.get_config(), run, start=converted)
+  shutil.rmtree(converted)
+  study.made_once(converted, {'source': 'b'},
+                  lambda: shutil.copytree(trained, converted))
+  with pytest.raises(UserError, match=r"run holds a run started from another "
+                     r"conversion than .*converted \(made from \{'source': "
+                     r"'a'\}, not \{'source': 'b'\}\); give another --out"):
+    study.check_reusable(tiny.get_config(), run, start=converted)
+
+
+def test_task_scores_are_scored_again_for_another_checkpoint(
+    trained, tmp_path, monkeypatch):
+  """scored.json was reused when the settings and final.json matched,
+  though the checkpoint in the workdir had been replaced."""
+  from evaluation import evaluate  # pylint: disable=import-outside-toplevel
+  from studies import task_scores  # pylint: disable=import-outside-toplevel
+  workdir = tmp_path / 'run'
+  shutil.copytree(trained, workdir)
+  calls = []
+  def scored(*args, **kwargs):
+    calls.append(args)
+    return {'results': {'t': {'acc,none': 0.5}}}
+  monkeypatch.setattr(evaluate, 'write_results', scored)
+  what = task_scores.Spec(('t',))
+  first = task_scores.score(what, workdir, tmp_path / 'scores')
+  assert task_scores.score(what, workdir, tmp_path / 'scores') == first
+  assert len(calls) == 1
+  _retrained(workdir)
+  again = task_scores.score(what, workdir, tmp_path / 'scores')
+  assert len(calls) == 2 and again['checkpoint'] != first['checkpoint']

@@ -256,8 +256,7 @@ def setup(config, path: epath.Path, mesh, is_chief: bool) -> Run:
     reporter.message('reused the compiled train step' if reused else
                      'compiled the train step in '
                      f'{time.perf_counter() - t0:.1f}s')
-  evaluate = evaluator.build(config, dataset, mesh, program.eval_step(
-      program.state_sharding.params))
+  evaluate = evaluator.build(config, dataset, mesh, program.eval_step())
 
   written = path / 'config.json'
   config_file = _ConfigFile(written, config.to_json(indent=2), (
@@ -345,13 +344,11 @@ class _Programs:
         return fn.lower(state, batch, schedule_args(tc)).compile()
     return self._get('step', build)
 
-  def eval_step(self, params_sharding):
-    """`evaluator.eval_program` for this run, params laid out by
-    params_sharding (None: replicated)."""
-    return self._get(('eval', params_sharding is None),
-                     lambda: evaluator.eval_program(
-                         self.model, self.mesh, self.weights_T,
-                         params_sharding))[0]
+  def eval_step(self):
+    """`evaluator.eval_program` for this run's params, laid out as its
+    state."""
+    return self._get('eval', lambda: evaluator.eval_program(
+        self.model, self.mesh, self.weights_T, self.state_sharding.params))[0]
 
 
 def _check_resume(config, path: epath.Path):

@@ -59,7 +59,9 @@ def train(out: pathlib.Path, configs: dict, control_K: int, tasks
       list(configs.items()),
       lambda c: {'control': f'control (K={control_K}, no context)',
                  'aa': f'A/A (K={control_K}, K/V initialisation redrawn)'}.get(
-                     c[0][0], f'num_kv_heads={c[0][0]}') + f' seed={c[0][1]}'):
+                     c[0][0], f'num_kv_heads={c[0][0]}') + f' seed={c[0][1]}',
+      reused=lambda c: study.finished(
+          out / f'{design.run_name(c[0][0])}_s{c[0][1]}')):
     workdir = out / f'{design.run_name(K)}_s{seed}'
     if K == 'aa':
       design.aa_start(workdir, config, seed)

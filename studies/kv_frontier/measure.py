@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
-import shutil
 import time
 
 import jax
@@ -65,10 +64,15 @@ def measure(out: pathlib.Path, panel: Panel, v: Variant, seeds, steps: int
   for seed in seeds:
     config = variant_config(panel.config, v, seed, steps, panel.window)
     workdir = out / 'runs' / f'{v.name}_s{seed}'
-    print(f'=== {v.name}, seed {seed}', flush=True)
+    print(f'=== {v.name}, seed {seed}{_reused(workdir)}', flush=True)
     study.train(config, workdir, workdir / 'log.txt')
     workdirs.append(workdir)
   return _record(v.name, v, workdirs)
+
+
+def _reused(workdir: pathlib.Path) -> str:
+  """What a run's announcement adds when a rerun reuses it."""
+  return ': reused (finished before)' if study.finished(workdir) else ''
 
 
 def _record(name: str, v: Variant, workdirs, **fields) -> dict:
@@ -105,12 +109,16 @@ def measure_conversion(out: pathlib.Path, source: Variant, target: Variant,
   name = f'{target.name}_from_{source.name}'
   for seed in seeds:
     workdir = out / 'runs' / f'{name}_s{seed}'
-    if not (workdir / 'convert.json').exists():
-      shutil.rmtree(workdir, ignore_errors=True)  # An interrupted one.
+    source_dir = out / 'runs' / f'{source.name}_s{seed}'
+    def make(workdir=workdir, source_dir=source_dir):
       with (out / 'runs' / 'convert_log.txt').open('a') as f, (
           contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
-        convert.convert_to_mla(str(out / 'runs' / f'{source.name}_s{seed}'),
-                               str(workdir), **target.layout()['mla'])
+        convert.convert_to_mla(str(source_dir), str(workdir),
+                               **target.layout()['mla'])
+    study.made_once(workdir, {'source': study.fingerprint(source_dir),
+                              'conversion': 'convert_to_mla',
+                              'kv_lora_rank': target.latent,
+                              'qk_rope_head_dim': target.rope}, make)
     converted.append(workdir)
     up = out / 'runs' / f'{name}_up{uptrain_steps}_s{seed}'
     config = config_lib.load(str(workdir))
@@ -120,11 +128,9 @@ def measure_conversion(out: pathlib.Path, source: Variant, target: Variant,
                         log_every=max(1, uptrain_steps // 10),
                         warmup_steps=min(config.train.warmup_steps,
                                          uptrain_steps // 4))
-    if not up.exists():
-      shutil.copytree(workdir, up)
-    print(f'=== {name}, uptraining {uptrain_steps} steps, seed {seed}',
-          flush=True)
-    study.train(config, up, up / 'log.txt')
+    print(f'=== {name}, uptraining {uptrain_steps} steps, seed {seed}'
+          f'{_reused(up)}', flush=True)
+    study.train(config, up, up / 'log.txt', start=workdir)
     uptrained.append(up)
   return [_record(f'{name} converted', target, converted,
                   source=source.name, uptrain_steps=0),

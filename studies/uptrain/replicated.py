@@ -82,7 +82,8 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
   for arm, seed in progress.runs(
       [(a, s) for a in replicated_arms(N, kv_heads) for s in seeds],
       lambda p: f'S={S} seed {config.seed}: {p[0].method} -> K={p[0].K}, '
-      f'uptraining seed {p[1]}'):
+      f'uptraining seed {p[1]}', reused=lambda p: study.finished(
+          out / 'runs' / p[0].name / f's{p[1]}')):
     curve = uptrain(out, f'runs/{arm.name}/s{seed}',
                     convert_one(out, source_dir, arm, seed), config,
                     read['top'], rate, seed, read['every'])
@@ -92,7 +93,8 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
   scratches = [{'K': K, 'seed': config.seed, 'curve': scratch(
       out, config, K, config.seed, S)} for K in progress.runs(
           scratch_kv_heads, lambda K: f'S={S} seed {config.seed}: K={K} from '
-          f'scratch, {S} steps')]
+          f'scratch, {S} steps', reused=lambda K: study.finished(
+              out / 'scratch' / f'K{K}_s{config.seed}'))]
   return {'steps': S, 'seed': config.seed, 'source': source,
           'runs': runs + latent_runs, 'scratch': scratches,
           'reads': read, 'rate': rate,
@@ -125,7 +127,9 @@ def latent_arms(out: pathlib.Path, source_dir: pathlib.Path, config,
   for arm, at, seed in progress.runs(
       [(a, w, s) for a, w, _ in latent for s in seeds],
       lambda p: f'S={S} seed {config.seed}: {p[0]["method"]} at '
-      f'{p[0]["kv_bytes_per_token"]:g} bytes/token, uptraining seed {p[2]}'):
+      f'{p[0]["kv_bytes_per_token"]:g} bytes/token, uptraining seed {p[2]}',
+      reused=lambda p: study.finished(
+          out / 'runs' / Arm(p[0]['method'], p[0]['K']).name / f's{p[2]}')):
     curve = uptrain(out, f'runs/{Arm(arm["method"], arm["K"]).name}/s{seed}',
                     at, config, read['top'], rate, seed, read['every'])
     runs.append({'method': arm['method'], 'K': arm['K'], 'start': 'fresh',

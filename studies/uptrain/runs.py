@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
-import shutil
 
 from infra import workdir as workdir_lib
 from lm import evaluator
@@ -27,12 +26,13 @@ def _reached(step, params, record) -> bool:
   return record['eval_accuracy'] >= RECALL_TARGET
 
 
-def _trained(config, workdir: pathlib.Path, stop: bool = False
-             ) -> list[dict]:
-  """Trains (or reuses) `config` in WORKDIR; its evaluations. stop: end
-  at the recall target (`_reached`)."""
+def _trained(config, workdir: pathlib.Path, stop: bool = False,
+             start: pathlib.Path | None = None) -> list[dict]:
+  """Trains (or reuses) `config` in WORKDIR, from the conversion START if
+  given (`study.train`); its evaluations. stop: end at the recall target
+  (`_reached`)."""
   study.train(config, workdir, workdir / 'log.txt',
-              on_eval=_reached if stop else None)
+              on_eval=_reached if stop else None, start=start)
   return [{'step': r['step'], 'loss': r['eval_loss'],
            'accuracy': r['eval_accuracy']}
           for r in read_metrics(workdir) if 'eval_loss' in r]
@@ -52,29 +52,33 @@ def train_source(workdir: pathlib.Path, config) -> dict:
                     config.data.seq_len}
 
 
-@contextlib.contextmanager
-def _converting(out: pathlib.Path, workdir: pathlib.Path):
-  """Converting into WORKDIR (an interrupted one cleared first), the
-  conversion's lines in OUT/converted/log.txt."""
-  shutil.rmtree(workdir, ignore_errors=True)
-  workdir.parent.mkdir(parents=True, exist_ok=True)
-  with (out / 'converted' / 'log.txt').open('a') as f, (
-      contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
-    yield
+def _convert_once(out: pathlib.Path, name: str, source: pathlib.Path,
+                  settings: dict, convert_to) -> pathlib.Path:
+  """OUT/converted/NAME, SOURCE converted by convert_to(workdir) (its lines
+  in OUT/converted/log.txt), made once for these settings and the
+  source's parameters (`study.made_once`: reused while they are the same,
+  refused when they are not)."""
+  workdir = out / 'converted' / name
+  def make():
+    with (out / 'converted' / 'log.txt').open('a') as f, (
+        contextlib.redirect_stdout(f)), contextlib.redirect_stderr(f):
+      convert_to(workdir)
+  return study.made_once(workdir, {'source': study.fingerprint(source),
+                                   **settings}, make)
 
 
 def convert_one(out: pathlib.Path, source: pathlib.Path, arm: Arm,
                 seed: int) -> pathlib.Path:
   """ARM's converted workdir (random's depends on the seed)."""
-  key = arm.name + (f'_s{seed}' if arm.method == 'random' else '')
-  workdir = out / 'converted' / key
-  if not (workdir / 'config.json').exists():
-    with _converting(out, workdir):
-      convert.convert_workdir(
-          str(source), str(workdir), arm.K,
-          'mean' if arm.method == 'identity' else arm.method, seed=seed,
-          optimizer=arm.start)
-  return workdir
+  seeded = arm.method == 'random'  # The others do not draw.
+  key = arm.name + (f'_s{seed}' if seeded else '')
+  method = 'mean' if arm.method == 'identity' else arm.method
+  return _convert_once(out, key, source, dict(
+      conversion='convert_workdir', num_kv_heads=arm.K, method=method,
+      seed=seed if seeded else None, optimizer=arm.start),
+      lambda workdir: convert.convert_workdir(
+          str(source), str(workdir), arm.K, method, seed=seed,
+          optimizer=arm.start))
 
 
 def convert_mla(out: pathlib.Path, source: pathlib.Path, plan: dict
@@ -83,11 +87,12 @@ def convert_mla(out: pathlib.Path, source: pathlib.Path, plan: dict
   `to_mla.arguments`; deterministic: one for every seed) and its
   convert.json record (the energy kept per layer); plan['method'] names
   its workdir (default MLA)."""
-  workdir = out / 'converted' / Arm(plan.get('method', MLA), plan['K']).name
-  if not (workdir / 'config.json').exists():
-    with _converting(out, workdir):
-      convert.convert_to_mla(str(source), str(workdir),
-                             **to_mla.arguments(plan))
+  arguments = to_mla.arguments(plan)
+  workdir = _convert_once(
+      out, Arm(plan.get('method', MLA), plan['K']).name, source,
+      dict(conversion='convert_to_mla', **arguments),
+      lambda workdir: convert.convert_to_mla(str(source), str(workdir),
+                                             **arguments))
   return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
 
 
@@ -96,11 +101,14 @@ def convert_gta(out: pathlib.Path, source: pathlib.Path, plan: dict
   """PLAN's GTA conversion of SOURCE (`design.gta_plan`: K/V heads
   mean-pooled to its K, then tied; deterministic, one for every seed) and
   its convert.json record."""
-  workdir = out / 'converted' / Arm(plan['method'], plan['K']).name
-  if not (workdir / 'config.json').exists():
-    with _converting(out, workdir):
-      convert.convert_to_gta(str(source), str(workdir), plan['K'],
-                             plan['qk_rope_head_dim'], plan['pooling'])
+  workdir = _convert_once(
+      out, Arm(plan['method'], plan['K']).name, source, dict(
+          conversion='convert_to_gta', num_kv_heads=plan['K'],
+          qk_rope_head_dim=plan['qk_rope_head_dim'],
+          pooling=plan['pooling']),
+      lambda workdir: convert.convert_to_gta(
+          str(source), str(workdir), plan['K'], plan['qk_rope_head_dim'],
+          plan['pooling']))
   return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
 
 
@@ -127,9 +135,7 @@ def uptrain(out: pathlib.Path, name: str, converted: pathlib.Path, source,
   if converted not in _AT0:  # Deterministic: once per conversion.
     _AT0[converted] = evaluator.evaluate_workdir(str(converted))
   at0 = _AT0[converted]
-  if not workdir.exists():
-    shutil.copytree(converted, workdir)
-  curve = _trained(config, workdir, stop)
+  curve = _trained(config, workdir, stop, start=converted)
   return [{'step': 0, 'loss': at0['eval_loss'],
            'accuracy': at0['eval_accuracy']}, *curve]
 

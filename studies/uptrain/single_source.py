@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import shutil
 
 from infra import progress, provenance
 from infra.errors import UserError
@@ -96,7 +95,8 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   runs = []
   for arm, seed in progress.runs(
       plan, lambda p: f'{p[0].method} -> K={p[0].K}, {p[0].start} Adam, '
-      f'seed {p[1]}'):
+      f'seed {p[1]}', reused=lambda p: study.finished(
+          out / 'runs' / p[0].name / f's{p[1]}')):
     curve = uptrain(out, f'runs/{arm.name}/s{seed}',
                     convert_one(out, source_dir, arm, seed), config, top,
                     chosen['rate'], seed, unit)
@@ -106,7 +106,8 @@ def lm_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   scratches = []
   for K, seed in progress.runs(
       [(K, s) for K in [N, *kv_heads] for s in seeds],
-      lambda p: f'K={p[0]} from scratch, seed {p[1]}'):
+      lambda p: f'K={p[0]} from scratch, seed {p[1]}',
+      reused=lambda p: study.finished(out / 'scratch' / f'K{p[0]}_s{p[1]}')):
     scratches.append({'K': K, 'seed': seed, 'curve': scratch(
         out, config, K, seed, S + top)})
   return {'source': source, 'pilot': chosen, 'runs': runs,
@@ -132,7 +133,9 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   runs = []
   every = max(1, budget // 20)
   for arm, seed in progress.runs(
-      plan, lambda p: f'recall: {p[0].method} -> K={p[0].K}, seed {p[1]}'):
+      plan, lambda p: f'recall: {p[0].method} -> K={p[0].K}, seed {p[1]}',
+      reused=lambda p: study.finished(
+          out / 'recall' / 'runs' / p[0].name / f's{p[1]}')):
     curve = uptrain(out / 'recall', f'runs/{arm.name}/s{seed}',
                     convert_one(out / 'recall', source_dir, arm, seed),
                     config, budget, config.train.learning_rate, seed, every,
@@ -142,9 +145,11 @@ def recall_arm(out: pathlib.Path, config, kv_heads, seeds) -> dict:
   mla = mla_arm(out / 'recall', source_dir, config, kv_heads, seeds,
                 config.train.learning_rate, budget, every, stop=True)
   scratches = []
-  for K, seed in progress.runs([(K, s) for K in kv_heads for s in seeds],
-                               lambda p: f'recall: K={p[0]} from scratch, '
-                               f'seed {p[1]}'):
+  for K, seed in progress.runs(
+      [(K, s) for K in kv_heads for s in seeds],
+      lambda p: f'recall: K={p[0]} from scratch, seed {p[1]}',
+      reused=lambda p: study.finished(
+          out / 'recall' / 'scratch' / f'K{p[0]}_s{p[1]}')):
     curve = scratch(out / 'recall', config, K, seed, S, stop=True)
     scratches.append({'K': K, 'seed': seed, 'curve': curve,
                       'steps_to_target': steps_to(curve)})
@@ -183,11 +188,9 @@ def score_lm(out: pathlib.Path, config, lm: dict, what) -> dict:
                                                         arm.start, seed))
     replay = where / 'replay' / name
     converted = convert_one(out, out / 'source', arm, seed)
-    if not replay.exists():
-      shutil.copytree(converted, replay)
     study.train(uptrain_config(converted, config, top, lm['pilot']['rate'],
                                seed, unit), replay, replay / 'log.txt',
-                on_eval=lambda step, *_: step >= at)
+                on_eval=lambda step, *_: step >= at, start=converted)
     replayed = json.loads((replay / 'final.json').read_text())
     for step, workdir in ((at, replay), (top, out / 'runs' / name)):
       scored['runs'].append({
@@ -221,7 +224,8 @@ def mla_arm(out: pathlib.Path, source_dir: pathlib.Path, config, kv_heads,
     latent = to_mla.latent(plan)
     for seed in progress.runs(seeds, lambda s: (
         f'MHA -> MLA at K={K}\'s bytes (kv_lora_rank {latent.width}, '
-        f'RoPE dims {latent.rope}), seed {s}')):
+        f'RoPE dims {latent.rope}), seed {s}'), reused=lambda s: study.finished(
+            out / 'runs' / Arm(MLA, K).name / f's{s}')):
       curve = uptrain(out, f'runs/{Arm(MLA, K).name}/s{seed}', converted,
                       config, steps, rate, seed, every, stop)
       runs.append({'method': MLA, 'K': K, 'start': 'fresh', 'seed': seed,

@@ -6,6 +6,8 @@
   python -m train.convert --from_hf=HF_DIR --workdir=NEWDIR \
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
+  python -m train.convert --source=WORKDIR --to_gguf=OUT.gguf \
+      [--dtype=f32|f16|bf16]     # for llama.cpp (train.convert.to_gguf)
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
       --kv_lora_rank=A --qk_rope_head_dim=Y [--latent_groups=G]
                                             # into latent attention (GLA)
@@ -58,6 +60,7 @@ import sys
 from infra.cli import run_app
 from infra.errors import UserError
 from lm import tokenizer as tokenizer_lib
+from train.convert import to_gguf
 from train.convert.workdirs import (METHODS, convert_to_gta, convert_to_mla,
                                     convert_workdir, export_hf, import_hf)
 
@@ -70,9 +73,22 @@ def main(argv):
   if bool(f.source) == bool(f.from_hf):
     raise UserError('give one of --source (a workdir) or --from_hf (a '
                     'Hugging Face folder)')
-  if bool(f.workdir) == bool(f.to_hf) or (f.from_hf and f.to_hf):
+  if sum(map(bool, (f.workdir, f.to_hf, f.to_gguf))) != 1 or (
+      f.from_hf and (f.to_hf or f.to_gguf)):
     raise UserError('give --workdir (to write a workdir) or, with --source, '
-                    '--to_hf (to write a Hugging Face folder)')
+                    '--to_hf (to write a Hugging Face folder) or --to_gguf (a '
+                    'GGUF file for llama.cpp)')
+  ignored = [f'--{name}' for name in (
+      'num_kv_heads', 'method', 'seed', 'optimizer', 'param_dtype',
+      'kv_lora_rank', 'qk_rope_head_dim', 'latent_groups')
+             if f.to_gguf and f[name].present]
+  if ignored:
+    raise UserError(f'--to_gguf writes the workdir as it is and takes no '
+                    f'{", ".join(ignored)}; convert it first (--workdir), '
+                    'then export that')
+  if f['dtype'].present and not f.to_gguf:
+    raise UserError('--dtype is the weights\' dtype in a GGUF file; give it '
+                    'with --to_gguf, or leave it out')
   if f.to_mla and f.to_gta:
     raise UserError('give one of --to_mla and --to_gta')
   for name in ('to_mla', 'to_gta'):
@@ -100,6 +116,11 @@ def main(argv):
                     '(at most min(d_model, 2·K·H - --qk_rope_head_dim) for K '
                     'KV heads of H dims: the full rank, every K/V direction '
                     'kept)')
+  if f.to_gguf:
+    info = to_gguf.export(f.source, f.to_gguf, f.dtype)
+    print(f'wrote {f.to_gguf}: {info["arch"]} ({info["dtype"]}, '
+          f'{info["bytes"] / 2**20:,.1f} MiB) for llama.cpp')
+    return
   if f.to_hf:
     family = export_hf(f.source, f.to_hf)
     print(f'wrote {f.to_hf}: a {family} checkpoint (Hugging Face format)')
@@ -155,6 +176,10 @@ def run():
   flags.DEFINE_string('from_hf', None, 'a Hugging Face checkpoint folder')
   flags.DEFINE_string('workdir', None, 'new workdir to write')
   flags.DEFINE_string('to_hf', None, 'new Hugging Face folder to write')
+  flags.DEFINE_string('to_gguf', None, 'new GGUF file to write (llama.cpp; '
+                      'train.convert.to_gguf)')
+  flags.DEFINE_enum('dtype', None, list(to_gguf.DTYPES), '--to_gguf: the '
+                    "weights' dtype; default the checkpoint's param_dtype")
   flags.DEFINE_integer('num_kv_heads', -1, 'K; -1 keeps all')
   flags.DEFINE_enum('method', 'mean', METHODS, 'how grouped heads become one')
   flags.DEFINE_integer('seed', 0, 'seed of --method=random')

@@ -57,9 +57,10 @@ ARGUMENTS = ('kv_lora_rank', 'qk_rope_head_dim', 'latent_groups')
 
 def arguments(record: Mapping) -> dict:
   """The keyword arguments of an MLA conversion (`convert_to_mla`) that
-  RECORD holds among its own fields: kv_lora_rank, qk_rope_head_dim and,
-  where given, latent_groups."""
-  return {k: record[k] for k in ARGUMENTS if k in record}
+  RECORD holds among its own fields: kv_lora_rank, qk_rope_head_dim and
+  latent_groups (1, MLA's, where it holds none)."""
+  return {'latent_groups': 1, **{k: record[k] for k in ARGUMENTS
+                                 if k in record}}
 
 
 class Latent(NamedTuple):
@@ -77,7 +78,7 @@ def latent(record: Mapping) -> Latent:
   now)."""
   a = arguments(record)
   return Latent(a['kv_lora_rank'], a['qk_rope_head_dim'],
-                a.get('latent_groups', 1))
+                a['latent_groups'])
 
 
 def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int,

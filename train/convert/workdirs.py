@@ -395,7 +395,7 @@ def export_hf(source: str, target: str) -> str:
   family = hf.family_of(mc, remembered.get('model_type'))
   if remembered.get('model_type') not in (None, family):
     remembered = {}  # Another architecture now: keep only its token ids.
-  params = _unfused(params, mc)
+  params = hf.unfused(params, mc)
   shapes, tensors = hf.hf_tensors(params, mc)
   out.mkdir(parents=True, exist_ok=True)
   try:
@@ -409,27 +409,6 @@ def export_hf(source: str, target: str) -> str:
     shutil.rmtree(out)
     raise
   return family
-
-
-def _unfused(params, mc):
-  """Separate query/key/value (and biases) from a fused_qkv model's qkv, in
-  every attention layer."""
-  if not mc.fused_qkv:
-    return params
-  N, K = mc.num_heads, mc.num_kv_heads
-
-  def unfuse(tree):
-    if not isinstance(tree, dict):
-      return tree
-    tree = {name: unfuse(sub) for name, sub in tree.items()}
-    for suffix in ('', '_bias'):
-      if f'qkv{suffix}' in tree:
-        q, k, v = np.split(np.asarray(tree.pop(f'qkv{suffix}')),
-                           [N, N + K], axis=-2)
-        tree.update({f'query{suffix}': q, f'key{suffix}': k,
-                     f'value{suffix}': v})
-    return tree
-  return unfuse(params)
 
 
 def _check_method(method: str):
