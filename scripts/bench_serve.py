@@ -90,6 +90,7 @@ from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
 from infra.errors import UserError
 from lm.model import Transformer
 from studies import llama_cpp_peer
+from studies.report import table
 # The peers and the machine, shared with bench_generate.
 from studies.timing import alone_runner, generate_runner, jax_threads, machine
 
@@ -131,8 +132,35 @@ def main():
     llama_cpp_peer.check_installed()
     config.model.mlp_activation = 'silu'
   trace = make_trace(args, config.model.vocab_size, config.model.max_len)
+  check_fits(config, trace, kv_memory, args)
+  rows = []
+  out = pathlib.Path(args.out)
+  for K in args.kv_heads:
+    config.model.num_kv_heads = K
+    rows.append(summarize(turns(config, trace, kv_memory, args)))
+    print(f'K={K}: {_said(rows[-1], args)}', flush=True)
+    results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
+        sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
+               'commit': provenance.commit(), 'out': args.out,
+               'repeats': args.repeats,
+               'trace': {'requests': args.requests,
+                         'prompt_len': args.prompt_len,
+                         'output_len': args.output_len,
+                         'length_step': args.length_step, 'seed': args.seed},
+               'machine': machine()}
+    # After each K: a late failure loses none.
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'serve.json').write_text(json.dumps(results, indent=1))
+  (out / 'report.md').write_text(report(results, args))
+  plot(rows, out / 'serve.png')
+  print(f'wrote {out}/serve.json, report.md and serve.png')
+
+
+def check_fits(config, trace, kv_memory: int, args):
+  """Every K's config refused, if bad, before any run: invalid, or a pool
+  of --kv_memory too small for the trace's longest request."""
   longest = max(len(prompt) + new for prompt, new in trace)
-  for K in args.kv_heads:  # Every bad setting refused before any run.
+  for K in args.kv_heads:
     config.model.num_kv_heads = K
     config_lib.validate(config, batch_shards=1)
     mc = config_lib.model_config(config)
@@ -145,26 +173,31 @@ def main():
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
           f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
-  rows = []
-  for K in args.kv_heads:
-    config.model.num_kv_heads = K
-    mc = config_lib.model_config(config)
-    params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
-    with contextlib.ExitStack() as stack:
-      contestants = [engine_runner(mc, params, trace, kv_memory, args),
-                     alone_runner(mc, params, trace),
-                     static_runner(mc, params, trace, kv_memory, args.slots)]
-      if not args.no_hf:
-        contestants.append(stack.enter_context(
-            transformers_runner(config, params, trace, args.slots)))
-      if args.llama_cpp:
-        contestants.append(stack.enter_context(
-            llama_cpp_runner(config, params, trace, kv_memory, args.slots)))
-      # Taking turns: each repeat runs the engine, then each peer.
-      runs = [functools.reduce(operator.or_, (run() for run in contestants))
-              for _ in range(args.repeats)]
-    row = summarize(runs)
-    print(f'K={K}: {row["tokens_per_sec"]:,.1f} tokens/s, '
+
+
+def turns(config, trace, kv_memory: int, args) -> list[dict]:
+  """The engine and each peer on a random model of CONFIG (its K set),
+  taking turns --repeats times: each turn's numbers."""
+  mc = config_lib.model_config(config)
+  params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
+  with contextlib.ExitStack() as stack:
+    contestants = [engine_runner(mc, params, trace, kv_memory, args),
+                   alone_runner(mc, params, trace),
+                   static_runner(mc, params, trace, kv_memory, args.slots)]
+    if not args.no_hf:
+      contestants.append(stack.enter_context(
+          transformers_runner(config, params, trace, args.slots)))
+    if args.llama_cpp:
+      contestants.append(stack.enter_context(
+          llama_cpp_runner(config, params, trace, kv_memory, args.slots)))
+    # Taking turns: each repeat runs the engine, then each peer.
+    return [functools.reduce(operator.or_, (run() for run in contestants))
+            for _ in range(args.repeats)]
+
+
+def _said(row: dict, args) -> str:
+  """A K's row, as the progress line says it."""
+  return (f'{row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
           f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s, engine over it '
@@ -177,23 +210,7 @@ def main():
           + ('' if not args.llama_cpp else
              f'; llama.cpp {row["llama_cpp_tokens_per_sec"]:,.1f} tokens/s, '
              f'engine over it {_speedup(row, "llama_cpp")}')
-          + f' (medians of {args.repeats} turns)', flush=True)
-    rows.append(row)
-    results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
-        sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
-               'commit': provenance.commit(), 'out': args.out,
-               'repeats': args.repeats,
-               'trace': {'requests': args.requests,
-                         'prompt_len': args.prompt_len,
-                         'output_len': args.output_len,
-                         'length_step': args.length_step, 'seed': args.seed},
-               'machine': machine()}
-    out = pathlib.Path(args.out)  # After each K: a late failure loses none.
-    out.mkdir(parents=True, exist_ok=True)
-    (out / 'serve.json').write_text(json.dumps(results, indent=1))
-  (out / 'report.md').write_text(report(results, args))
-  plot(rows, out / 'serve.png')
-  print(f'wrote {out}/serve.json, report.md and serve.png')
+          + f' (medians of {args.repeats} turns)')
 
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:
@@ -435,12 +452,26 @@ def _loaded(machine: dict) -> bool:
 
 
 def report(results, args) -> str:
-  m = results.get('machine', {})
+  """report.md: the trace and the peers, the machine and its load, then a
+  row per K."""
   hf = all('hf_tokens_per_sec' in r for r in results['rows'])
   llama = all('llama_cpp_tokens_per_sec' in r for r in results['rows'])
-  load = m.get('load_average')
-  lines = [
+  return '\n'.join([
       '# Serving throughput against K at one KV-memory budget', '',
+      _setting(results, args, hf, llama), '',
+      _machine_line(results.get('machine', {}), hf), '',
+      'Columns: usable pages (the pool less its scratch page) and the most '
+      'in use at once; mean sequences in flight over the decode steps; '
+      'tokens/s (tokens per CPU-second); the median over requests of the '
+      'time to first token (its wait in the queue included) and of the '
+      'time per later token.', '', *_table(results['rows'], hf, llama)]
+      ) + '\n\n![tokens/s against K](serve.png)\n'
+
+
+def _setting(results, args, hf: bool, llama: bool) -> str:
+  """The command, the trace, the peers and how the turns are read."""
+  first = results['rows'][0]
+  return (
       f'`{results["command"]}` at commit {results.get("commit", "?")} on '
       f'{results["date"]}. Trace: {args.requests} requests at once, prompt '
       f'lengths uniform in {args.prompt_len[0]}..{args.prompt_len[1]}, '
@@ -454,68 +485,74 @@ def report(results, args) -> str:
       'trace\'s longest request), padded to the batch\'s longest prompt and '
       'output' + (", transformers is `generate()` in batches of --slots on "
                    'the same weights in a process of its own' if hf else '')
-      + (f', llama.cpp is llama-cpp-python {results["rows"][0]["llama_cpp"]} '
+      + (f', llama.cpp is llama-cpp-python {first["llama_cpp"]} '
          'on the same model as GGUF (SwiGLU for every contestant), continuous '
          'batching over one unified KV cache of '
-         f'{results["rows"][0]["llama_cpp_kv_tokens"]:,} tokens at K='
-         f'{results["rows"][0]["num_kv_heads"]} (--kv_memory\'s bytes, each '
+         f'{first["llama_cpp_kv_tokens"]:,} tokens at K='
+         f'{first["num_kv_heads"]} (--kv_memory\'s bytes, each '
          'K its own), in a process of its own (OMP_WAIT_POLICY '
-         f'{results["rows"][0]["wait_policy"] or "default"})' if llama else '')
+         f'{first["wait_policy"] or "default"})' if llama else '')
       + f'. {results.get("repeats", 1)} timed run(s) of each, taking turns: '
       'every number is the median over them; a ratio is the engine\'s '
       'tokens/s over the peer\'s within each turn, given as the median of '
       'those ratios (so not the quotient of the medians shown) and their '
-      'range, in wall time and per CPU-second.', '',
-      f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
-      f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX'
-      + (' and for torch' if hf else '') + '; load average '
-      + (', '.join(f'{x:.2f}' for x in load) + ' (1, 5, 15 min)' if load
-         else '?') + ' at the end. '
-      + (_LOADED if _loaded(m) else _IDLE), '',
-      'Columns: usable pages (the pool less its scratch page) and the most '
-      'in use at once; mean sequences in flight over the decode steps; '
-      'tokens/s (tokens per CPU-second); the median over requests of the '
-      'time to first token (its wait in the queue included) and of the '
-      'time per later token.', '',
-      '| K | page bytes | usable pages | high-water (pages) | mean in '
-      'flight | tokens/s (per CPU-s) | median TTFT | median per-token | '
-      'one at a time tokens/s (per CPU-s) | vs one at a time | static '
-      'batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
-          ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
-          'vs transformers |' if hf else '') + (
-          ' llama.cpp tokens/s (per CPU-s) | its mean in flight, TTFT, '
-          'per-token | vs llama.cpp |' if llama else ''),
-      '|---|---|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
-                                                    else '')
-      + ('---|---|---|' if llama else '')]
-  for r in results['rows']:
-    line = (
-        f'| {r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
-        f'| {r["high_water_pages"]} | {r["mean_in_flight"]:.1f} | '
-        f'{r["tokens_per_sec"]:,.0f} ({r.get("tokens_per_cpu_sec", 0):,.0f})'
-        f' | {r["time_to_first_token_s"]:.2f} s | '
-        f'{1e3 * r["per_token_s"]:.1f} ms | '
-        f'{r["alone_tokens_per_sec"]:,.0f} '
-        f'({r.get("alone_tokens_per_cpu_sec", 0):,.0f}) | '
-        f'{_speedup(r, "alone")} | ({r["static_batch"]}) '
-        f'{r["static_tokens_per_sec"]:,.0f} '
-        f'({r.get("static_tokens_per_cpu_sec", 0):,.0f}) | '
-        f'{_speedup(r, "static")} |')
+      'range, in wall time and per CPU-second.')
+
+
+def _machine_line(m: dict, hf: bool) -> str:
+  """The CPU, its cores and the load, and whether it ran alone."""
+  load = m.get('load_average')
+  return (f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
+          f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX'
+          + (' and for torch' if hf else '') + '; load average '
+          + (', '.join(f'{x:.2f}' for x in load) + ' (1, 5, 15 min)' if load
+             else '?') + ' at the end. '
+          + (_LOADED if _loaded(m) else _IDLE))
+
+
+def _table(rows: list[dict], hf: bool, llama: bool) -> list[str]:
+  """A row per K: the engine's pages, flight and speed, then each peer's
+  speed and the engine's ratio over it."""
+  head = ['K', 'page bytes', 'usable pages', 'high-water (pages)',
+          'mean in flight', 'tokens/s (per CPU-s)', 'median TTFT',
+          'median per-token', 'one at a time tokens/s (per CPU-s)',
+          'vs one at a time', 'static batch (rows) tokens/s (per CPU-s)',
+          'vs static batches']
+  if hf:
+    head += ['transformers tokens/s (per CPU-s)', 'its TTFT, per-token',
+             'vs transformers']
+  if llama:
+    head += ['llama.cpp tokens/s (per CPU-s)',
+             'its mean in flight, TTFT, per-token', 'vs llama.cpp']
+  cells = []
+  for r in rows:
+    row = [r['num_kv_heads'], f'{r["page_bytes"]:,}', r['usable_pages'],
+           r['high_water_pages'], f'{r["mean_in_flight"]:.1f}',
+           f'{r["tokens_per_sec"]:,.0f} '
+           f'({r.get("tokens_per_cpu_sec", 0):,.0f})',
+           f'{r["time_to_first_token_s"]:.2f} s',
+           f'{1e3 * r["per_token_s"]:.1f} ms',
+           f'{r["alone_tokens_per_sec"]:,.0f} '
+           f'({r.get("alone_tokens_per_cpu_sec", 0):,.0f})',
+           _speedup(r, 'alone'),
+           f'({r["static_batch"]}) {r["static_tokens_per_sec"]:,.0f} '
+           f'({r.get("static_tokens_per_cpu_sec", 0):,.0f})',
+           _speedup(r, 'static')]
     if hf:
-      line += (f' {r["hf_tokens_per_sec"]:,.0f} '
-               f'({r["hf_tokens_per_cpu_sec"]:,.0f}) | '
-               f'{r["hf_time_to_first_token_s"]:.2f} s, '
-               f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms | '
-               f'{_speedup(r, "hf")} |')
+      row += [f'{r["hf_tokens_per_sec"]:,.0f} '
+              f'({r["hf_tokens_per_cpu_sec"]:,.0f})',
+              f'{r["hf_time_to_first_token_s"]:.2f} s, '
+              f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms',
+              _speedup(r, 'hf')]
     if llama:
-      line += (f' {r["llama_cpp_tokens_per_sec"]:,.0f} '
-               f'({r["llama_cpp_tokens_per_cpu_sec"]:,.0f}) | '
-               f'{r["llama_cpp_mean_in_flight"]:.1f}, '
-               f'{r["llama_cpp_time_to_first_token_s"]:.2f} s, '
-               f'{1e3 * (r["llama_cpp_per_token_s"] or 0):.1f} ms | '
-               f'{_speedup(r, "llama_cpp")} |')
-    lines.append(line)
-  return '\n'.join(lines) + '\n\n![tokens/s against K](serve.png)\n'
+      row += [f'{r["llama_cpp_tokens_per_sec"]:,.0f} '
+              f'({r["llama_cpp_tokens_per_cpu_sec"]:,.0f})',
+              f'{r["llama_cpp_mean_in_flight"]:.1f}, '
+              f'{r["llama_cpp_time_to_first_token_s"]:.2f} s, '
+              f'{1e3 * (r["llama_cpp_per_token_s"] or 0):.1f} ms',
+              _speedup(r, 'llama_cpp')]
+    cells.append(row)
+  return table(head, cells)
 
 
 def _speedup(row, peer: str) -> str:
