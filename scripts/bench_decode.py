@@ -1,7 +1,8 @@
 """Decode throughput per variant against the roofline, and against PyTorch.
 
   python -m scripts.bench_decode [--config=gqa_small]
-      [--variants=K8,K2,K1,GTA2,GTA1,MLA48,GLA48g2 | --kv_heads=8,2,1]
+      [--variants=K8,K2,K1,GTA2,GTA1,MLA48,GLA48g2,TPA2,TPAKV2 |
+       --kv_heads=8,2,1]
       [--batches=1,16,256] [--contexts=256,2048] [--out=DIR]
       [--kv_cache_dtype=bfloat16|int8] [--equal_params]
       [--markdown=BENCHMARKS.md] [--llama_cpp]
@@ -14,8 +15,13 @@ at 1; --kv_heads=8,2,1 means K8,K2,K1), GTA<k> grouped-tied attention with k
 tied heads (model.attention='gta', `attention.tied`), MLA<a> multi-head
 latent attention with a latent of a (model.attention='mla',
 model.mla.kv_lora_rank, `attention.latent`), GLA<a>g<g> MLA's latent in g
-groups (model.mla.latent_groups); the RoPE key of GTA, MLA and GLA is the
-layout's default (head_dim / 2).
+groups (model.mla.latent_groups), TPA<r> tensor product attention with keys
+and values of rank r (model.attention='tpa', model.tpa.k_rank and v_rank,
+`attention.tensor_product`; queries at its default rank, T6's 6), TPAKV<r>
+the same with per-head queries (model.tpa.q_rank=0, the paper's
+TPA-KV-only); the RoPE key of GTA, MLA and GLA is the layout's default
+(head_dim / 2). On gqa_small TPA2 caches 2·2·(8 + 32) = 160 numbers a token
+and layer, between GQA-2's 128 and MHA's 512.
 On gqa_small (N=8, H=32) the default holds MHA, GQA-2, MQA, GTA at 2 and 1
 heads (80 and 48 numbers a token and layer), and MLA and GLA-2 at MQA's 64.
 Its grid is batches 1,16,256 and contexts 256,2048, trimmed from the K-only
@@ -66,13 +72,11 @@ Writes decode_layer.json under --out.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import os
 import pathlib
-import re
 import sys
 import time
 
@@ -82,8 +86,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import cpu_kernel, layer
-from attention import layout as layout_lib
 from studies import llama_cpp_peer, report, stats, timing
+from studies.variants import GRAMMAR, Variant, variant_list
 from infra import provenance
 from lm import config_lib, flops
 from train import loop
@@ -155,64 +159,7 @@ def main():
 
 
 MODEL_SECTION = 'Decoding with the whole model: against the roofline'
-GRAMMAR = ('K<k> (GQA, k K/V heads), GTA<k> (grouped-tied, k heads), MLA<a> '
-           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), '
-           'comma-separated')
 DEFAULT_VARIANTS = ('K8', 'K2', 'K1', 'GTA2', 'GTA1', 'MLA48', 'GLA48g2')
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-  """A layout --variants names: the model fields it sets on the config
-  (model.attention and that layout's settings, every other layout's left at
-  its defaults, so that a config's own MLA or GTA does not leak into
-  another variant); num_kv_heads None is the config's num_heads (MLA's)."""
-  name: str
-  num_kv_heads: int | None
-  attention: str = 'gqa'
-  settings: tuple[tuple[str, int], ...] = ()  # The layout's own, set.
-
-  PATTERNS = {  # Name -> the fields of its numbers.
-      r'K(\d+)': lambda k: dict(num_kv_heads=k),
-      r'GTA(\d+)': lambda k: dict(num_kv_heads=k, attention='gta'),
-      r'MLA(\d+)': lambda a: dict(num_kv_heads=None, attention='mla',
-                                  settings=(('kv_lora_rank', a),)),
-      r'GLA(\d+)g(\d+)': lambda a, g: dict(
-          num_kv_heads=None, attention='mla',
-          settings=(('kv_lora_rank', a), ('latent_groups', g))),
-  }
-
-  @classmethod
-  def parse(cls, name: str) -> 'Variant':
-    """'GLA48g2' -> its Variant; ValueError for a name not in GRAMMAR."""
-    for pattern, fields in cls.PATTERNS.items():
-      match = re.fullmatch(pattern, name)
-      if match and all(int(n) > 0 for n in match.groups()):
-        return cls(name, **fields(*map(int, match.groups())))
-    raise ValueError(f'{name!r} is not a variant')
-
-  @property
-  def is_gqa(self) -> bool:
-    return self.attention == 'gqa'
-
-  def apply_to(self, model):
-    """Sets the variant's fields on `model` (a config's model section)."""
-    defaults = config_lib.defaults().model
-    model.update(num_kv_heads=self.num_kv_heads or model.num_heads,
-                 attention=self.attention)
-    for name in layout_lib.names():
-      if name in model:
-        model[name] = defaults[name]
-    if self.settings:
-      model[self.attention].update(dict(self.settings))
-
-
-def variant_list(text: str) -> list[Variant]:
-  """'K8,GTA2' -> [Variant, ...]: an argparse type."""
-  try:
-    return [Variant.parse(name) for name in text.split(',')]
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(f'{e}; give {GRAMMAR}') from None
 
 
 def model_markdown(results, args) -> str:
@@ -228,8 +175,10 @@ def model_markdown(results, args) -> str:
       'weights and the KV cache read once per step at that bandwidth, and '
       "the step's FLOPs at the peak; the roofline is the lower of the two, "
       'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
-      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups; '
-      'K is model.num_kv_heads (MLA\'s: the query heads). KV bytes per '
+      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups, '
+      'TPA<r> tensor product attention with K/V of rank r (TPAKV<r>: '
+      'per-head queries); K is model.num_kv_heads (MLA\'s and TPA\'s: the '
+      'query heads). KV bytes per '
       'token: all layers\' (`lm.model.kv_bytes_per_token`); attention '
       "FLOPs per KV byte: a decode step's scores and mix over the cache "
       'bytes they read (`lm.flops.attention_decode_intensity`).' + (

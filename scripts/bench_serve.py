@@ -1,7 +1,8 @@
 """Serving throughput against K at one KV-memory budget: continuous batching
 over the paged cache, with one-request-at-a-time `train.sample` beside it.
 
-  python -m scripts.bench_serve [--config=gqa_small] [--kv_heads=8,2,1]
+  python -m scripts.bench_serve [--config=gqa_small]
+      [--kv_heads=8,2,1 | --variants=K2,TPA2 --no_hf]
       [--kv_memory=4MiB] [--slots=32] [--requests=32] [--page_size=16]
       [--prompt_len=8,96] [--output_len=8,64] [--length_step=1] [--seed=0]
       [--repeats=3] [--no_hf] [--llama_cpp] [--out=DIR]
@@ -11,7 +12,11 @@ batch); prompt and output lengths drawn uniformly from LOW, LOW + step, ...
 up to HIGH of the inclusive ranges --prompt_len and --output_len (step
 --length_step: a coarser step means fewer shapes for the one-at-a-time peer
 to compile) with numpy's generator seeded by --seed; the prompt tokens
-uniform over the vocabulary. Each K gets a random model
+uniform over the vocabulary. --variants names layouts in
+`studies.variants`' grammar (bench_decode's) (K<k>, GTA<k>, MLA<a>, GLA<a>g<g>, TPA<r>,
+TPAKV<r>) in place of --kv_heads' K<k>; the transformers peer computes
+grouped-query attention only, so other layouts need --no_hf. Each K (or
+variant) gets a random model
 (speed does not depend on the weights) and the same trace, served by
 `serve.engine.Engine` in --slots slots over --kv_memory bytes of pages: with
 fewer K/V heads a page holds more tokens' worth of memory, so more sequences
@@ -91,6 +96,7 @@ from infra.errors import UserError
 from lm.model import Transformer
 from studies import llama_cpp_peer
 from studies.report import table
+from studies.variants import GRAMMAR, Variant, variant_list
 # The peers and the machine, shared with bench_generate.
 from studies.timing import alone_runner, generate_runner, jax_threads, machine
 
@@ -98,7 +104,11 @@ from studies.timing import alone_runner, generate_runner, jax_threads, machine
 def main():
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
+  parser.add_argument('--kv_heads', type=int_list, default=None,
+                      help='K of each grouped-query model (default 8,2,1)')
+  parser.add_argument('--variants', type=variant_list,
+                      help='layouts in place of --kv_heads: '
+                      f'{GRAMMAR}')
   parser.add_argument('--kv_memory', default='4MiB')
   parser.add_argument('--slots', type=positive_int, default=32)
   parser.add_argument('--requests', type=positive_int, default=32)
@@ -126,19 +136,21 @@ def main():
     hf_worker(args)
     return
   check_output_dir(args.out)
+  variants = _variants(args)
   kv_memory = pages.parse_bytes(args.kv_memory)
   config = config_lib.load(args.config)
   if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
     llama_cpp_peer.check_installed()
     config.model.mlp_activation = 'silu'
   trace = make_trace(args, config.model.vocab_size, config.model.max_len)
-  check_fits(config, trace, kv_memory, args)
+  check_fits(config, variants, trace, kv_memory, args)
   rows = []
   out = pathlib.Path(args.out)
-  for K in args.kv_heads:
-    config.model.num_kv_heads = K
-    rows.append(summarize(turns(config, trace, kv_memory, args)))
-    print(f'K={K}: {_said(rows[-1], args)}', flush=True)
+  for v in variants:
+    v.apply_to(config.model)
+    rows.append({'variant': v.name,
+                 **summarize(turns(config, trace, kv_memory, args))})
+    print(f'{v.label}: {_said(rows[-1], args)}', flush=True)
     results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
         sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
                'commit': provenance.commit(), 'out': args.out,
@@ -148,7 +160,7 @@ def main():
                          'output_len': args.output_len,
                          'length_step': args.length_step, 'seed': args.seed},
                'machine': machine()}
-    # After each K: a late failure loses none.
+    # After each variant: a late failure loses none.
     out.mkdir(parents=True, exist_ok=True)
     (out / 'serve.json').write_text(json.dumps(results, indent=1))
   (out / 'report.md').write_text(report(results, args))
@@ -156,27 +168,30 @@ def main():
   print(f'wrote {out}/serve.json, report.md and serve.png')
 
 
-def check_fits(config, trace, kv_memory: int, args):
-  """Every K's config refused, if bad, before any run: invalid, or a pool
+def check_fits(config, variants, trace, kv_memory: int, args):
+  """Every variant's config refused, if bad, before any run: invalid, or a pool
   of --kv_memory too small for the trace's longest request."""
   longest = max(len(prompt) + new for prompt, new in trace)
-  for K in args.kv_heads:
-    config.model.num_kv_heads = K
-    config_lib.validate(config, batch_shards=1)
+  for v in variants:
+    v.apply_to(config.model)
+    try:
+      config_lib.validate(config, batch_shards=1)
+    except UserError as e:
+      raise UserError(f'--variants={v.name}: {e}') from None
     mc = config_lib.model_config(config)
     usable = engine_lib.pool_pages(mc, kv_memory, args.page_size) - 1
     need = pages.pages_for(longest, args.page_size)
     if need > usable:
       raise UserError(
-          f'K={K}: the trace\'s longest request ({longest} tokens) needs '
-          f'{need} pages of {args.page_size} tokens, and --kv_memory='
+          f'{v.label}: the trace\'s longest request ({longest} tokens) '
+          f'needs {need} pages of {args.page_size} tokens, and --kv_memory='
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
           f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
 
 
 def turns(config, trace, kv_memory: int, args) -> list[dict]:
-  """The engine and each peer on a random model of CONFIG (its K set),
+  """The engine and each peer on a random model of CONFIG (its variant set),
   taking turns --repeats times: each turn's numbers."""
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
@@ -196,7 +211,7 @@ def turns(config, trace, kv_memory: int, args) -> list[dict]:
 
 
 def _said(row: dict, args) -> str:
-  """A K's row, as the progress line says it."""
+  """A variant's row, as the progress line says it."""
   return (f'{row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
@@ -211,6 +226,22 @@ def _said(row: dict, args) -> str:
              f'; llama.cpp {row["llama_cpp_tokens_per_sec"]:,.1f} tokens/s, '
              f'engine over it {_speedup(row, "llama_cpp")}')
           + f' (medians of {args.repeats} turns)')
+
+
+def _variants(args) -> list:
+  """The layouts to serve: --variants, or --kv_heads' K<k> (8,2,1 by
+  default); UserError for both, or for a layout transformers cannot compute
+  without --no_hf."""
+  if args.variants and args.kv_heads:
+    raise UserError('give --kv_heads or --variants, not both (K<k> in '
+                    '--variants is --kv_heads\' k)')
+  variants = args.variants or [Variant.parse(f'K{k}')
+                               for k in args.kv_heads or (8, 2, 1)]
+  others = [v.name for v in variants if not v.is_gqa]
+  if others and not args.no_hf:
+    raise UserError(f'--variants={",".join(others)}: the transformers peer '
+                    'computes grouped-query attention only; add --no_hf')
+  return variants
 
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:
@@ -453,7 +484,7 @@ def _loaded(machine: dict) -> bool:
 
 def report(results, args) -> str:
   """report.md: the trace and the peers, the machine and its load, then a
-  row per K."""
+  row per variant."""
   hf = all('hf_tokens_per_sec' in r for r in results['rows'])
   llama = all('llama_cpp_tokens_per_sec' in r for r in results['rows'])
   return '\n'.join([
@@ -511,9 +542,9 @@ def _machine_line(m: dict, hf: bool) -> str:
 
 
 def _table(rows: list[dict], hf: bool, llama: bool) -> list[str]:
-  """A row per K: the engine's pages, flight and speed, then each peer's
-  speed and the engine's ratio over it."""
-  head = ['K', 'page bytes', 'usable pages', 'high-water (pages)',
+  """A row per variant: the engine's pages, flight and speed, then each
+  peer's speed and the engine's ratio over it."""
+  head = ['variant', 'K', 'page bytes', 'usable pages', 'high-water (pages)',
           'mean in flight', 'tokens/s (per CPU-s)', 'median TTFT',
           'median per-token', 'one at a time tokens/s (per CPU-s)',
           'vs one at a time', 'static batch (rows) tokens/s (per CPU-s)',
@@ -526,7 +557,8 @@ def _table(rows: list[dict], hf: bool, llama: bool) -> list[str]:
              'its mean in flight, TTFT, per-token', 'vs llama.cpp']
   cells = []
   for r in rows:
-    row = [r['num_kv_heads'], f'{r["page_bytes"]:,}', r['usable_pages'],
+    row = [r.get('variant', f'K{r["num_kv_heads"]}'), r['num_kv_heads'],
+           f'{r["page_bytes"]:,}', r['usable_pages'],
            r['high_water_pages'], f'{r["mean_in_flight"]:.1f}',
            f'{r["tokens_per_sec"]:,.0f} '
            f'({r.get("tokens_per_cpu_sec", 0):,.0f})',
@@ -572,8 +604,8 @@ def plot(rows, path):
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-  labels = [f'K={r["num_kv_heads"]}\n{r["mean_in_flight"]:.1f} in flight'
-            for r in rows]
+  labels = [f'{r.get("variant", "K" + str(r["num_kv_heads"]))}\n'
+            f'{r["mean_in_flight"]:.1f} in flight' for r in rows]
   x = np.arange(len(rows))
   bars = [('', 'continuous batching'), ('alone_', 'one at a time '
                                         '(train.sample)')]

@@ -11,6 +11,10 @@ serving and evaluation, and none of them imports it.
   task_scores  lm-evaluation-harness scores of a study's runs, paired
   report       what every report.md is made of (provenance sentences, the
                rebuild line, intervals, tables, sections, figures, plots)
+  variants     the layouts a benchmark names on its command line (K2,
+               GTA2, MLA48, TPA2, ...; bench_decode's and bench_serve's)
+  llama_cpp_peer  llama.cpp on the same model (GGUF), in a process of its
+               own: bench_decode's and bench_serve's peer
 
 and one package a study, each its design, runs, analysis and report (a
 function of its saved results alone, so `--report_only` rebuilds it byte

@@ -17,7 +17,7 @@ from studies.kv_frontier import analysis as frontier_analysis
 from studies.kv_frontier import design as frontier_design
 from studies.kv_frontier import reading as frontier_reading
 from studies.kv_frontier import tables as frontier_tables
-from studies import report, stats, timing
+from studies import report, stats, timing, variants
 from studies.compare import design
 from infra import provenance
 from lm import config_lib
@@ -178,7 +178,7 @@ def test_bench_decode_times_each_named_variant(tmp_path, monkeypatch):
   assert (tmp_path / 'out' / 'decode.png').stat().st_size > 0
 
 
-def test_bench_decode_variants_name_their_fields():
+def test_variants_name_their_fields():
   """Every variant sets model.attention and every layout's settings (its
   own, the others' defaults), so that one variant's MLA or GLA cannot leak
   into the next one timed."""
@@ -187,13 +187,22 @@ def test_bench_decode_variants_name_their_fields():
   for name, fields in (
       ('K1', (1, 'gqa', None, 1)), ('GLA48g2', (8, 'mla', 48, 2)),
       ('GTA2', (2, 'gta', None, 1)), ('MLA48', (8, 'mla', 48, 1))):
-    bench_decode.Variant.parse(name).apply_to(model)
+    variants.Variant.parse(name).apply_to(model)
     assert (model.num_kv_heads, model.attention, model.mla.kv_lora_rank,
             model.mla.latent_groups) == fields, name
     config_lib.validate(config, batch_shards=1)  # No other layout's set.
-  for bad in ('K0', 'GQA2', 'GLA48', 'MLA', 'k2', 'GTA2,'):
+  for name, fields in (('TPA2', (8, 'tpa', 6, 2, 2)),
+                       ('TPAKV3', (8, 'tpa', 0, 3, 3)),
+                       ('K2', (2, 'gqa', 6, 2, 2))):
+    variants.Variant.parse(name).apply_to(model)
+    tpa = model.tpa
+    assert (model.num_kv_heads, model.attention, tpa.q_rank, tpa.k_rank,
+            tpa.v_rank) == fields, name
+    config_lib.validate(config, batch_shards=1)
+  for bad in ('K0', 'GQA2', 'GLA48', 'MLA', 'k2', 'GTA2,', 'TPA0', 'TPA',
+              'TPAKV'):
     with pytest.raises(ValueError, match='is not a variant'):
-      bench_decode.Variant.parse(bad)
+      variants.Variant.parse(bad)
 
 
 @pytest.mark.slow
