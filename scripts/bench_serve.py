@@ -102,6 +102,36 @@ from studies.timing import alone_runner, generate_runner, jax_threads, machine
 
 
 def main():
+  args = _parser().parse_args()
+  if args.hf_worker:
+    hf_worker(args)
+    return
+  check_output_dir(args.out)
+  variants = _variants(args)
+  kv_memory = pages.parse_bytes(args.kv_memory)
+  config = config_lib.load(args.config)
+  if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
+    llama_cpp_peer.check_installed()
+    config.model.mlp_activation = 'silu'
+  trace = make_trace(args, config.model.vocab_size, config.model.max_len)
+  check_fits(config, variants, trace, kv_memory, args)
+  rows = []
+  out = pathlib.Path(args.out)
+  for v in variants:
+    v.apply_to(config.model)
+    rows.append({'variant': v.name,
+                 **summarize(turns(config, trace, kv_memory, args))})
+    print(f'{v.label}: {_said(rows[-1], args)}', flush=True)
+    results = _results(rows, args)
+    # After each variant: a late failure loses none.
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'serve.json').write_text(json.dumps(results, indent=1))
+  (out / 'report.md').write_text(report(results, args))
+  plot(rows, out / 'serve.png')
+  print(f'wrote {out}/serve.json, report.md and serve.png')
+
+
+def _parser() -> ArgumentParser:
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='gqa_small')
   parser.add_argument('--kv_heads', type=int_list, default=None,
@@ -131,41 +161,20 @@ def main():
                       'SwiGLU)')
   parser.add_argument('--hf_worker', help=argparse.SUPPRESS)
   parser.add_argument('--trace_file', help=argparse.SUPPRESS)
-  args = parser.parse_args()
-  if args.hf_worker:
-    hf_worker(args)
-    return
-  check_output_dir(args.out)
-  variants = _variants(args)
-  kv_memory = pages.parse_bytes(args.kv_memory)
-  config = config_lib.load(args.config)
-  if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
-    llama_cpp_peer.check_installed()
-    config.model.mlp_activation = 'silu'
-  trace = make_trace(args, config.model.vocab_size, config.model.max_len)
-  check_fits(config, variants, trace, kv_memory, args)
-  rows = []
-  out = pathlib.Path(args.out)
-  for v in variants:
-    v.apply_to(config.model)
-    rows.append({'variant': v.name,
-                 **summarize(turns(config, trace, kv_memory, args))})
-    print(f'{v.label}: {_said(rows[-1], args)}', flush=True)
-    results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
-        sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
-               'commit': provenance.commit(), 'out': args.out,
-               'repeats': args.repeats,
-               'trace': {'requests': args.requests,
-                         'prompt_len': args.prompt_len,
-                         'output_len': args.output_len,
-                         'length_step': args.length_step, 'seed': args.seed},
-               'machine': machine()}
-    # After each variant: a late failure loses none.
-    out.mkdir(parents=True, exist_ok=True)
-    (out / 'serve.json').write_text(json.dumps(results, indent=1))
-  (out / 'report.md').write_text(report(results, args))
-  plot(rows, out / 'serve.png')
-  print(f'wrote {out}/serve.json, report.md and serve.png')
+  return parser
+
+
+def _results(rows: list[dict], args) -> dict:
+  """serve.json: the rows so far, the command, its commit and the
+  machine."""
+  return {'command': 'python -m scripts.bench_serve ' + ' '.join(
+      sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
+          'commit': provenance.commit(), 'out': args.out,
+          'repeats': args.repeats,
+          'trace': {'requests': args.requests, 'prompt_len': args.prompt_len,
+                    'output_len': args.output_len,
+                    'length_step': args.length_step, 'seed': args.seed},
+          'machine': machine()}
 
 
 def check_fits(config, variants, trace, kv_memory: int, args):
