@@ -186,26 +186,33 @@ def model_markdown(results, args) -> str:
                                llama_cpp=results.get('llama_cpp', '?'),
                                wait=results.get('wait_policy') or 'default')
           if peer else ''), '',
-      '| variant | K | batch | context | tokens/s | KV bytes per token | '
-      'KV cache | attention FLOPs per KV byte | bandwidth bound | '
-      'FLOP bound | share of the roofline |' + LLAMA_COLUMNS * peer,
-      '|---|---|---|---|---|---|---|---|---|---|---|' + '---|---|' * peer]
-  for r in results['rows']:
-    lines.append(
-        f'| {r["variant"]} | {r["num_kv_heads"]} | {r["batch"]} | '
-        f'{r["context"]} | {r["tokens_per_sec"]:,.0f} | '
-        f'{r["kv_bytes_per_token"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
-        f'{r["attention_flops_per_kv_byte"]:.2f} | '
-        f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
-        f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
-        f'{100 * r["fraction_of_roofline"]:.0f}% |' + (
-            ' - | - |' if 'llama_cpp_tokens_per_sec' not in r else
-            f' {r["llama_cpp_tokens_per_sec"]:,.0f} | '
-            f'{r["ours_over_llama_cpp"]:.2f} |') * peer)
+      *report.table(MODEL_COLUMNS + LLAMA_COLUMNS * peer,
+                    [_model_cells(r, peer) for r in results['rows']])]
   return '\n'.join(lines)
 
 
-LLAMA_COLUMNS = ' llama.cpp tokens/s | ours / llama.cpp |'
+MODEL_COLUMNS = ('variant', 'K', 'batch', 'context', 'tokens/s',
+                 'KV bytes per token', 'KV cache',
+                 'attention FLOPs per KV byte', 'bandwidth bound',
+                 'FLOP bound', 'share of the roofline')
+LLAMA_COLUMNS = ('llama.cpp tokens/s', 'ours / llama.cpp')
+
+
+def _model_cells(r: dict, peer: bool) -> list:
+  """A row of model_markdown's table; llama.cpp's '-' where it has none."""
+  cells = [r['variant'], r['num_kv_heads'], r['batch'], r['context'],
+           f'{r["tokens_per_sec"]:,.0f}', f'{r["kv_bytes_per_token"]:,.0f}',
+           f'{r["kv_bytes"] / 2**20:,.0f} MiB',
+           f'{r["attention_flops_per_kv_byte"]:.2f}',
+           f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f}',
+           f'{r["compute_roofline_tokens_per_sec"]:,.0f}',
+           f'{100 * r["fraction_of_roofline"]:.0f}%']
+  if not peer:
+    return cells
+  if 'llama_cpp_tokens_per_sec' not in r:
+    return cells + ['-', '-']
+  return cells + [f'{r["llama_cpp_tokens_per_sec"]:,.0f}',
+                  f'{r["ours_over_llama_cpp"]:.2f}']
 
 
 LLAMA_CAPTION = (
@@ -500,15 +507,14 @@ def layer_markdown(env, rows, args) -> str:
       'step against a cache filled to context - 8. Ours as users get it, '
       f'here with {kernel}, and by the pure-JAX path. Medians of '
       f'{args.repeats} steps, the three taking turns in one process.', '',
-      '| K | batch | context | ours ms | pure-JAX path ms | PyTorch ms '
-      '| ours / PyTorch |',
-      '|---|---|---|---|---|---|---|']
-  for r in rows:
-    lines.append(f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
-                 f'{r["ours_seconds"] * 1e3:.2f} | '
-                 f'{r["ours_jax_seconds"] * 1e3:.2f} | '
-                 f'{r["torch_seconds"] * 1e3:.2f} | '
-                 f'{r["ours_over_torch"]:.2f} |')
+      *report.table(
+          ('K', 'batch', 'context', 'ours ms', 'pure-JAX path ms',
+           'PyTorch ms', 'ours / PyTorch'),
+          [(r['num_kv_heads'], r['batch'], r['context'],
+            f'{r["ours_seconds"] * 1e3:.2f}',
+            f'{r["ours_jax_seconds"] * 1e3:.2f}',
+            f'{r["torch_seconds"] * 1e3:.2f}', f'{r["ours_over_torch"]:.2f}')
+           for r in rows])]
   return '\n'.join(lines)
 
 
