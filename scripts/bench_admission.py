@@ -42,6 +42,7 @@ from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
 from infra.errors import UserError
 from lm.model import Transformer
 from studies import timing
+from studies.report import table
 
 LOADED = 'generate: '  # serve.generate's first stderr line: the checkpoint.
 
@@ -151,12 +152,13 @@ def report(results: dict) -> str:
       f'{", ".join(f"{x:.2f}" for x in m["load_average"])} at the end. '
       f'--config={args["config"]}, {args["max_new_tokens"]} new tokens a '
       f'prompt, --slots={args["slots"]}, --kv_memory={args["kv_memory"]}.',
-      '', '| prompts | first result (s, from start) | first result (s, after '
-      'loading) | whole run (s) | peak RSS (MiB) |', '|---|---|---|---|---|']
-  for r in results['rows']:
-    lines.append(f'| {r["prompts"]:,} | {_s(r["first_result_s"])} | '
-                 f'{_s(r["first_after_loaded_s"])} | {r["seconds"]:.1f} | '
-                 f'{r["peak_rss_mib"]:,.0f} |')
+      '', *table(
+          ('prompts', 'first result (s, from start)',
+           'first result (s, after loading)', 'whole run (s)',
+           'peak RSS (MiB)'),
+          [(f'{r["prompts"]:,}', _s(r['first_result_s']),
+            _s(r['first_after_loaded_s']), f'{r["seconds"]:.1f}',
+            f'{r["peak_rss_mib"]:,.0f}') for r in results['rows']])]
   lines += ['', f'Peak RSS grows {results["rss_growth"]:.2f}x from the '
             'smallest file to the largest.', '']
   return '\n'.join(lines)
