@@ -1,9 +1,9 @@
 """How a results file was made: the command as a user would retype it, the
 commit it ran at, where it wrote, and the machine it ran on (the CPU and its
 vector extensions: a number measured on an AVX-512 VM names it). Every
-command that writes results (train/, evaluation/, scripts/) records this;
-scripts add their statistics convention as a field
-(`scripts.stats.CONVENTION`). A report rebuilt from saved results records
+command that writes results (train/, evaluation/, studies/, scripts/)
+records this; studies add their statistics convention as a field
+(`studies.stats.CONVENTION`). A report rebuilt from saved results records
 its own `record` beside the one that trained them (`rebuilt`), never in
 its place."""
 

@@ -30,7 +30,7 @@ from attention import cpu_kernel, kv_cache, layer
 from attention.grouped import GQA
 from attention.latent import MLA
 from attention.tied import GTA
-from scripts import timing
+from studies import timing
 from infra.cli import (ArgumentParser, exit_on_user_error, int_list,
                        positive_int)
 from infra.errors import UserError

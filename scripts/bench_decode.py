@@ -59,7 +59,7 @@ config's parameter count, as `scripts.compare --equal_params` trains them
 (GQA variants only).
 
 --llama_cpp: beside each GQA row, llama.cpp decoding the same model
-(`scripts.llama_cpp_peer`: exported as GGUF at the same weight dtype, in
+(`studies.llama_cpp_peer`: exported as GGUF at the same weight dtype, in
 its own process on as many threads as JAX uses, each sequence in its own
 KV stream filled to the same context, the cache in the same dtype), taking
 turns with ours; its tokens/s and ours over it. llama.cpp computes SwiGLU
@@ -83,13 +83,11 @@ peak). Writes decode_layer.json under --out.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import os
 import pathlib
-import re
 import sys
 import time
 
@@ -99,8 +97,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import cpu_kernel, layer
-from attention import layout as layout_lib
-from scripts import llama_cpp_peer, stats, timing
+from studies import llama_cpp_peer, report, stats, timing
+from studies.variants import GRAMMAR, Variant, variant_list
 from infra import provenance
 from lm import config_lib, flops
 from train import loop
@@ -135,7 +133,7 @@ def main():
                       'scripts.compare --equal_params does')
   parser.add_argument('--llama_cpp', action='store_true',
                       help='llama.cpp decoding the same GQA models beside '
-                      'ours (scripts.llama_cpp_peer; the model with SwiGLU)')
+                      'ours (studies.llama_cpp_peer; the model with SwiGLU)')
   parser.add_argument('--out', default='out/decode')
   parser.add_argument('--markdown', help='write the table as a section of '
                       f'this file ("{MODEL_SECTION}", or with --layer '
@@ -173,70 +171,7 @@ def main():
 
 
 MODEL_SECTION = 'Decoding with the whole model: against the roofline'
-GRAMMAR = ('K<k> (GQA, k K/V heads), GTA<k> (grouped-tied, k heads), MLA<a> '
-           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), TPA<r> '
-           '(tensor product, K/V of rank r), TPAKV<r> (the same, per-head '
-           'queries), comma-separated')
 DEFAULT_VARIANTS = ('K8', 'K2', 'K1', 'GTA2', 'GTA1', 'MLA48', 'GLA48g2')
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-  """A layout --variants names: the model fields it sets on the config
-  (model.attention and that layout's settings, every other layout's left at
-  its defaults, so that a config's own MLA or GTA does not leak into
-  another variant); num_kv_heads None is the config's num_heads (MLA's)."""
-  name: str
-  num_kv_heads: int | None
-  attention: str = 'gqa'
-  settings: tuple[tuple[str, int], ...] = ()  # The layout's own, set.
-
-  PATTERNS = {  # Name -> the fields of its numbers.
-      r'K(\d+)': lambda k: dict(num_kv_heads=k),
-      r'GTA(\d+)': lambda k: dict(num_kv_heads=k, attention='gta'),
-      r'MLA(\d+)': lambda a: dict(num_kv_heads=None, attention='mla',
-                                  settings=(('kv_lora_rank', a),)),
-      r'GLA(\d+)g(\d+)': lambda a, g: dict(
-          num_kv_heads=None, attention='mla',
-          settings=(('kv_lora_rank', a), ('latent_groups', g))),
-      r'TPA(\d+)': lambda r: dict(num_kv_heads=None, attention='tpa',
-                                  settings=(('k_rank', r), ('v_rank', r))),
-      r'TPAKV(\d+)': lambda r: dict(
-          num_kv_heads=None, attention='tpa',
-          settings=(('q_rank', 0), ('k_rank', r), ('v_rank', r))),
-  }
-
-  @classmethod
-  def parse(cls, name: str) -> 'Variant':
-    """'GLA48g2' -> its Variant; ValueError for a name not in GRAMMAR."""
-    for pattern, fields in cls.PATTERNS.items():
-      match = re.fullmatch(pattern, name)
-      if match and all(int(n) > 0 for n in match.groups()):
-        return cls(name, **fields(*map(int, match.groups())))
-    raise ValueError(f'{name!r} is not a variant')
-
-  @property
-  def is_gqa(self) -> bool:
-    return self.attention == 'gqa'
-
-  def apply_to(self, model):
-    """Sets the variant's fields on `model` (a config's model section)."""
-    defaults = config_lib.defaults().model
-    model.update(num_kv_heads=self.num_kv_heads or model.num_heads,
-                 attention=self.attention)
-    for name in layout_lib.names():
-      if name in model:
-        model[name] = defaults[name]
-    if self.settings:
-      model[self.attention].update(dict(self.settings))
-
-
-def variant_list(text: str) -> list[Variant]:
-  """'K8,GTA2' -> [Variant, ...]: an argparse type."""
-  try:
-    return [Variant.parse(name) for name in text.split(',')]
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(f'{e}; give {GRAMMAR}') from None
 
 
 def vm_kind(m: dict) -> str:
@@ -281,31 +216,38 @@ def model_markdown(results, args) -> str:
                                llama_cpp=results.get('llama_cpp', '?'),
                                wait=results.get('wait_policy') or 'default')
           if peer else ''), '',
-      '| variant | K | batch | context | tokens/s (min-max) | KV bytes per '
-      'token | KV cache | attention FLOPs per KV byte | read GB/s | '
-      'bandwidth bound | FLOP bound | share of the roofline |'
-      + LLAMA_COLUMNS * peer,
-      '|---|---|---|---|---|---|---|---|---|---|---|---|' + '---|---|' * peer]
-  for r in results['rows']:
-    lines.append(
-        f'| {r["variant"]} | {r["num_kv_heads"]} | {r["batch"]} | '
-        f'{r["context"]} | {r["tokens_per_sec"]:,.0f} '
-        f'({r["tokens_per_sec_min"]:,.0f}-{r["tokens_per_sec_max"]:,.0f}) | '
-        f'{r["kv_bytes_per_token"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
-        f'{r["attention_flops_per_kv_byte"]:.2f} | '
-        f'{r["bandwidth"] / 1e9:.1f} | '
-        f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
-        f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
-        f'{100 * r["fraction_of_roofline"]:.0f}% |' + (
-            ' - | - |' if 'llama_cpp_tokens_per_sec' not in r else
-            f' {r["llama_cpp_tokens_per_sec"]:,.0f} | '
-            f'{r["ours_over_llama_cpp"]:.2f} |') * peer)
+      *report.table(MODEL_COLUMNS + LLAMA_COLUMNS * peer,
+                    [_model_cells(r, peer) for r in results['rows']])]
   for ranked in rankings(results['rows']):
     lines += ['', *ranking_markdown(ranked)]
   return '\n'.join(lines)
 
 
-LLAMA_COLUMNS = ' llama.cpp tokens/s | ours / llama.cpp |'
+MODEL_COLUMNS = ('variant', 'K', 'batch', 'context', 'tokens/s (min-max)',
+                 'KV bytes per token', 'KV cache',
+                 'attention FLOPs per KV byte', 'read GB/s',
+                 'bandwidth bound', 'FLOP bound', 'share of the roofline')
+LLAMA_COLUMNS = ('llama.cpp tokens/s', 'ours / llama.cpp')
+
+
+def _model_cells(r: dict, peer: bool) -> list:
+  """A row of model_markdown's table; llama.cpp's '-' where it has none."""
+  cells = [r['variant'], r['num_kv_heads'], r['batch'], r['context'],
+           f'{r["tokens_per_sec"]:,.0f} ({r["tokens_per_sec_min"]:,.0f}-'
+           f'{r["tokens_per_sec_max"]:,.0f})',
+           f'{r["kv_bytes_per_token"]:,.0f}',
+           f'{r["kv_bytes"] / 2**20:,.0f} MiB',
+           f'{r["attention_flops_per_kv_byte"]:.2f}',
+           f'{r["bandwidth"] / 1e9:.1f}',
+           f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f}',
+           f'{r["compute_roofline_tokens_per_sec"]:,.0f}',
+           f'{100 * r["fraction_of_roofline"]:.0f}%']
+  if not peer:
+    return cells
+  if 'llama_cpp_tokens_per_sec' not in r:
+    return cells + ['-', '-']
+  return cells + [f'{r["llama_cpp_tokens_per_sec"]:,.0f}',
+                  f'{r["ours_over_llama_cpp"]:.2f}']
 
 
 LLAMA_CAPTION = (
@@ -313,7 +255,7 @@ LLAMA_CAPTION = (
     'too) as GGUF at the same weight dtype, llama-cpp-python {llama_cpp} in '
     'a process of its own on the same threads, each sequence in its own KV '
     'stream (kv_unified off) of the same dtype filled to the context, '
-    'taking turns with ours (`scripts.llama_cpp_peer`; OMP_WAIT_POLICY '
+    'taking turns with ours (`studies.llama_cpp_peer`; OMP_WAIT_POLICY '
     '{wait}); CPU: {cpu}.')
 
 
@@ -345,9 +287,9 @@ def ranking_markdown(ranked: dict) -> list[str]:
   lines = [f'Batch {ranked["batch"]}, context {ranked["context"]}: the '
            'layouts ranked by KV bytes per token (fewest first) and by '
            'tokens/s (fastest first).', '',
-           '| rank | by bytes | by tokens/s |', '|---|---|---|']
-  for i, (a, b) in enumerate(zip(ranked['by_bytes'], ranked['by_speed'])):
-    lines.append(f'| {i + 1} | {a} | {b} |')
+           *report.table(('rank', 'by bytes', 'by tokens/s'),
+                         [(i + 1, a, b) for i, (a, b) in enumerate(
+                             zip(ranked['by_bytes'], ranked['by_speed']))])]
   found = ranked['inversions']
   lines += ['', 'Fewer bytes slower beyond the noise (its fastest round below '
             "the other's slowest): " + (', '.join(
@@ -420,7 +362,7 @@ def run(config_name, variants, batches, contexts, repeats,
              if llama_cpp else {})}
 
 
-STEPS = 8  # Tokens a timed call decodes.
+STEPS = timing.DECODE_STEPS  # Tokens a timed call decodes.
 
 
 def _params(mc, max_len: int):
@@ -689,19 +631,19 @@ def layer_markdown(env, rows, args) -> str:
       'taking turns in one process; the roofline: the step\'s weights and '
       'cache read once at the bandwidth of those reads, or its FLOPs at the '
       f'peak ({env["peak_flops"] / 1e9:,.0f} GFLOP/s), whichever is slower.',
-      '', '| K | batch | context | ours ms (min-max) | share of the roofline '
-      '| read GB/s | pure-JAX path ms | PyTorch ms | ours / PyTorch |',
-      '|---|---|---|---|---|---|---|---|---|']
-  for r in rows:
-    lines.append(f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
-                 f'{r["ours_seconds"] * 1e3:.2f} '
-                 f'({r["ours_min_seconds"] * 1e3:.2f}-'
-                 f'{r["ours_max_seconds"] * 1e3:.2f}) | '
-                 f'{100 * r["fraction_of_roofline"]:.0f}% | '
-                 f'{r["bandwidth"] / 1e9:.1f} | '
-                 f'{r["ours_jax_seconds"] * 1e3:.2f} | '
-                 f'{r["torch_seconds"] * 1e3:.2f} | '
-                 f'{r["ours_over_torch"]:.2f} |')
+      '', *report.table(
+          ('K', 'batch', 'context', 'ours ms (min-max)',
+           'share of the roofline', 'read GB/s', 'pure-JAX path ms',
+           'PyTorch ms', 'ours / PyTorch'),
+          [(r['num_kv_heads'], r['batch'], r['context'],
+            f'{r["ours_seconds"] * 1e3:.2f} '
+            f'({r["ours_min_seconds"] * 1e3:.2f}-'
+            f'{r["ours_max_seconds"] * 1e3:.2f})',
+            f'{100 * r["fraction_of_roofline"]:.0f}%',
+            f'{r["bandwidth"] / 1e9:.1f}',
+            f'{r["ours_jax_seconds"] * 1e3:.2f}',
+            f'{r["torch_seconds"] * 1e3:.2f}', f'{r["ours_over_torch"]:.2f}')
+           for r in rows])]
   return '\n'.join(lines)
 
 

@@ -72,10 +72,10 @@ def main():
     os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {_FLAG}'
   from infra.cli import ArgumentParser, int_list, positive_int  # pylint: disable=import-outside-toplevel
   from lm import config_lib  # pylint: disable=import-outside-toplevel
-  from scripts import bench_decode, timing  # pylint: disable=import-outside-toplevel
+  from studies import timing, variants  # pylint: disable=import-outside-toplevel
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--variants', type=bench_decode.variant_list,
+  parser.add_argument('--variants', type=variants.variant_list,
                       default='K2,GTA1,MLA48')
   parser.add_argument('--batches', type=int_list, default=[1, 16, 256])
   parser.add_argument('--contexts', type=int_list, default=[2048])
@@ -83,7 +83,7 @@ def main():
   parser.add_argument('--top', type=int, default=8)
   args = parser.parse_args()
   config = config_lib.load(args.config)
-  steps = bench_decode.STEPS
+  steps = timing.DECODE_STEPS
   for v in args.variants:
     v.apply_to(config.model)
     config_lib.validate(config, batch_shards=1)
