@@ -321,10 +321,12 @@ def test_the_cpu_kernel_takes_a_tied_cache(monkeypatch):
     dict(num_kv_heads=2), dict(num_kv_heads=1, use_rope=False,
                                kv_cache_dtype='int8')],
     ids=['gqa', 'mqa_nope_int8'])
-def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(model):
+def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(
+    model, monkeypatch):
   """A GTA model's decode step compiled for this CPU holds the tied kernel's
   custom call (`attention.cpu_kernel`), each step's logits those of the
   pure-JAX path; the control: with the kernel off, the step holds none."""
+  monkeypatch.setenv(cpu_kernel.ENV, 'auto')  # Whatever the suite runs with.
   if not cpu_kernel.available():
     pytest.skip('the CPU kernel is not built')
   mc, params = _model(**model)
