@@ -113,6 +113,8 @@ class Delta:
   tokens: list[int]
   logprobs: list[TokenLogprob] | None = None
   output: Output | None = None
+  # With its first token, if it asked: the prompt's (as Output's).
+  prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class PoolSizeError(UserError):
@@ -317,6 +319,8 @@ class Engine:
       new = [] if seq.finish_reason == 'eos' else [seq.generated[-1]]
       delta = Delta(tracked.request.id, new, self._generated_logprobs(
           seq, tracked, len(seq.generated) - 1, len(new)))
+      if len(seq.generated) == 1:
+        delta.prompt_logprobs = self._prompt_logprobs(seq, tracked)
       if seq.id in finished:
         delta.output = self._output(seq, now)
       deltas.append(delta)
@@ -387,6 +391,12 @@ class Engine:
     return [self._at(tracked, P - 1 + i, seq.generated[i], k)
             for i in range(first, first + count)]
 
+  def _prompt_logprobs(self, seq: Sequence, tracked: _Tracked
+                       ) -> list[TokenLogprob] | None:
+    k = tracked.request.prompt_logprobs
+    return None if k is None else [self._at(tracked, i - 1, seq.prompt[i], k)
+                                   for i in range(1, len(seq.prompt))]
+
   def _output(self, seq: Sequence, now: float) -> Output:
     tracked = self._tracked.pop(seq.id)
     tokens = list(seq.generated)
@@ -394,7 +404,7 @@ class Engine:
       tokens = tokens[:-1]
     n = len(seq.generated)
     first = tracked.first_at
-    k = tracked.request.prompt_logprobs
+    whole = seq.finish_reason != 'abort'  # An abort may cut them short.
     return Output(
         tracked.request.id, tokens, seq.finish_reason,
         time_to_first_token_s=None if first is None else first -
@@ -403,7 +413,6 @@ class Engine:
         queue_s=(None if tracked.admitted_at is None else
                  tracked.admitted_at - tracked.arrival),
         prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
-        logprobs=self._generated_logprobs(seq, tracked, 0, len(tokens)),
-        prompt_logprobs=None if k is None else [
-            self._at(tracked, i - 1, seq.prompt[i], k)
-            for i in range(1, len(seq.prompt))])
+        logprobs=(self._generated_logprobs(seq, tracked, 0, len(tokens))
+                  if whole else None),
+        prompt_logprobs=self._prompt_logprobs(seq, tracked) if whole else None)
