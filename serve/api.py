@@ -87,8 +87,7 @@ class Server:
     self.model, self.fingerprint, self.seed = model, fingerprint, seed
     self.max_body, self.bos_id = max_body, bos_id
     self.metrics = metrics_lib.Metrics()
-    self.thread = service_lib.EngineThread(
-        engine, lambda e, deltas: self.metrics.after_step(e))
+    self.thread = service_lib.EngineThread(engine, self.metrics.after_step)
     self.draining = False
     self.in_flight: dict[str, list[str]] = {}  # Completion id -> its keys.
     self.loop: asyncio.AbstractEventLoop | None = None
@@ -279,8 +278,6 @@ class _Run:
         raise protocol.ApiError(500, str(item), kind='internal_error')
       if item.output is not None:
         self.outputs[i] = item.output
-        seconds = time.perf_counter() - self.arrival
-        self.server.metrics.observe(item.output, seconds)
       yield i, item
 
   async def whole(self, request: HttpRequest) -> Response:

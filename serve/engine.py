@@ -98,6 +98,7 @@ class Output:
   per_token_s: float | None = None  # Mean between later tokens.
   error: str | None = None
   queue_s: float | None = None  # From arrival to its first admission.
+  latency_s: float | None = None  # From arrival to its end.
   prompt_tokens: int = 0
   cached_tokens: int = 0  # Prompt tokens found in the prefix cache.
   logprobs: list[TokenLogprob] | None = None
@@ -412,6 +413,7 @@ class Engine:
         per_token_s=(now - first) / (n - 1) if n > 1 else None,
         queue_s=(None if tracked.admitted_at is None else
                  tracked.admitted_at - tracked.arrival),
+        latency_s=now - tracked.arrival,
         prompt_tokens=len(seq.prompt), cached_tokens=seq.cached_tokens,
         logprobs=(self._generated_logprobs(seq, tracked, 0, len(tokens))
                   if whole else None),

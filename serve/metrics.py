@@ -84,19 +84,24 @@ class Metrics:
     self._seen = {field: 0 for field in _COUNTED}
     self._stats = None
 
-  def observe(self, output: engine_lib.Output, seconds: float):
-    """A finished request (seconds: arrival to finish)."""
+  def observe(self, output: engine_lib.Output):
+    """A finished request."""
     self.finished.labels(output.finish_reason).inc()
     self.prompt_tokens.inc(output.prompt_tokens)
     self.generation_tokens.inc(len(output.tokens))
-    self.e2e.observe(seconds)
-    for histogram, value in ((self.ttft, output.time_to_first_token_s),
+    for histogram, value in ((self.e2e, output.latency_s),
+                             (self.ttft, output.time_to_first_token_s),
                              (self.tpot, output.per_token_s),
                              (self.queue, output.queue_s)):
       if value is not None:
         histogram.observe(value)
 
-  def after_step(self, engine: engine_lib.Engine):
+  def after_step(self, engine: engine_lib.Engine, deltas=()):
+    """The engine's state after a step, and the requests that finished in
+    it (their Deltas with an Output)."""
+    for delta in deltas:
+      if delta.output is not None:
+        self.observe(delta.output)
     stats, scheduler = engine.stats, engine.scheduler
     if stats is not self._stats:  # reset_stats: count from its zero.
       self._stats, self._seen = stats, {field: 0 for field in _COUNTED}

@@ -116,4 +116,5 @@ class EngineThread:
         if output is not None:
           self._sinks.pop(json.dumps(item))(
               engine_lib.Delta(item, [], output=output))
-          self.on_step(self.engine, [])
+          self.on_step(self.engine, [engine_lib.Delta(item, [],
+                                                      output=output)])
