@@ -217,6 +217,9 @@ class Server:
       return body
     request_id = request.headers.get('x-request-id') or (
         f'cmpl-{uuid.uuid4().hex}')
+    if request_id in self.in_flight:  # Its engine ids would collide.
+      return error(400, f'X-Request-Id {request_id!r} is in flight already; '
+                   'give each request its own id')
     config = self.engine.config
     try:
       completion = protocol.parse(
@@ -242,6 +245,7 @@ class _Run:
     self.keys = [r.id for r in completion.requests]
     self.queue: asyncio.Queue = asyncio.Queue()
     self.outputs: dict[int, engine_lib.Output] = {}
+    self.refused: set[int] = set()  # Never added: their ids not ours.
     self.arrival = time.perf_counter()
 
   def _submit(self):
@@ -260,7 +264,7 @@ class _Run:
   def _abort(self):
     """Aborts what has not finished (no-op for the rest)."""
     for i, key in enumerate(self.keys):
-      if i not in self.outputs:
+      if i not in self.outputs and i not in self.refused:
         self.server.thread.abort(key)
 
   def _done(self):
@@ -272,9 +276,12 @@ class _Run:
     while len(self.outputs) < len(self.keys):
       i, item = await self.queue.get()
       if isinstance(item, engine_lib.RequestRefused):
+        # Refused as a duplicate, its id is another request's: not aborted.
+        self.refused.add(i)
         self._abort()
         raise protocol.ApiError(400, f'prompt {i}: {item.reason}', 'prompt')
-      if isinstance(item, Exception):
+      if isinstance(item, Exception):  # The engine failed (service.py).
+        self.refused.update(range(len(self.keys)))
         raise protocol.ApiError(500, str(item), kind='internal_error')
       if item.output is not None:
         self.outputs[i] = item.output

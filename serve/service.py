@@ -88,7 +88,9 @@ class EngineThread:
           self.on_step(self.engine, deltas)
     except Exception as e:  # pylint: disable=broad-except
       log.exception('the engine failed; requests in flight end with an error')
-      self.failed = f'the engine failed: {type(e).__name__}: {e}'
+      # The client is told the kind, the log has the rest (paths, shapes).
+      self.failed = (f'the engine failed ({type(e).__name__}); the server '
+                     'log has the details; restart the server')
       for sink in self._sinks.values():
         sink(RuntimeError(self.failed))
       self._sinks.clear()

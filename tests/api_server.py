@@ -18,7 +18,9 @@ import urllib.error
 import urllib.request
 
 from configs import tiny
+from lm import sampling
 from serve import api
+from serve import generate
 from train import loop
 
 
@@ -100,12 +102,19 @@ def post(url: str, body, raw: bool = False, headers=None
   return status, text if raw else json.loads(text)
 
 
-def stream(url: str, body: dict):
+def complete(url: str, **body) -> dict:
+  """The answer of a completion that must succeed."""
+  status, answer = post(url + '/v1/completions', body)
+  assert status == 200, answer
+  return answer
+
+
+def stream(url: str, body: dict, headers=None):
   """(the open connection, an iterator of each SSE event's data)."""
   host, port = url.split('//')[1].split(':')
   conn = http.client.HTTPConnection(host, int(port), timeout=300)
   conn.request('POST', '/v1/completions', json.dumps(body),
-               {'Content-Type': 'application/json'})
+               {'Content-Type': 'application/json', **(headers or {})})
   response = conn.getresponse()
   assert response.status == 200, response.read()
 
@@ -127,3 +136,15 @@ def train_workdir(workdir, max_len: int = 32, steps: int = 20):
                       log_every=steps, warmup_steps=min(2, steps - 1))
   loop.train_and_evaluate(config, str(workdir))
   return workdir
+
+
+def generate_texts(workdir, tmp_path, lines, max_new_tokens, **settings):
+  """serve.generate's {id: text} for JSON lines."""
+  tmp_path.mkdir(parents=True, exist_ok=True)
+  prompts, out = tmp_path / 'prompts.jsonl', tmp_path / 'out.jsonl'
+  prompts.write_text(''.join(json.dumps(line) + '\n' for line in lines))
+  generate.generate_file(str(workdir), str(prompts), str(out),
+                         kv_memory='1MiB', max_new_tokens=max_new_tokens,
+                         settings=sampling.SamplingParams(**settings))
+  return {r['id']: r['text'] for r in map(json.loads,
+                                         out.read_text().splitlines())}
