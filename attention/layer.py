@@ -50,8 +50,9 @@ import jax
 import jax.numpy as jnp
 
 # The built-in layouts register themselves on import (`attention.layout`),
-# grouped-query attention first.
+# grouped-query attention first, then in the order they were added.
 from attention import grouped, kv_cache, latent, tied  # pylint: disable=unused-import
+from attention import tensor_product  # pylint: disable=unused-import
 from attention.kv_cache import KV
 from attention.layout import Layout
 from attention.rope import RopeScaling

@@ -21,7 +21,7 @@ score the same:
 - loglikelihood_rolling: each document in disjoint windows of max_len
   tokens (lm_eval.utils.get_rolling_token_windows), each scored as above;
 - generate_until: the context left-truncated to max_len - max_gen_toks,
-  then `train.inference.generate` (prefill, then the KV cache one token per
+  then `lm.inference.generate` (prefill, then the KV cache one token per
   step: local layers' ring buffers, shared K/V, int8 caches as the model
   decodes), sampled by `lm.sampling` (temperature, top_k, top_p and seed
   per request: gen_kwargs' `seed`, else one derived from model_args' seed

@@ -1,10 +1,11 @@
 """Decode throughput per variant against the roofline, and against PyTorch.
 
   python -m scripts.bench_decode [--config=gqa_small]
-      [--variants=K8,K2,K1,GTA2,GTA1,MLA48,GLA48g2 | --kv_heads=8,2,1]
+      [--variants=K8,K2,K1,GTA2,GTA1,MLA48,GLA48g2,TPA2,TPAKV2 |
+       --kv_heads=8,2,1]
       [--batches=1,16,256] [--contexts=256,2048] [--out=DIR]
       [--kv_cache_dtype=bfloat16|int8] [--equal_params]
-      [--markdown=BENCHMARKS.md]
+      [--markdown=BENCHMARKS.md] [--llama_cpp]
   python -m scripts.bench_decode --layer [--kv_heads=16,4,1]
       [--batches=16,256] [--contexts=2048] [--out=DIR]
 
@@ -14,8 +15,13 @@ at 1; --kv_heads=8,2,1 means K8,K2,K1), GTA<k> grouped-tied attention with k
 tied heads (model.attention='gta', `attention.tied`), MLA<a> multi-head
 latent attention with a latent of a (model.attention='mla',
 model.mla.kv_lora_rank, `attention.latent`), GLA<a>g<g> MLA's latent in g
-groups (model.mla.latent_groups); the RoPE key of GTA, MLA and GLA is the
-layout's default (head_dim / 2).
+groups (model.mla.latent_groups), TPA<r> tensor product attention with keys
+and values of rank r (model.attention='tpa', model.tpa.k_rank and v_rank,
+`attention.tensor_product`; queries at its default rank, T6's 6), TPAKV<r>
+the same with per-head queries (model.tpa.q_rank=0, the paper's
+TPA-KV-only); the RoPE key of GTA, MLA and GLA is the layout's default
+(head_dim / 2). On gqa_small TPA2 caches 2·2·(8 + 32) = 160 numbers a token
+and layer, between GQA-2's 128 and MHA's 512.
 On gqa_small (N=8, H=32) the default holds MHA, GQA-2, MQA, GTA at 2 and 1
 heads (80 and 48 numbers a token and layer), and MLA and GLA-2 at MQA's 64.
 Its grid is batches 1,16,256 and contexts 256,2048, trimmed from the K-only
@@ -43,6 +49,15 @@ bandwidth. Writes decode.json and decode.png under --out.
 config's parameter count, as `scripts.compare --equal_params` trains them
 (GQA variants only).
 
+--llama_cpp: beside each GQA row, llama.cpp decoding the same model
+(`scripts.llama_cpp_peer`: exported as GGUF at the same weight dtype, in
+its own process on as many threads as JAX uses, each sequence in its own
+KV stream filled to the same context, the cache in the same dtype), taking
+turns with ours; its tokens/s and ours over it. llama.cpp computes SwiGLU
+MLPs only, so with --llama_cpp every variant, ours too, is the config with
+model.mlp_activation='silu' (the same FLOPs as GELU's). GTA, MLA and GLA
+rows have no llama.cpp peer ('-').
+
 --layer: one attention layer's decode step (N=16, H=64, D=1024, float32),
 `attention.layer.apply` with its cache as `attention.Attention(decode=True)`
 runs it, twice: as users get it (on the CPU, the C++ decode kernel,
@@ -58,22 +73,26 @@ Writes decode_layer.json under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attention import cpu_kernel, layer
 from attention import layout as layout_lib
-from scripts import stats, timing
+from scripts import llama_cpp_peer, stats, timing
 from infra import provenance
 from lm import config_lib, flops
+from train import loop
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from lm import model as model_lib
@@ -103,6 +122,9 @@ def main():
   parser.add_argument('--equal_params', action='store_true',
                       help="widen the MLP to the config's parameters, as "
                       'scripts.compare --equal_params does')
+  parser.add_argument('--llama_cpp', action='store_true',
+                      help='llama.cpp decoding the same GQA models beside '
+                      'ours (scripts.llama_cpp_peer; the model with SwiGLU)')
   parser.add_argument('--out', default='out/decode')
   parser.add_argument('--markdown', help='write the table as a section of '
                       f'this file ("{MODEL_SECTION}", or with --layer '
@@ -121,9 +143,11 @@ def main():
   else:
     variants = args.variants or [Variant.parse(v) for v in DEFAULT_VARIANTS]
     grid = [1, 16, 256], [256, 2048]
+  if args.llama_cpp:
+    llama_cpp_peer.check_installed()
   results = run(args.config, variants, args.batches or grid[0],
                 args.contexts or grid[1], args.repeats, args.kv_cache_dtype,
-                args.equal_params)
+                args.equal_params, args.llama_cpp)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   results['provenance'] = provenance.record('scripts.bench_decode', out,
@@ -138,8 +162,9 @@ def main():
 
 MODEL_SECTION = 'Decoding with the whole model: against the roofline'
 GRAMMAR = ('K<k> (GQA, k K/V heads), GTA<k> (grouped-tied, k heads), MLA<a> '
-           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), '
-           'comma-separated')
+           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), TPA<r> '
+           '(tensor product, K/V of rank r), TPAKV<r> (the same, per-head '
+           'queries), comma-separated')
 DEFAULT_VARIANTS = ('K8', 'K2', 'K1', 'GTA2', 'GTA1', 'MLA48', 'GLA48g2')
 
 
@@ -162,6 +187,11 @@ class Variant:
       r'GLA(\d+)g(\d+)': lambda a, g: dict(
           num_kv_heads=None, attention='mla',
           settings=(('kv_lora_rank', a), ('latent_groups', g))),
+      r'TPA(\d+)': lambda r: dict(num_kv_heads=None, attention='tpa',
+                                  settings=(('k_rank', r), ('v_rank', r))),
+      r'TPAKV(\d+)': lambda r: dict(
+          num_kv_heads=None, attention='tpa',
+          settings=(('q_rank', 0), ('k_rank', r), ('v_rank', r))),
   }
 
   @classmethod
@@ -200,6 +230,7 @@ def variant_list(text: str) -> list[Variant]:
 def model_markdown(results, args) -> str:
   """The rows at each batch and context, against the roofline: the lower
   of the bandwidth and FLOP bounds, max(bytes / bandwidth, FLOPs / peak)."""
+  peer = any('llama_cpp_tokens_per_sec' in r for r in results['rows'])
   lines = [
       f'Written by `python -m scripts.bench_decode {" ".join(sys.argv[1:])}` '
       f'on {time.strftime("%Y-%m-%d")} (config {args.config}, float32; read '
@@ -209,15 +240,21 @@ def model_markdown(results, args) -> str:
       'weights and the KV cache read once per step at that bandwidth, and '
       "the step's FLOPs at the peak; the roofline is the lower of the two, "
       'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
-      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups; '
-      'K is model.num_kv_heads (MLA\'s: the query heads). KV bytes per '
+      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups, '
+      'TPA<r> tensor product attention with K/V of rank r (TPAKV<r>: '
+      'per-head queries); K is model.num_kv_heads (MLA\'s and TPA\'s: the '
+      'query heads). KV bytes per '
       'token: all layers\' (`lm.model.kv_bytes_per_token`); attention '
       "FLOPs per KV byte: a decode step's scores and mix over the cache "
-      'bytes they read (`lm.flops.attention_decode_intensity`).', '',
+      'bytes they read (`lm.flops.attention_decode_intensity`).' + (
+          LLAMA_CAPTION.format(cpu=results.get('cpu', '?'),
+                               llama_cpp=results.get('llama_cpp', '?'),
+                               wait=results.get('wait_policy') or 'default')
+          if peer else ''), '',
       '| variant | K | batch | context | tokens/s | KV bytes per token | '
       'KV cache | attention FLOPs per KV byte | bandwidth bound | '
-      'FLOP bound | share of the roofline |',
-      '|---|---|---|---|---|---|---|---|---|---|---|']
+      'FLOP bound | share of the roofline |' + LLAMA_COLUMNS * peer,
+      '|---|---|---|---|---|---|---|---|---|---|---|' + '---|---|' * peer]
   for r in results['rows']:
     lines.append(
         f'| {r["variant"]} | {r["num_kv_heads"]} | {r["batch"]} | '
@@ -226,14 +263,30 @@ def model_markdown(results, args) -> str:
         f'{r["attention_flops_per_kv_byte"]:.2f} | '
         f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
         f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
-        f'{100 * r["fraction_of_roofline"]:.0f}% |')
+        f'{100 * r["fraction_of_roofline"]:.0f}% |' + (
+            ' - | - |' if 'llama_cpp_tokens_per_sec' not in r else
+            f' {r["llama_cpp_tokens_per_sec"]:,.0f} | '
+            f'{r["ours_over_llama_cpp"]:.2f} |') * peer)
   return '\n'.join(lines)
 
 
+LLAMA_COLUMNS = ' llama.cpp tokens/s | ours / llama.cpp |'
+
+
+LLAMA_CAPTION = (
+    ' llama.cpp: the same model (SwiGLU, model.mlp_activation=silu, ours '
+    'too) as GGUF at the same weight dtype, llama-cpp-python {llama_cpp} in '
+    'a process of its own on the same threads, each sequence in its own KV '
+    'stream (kv_unified off) of the same dtype filled to the context, '
+    'taking turns with ours (`scripts.llama_cpp_peer`; OMP_WAIT_POLICY '
+    '{wait}); CPU: {cpu}.')
+
+
 def run(config_name, variants, batches, contexts, repeats,
-        kv_cache_dtype=None, equal_params=False):
+        kv_cache_dtype=None, equal_params=False, llama_cpp=False):
   """{'bandwidth', 'peak_flops', 'peak_source', 'rows'}: a row per variant
-  (a Variant, or an int k for K<k>), batch and context."""
+  (a Variant, or an int k for K<k>), batch and context; llama_cpp: with
+  llama.cpp's tokens/s beside the GQA rows (the config with SwiGLU)."""
   variants = [v if isinstance(v, Variant) else Variant.parse(f'K{v}')
               for v in variants]
   if equal_params and not all(v.is_gqa for v in variants):
@@ -245,6 +298,8 @@ def run(config_name, variants, batches, contexts, repeats,
   config = config_lib.load(config_name)
   if kv_cache_dtype:
     config.model.kv_cache_dtype = kv_cache_dtype
+  if llama_cpp:  # The MLP llama.cpp computes, for ours as well.
+    config.model.mlp_activation = 'silu'
   mlp_dim = config.model.mlp_dim
 
   def set_variant(v):
@@ -263,8 +318,10 @@ def run(config_name, variants, batches, contexts, repeats,
   bandwidth = timing.read_bandwidth(repeats)
   peak, peak_source = flops.peak_flops()
   rows = []
-  print(f'read bandwidth {bandwidth / 1e9:.1f} GB/s; peak {peak / 1e9:,.0f} '
-        f'GFLOP/s ({peak_source})')
+  machine = provenance.describe(provenance.machine())
+  print(f'{machine}; read bandwidth {bandwidth / 1e9:.1f} GB/s; peak '
+        f'{peak / 1e9:,.0f} GFLOP/s ({peak_source}); load average '
+        f'{os.getloadavg()[0]:.2f}')
   print(f'{"variant":>8} {"batch":>6} {"context":>8} {"tokens/s":>10} '
         f'{"KV B/tok":>9} {"KV MiB":>8} {"FLOP/B":>7} {"bytes bound":>12} '
         f'{"FLOP bound":>11} {"of the lower":>12}')
@@ -273,33 +330,78 @@ def run(config_name, variants, batches, contexts, repeats,
     mc = config_lib.model_config(config)
     options = mc.attention(0)  # The layers' layouts are the same.
     intensity = flops.attention_decode_intensity(options, mc.dtype)
-    for batch in batches:
-      for context in contexts:
-        seconds = timing.decode_step_seconds(mc, batch, context, repeats)
-        kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
-        per_token = model_lib.kv_bytes_per_token(
-            dataclasses.replace(mc, max_len=context))
-        bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
-                                                     bandwidth, peak)
-        row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
-                   attention=options.layout.name,
-                   layout=dataclasses.asdict(options.layout),
-                   mlp_dim=mc.mlp_dim, batch=batch, context=context,
-                   tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
-                   kv_bytes_per_token=per_token,
-                   attention_flops_per_kv_byte=intensity,
-                   bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
-                   compute_roofline_tokens_per_sec=bound['compute'],
-                   roofline_tokens_per_sec=bound['roofline'],
-                   fraction_of_roofline=batch / seconds / bound['roofline'])
-        rows.append(row)
-        print(f'{v.name:>8} {batch:>6} {context:>8} '
-              f'{row["tokens_per_sec"]:>10,.0f} {per_token:>9,.0f} '
-              f'{kv_bytes / 2**20:>8.1f} {intensity:>7.2f} '
-              f'{bound["bandwidth"]:>12,.0f} {bound["compute"]:>11,.0f} '
-              f'{100 * row["fraction_of_roofline"]:>11.0f}%', flush=True)
+    with contextlib.ExitStack() as stack:
+      peer = stack.enter_context(llama_cpp_peer.started(
+          config, _params(mc, max(contexts) + STEPS))) if (
+              llama_cpp and v.is_gqa) else None
+      rows += _variant_rows(v, mc, batches, contexts, repeats, peer,
+                            bandwidth, peak, intensity)
   return {'bandwidth': bandwidth, 'peak_flops': peak,
-          'peak_source': peak_source, 'rows': rows}
+          'peak_source': peak_source, 'cpu': machine,
+          'load_average': list(os.getloadavg()), 'rows': rows,
+          **({'llama_cpp': llama_cpp_peer.version(),
+              'wait_policy': llama_cpp_peer.wait_policy()}
+             if llama_cpp else {})}
+
+
+STEPS = 8  # Tokens decoded per timed call.
+
+
+def _params(mc, max_len: int):
+  """The random parameters `timing.decode_steps` decodes with (seed 0)."""
+  mc = dataclasses.replace(mc, max_len=max_len)
+  return nn.unbox(loop.init_params(model_lib.Transformer(mc), seed=0))
+
+
+def _timed(mc, batch: int, context: int, repeats: int, peer):
+  """(our seconds per step, llama.cpp's or None), taking turns."""
+  ours = timing.decode_steps(mc, batch, context, STEPS)
+  if peer is None:
+    return timing.median_time(ours, repeats) / STEPS, None
+  kv = np.dtype(mc.kv_cache_dtype or mc.dtype).name
+  peer.decode_setup(batch, context, STEPS, kv)
+  times = timing.median_times({'ours': ours}, repeats, self_timed={
+      'llama.cpp': lambda: peer.decode_round() * STEPS})
+  return times['ours'] / STEPS, times['llama.cpp'] / STEPS
+
+
+def _variant_rows(v, mc, batches, contexts, repeats, peer, bandwidth, peak,
+                  intensity) -> list[dict]:
+  """The rows of one variant: each batch and context timed."""
+  options = mc.attention(0)
+  rows = []
+  for batch in batches:
+    for context in contexts:
+      seconds, theirs = _timed(mc, batch, context, repeats, peer)
+      kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
+      per_token = model_lib.kv_bytes_per_token(
+          dataclasses.replace(mc, max_len=context))
+      bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
+                                                   bandwidth, peak)
+      row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
+                 attention=options.layout.name,
+                 layout=dataclasses.asdict(options.layout),
+                 mlp_dim=mc.mlp_dim, batch=batch, context=context,
+                 tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
+                 kv_bytes_per_token=per_token,
+                 attention_flops_per_kv_byte=intensity,
+                 bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
+                 compute_roofline_tokens_per_sec=bound['compute'],
+                 roofline_tokens_per_sec=bound['roofline'],
+                 fraction_of_roofline=batch / seconds / bound['roofline'])
+      if theirs is not None:
+        row.update(llama_cpp_tokens_per_sec=batch / theirs,
+                   ours_over_llama_cpp=theirs / seconds)
+      rows.append(row)
+      print(f'{v.name:>8} {batch:>6} {context:>8} '
+            f'{row["tokens_per_sec"]:>10,.0f} {per_token:>9,.0f} '
+            f'{kv_bytes / 2**20:>8.1f} {intensity:>7.2f} '
+            f'{bound["bandwidth"]:>12,.0f} {bound["compute"]:>11,.0f} '
+            f'{100 * row["fraction_of_roofline"]:>11.0f}%' + (
+                '' if theirs is None else
+                f'  llama.cpp {batch / theirs:>9,.0f} tokens/s, ours/'
+                f'llama.cpp {theirs / seconds:.2f}'), flush=True)
+  return rows
 
 
 # One attention layer against PyTorch (--layer).
@@ -313,7 +415,8 @@ def main_layer(args):
   kv_heads = args.kv_heads or [16, 4, 1]
   batches, contexts = args.batches or [16, 256], args.contexts or [2048]
   given = [f'--{name}' for name in ('config', 'variants', 'kv_cache_dtype',
-                                     'equal_params') if getattr(args, name)]
+                                     'equal_params', 'llama_cpp')
+           if getattr(args, name)]
   if given:
     raise UserError(f'{" and ".join(given)}: not used with --layer (one '
                     f'float32 layer, N={N}, H={H}, D={D}); drop it')

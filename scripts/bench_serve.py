@@ -1,17 +1,22 @@
 """Serving throughput against K at one KV-memory budget: continuous batching
 over the paged cache, with one-request-at-a-time `train.sample` beside it.
 
-  python -m scripts.bench_serve [--config=gqa_small] [--kv_heads=8,2,1]
+  python -m scripts.bench_serve [--config=gqa_small]
+      [--kv_heads=8,2,1 | --variants=K2,TPA2 --no_hf]
       [--kv_memory=4MiB] [--slots=32] [--requests=32] [--page_size=16]
       [--prompt_len=8,96] [--output_len=8,64] [--length_step=1] [--seed=0]
-      [--repeats=3] [--no_hf] [--out=DIR]
+      [--repeats=3] [--no_hf] [--llama_cpp] [--out=DIR]
 
 The trace: --requests requests, all arriving at the start (an offline
 batch); prompt and output lengths drawn uniformly from LOW, LOW + step, ...
 up to HIGH of the inclusive ranges --prompt_len and --output_len (step
 --length_step: a coarser step means fewer shapes for the one-at-a-time peer
 to compile) with numpy's generator seeded by --seed; the prompt tokens
-uniform over the vocabulary. Each K gets a random model
+uniform over the vocabulary. --variants names layouts in
+`scripts.bench_decode`'s grammar (K<k>, GTA<k>, MLA<a>, GLA<a>g<g>, TPA<r>,
+TPAKV<r>) in place of --kv_heads' K<k>; the transformers peer computes
+grouped-query attention only, so other layouts need --no_hf. Each K (or
+variant) gets a random model
 (speed does not depend on the weights) and the same trace, served by
 `serve.engine.Engine` in --slots slots over --kv_memory bytes of pages: with
 fewer K/V heads a page holds more tokens' worth of memory, so more sequences
@@ -22,9 +27,9 @@ token and per-token latency (medians). Compiling is done before timing
 
 Peers, in the same run, taking turns with the engine for each K:
   one at a time  the same requests one after another through
-                 `train.inference.generate` (its prefill and `lax.scan` decode),
+                 `lm.inference.generate` (its prefill and `lax.scan` decode),
                  in this process, each shape compiled before the clock starts
-  static batches the same dense-cache `train.inference.generate` on batches of
+  static batches the same dense-cache `lm.inference.generate` on batches of
                  as many requests as --kv_memory holds dense caches for (each
                  reserving the trace's longest request; at most --slots), in
                  the trace's order, left-padded to the batch's longest
@@ -41,6 +46,17 @@ Peers, in the same run, taking turns with the engine for each K:
                  longest max_new_tokens (a request's tokens past its own are
                  computed but not counted: static batching's cost), after a
                  warm-up batch
+  llama.cpp      with --llama_cpp: the same model as GGUF (the same weight
+                 dtype; `scripts.llama_cpp_peer`, a process of its own on
+                 the same threads), the trace through continuous batching
+                 over llama.cpp's batch API: one unified KV cache of as many
+                 tokens as --kv_memory holds (in our cache's dtype), at most
+                 --slots sequences, each llama_decode carrying every running
+                 sequence's next token and the waiting prompts that fit, a
+                 request admitted when its prompt and output fit (our
+                 'reserve' admission). llama.cpp computes SwiGLU MLPs only,
+                 so with --llama_cpp the model, ours too, is the config with
+                 model.mlp_activation='silu'.
 Each contestant is compiled (or loaded) once, then timed --repeats times,
 the three taking turns (engine, one at a time, transformers, engine, ...):
 the report gives medians, and each ratio, paired within a turn, as its
@@ -71,6 +87,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scripts import bench_decode, llama_cpp_peer
 from serve import engine as engine_lib, pages, runner
 from train import loop
 from lm import checkpoint
@@ -87,7 +104,11 @@ from lm.model import Transformer
 def main():
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='gqa_small')
-  parser.add_argument('--kv_heads', type=int_list, default=[8, 2, 1])
+  parser.add_argument('--kv_heads', type=int_list, default=None,
+                      help='K of each grouped-query model (default 8,2,1)')
+  parser.add_argument('--variants', type=bench_decode.variant_list,
+                      help='layouts in place of --kv_heads: '
+                      f'{bench_decode.GRAMMAR}')
   parser.add_argument('--kv_memory', default='4MiB')
   parser.add_argument('--slots', type=positive_int, default=32)
   parser.add_argument('--requests', type=positive_int, default=32)
@@ -104,6 +125,10 @@ def main():
   parser.add_argument('--out', default='out/serve')
   parser.add_argument('--no_hf', action='store_true',
                       help='leave out the transformers peer')
+  parser.add_argument('--llama_cpp', action='store_true',
+                      help='add llama.cpp serving the same trace at the same '
+                      'KV memory (scripts.llama_cpp_peer; the model with '
+                      'SwiGLU)')
   parser.add_argument('--hf_worker', help=argparse.SUPPRESS)
   parser.add_argument('--trace_file', help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -111,26 +136,33 @@ def main():
     hf_worker(args)
     return
   check_output_dir(args.out)
+  variants = _variants(args)
   kv_memory = pages.parse_bytes(args.kv_memory)
   config = config_lib.load(args.config)
+  if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
+    llama_cpp_peer.check_installed()
+    config.model.mlp_activation = 'silu'
   trace = make_trace(args, config.model.vocab_size, config.model.max_len)
   longest = max(len(prompt) + new for prompt, new in trace)
-  for K in args.kv_heads:  # Every bad setting refused before any run.
-    config.model.num_kv_heads = K
-    config_lib.validate(config, batch_shards=1)
+  for v in variants:  # Every bad setting refused before any run.
+    v.apply_to(config.model)
+    try:
+      config_lib.validate(config, batch_shards=1)
+    except UserError as e:
+      raise UserError(f'--variants={v.name}: {e}') from None
     mc = config_lib.model_config(config)
     usable = engine_lib.pool_pages(mc, kv_memory, args.page_size) - 1
     need = pages.pages_for(longest, args.page_size)
     if need > usable:
       raise UserError(
-          f'K={K}: the trace\'s longest request ({longest} tokens) needs '
-          f'{need} pages of {args.page_size} tokens, and --kv_memory='
+          f'{_label(v)}: the trace\'s longest request ({longest} tokens) '
+          f'needs {need} pages of {args.page_size} tokens, and --kv_memory='
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
           f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
   rows = []
-  for K in args.kv_heads:
-    config.model.num_kv_heads = K
+  for v in variants:
+    v.apply_to(config.model)
     mc = config_lib.model_config(config)
     params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
     with contextlib.ExitStack() as stack:
@@ -140,11 +172,14 @@ def main():
       if not args.no_hf:
         contestants.append(stack.enter_context(
             transformers_runner(config, params, trace, args.slots)))
+      if args.llama_cpp:
+        contestants.append(stack.enter_context(
+            llama_cpp_runner(config, params, trace, kv_memory, args.slots)))
       # Taking turns: each repeat runs the engine, then each peer.
       runs = [functools.reduce(operator.or_, (run() for run in contestants))
               for _ in range(args.repeats)]
-    row = summarize(runs)
-    print(f'K={K}: {row["tokens_per_sec"]:,.1f} tokens/s, '
+    row = {'variant': v.name, **summarize(runs)}
+    print(f'{_label(v)}: {row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
           f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s, engine over it '
@@ -154,6 +189,9 @@ def main():
               '' if args.no_hf else
               f'; transformers {row["hf_tokens_per_sec"]:,.1f} tokens/s, '
               f'engine over it {_speedup(row, "hf")}')
+          + ('' if not args.llama_cpp else
+             f'; llama.cpp {row["llama_cpp_tokens_per_sec"]:,.1f} tokens/s, '
+             f'engine over it {_speedup(row, "llama_cpp")}')
           + f' (medians of {args.repeats} turns)', flush=True)
     rows.append(row)
     results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
@@ -165,12 +203,34 @@ def main():
                          'output_len': args.output_len,
                          'length_step': args.length_step, 'seed': args.seed},
                'machine': machine()}
-    out = pathlib.Path(args.out)  # After each K: a late failure loses none.
+    out = pathlib.Path(args.out)  # After each variant: a late failure loses
+    # none.
     out.mkdir(parents=True, exist_ok=True)
     (out / 'serve.json').write_text(json.dumps(results, indent=1))
   (out / 'report.md').write_text(report(results, args))
   plot(rows, out / 'serve.png')
   print(f'wrote {out}/serve.json, report.md and serve.png')
+
+
+def _variants(args) -> list:
+  """The layouts to serve: --variants, or --kv_heads' K<k> (8,2,1 by
+  default); UserError for both, or for a layout transformers cannot compute
+  without --no_hf."""
+  if args.variants and args.kv_heads:
+    raise UserError('give --kv_heads or --variants, not both (K<k> in '
+                    '--variants is --kv_heads\' k)')
+  variants = args.variants or [bench_decode.Variant.parse(f'K{k}')
+                               for k in args.kv_heads or (8, 2, 1)]
+  others = [v.name for v in variants if not v.is_gqa]
+  if others and not args.no_hf:
+    raise UserError(f'--variants={",".join(others)}: the transformers peer '
+                    'computes grouped-query attention only; add --no_hf')
+  return variants
+
+
+def _label(v) -> str:
+  """'K=2' for grouped-query attention's K<k>, else the variant's name."""
+  return f'K={v.num_kv_heads}' if v.is_gqa else v.name
 
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:
@@ -232,7 +292,7 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
 
 def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
                     name: str, **fields):
-  """A function timing train.inference.generate once over each of `prompts`
+  """A function timing lm.inference.generate once over each of `prompts`
   ([B, P] batches, left-padded) with its `news` tokens, one call after
   another, each shape compiled here before any clock; its numbers are
   '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
@@ -260,7 +320,7 @@ def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
 
 
 def alone_runner(mc, params, trace):
-  """The trace one request after another through train.inference.generate
+  """The trace one request after another through lm.inference.generate
   (`generate_runner`)."""
   return generate_runner(mc, params, [p[None] for p, _ in trace],
                          [new for _, new in trace], 'alone',
@@ -277,7 +337,7 @@ def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
 
 
 def static_runner(mc, params, trace, kv_memory: int, slots: int):
-  """The trace through train.inference.generate in static batches
+  """The trace through lm.inference.generate in static batches
   (`static_batch` rows each, in the trace's order): each batch left-padded
   to its longest prompt and decoded to its longest output, a request's
   tokens past its own computed but not counted (static batching's cost; no
@@ -305,7 +365,7 @@ def summarize(runs: list[dict]) -> dict:
   row = {key: (float(np.median([r[key] for r in runs]))
                if isinstance(value, float) else value)
          for key, value in runs[0].items()}
-  for peer in ('alone', 'static', 'hf'):
+  for peer in ('alone', 'static', 'hf', 'llama_cpp'):
     if f'{peer}_tokens_per_sec' not in row:
       continue
     for unit, name in (('sec', 'speedup'), ('cpu_sec', 'cpu_speedup')):
@@ -327,6 +387,34 @@ def machine() -> dict:
   (`infra.provenance.machine`), and the load."""
   return {**provenance.machine(), 'cores': jax_threads(),
           'load_average': list(os.getloadavg())}
+
+
+@contextlib.contextmanager
+def llama_cpp_runner(config, params, trace, kv_memory: int, slots: int):
+  """Yields a function serving the trace once through llama.cpp
+  (`scripts.llama_cpp_peer`, serve) in as many KV cells as kv_memory holds
+  (whole blocks of 256, which llama.cpp rounds a context up to), in
+  --slots sequences; its numbers are 'llama_cpp_*'."""
+  mc = config_lib.model_config(config)
+  per_token = model_lib.kv_cache_bytes(mc, 1, 1)
+  n_ctx = kv_memory // per_token // 256 * 256
+  kv_dtype = np.dtype(mc.kv_cache_dtype or mc.dtype).name
+  with llama_cpp_peer.started(config, params) as peer:
+    def run() -> dict:
+      r = peer.serve(trace, n_ctx, slots, kv_dtype)
+      return {'llama_cpp_seconds': r['seconds'],
+              'llama_cpp_cpu_seconds': r['cpu_seconds'],
+              'llama_cpp_tokens_per_sec': r['tokens'] / r['seconds'],
+              'llama_cpp_tokens_per_cpu_sec': r['tokens'] / r['cpu_seconds'],
+              'llama_cpp_mean_in_flight': r['mean_in_flight'],
+              'llama_cpp_time_to_first_token_s': r['time_to_first_token_s'],
+              'llama_cpp_per_token_s': r['per_token_s'],
+              'llama_cpp_kv_tokens': r['n_ctx'],
+              'llama_cpp_kv_bytes': r['n_ctx'] * per_token,
+              'llama_cpp': llama_cpp_peer.version(),
+              'wait_policy': llama_cpp_peer.wait_policy()}
+    run()  # Warm-up: the context made, every kernel run once.
+    yield run
 
 
 @contextlib.contextmanager
@@ -435,6 +523,7 @@ def _loaded(machine: dict) -> bool:
 def report(results, args) -> str:
   m = results.get('machine', {})
   hf = all('hf_tokens_per_sec' in r for r in results['rows'])
+  llama = all('llama_cpp_tokens_per_sec' in r for r in results['rows'])
   load = m.get('load_average')
   lines = [
       '# Serving throughput against K at one KV-memory budget', '',
@@ -445,12 +534,19 @@ def report(results, args) -> str:
       f'{getattr(args, "length_step", 1)}, seed {args.seed}); {args.slots} '
       f'slots, --kv_memory={args.kv_memory}, pages of {args.page_size} '
       'tokens. Compile time excluded. Peers: "one at a time" is the same '
-      'requests one after another through `train.inference.generate` in this '
+      'requests one after another through `lm.inference.generate` in this '
       'process; "static batches" the same dense-cache generate on batches '
       'of as many requests as --kv_memory holds caches for (each the '
       'trace\'s longest request), padded to the batch\'s longest prompt and '
       'output' + (", transformers is `generate()` in batches of --slots on "
                    'the same weights in a process of its own' if hf else '')
+      + (f', llama.cpp is llama-cpp-python {results["rows"][0]["llama_cpp"]} '
+         'on the same model as GGUF (SwiGLU for every contestant), continuous '
+         'batching over one unified KV cache of '
+         f'{results["rows"][0]["llama_cpp_kv_tokens"]:,} tokens at K='
+         f'{results["rows"][0]["num_kv_heads"]} (--kv_memory\'s bytes, each '
+         'K its own), in a process of its own (OMP_WAIT_POLICY '
+         f'{results["rows"][0]["wait_policy"] or "default"})' if llama else '')
       + f'. {results.get("repeats", 1)} timed run(s) of each, taking turns: '
       'every number is the median over them; a ratio is the engine\'s '
       'tokens/s over the peer\'s within each turn, given as the median of '
@@ -467,17 +563,20 @@ def report(results, args) -> str:
       'tokens/s (tokens per CPU-second); the median over requests of the '
       'time to first token (its wait in the queue included) and of the '
       'time per later token.', '',
-      '| K | page bytes | usable pages | high-water (pages) | mean in '
-      'flight | tokens/s (per CPU-s) | median TTFT | median per-token | '
-      'one at a time tokens/s (per CPU-s) | vs one at a time | static '
-      'batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
+      '| variant | K | page bytes | usable pages | high-water (pages) | '
+      'mean in flight | tokens/s (per CPU-s) | median TTFT | median '
+      'per-token | one at a time tokens/s (per CPU-s) | vs one at a time | '
+      'static batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
           ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
-          'vs transformers |' if hf else ''),
-      '|---|---|---|---|---|---|---|---|---|---|---|---|' + ('---|---|---|' if hf
-                                                    else '')]
+          'vs transformers |' if hf else '') + (
+          ' llama.cpp tokens/s (per CPU-s) | its mean in flight, TTFT, '
+          'per-token | vs llama.cpp |' if llama else ''),
+      '|---' * 13 + '|' + ('---|---|---|' if hf else '')
+      + ('---|---|---|' if llama else '')]
   for r in results['rows']:
     line = (
-        f'| {r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
+        f'| {r.get("variant", "K" + str(r["num_kv_heads"]))} | '
+        f'{r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
         f'| {r["high_water_pages"]} | {r["mean_in_flight"]:.1f} | '
         f'{r["tokens_per_sec"]:,.0f} ({r.get("tokens_per_cpu_sec", 0):,.0f})'
         f' | {r["time_to_first_token_s"]:.2f} s | '
@@ -494,6 +593,13 @@ def report(results, args) -> str:
                f'{r["hf_time_to_first_token_s"]:.2f} s, '
                f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms | '
                f'{_speedup(r, "hf")} |')
+    if llama:
+      line += (f' {r["llama_cpp_tokens_per_sec"]:,.0f} '
+               f'({r["llama_cpp_tokens_per_cpu_sec"]:,.0f}) | '
+               f'{r["llama_cpp_mean_in_flight"]:.1f}, '
+               f'{r["llama_cpp_time_to_first_token_s"]:.2f} s, '
+               f'{1e3 * (r["llama_cpp_per_token_s"] or 0):.1f} ms | '
+               f'{_speedup(r, "llama_cpp")} |')
     lines.append(line)
   return '\n'.join(lines) + '\n\n![tokens/s against K](serve.png)\n'
 
@@ -515,8 +621,8 @@ def plot(rows, path):
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-  labels = [f'K={r["num_kv_heads"]}\n{r["mean_in_flight"]:.1f} in flight'
-            for r in rows]
+  labels = [f'{r.get("variant", "K" + str(r["num_kv_heads"]))}\n'
+            f'{r["mean_in_flight"]:.1f} in flight' for r in rows]
   x = np.arange(len(rows))
   bars = [('', 'continuous batching'), ('alone_', 'one at a time '
                                         '(train.sample)')]

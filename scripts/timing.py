@@ -22,20 +22,26 @@ def median_time(fn, repeats: int) -> float:
   return median_times({'fn': fn}, repeats)['fn']
 
 
-def median_times(fns: dict, repeats: int) -> dict:
+def median_times(fns: dict, repeats: int, self_timed: dict | None = None
+                 ) -> dict:
   """{name: median seconds}, the fns timed in turn, round after round.
 
   Interleaving puts every contestant under the same drift of the machine's
   load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
+  self_timed: {name: fn} taking turns with them, each returning its own
+  seconds (a peer in another process, which times itself there).
   """
-  for fn in fns.values():
+  self_timed = self_timed or {}
+  for fn in (*fns.values(), *self_timed.values()):
     jax.block_until_ready(fn())  # Compile and warm up.
-  times = {name: [] for name in fns}
+  times = {name: [] for name in (*fns, *self_timed)}
   for _ in range(repeats):
     for name, fn in fns.items():
       start = time.perf_counter()
       jax.block_until_ready(fn())
       times[name].append(time.perf_counter() - start)
+    for name, fn in self_timed.items():
+      times[name].append(fn())
   return {name: float(np.median(t)) for name, t in times.items()}
 
 
@@ -54,13 +60,19 @@ def read_bandwidth(repeats: int) -> float:
 
 def decode_step_seconds(mc, batch: int, context: int, repeats: int,
                         steps: int = 8) -> float:
-  """Median time per decoded token (all sequences), cache filled to `context`.
+  """Median time per decoded token (all sequences), cache filled to
+  `context` (`decode_steps`)."""
+  return median_time(decode_steps(mc, batch, context, steps), repeats) / steps
 
-  Times `steps` greedy tokens of `train.inference.decode`, the loop that
-  train.sample runs, so the cache is updated in place rather than copied:
-  it is donated to each call and handed to the next, its positions set back
-  to `context` (an undonated input would be copied whole into the loop
-  first, on every call).
+
+def decode_steps(mc, batch: int, context: int, steps: int = 8):
+  """A function decoding `steps` greedy tokens for `batch` sequences whose
+  cache is filled to `context`, each call from the same place.
+
+  It runs `lm.inference.decode`, the loop that train.sample runs, so the
+  cache is updated in place rather than copied: it is donated to each call
+  and handed to the next, its positions set back to `context` (an undonated
+  input would be copied whole into the loop first, on every call).
   """
   mc = dataclasses.replace(mc, max_len=context + steps)
   model, params = unroll_layers(
@@ -86,7 +98,7 @@ def decode_step_seconds(mc, batch: int, context: int, repeats: int,
   def go():
     sampled, state['cache'] = run(state['cache'], token)
     return sampled
-  return median_time(go, repeats) / steps
+  return go
 
 
 def replace_section(path: str, title: str, body: str):

@@ -577,6 +577,8 @@ def _scripts(*args):
      '--config: not used with --layer'),
     ('scripts.bench_decode', ['--layer', '--equal_params'],
      '--equal_params: not used with --layer'),
+    ('scripts.bench_decode', ['--layer', '--llama_cpp'],
+     '--llama_cpp: not used with --layer'),
     ('scripts.bench_train', ['--rounds=0'], 'argument --rounds'),
     ('scripts.bench_train', ['--configs=gqa_small,nope'],
      "unknown config 'nope'"),

@@ -17,11 +17,13 @@ ROOMS = ('attention', 'configs', 'train', 'lm', 'infra', 'serve',
 # and tie_kv, the flag that meant GTA before layouts had names.
 FIELDS = frozenset({'kv_lora_rank', 'q_lora_rank', 'qk_nope_head_dim',
                     'v_head_dim', 'latent_groups', 'latent_norm',
-                    'rope_pairs', 'tie_kv'})
+                    'rope_pairs', 'tie_kv', 'q_rank', 'k_rank', 'v_rank',
+                    'head_bias'})
 # Who may read them: each layout's module, the config (and its reading of
 # configs written before layouts had names), and the conversions.
-ALLOWED = ('attention/latent.py', 'attention/tied.py', 'configs/',
-           'lm/config_lib.py', 'train/convert/')
+ALLOWED = ('attention/latent.py', 'attention/tied.py',
+           'attention/tensor_product.py', 'configs/', 'lm/config_lib.py',
+           'train/convert/')
 
 
 def reads(source: str) -> list[tuple[int, str]]:

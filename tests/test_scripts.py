@@ -184,7 +184,16 @@ def test_bench_decode_variants_name_their_fields():
     assert (model.num_kv_heads, model.attention, model.mla.kv_lora_rank,
             model.mla.latent_groups) == fields, name
     config_lib.validate(config, batch_shards=1)  # No other layout's set.
-  for bad in ('K0', 'GQA2', 'GLA48', 'MLA', 'k2', 'GTA2,'):
+  for name, fields in (('TPA2', (8, 'tpa', 6, 2, 2)),
+                       ('TPAKV3', (8, 'tpa', 0, 3, 3)),
+                       ('K2', (2, 'gqa', 6, 2, 2))):
+    bench_decode.Variant.parse(name).apply_to(model)
+    tpa = model.tpa
+    assert (model.num_kv_heads, model.attention, tpa.q_rank, tpa.k_rank,
+            tpa.v_rank) == fields, name
+    config_lib.validate(config, batch_shards=1)
+  for bad in ('K0', 'GQA2', 'GLA48', 'MLA', 'k2', 'GTA2,', 'TPA0', 'TPA',
+              'TPAKV'):
     with pytest.raises(ValueError, match='is not a variant'):
       bench_decode.Variant.parse(bad)
 

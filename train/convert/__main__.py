@@ -6,11 +6,15 @@
   python -m train.convert --from_hf=HF_DIR --workdir=NEWDIR \
       [--num_kv_heads=K --method=mean] [--param_dtype=float32]   # import
   python -m train.convert --source=WORKDIR --to_hf=HF_DIR          # export
+  python -m train.convert --source=WORKDIR --to_gguf=OUT.gguf \
+      [--dtype=f32|f16|bf16]     # for llama.cpp (train.convert.to_gguf)
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_mla \
       --kv_lora_rank=A --qk_rope_head_dim=Y [--latent_groups=G]
                                             # into latent attention (GLA)
   python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_gta \
       [--num_kv_heads=K --method=mean] --qk_rope_head_dim=Y   # tied K/V
+  python -m train.convert --source=WORKDIR --workdir=NEWDIR --to_tpa \
+      [--num_kv_heads=K --method=mean]      # tensor product attention
 
 `mean` averages the key and value projection heads of each group (the
 paper's method), `first` keeps the first of them, `random` re-initialises the
@@ -46,6 +50,15 @@ heads, the shared RoPE key; K·H + Y numbers per token and layer instead of
 uptraining. No Hugging Face architecture computes GTA, so --to_hf refuses such
 a model.
 
+--to_tpa pools the K/V heads to K as above, then writes them as tensor
+product attention of rank K (`train.convert.to_tpa`, the paper's Section 4:
+GQA is TPA whose head factors are constant one-hots, held by head-factor
+biases beside zero contextual weights; per-head queries, TPA-KV-only). It
+is exact: the converted model computes the pooled one's logits, and
+uptraining makes the head factors contextual. Its cache holds 2·K·(N + H)
+numbers per token and layer for the source's 2·K·H. No Hugging Face
+architecture computes TPA, so --to_hf refuses such a model.
+
 Hugging Face import supports Llama 2/3/3.1+, Mistral, Qwen2, Qwen3, Gemma
 and DeepSeek-V2/V3 with dense MLPs (`train.convert.hf`,
 `train.convert.hf_deepseek`); it streams the safetensors tensor by tensor, so
@@ -58,8 +71,10 @@ import sys
 from infra.cli import run_app
 from infra.errors import UserError
 from lm import tokenizer as tokenizer_lib
+from train.convert import to_gguf
 from train.convert.workdirs import (METHODS, convert_to_gta, convert_to_mla,
-                                    convert_workdir, export_hf, import_hf)
+                                    convert_to_tpa, convert_workdir,
+                                    export_hf, import_hf)
 
 
 def main(argv):
@@ -70,12 +85,26 @@ def main(argv):
   if bool(f.source) == bool(f.from_hf):
     raise UserError('give one of --source (a workdir) or --from_hf (a '
                     'Hugging Face folder)')
-  if bool(f.workdir) == bool(f.to_hf) or (f.from_hf and f.to_hf):
+  if sum(map(bool, (f.workdir, f.to_hf, f.to_gguf))) != 1 or (
+      f.from_hf and (f.to_hf or f.to_gguf)):
     raise UserError('give --workdir (to write a workdir) or, with --source, '
-                    '--to_hf (to write a Hugging Face folder)')
-  if f.to_mla and f.to_gta:
-    raise UserError('give one of --to_mla and --to_gta')
-  for name in ('to_mla', 'to_gta'):
+                    '--to_hf (to write a Hugging Face folder) or --to_gguf (a '
+                    'GGUF file for llama.cpp)')
+  ignored = [f'--{name}' for name in (
+      'num_kv_heads', 'method', 'seed', 'optimizer', 'param_dtype',
+      'kv_lora_rank', 'qk_rope_head_dim', 'latent_groups')
+             if f.to_gguf and f[name].present]
+  if ignored:
+    raise UserError(f'--to_gguf writes the workdir as it is and takes no '
+                    f'{", ".join(ignored)}; convert it first (--workdir), '
+                    'then export that')
+  if f['dtype'].present and not f.to_gguf:
+    raise UserError('--dtype is the weights\' dtype in a GGUF file; give it '
+                    'with --to_gguf, or leave it out')
+  chosen = [f'--{name}' for name in TARGETS if f[name].value]
+  if len(chosen) > 1:
+    raise UserError(f'give one of {", ".join(chosen)}')
+  for name in TARGETS:
     if f[name].value and not (f.source and f.workdir):
       raise UserError(f'--{name} converts --source=WORKDIR into a new '
                       '--workdir')
@@ -84,6 +113,14 @@ def main(argv):
              if f.to_gta and f[name].present]
   if ignored:
     raise UserError(f'--to_gta takes no {", ".join(ignored)} (an MLA '
+                    'conversion\'s, a GQA conversion\'s or an import\'s); '
+                    'leave them out')
+  ignored = [f'--{name}' for name in ('kv_lora_rank', 'qk_rope_head_dim',
+                                      'latent_groups', 'optimizer',
+                                      'param_dtype')
+             if f.to_tpa and f[name].present]
+  if ignored:
+    raise UserError(f'--to_tpa takes no {", ".join(ignored)} (an MLA or GTA '
                     'conversion\'s, a GQA conversion\'s or an import\'s); '
                     'leave them out')
   if f['latent_groups'].present and not f.to_mla:
@@ -100,6 +137,11 @@ def main(argv):
                     '(at most min(d_model, 2·K·H - --qk_rope_head_dim) for K '
                     'KV heads of H dims: the full rank, every K/V direction '
                     'kept)')
+  if f.to_gguf:
+    info = to_gguf.export(f.source, f.to_gguf, f.dtype)
+    print(f'wrote {f.to_gguf}: {info["arch"]} ({info["dtype"]}, '
+          f'{info["bytes"] / 2**20:,.1f} MiB) for llama.cpp')
+    return
   if f.to_hf:
     family = export_hf(f.source, f.to_hf)
     print(f'wrote {f.to_hf}: a {family} checkpoint (Hugging Face format)')
@@ -125,6 +167,18 @@ def main(argv):
           f'{info["source_eval_loss"]:.4f} -> '
           f'{info["eval_loss_before_uptraining"]:.4f} before uptraining')
     return
+  if f.to_tpa:
+    info = convert_to_tpa(f.source, f.workdir, f.num_kv_heads, f.method,
+                          f.seed)
+    print(f'wrote {f.workdir}: TPA, '
+          f"{_heads(info['source_num_kv_heads'], info['k_rank'], f.method)}"
+          f" as factors of rank {info['k_rank']} (one-hot head factors, "
+          'per-head queries), '
+          f"{info['source_kv_bytes_per_token']:g} -> "
+          f"{info['kv_bytes_per_token']:g} KV bytes/token; held-out loss "
+          f'{info["source_eval_loss"]:.4f} -> '
+          f'{info["eval_loss_before_uptraining"]:.4f} before uptraining')
+    return
   if f.to_mla:
     info = convert_to_mla(f.source, f.workdir, f.kv_lora_rank,
                           f.qk_rope_head_dim, f.latent_groups)
@@ -142,6 +196,10 @@ def main(argv):
   print(f'wrote {f.workdir}: {_heads(k_source, k, f.method)}')
 
 
+# The conversions into another layout, one at a time.
+TARGETS = ('to_mla', 'to_gta', 'to_tpa')
+
+
 def _heads(k_source: int, k: int, method: str) -> str:
   if k == k_source and method != 'random':
     return f'{k} KV heads, copied unchanged'
@@ -155,6 +213,10 @@ def run():
   flags.DEFINE_string('from_hf', None, 'a Hugging Face checkpoint folder')
   flags.DEFINE_string('workdir', None, 'new workdir to write')
   flags.DEFINE_string('to_hf', None, 'new Hugging Face folder to write')
+  flags.DEFINE_string('to_gguf', None, 'new GGUF file to write (llama.cpp; '
+                      'train.convert.to_gguf)')
+  flags.DEFINE_enum('dtype', None, list(to_gguf.DTYPES), '--to_gguf: the '
+                    "weights' dtype; default the checkpoint's param_dtype")
   flags.DEFINE_integer('num_kv_heads', -1, 'K; -1 keeps all')
   flags.DEFINE_enum('method', 'mean', METHODS, 'how grouped heads become one')
   flags.DEFINE_integer('seed', 0, 'seed of --method=random')
@@ -169,6 +231,10 @@ def run():
   flags.DEFINE_bool('to_gta', False, 'convert --source into grouped-tied '
                     'attention (train.convert.to_gta), its K/V heads pooled to '
                     '--num_kv_heads first')
+  flags.DEFINE_bool('to_tpa', False, 'convert --source into tensor product '
+                    'attention (train.convert.to_tpa), exactly: its K/V '
+                    'heads pooled to --num_kv_heads first, then factors of '
+                    'that rank with one-hot head factors')
   flags.DEFINE_integer('qk_rope_head_dim', 0, '--to_mla: RoPE dims kept, 2·r·K (r pairs per KV head); --to_gta: the shared RoPE key\'s width, even, below head_dim; 0 without RoPE')
   flags.DEFINE_integer('latent_groups', 1, '--to_mla: latents of '
                        '--kv_lora_rank / G features, each from K/G source KV '

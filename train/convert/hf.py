@@ -604,6 +604,27 @@ def _empty_like(shapes):
   return np.empty(shapes.shape, shapes.dtype)
 
 
+def unfused(params, mc):
+  """Separate query/key/value (and biases) from a fused_qkv model's qkv, in
+  every attention layer."""
+  if not mc.fused_qkv:
+    return params
+  N, K = mc.num_heads, mc.num_kv_heads
+
+  def unfuse(tree):
+    if not isinstance(tree, dict):
+      return tree
+    tree = {name: unfuse(sub) for name, sub in tree.items()}
+    for suffix in ('', '_bias'):
+      if f'qkv{suffix}' in tree:
+        q, k, v = np.split(np.asarray(tree.pop(f'qkv{suffix}')),
+                           [N, N + K], axis=-2)
+        tree.update({f'query{suffix}': q, f'key{suffix}': k,
+                     f'value{suffix}': v})
+    return tree
+  return unfuse(params)
+
+
 def hf_tensors(params, mc) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
   """(name -> (dtype, shape), the tensors one by one) in Hugging Face layout."""
   plan = weight_plan(params, mc)

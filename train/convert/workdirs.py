@@ -23,7 +23,7 @@ from infra import storage
 from lm import checkpoint, config_lib, evaluator
 from train import loop
 from train.convert import hf, safetensors_io
-from train.convert import hf_deepseek, to_gta, to_mla
+from train.convert import hf_deepseek, to_gta, to_mla, to_tpa
 from lm import model as model_lib
 from lm import tokenizer as tokenizer_lib
 from infra import workdir as workdir_lib
@@ -275,6 +275,40 @@ def convert_to_gta(source: str, workdir: str, num_kv_heads: int,
   return info
 
 
+def convert_to_tpa(source: str, workdir: str, num_kv_heads: int = -1,
+                   method: Method = 'mean', seed: int = 0) -> dict:
+  """Writes WORKDIR: SOURCE's model with its K/V heads pooled to
+  num_kv_heads (-1: the source's) by `method`, then as tensor product
+  attention of rank K with constant one-hot head factors
+  (`train.convert.to_tpa`: the pooled model's logits exactly), with the
+  uptraining recipe; returns convert.json's record (the ranks, the cache
+  bytes, the held-out loss of the source and of the converted model before
+  uptraining)."""
+  _check_method(method)
+  with _new_workdir(workdir) as path:
+    model_config, params, config = checkpoint.load_workdir(source, '--source')
+    to_tpa.check_source(model_config)
+    k_source = model_config.num_kv_heads
+    k = _target_heads(k_source, num_kv_heads)
+    pooled, pooled_mc = convert_params(params, model_config, k, method, seed)
+    new_params, _ = to_tpa.convert_params(jax.tree.map(np.asarray, pooled),
+                                          pooled_mc)
+    config.model.update(to_tpa.target_config(pooled_mc)[1])
+    recipe = apply_recipe(config, source_rate(source, config))
+    source = storage.path(source, '--source')
+    for name in ('tokenizer.json', 'hf'):
+      storage.copy(source / name, path / name)
+    info = {'source': str(source), 'to_tpa': True, 'k_rank': k, 'v_rank': k,
+            'source_num_kv_heads': k_source, 'method': method,
+            'kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                config_lib.model_config(config)),
+            'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
+                model_config), 'recipe': recipe}
+    _write_step0(path, new_params, config, info)
+    _record_losses(info, source, path)
+  return info
+
+
 def _calibration_tokens(config, source: epath.Path):
   """(tokens [8, seq_len], in words) to score RoPE pairs on: training
   windows of SOURCE's data."""
@@ -395,7 +429,7 @@ def export_hf(source: str, target: str) -> str:
   family = hf.family_of(mc, remembered.get('model_type'))
   if remembered.get('model_type') not in (None, family):
     remembered = {}  # Another architecture now: keep only its token ids.
-  params = _unfused(params, mc)
+  params = hf.unfused(params, mc)
   shapes, tensors = hf.hf_tensors(params, mc)
   out.mkdir(parents=True, exist_ok=True)
   try:
@@ -409,27 +443,6 @@ def export_hf(source: str, target: str) -> str:
     shutil.rmtree(out)
     raise
   return family
-
-
-def _unfused(params, mc):
-  """Separate query/key/value (and biases) from a fused_qkv model's qkv, in
-  every attention layer."""
-  if not mc.fused_qkv:
-    return params
-  N, K = mc.num_heads, mc.num_kv_heads
-
-  def unfuse(tree):
-    if not isinstance(tree, dict):
-      return tree
-    tree = {name: unfuse(sub) for name, sub in tree.items()}
-    for suffix in ('', '_bias'):
-      if f'qkv{suffix}' in tree:
-        q, k, v = np.split(np.asarray(tree.pop(f'qkv{suffix}')),
-                           [N, N + K], axis=-2)
-        tree.update({f'query{suffix}': q, f'key{suffix}': k,
-                     f'value{suffix}': v})
-    return tree
-  return unfuse(params)
 
 
 def _check_method(method: str):
