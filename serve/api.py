@@ -245,7 +245,9 @@ class _Run:
     self.keys = [r.id for r in completion.requests]
     self.queue: asyncio.Queue = asyncio.Queue()
     self.outputs: dict[int, engine_lib.Output] = {}
-    self.refused: set[int] = set()  # Never added: their ids not ours.
+    # Prompts the engine does not hold (refused: the id may be another
+    # request's; or the engine failed): never to abort.
+    self.unheld: set[int] = set()
     self.arrival = time.perf_counter()
 
   def _submit(self):
@@ -264,7 +266,7 @@ class _Run:
   def _abort(self):
     """Aborts what has not finished (no-op for the rest)."""
     for i, key in enumerate(self.keys):
-      if i not in self.outputs and i not in self.refused:
+      if i not in self.outputs and i not in self.unheld:
         self.server.thread.abort(key)
 
   def _done(self):
@@ -277,11 +279,11 @@ class _Run:
       i, item = await self.queue.get()
       if isinstance(item, engine_lib.RequestRefused):
         # Refused as a duplicate, its id is another request's: not aborted.
-        self.refused.add(i)
+        self.unheld.add(i)
         self._abort()
         raise protocol.ApiError(400, f'prompt {i}: {item.reason}', 'prompt')
       if isinstance(item, Exception):  # The engine failed (service.py).
-        self.refused.update(range(len(self.keys)))
+        self.unheld.update(range(len(self.keys)))
         raise protocol.ApiError(500, str(item), kind='internal_error')
       if item.output is not None:
         self.outputs[i] = item.output
