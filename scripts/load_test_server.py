@@ -3,7 +3,7 @@
 
   python -m scripts.load_test_server --workdir=W [--clients=200]
       [--disconnect=0.1] [--prompt_len=8,200] [--output_len=8,128]
-      [--temperature=0.8] [--kv_memory=64MiB] [--slots=32] [--warmups=2]
+      [--temperature=0.8] [--kv_memory=64MiB] [--slots=32] [--warmups=6]
       [--seed=0] [--out=DIR]
 
 The trace: --clients requests, each its own streaming client on its own
@@ -15,13 +15,15 @@ fraction of them close their connection after their first chunk (mid-
 stream: the server must abort them and free their pages).
 
 The server runs in a process of its own (`python -m serve.api --port=0`,
---kv_memory and --slots as given). The trace is served --warmups times to
-compile the engine's step shapes (their buckets of rows, tokens and pages
-depend on how the requests interleave, which moves from pass to pass, so
-one warm-up pass leaves some to compile in the timed pass), then once
-timed; then `serve.generate` runs the same requests in this process, with
-the same pool and slots (a warm-up, then timed). Both share one persistent
-compilation cache.
+--kv_memory and --slots as given). The trace is served to compile the
+engine's step shapes (their buckets of rows, tokens and pages depend on
+how the requests interleave, which moves from pass to pass, so one warm-up
+pass leaves many to compile, each a second or more, in the next) until a
+pass compiles nothing new (JAX's persistent compilation cache, which the
+server writes, gained no program) or --warmups passes, then once timed,
+the programs it still compiled counted in the report; then
+`serve.generate` runs the same requests in this process, with the same
+pool and slots (a warm-up, then timed).
 Checked, on the timed pass (exit status 1 if any fails):
   - nothing lost or duplicated: every request answered once, under its own
     id; every client that stayed got finish_reason 'length' and max_tokens
@@ -316,16 +318,32 @@ class Server:
         self.process.kill()
 
 
+def programs() -> int:
+  """Programs in JAX's persistent compilation cache (0 if none is set)."""
+  folder = os.environ.get('JAX_COMPILATION_CACHE_DIR')
+  return len(os.listdir(folder)) if folder and os.path.isdir(folder) else 0
+
+
 def load(url: str, trace: list[Sent], temperature: float,
-         warmups: int = 2) -> dict:
-  """The trace against a server, warmups times, then timed: the timed
-  pass's answers, wall seconds, and the server's state around it."""
-  for _ in range(warmups):
+         warmups: int = 6) -> dict:
+  """The trace against a server until a pass compiles nothing new (at
+  most warmups passes), then timed: the timed pass's answers, wall
+  seconds, the server's state around it, and what warming up took."""
+  passes = 0
+  while passes < warmups:
+    known = programs()
     drive(url, trace, temperature)
+    passes += 1
+    wait_idle(url)
+    if programs() == known:
+      break
   before = wait_idle(url)
+  known = programs()
   gots, seconds = drive(url, trace, temperature)
+  after = wait_idle(url)
   return {'gots': gots, 'seconds': seconds, 'before': before,
-          'after': wait_idle(url)}
+          'after': after, 'warmup_passes': passes,
+          'compiled_when_timed': programs() - known}
 
 
 def report(result: dict) -> str:
@@ -334,6 +352,9 @@ def report(result: dict) -> str:
           f'{result["disconnects"]} leaving mid-stream; '
           f'{provenance.describe(m)}; load average before '
           f'{result["load_before"]}, after {result["load_after"]}',
+          f'server: {result["warmup_passes"]} warm-up passes, '
+          f'{result["compiled_when_timed"]} programs compiled in the timed '
+          'pass',
           f'{"":16}{"tokens/s":>10}{"TTFT p50":>10}{"p99":>9}'
           f'{"TPOT p50":>10}{"p99":>9}  (ms)']
   ms = lambda x: '-' if x is None else f'{1e3 * x:.1f}'
@@ -357,7 +378,7 @@ def parse(argv=None):
   parser.add_argument('--temperature', type=float, default=0.8)
   parser.add_argument('--kv_memory', default='64MiB')
   parser.add_argument('--slots', type=positive_int, default=32)
-  parser.add_argument('--warmups', type=int, default=2)
+  parser.add_argument('--warmups', type=int, default=6)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--out', default=None)
   args = parser.parse_args(argv)
@@ -382,6 +403,7 @@ def compile_once(folder: str):
     return
   os.environ['JAX_COMPILATION_CACHE_DIR'] = folder
   os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+  os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
   jax.config.update('jax_compilation_cache_dir', folder)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 
@@ -417,6 +439,8 @@ def main(argv=None) -> int:
       'load_before': load_before,
       'load_after': [round(x, 2) for x in os.getloadavg()],
       'server': server_summary(trace, served['gots'], served['seconds']),
+      'warmup_passes': served['warmup_passes'],
+      'compiled_when_timed': served['compiled_when_timed'],
       'serve.generate': peer, 'failures': failures}
   print(report(result))
   if args.out:
