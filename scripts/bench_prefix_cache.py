@@ -21,8 +21,9 @@ prefix cached before it starts), then timed --repeats times, taking turns.
 Each timed pass has a fresh prefix, so caching starts cold every time and
 only what the pass itself computed can be shared: the requests admitted
 in the first step (up to --slots) compute the prefix side by side (a page
-is keyed once a step has filled it), those admitted later find it. Reported: prompt tokens
-computed by prefill (the engine's Stats.prefill_tokens), those found
+is keyed once a step has filled it), those admitted later find it.
+Reported: prompt tokens computed by prefill (the engine's
+Stats.prefill_tokens), those found
 cached, wall seconds (median), the ratio off / on, and whether every
 request's tokens are identical with caching on and off (they must be: the
 exit status is 1 if not). Printed with the CPU model and vector extensions

@@ -23,7 +23,7 @@ pass compiles nothing new (JAX's persistent compilation cache, which the
 server writes, gained no program) or --warmups passes, then once timed,
 the programs it still compiled counted in the report; then
 `serve.generate` runs the same requests in this process, with the same
-pool and slots (a warm-up, then timed).
+pool and slots, warmed up the same way.
 Checked, on the timed pass (exit status 1 if any fails):
   - nothing lost or duplicated: every request answered once, under its own
     id; every client that stayed got finish_reason 'length' and max_tokens
@@ -33,8 +33,9 @@ Checked, on the timed pass (exit status 1 if any fails):
   - SIGTERM then ends the server with exit status 0.
 Reported for both: generated tokens per second of wall time (the server:
 the tokens its clients received, first send to last answer; serve.generate:
-all tokens of all requests, its run), and p50/p99 of time to first token
-and time per output token after the first. The server's are measured by
+all tokens of all requests, its engine's first request to last step), and
+p50/p99 of time to first token and time per output token after the first,
+and the programs each still compiled when timed. The server's are measured by
 its clients (queueing and HTTP included); serve.generate's by its engine,
 from when it read each line (it reads lines as its pool has room), so its
 TTFT leaves out the wait for a line's turn. Printed with the CPU model and
@@ -265,27 +266,35 @@ def server_summary(trace: list[Sent], gots: list[Got], seconds: float
 
 
 def reference(workdir: str, trace: list[Sent], temperature: float,
-              kv_memory: str, slots: int, folder: pathlib.Path
-              ) -> tuple[dict, dict]:
-  """serve.generate on the same requests: ({id: text}, its summary)."""
+              kv_memory: str, slots: int, folder: pathlib.Path,
+              warmups: int = 6) -> tuple[dict, dict]:
+  """serve.generate on the same requests, warmed up as the server is
+  (`load`): ({id: text}, its summary). Its seconds are its engine's, first
+  request to last step (Stats.seconds: loading the checkpoint and making
+  the pool left out, as the server's are)."""
   prompts = folder / 'prompts.jsonl'
   prompts.write_text(''.join(json.dumps(
       {'id': s.id, 'prompt': s.prompt, 'max_new_tokens': s.max_tokens,
        'seed': s.seed}) + '\n' for s in trace))
   settings = SamplingParams(temperature=temperature)
-  for name in ('warm_up', 'timed'):
-    out = folder / f'{name}.jsonl'
-    start = time.perf_counter()
-    generate.generate_file(workdir, str(prompts), str(out),
-                           kv_memory=kv_memory, slots=slots,
-                           max_new_tokens=1,
-                           settings=settings, progress_every=1e9)
-    seconds = time.perf_counter() - start
-  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  run = lambda out: generate.generate_file(
+      workdir, str(prompts), str(out), kv_memory=kv_memory, slots=slots,
+      max_new_tokens=1, settings=settings, progress_every=1e9)
+  for i in range(warmups):
+    known = programs()
+    run(folder / f'warm_up_{i}.jsonl')
+    if programs() == known:
+      break
+  known = programs()
+  stats = run(folder / 'timed.jsonl')
+  compiled = programs() - known
+  lines = [json.loads(line) for line in
+           (folder / 'timed.jsonl').read_text().splitlines()]
   lines = [line for line in lines if 'id' in line]
-  tokens = sum(len(line['tokens']) for line in lines)
   return {line['id']: line['text'] for line in lines}, {
-      'seconds': seconds, 'tokens': tokens, 'tokens_per_s': tokens / seconds,
+      'seconds': stats.seconds, 'tokens': stats.tokens,
+      'tokens_per_s': stats.tokens / stats.seconds,
+      'warmup_passes': i + 1, 'compiled_when_timed': compiled,
       'ttft_s': percentiles(line['time_to_first_token_s'] for line in lines),
       'tpot_s': percentiles(line['per_token_s'] for line in lines)}
 
@@ -352,9 +361,10 @@ def report(result: dict) -> str:
           f'{result["disconnects"]} leaving mid-stream; '
           f'{provenance.describe(m)}; load average before '
           f'{result["load_before"]}, after {result["load_after"]}',
-          f'server: {result["warmup_passes"]} warm-up passes, '
-          f'{result["compiled_when_timed"]} programs compiled in the timed '
-          'pass',
+          f'warm-up passes (programs still compiled when timed): server '
+          f'{result["warmup_passes"]} ({result["compiled_when_timed"]}), '
+          f'serve.generate {result["serve.generate"]["warmup_passes"]} '
+          f'({result["serve.generate"]["compiled_when_timed"]})',
           f'{"":16}{"tokens/s":>10}{"TTFT p50":>10}{"p99":>9}'
           f'{"TPOT p50":>10}{"p99":>9}  (ms)']
   ms = lambda x: '-' if x is None else f'{1e3 * x:.1f}'
@@ -427,7 +437,8 @@ def main(argv=None) -> int:
     status = server.stop()
   with tempfile.TemporaryDirectory() as folder:
     texts, peer = reference(args.workdir, trace, args.temperature,
-                            args.kv_memory, args.slots, pathlib.Path(folder))
+                            args.kv_memory, args.slots, pathlib.Path(folder),
+                            max(args.warmups, 1))
   failures = check(trace, served['gots'], texts, served['before'],
                    served['after'])
   if status != 0:

@@ -27,7 +27,8 @@ lm_eval = pytest.importorskip('lm_eval')
 
 from lm_eval.tasks import TaskManager  # pylint: disable=wrong-import-position
 
-from evaluation import harness  # pylint: disable=wrong-import-position,unused-import
+# Registers the gqa-lab model with lm_eval.
+from evaluation import harness  # pylint: disable=unused-import,wrong-import-position
 from tests import api_server  # pylint: disable=wrong-import-position
 
 TASKS_DIR = pathlib.Path(__file__).parent / 'lm_eval_tasks'
