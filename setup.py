@@ -1,6 +1,6 @@
 """The optional C++ part of the package: the CPU decode kernels
-(attention/cpu/grouped_decode.cc and, for grouped-tied attention,
-tied_decode.cc: XLA FFI custom calls in one library that
+(attention/cpu/grouped_decode.cc and, for grouped-tied and latent
+attention, tied_decode.cc: XLA FFI custom calls in one library that
 attention/cpu_kernel.py loads with ctypes). Everything else is declared in
 setup.cfg.
 
@@ -9,10 +9,8 @@ Its headers are jaxlib's (xla/ffi/api/ffi.h), which pyproject.toml's
 extension is optional: where it cannot be built (no C++ compiler, no jaxlib
 headers) the install goes on and decoding uses the pure-JAX path.
 
-No -march=native: the kernel's hot loops are compiled for x86-64-v4
-(AVX-512), v3 (AVX2) and the baseline and chosen when the library is loaded
-(function multi-versioning in the source), so one build serves every x86-64
-CPU.
+The sources and compiler flags are attention/cpu/build.py's, which the
+tests build single-target libraries with too.
 """
 
 import importlib.util
@@ -32,6 +30,17 @@ def ffi_include_dir() -> str | None:
   return include if os.path.isfile(header) else None
 
 
+def kernel_build():
+  """attention/cpu/build.py as a module, read from its file (nothing of the
+  package is importable before it is installed)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'attention',
+                      'cpu', 'build.py')
+  spec = importlib.util.spec_from_file_location('gqa_lab_kernel_build', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 class BuildLibrary(build_ext):
   """Names the library lib<name>.so, not a Python module's name (it has no
   PyInit and is loaded with ctypes, never imported)."""
@@ -41,19 +50,18 @@ class BuildLibrary(build_ext):
     return os.path.join(*package, f'{name}.so')
 
 
+build = kernel_build()
 include = ffi_include_dir()
 if include is None:
   print('gqa-lab: no jaxlib FFI headers (pip installs jaxlib into the build '
         'environment); skipping the CPU decode kernel')
 kernels = [] if include is None else [Extension(
-    'attention.cpu.libgrouped_decode',
-    sources=['attention/cpu/grouped_decode.cc',
-             'attention/cpu/tied_decode.cc'],
-    depends=['attention/cpu/decode_common.h'],  # Rebuilt when it changes.
+    build.NAME,
+    sources=list(build.SOURCES),
+    depends=list(build.HEADERS),
     include_dirs=[include],
     language='c++',
-    extra_compile_args=['-std=c++17', '-O3', '-g0', '-fvisibility=hidden',
-                        '-fno-math-errno'],
+    extra_compile_args=list(build.FLAGS),
     optional=True,  # No compiler, or it fails: install without it.
 )]
 

@@ -1,35 +1,43 @@
 """Decode attention on the CPU: C++ kernels called by XLA (`jax.ffi`).
 
-`attention.layer.apply` reads the decode cache with them where lowering
-for the CPU (`jax.lax.platform_dependent`) and `refusal` is None; elsewhere,
-and for what `refusal` names, with the pure-JAX path (`attention.decode` or
-`attention.tied.tied_attention`, after `kv_cache.gathered` for a paged
-pool). The kernels take both cache layouts as they lie:
+A layout's decode step (`attention.layer`'s grouped-query attention,
+`attention.tied`, `attention.latent`) reads its cache with one of them
+where lowering for the CPU (`jax.lax.platform_dependent`) and `refusal` is
+None; elsewhere, and for what `refusal` names, with its pure-JAX path
+(after `kv_cache.gathered` for a paged pool). One function per layout
+family, each taking both cache layouts as they lie:
 
-  grouped-query attention (`attention`; attention/cpu/grouped_decode.cc):
+  `attention` (grouped-query; attention/cpu/grouped_decode.cc):
     paged: the pool's keys and values [K, P, p, H] through each row's page
       table [B, M], in place: no gather of the rows into the dense layout;
     dense: keys [B·K, H, S], values [B·K, S, H] (`attention.Attention`'s
       cache);
-  grouped-tied attention (GTA, `tied_attention`; attention/cpu/
-  tied_decode.cc): tied states [K, P, p, H] and the shared RoPE key
-    [1, P, p, Y] through the page tables, or dense [B·K, S, H] and
-    [B, S, Y]; each block of tied states read once for both the logits and
-    the weighted sum (XLA's two matmuls read it twice).
+  `tied_attention` (GTA; attention/cpu/tied_decode.cc): tied states
+    [K, P, p, H] and the shared RoPE key [1, P, p, Y] through the page
+    tables, or dense [B·K, S, H] and [B, S, Y]; each block of tied states
+    read once for both the logits and the weighted sum (XLA's two matmuls
+    read it twice);
+  `latent_attention` (MLA and GLA, absorbed; the same kernel as GTA's): the
+    G latent groups [G, P, p, F] and the RoPE key, or dense [B·G, S, F]
+    and [B, S, Y]; each latent read once for the logits (against the query
+    with key_up absorbed) and the weighted sum in latent space.
 
-Per (batch row, KV head) a kernel streams that head's cache once for its
-G·T query rows, skips the pages (blocks) that no query sees, and shares the
-rows among XLA's intra-op threads. float32, bfloat16 and int8 caches
-(int8: a float32 scale per position and head, as the cache stores them),
-any visibility mask that is the same for every head, a logits soft cap.
-Queries are taken in float32, the output returned in the query's dtype.
+Per (batch row, KV head or latent group) a kernel streams that head's cache
+once for its query rows, skips the pages (blocks) that no query sees, and
+shares the rows among XLA's intra-op threads. float32, bfloat16 and int8
+caches (int8: a float32 scale per position and head, as the cache stores
+them), any visibility mask that is the same for every head, a logits soft
+cap. Queries are taken in float32, the output returned in the query's
+dtype. A page id outside the pool, or an empty pool, fails the call with
+an error naming it (`jax.errors.JaxRuntimeError`, INVALID_ARGUMENT) rather
+than reading a wrong page.
 
-The library is built by `pip install` (setup.py) where a C++ compiler is;
-without it the pure-JAX path is used, said once per process. The
-environment variable GQA_LAB_CPU_KERNEL chooses: 'auto' (the default: the
-kernel when built), 'off' (the pure-JAX path, e.g. to benchmark it; read
-when a step is traced) or 'require' (importing `attention` fails without
-the library: CI's setting).
+The library is built by `pip install` (setup.py, attention/cpu/build.py)
+where a C++ compiler is; without it the pure-JAX path is used, said once
+per process. The environment variable GQA_LAB_CPU_KERNEL chooses: 'auto'
+(the default: the kernel when built), 'off' (the pure-JAX path, e.g. to
+benchmark it; read when a step is traced) or 'require' (importing
+`attention` fails without the library: CI's setting).
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from attention import kv_cache
 
 ENV = 'GQA_LAB_CPU_KERNEL'
 MODES = ('auto', 'off', 'require')
@@ -116,7 +126,7 @@ def available() -> bool:
 
 def refusal(options, kv, visible) -> str | None:
   """None if a kernel takes this cached step (kv: a `kv_cache.KV` of a
-  dense cache or a paged pool, grouped-query or tied; visible:
+  dense cache or a paged pool, of any layout; visible:
   `kv_cache.cached_visibility`'s [B or 1, 1 or N, T, S] mask), else why
   not. Read when the step is traced."""
   if mode() == 'off':
@@ -126,18 +136,19 @@ def refusal(options, kv, visible) -> str | None:
     return why
   if visible.shape[1] != 1:
     return 'a mask that differs between heads'
-  name = options.layout.entries(options)[0].name
-  cache = kv.paged.arrays[name] if kv.paged is not None else kv.key
+  first = kv_cache.entries(options)[0].name
+  cache = kv.paged.arrays[first] if kv.paged is not None else kv.key
   if not any(cache.dtype == d for d in CACHE_DTYPES):
     return f'a {cache.dtype} cache (the kernel takes float32, bfloat16, int8)'
+  if kv.paged is not None and cache.shape[1] == 0:
+    return 'an empty pool (no pages)'
   return None
 
 
 def attention(options, q_BTNH, kv, visible):
   """[B, T, N, H] in q_BTNH's dtype: the step's queries against the cache
   that kv holds (a paged pool in place, or the dense layout), seeing what
-  `visible` [B or 1, 1, T, S] says. Call only where `refusal` is None;
-  a tied cache: `tied_attention`."""
+  `visible` [B or 1, 1, T, S] says. Call only where `refusal` is None."""
   H = q_BTNH.shape[-1]
   if kv.paged is not None:
     arrays = kv.paged.arrays
@@ -156,7 +167,7 @@ def attention(options, q_BTNH, kv, visible):
     raise ValueError(f'queries of head_dim {H} against a cache of keys '
                      f'{key.shape}; the layer and its cache disagree')
   return _call(target, options, q_BTNH, (key, value),
-               (key_scale, value_scale), extra, visible, S)
+               (key_scale, value_scale), extra, visible, S, H)
 
 
 def tied_attention(options, q_BTNH, kv, visible, *, rope_dim: int):
@@ -167,53 +178,79 @@ def tied_attention(options, q_BTNH, kv, visible, *, rope_dim: int):
   None when Y = 0, their int8 scales kv.key_scale and kv.value_scale), as
   `attention.tied.tied_attention` computes it, seeing what `visible`
   [B or 1, 1, T, S] says. Call only where `refusal` is None."""
+  return _state_attention(options, q_BTNH, kv, visible, rope_dim)
+
+
+def latent_attention(options, q_BTNF, q_BTNY, kv, visible):
+  """[B, T, N, F] in q_BTNF's dtype: multi-head (or grouped) latent
+  attention's weighted sums of latents, absorbed: each query head's
+  q_lat = q_nope·key_upᵀ [B, T, N, F] and turned q_rope [B, T, N, Y]
+  against the latent cache that kv holds (a paged pool in place, or the
+  dense layout: kv.key the latents [B·G, S, F], kv.value the RoPE keys
+  [B, S, Y] or None when Y = 0, their int8 scales), head n reading latent
+  group n // (N / G), as the middle of `attention.latent.absorbed_attention`
+  computes it (value_up is the caller's), seeing what `visible`
+  [B or 1, 1, T, S] says. Call only where `refusal` is None."""
+  q_BTNH = jnp.concatenate([q_BTNF, q_BTNY.astype(q_BTNF.dtype)], axis=-1)
+  return _state_attention(options, q_BTNH, kv, visible, q_BTNY.shape[-1])
+
+
+def _state_attention(options, q_BTNH, kv, visible, rope_dim: int):
+  """[B, T, N, W] in q_BTNH's dtype, by tied_decode.cc: the queries (their
+  last Y features against the shared RoPE key, the first H - Y against a
+  state's first H - Y) against a cache whose first entry is a state [W]
+  per head and position, both key and value (GTA's tied state, MLA's
+  latent), and whose second, where there is one, the RoPE key of rope_dim
+  (0: none)."""
   B, H = q_BTNH.shape[0], q_BTNH.shape[-1]
-  Y = rope_dim
+  es = kv_cache.entries(options)
   if kv.paged is not None:
     arrays = kv.paged.arrays
-    tied = arrays['cached_tied']  # [K, P, p, H].
-    rope_key = arrays.get('cached_rope_key')  # [1, P, p, Y].
-    tied_scale, rope_scale = arrays.get('tied_scale'), arrays.get(
-        'rope_key_scale')  # [K, P, p], [1, P, p].
+    state = arrays[es[0].name]  # [E, P, p, W].
+    rope_key = arrays[es[1].name] if len(es) > 1 else None  # [1, P, p, Y].
+    state_scale = arrays.get(es[0].scale)  # [E, P, p].
+    rope_scale = arrays.get(es[1].scale) if len(es) > 1 else None
     table_BM = kv.paged.page_table_BM.astype(jnp.int32)
-    S = table_BM.shape[1] * tied.shape[2]
-    no_rope_shape = (1, *tied.shape[1:3], 0)
+    S = table_BM.shape[1] * state.shape[2]
+    no_rope_shape = (1, *state.shape[1:3], 0)
     target, extra = PAGED_TIED_TARGET, (table_BM,)
   else:
-    tied, rope_key = kv.key, kv.value  # [B·K, S, H], [B, S, Y].
-    tied_scale, rope_scale = kv.key_scale, kv.value_scale  # [B·K, S], [B, S].
-    S = tied.shape[1]
+    state, rope_key = kv.key, kv.value  # [B·E, S, W], [B, S, Y].
+    state_scale, rope_scale = kv.key_scale, kv.value_scale  # [B·E, S], [B, S].
+    S = state.shape[1]
     no_rope_shape = (B, S, 0)
     target, extra = DENSE_TIED_TARGET, ()
-  if tied.shape[-1] != H or (rope_key is None) != (Y == 0):
-    raise ValueError(f'queries [B, T, N, H] = {q_BTNH.shape} with '
-                     f'a RoPE key of {Y} against tied states '
-                     f'{tied.shape} and RoPE keys '
-                     f'{None if rope_key is None else rope_key.shape}; the '
+  W = state.shape[-1]
+  Y = 0 if rope_key is None else rope_key.shape[-1]
+  if Y != rope_dim or not 0 <= H - Y <= W:
+    raise ValueError(f'queries [B, T, N, H] = {q_BTNH.shape} with a RoPE '
+                     f'key of {rope_dim} against states {state.shape} and '
+                     f'RoPE keys {None if rope_key is None else rope_key.shape}'
+                     ': H is not I + Y with I at most the states\' width; the '
                      'layer and its cache disagree')
   if rope_key is None:
-    rope_key = jnp.zeros(no_rope_shape, tied.dtype)
-  return _call(target, options, q_BTNH, (tied, rope_key),
-               (tied_scale, rope_scale), extra, visible, S)
+    rope_key = jnp.zeros(no_rope_shape, state.dtype)
+  return _call(target, options, q_BTNH, (state, rope_key),
+               (state_scale, rope_scale), extra, visible, S, W)
 
 
-def _call(target, options, q_BTNH, caches, scales, extra, visible, S):
-  """The FFI call of `target`: [B, T, N, H] in q_BTNH's dtype from the
-  queries (in float32), the two cache arrays, their int8 scales (None: a
-  float cache's, passed empty), `extra` (a page table) and the mask
-  broadcast to [B or 1, T, S]."""
-  B, T, N, H = q_BTNH.shape
+def _call(target, options, q_BTNH, caches, scales, extra, visible, S, W):
+  """The FFI call of `target`: [B, T, N, W] in q_BTNH's dtype from the
+  queries [B, T, N, H] (in float32), the two cache arrays, their int8
+  scales (None: a float cache's, passed empty), `extra` (a page table) and
+  the mask broadcast to [B or 1, T, S]."""
+  B, T, N, _ = q_BTNH.shape
   none = jnp.zeros((0,), jnp.float32)
   visible_bTS = jnp.broadcast_to(visible[:, 0], (visible.shape[0], T, S))
   call = jax.ffi.ffi_call(
-      target, jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
+      target, jax.ShapeDtypeStruct((B, T, N, W), jnp.float32),
       vmap_method='sequential')
-  out_BTNH = call(
+  out_BTNW = call(
       q_BTNH.astype(jnp.float32), *caches,
       *(none if x is None else x for x in scales), *extra, visible_bTS,
       scale=np.float32(options.scale),
       soft_cap=np.float32(options.logits_soft_cap or 0.0))
-  return out_BTNH.astype(q_BTNH.dtype)
+  return out_BTNW.astype(q_BTNH.dtype)
 
 
 # The raw value: a bad one is refused where it is used (`mode`), and by the

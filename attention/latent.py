@@ -36,6 +36,10 @@ heads, and value_up is applied after the weighted sum of the latents,
 o = (Σ_s p_s c_g,s)·value_up. The cache holds A + Y numbers per token and
 layer whatever G (N·(I + U) for a per-head K/V of the same heads); G > 1
 splits the work of decoding by groups, which tensor parallelism shards.
+Lowered for the CPU, `attend_cached` reads the cache with a C++ kernel
+(`attention.cpu_kernel.latent_attention`) that streams each latent once for
+both the logits and the weighted sum; the absorption and value_up stay
+here.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from attention import kv_cache, numerics
+from attention import cpu_kernel, kv_cache, numerics
 from attention.core import dot_product_attention
 from attention.layout import Layout, register
 from attention.rope import apply_rope, pair_frequencies, pairs_problem
@@ -227,16 +231,30 @@ class MLA(Layout):
     return _expanded_attention(options, q_BTNI, q_BTNY, k_BSNH, v_BSNU, mask)
 
   def attend_cached(self, options, w, queries, kv, visible) -> Array:
-    """Against the cache (dense, or a paged one's rows gathered):
-    [B, T, N, U], absorbed (`absorbed_attention`)."""
+    """Against the cache: [B, T, N, U], absorbed. Per platform lowered for:
+    on the CPU, where it takes the call (`cpu_kernel.refusal`), the C++
+    kernel, which reads each cached latent once for the logits and the
+    weighted sum (a paged pool in place); elsewhere `absorbed_attention` (a
+    paged cache's rows gathered first)."""
     q_BTNI, q_BTNY = queries
-    rows = kv_cache.gathered(kv, options)
     key_up_FNI, value_up_FNU = split_up(w['kv_up'], self.qk_nope_head_dim)
-    return absorbed_attention(
-        q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, rows.key, rows.value,
-        visible, scale=options.scale,
-        logits_soft_cap=options.logits_soft_cap,
-        latent_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
+
+    def jax_path():
+      rows = kv_cache.gathered(kv, options)
+      return absorbed_attention(
+          q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, rows.key, rows.value,
+          visible, scale=options.scale,
+          logits_soft_cap=options.logits_soft_cap,
+          latent_scale_ZS=rows.key_scale, rope_key_scale_BS=rows.value_scale)
+
+    def kernel():
+      o_BTNF = cpu_kernel.latent_attention(
+          options, absorb_query(q_BTNI, key_up_FNI), q_BTNY, kv, visible)
+      return latent_values(o_BTNF, value_up_FNU)
+
+    if cpu_kernel.refusal(options, kv, visible) is not None:
+      return jax_path()
+    return jax.lax.platform_dependent(cpu=kernel, default=jax_path)
 
   def flops_per_token(self, options, d_model: int, context: float,
                       shares_kv: bool, absorbed: bool) -> float:
@@ -363,8 +381,7 @@ def absorbed_attention(q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, latent_ZSF,
   B, T, N, I = q_BTNI.shape
   Z, S, F = latent_ZSF.shape
   G = Z // B
-  # W_UK absorbed: q_lat[n] = q_nope[n]·key_up[:, n]ᵀ, [B, T, N, F].
-  q_BTNF = jnp.einsum('BTNI,FNI->BTNF', q_BTNI, key_up_FNI)
+  q_BTNF = absorb_query(q_BTNI, key_up_FNI)
   # Group g's R = T·M query rows against its latents, one matmul per row of
   # the cache: each group's latents read once for its M query heads.
   logits_ZRS = _matmul(_by_group(q_BTNF, G), latent_ZSF, contract=2)
@@ -383,12 +400,22 @@ def absorbed_attention(q_BTNI, q_BTNY, key_up_FNI, value_up_FNU, latent_ZSF,
   probs_ZRS = _by_group(probs_BTNS, G)
   if latent_scale_ZS is not None:
     probs_ZRS = probs_ZRS * latent_scale_ZS[:, None, :]
-  # The latents' weighted sum, then W_UV: [B, T, N, F] -> [B, T, N, U].
+  # The latents' weighted sum [B, T, N, F], then W_UV.
   o_ZRF = _matmul(probs_ZRS.astype(q_BTNI.dtype), latent_ZSF, contract=1)
-  out_BTNU = jnp.einsum('BTNF,FNU->BTNU',
-                        _by_head(o_ZRF, B, T).astype(q_BTNI.dtype),
-                        value_up_FNU)
-  return out_BTNU.astype(q_BTNI.dtype)
+  return latent_values(_by_head(o_ZRF, B, T).astype(q_BTNI.dtype),
+                       value_up_FNU)
+
+
+def absorb_query(q_BTNI, key_up_FNI):
+  """W_UK absorbed: q_lat[n] = q_nope[n]·key_up[:, n]ᵀ, [B, T, N, F]."""
+  return jnp.einsum('BTNI,FNI->BTNF', q_BTNI, key_up_FNI)
+
+
+def latent_values(o_BTNF, value_up_FNU):
+  """W_UV after the weighted sum: [B, T, N, F] -> [B, T, N, U], in
+  o_BTNF's dtype."""
+  return jnp.einsum('BTNF,FNU->BTNU', o_BTNF, value_up_FNU).astype(
+      o_BTNF.dtype)
 
 
 def _by_group(x_BTNW, G: int):

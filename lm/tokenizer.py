@@ -233,3 +233,26 @@ def named_eos(tokenizer: HuggingFace, config: epath.Path
     if name and tokenizer.id_of(name) is not None:
       return (tokenizer.id_of(name),)
   return ()
+
+
+def train_bpe(vocab_size: int, path: str | os.PathLike):
+  """Writes PATH: a byte-level BPE tokenizer.json of `vocab_size` tokens
+  (<s> = 0, </s> = 1) trained on Python's pydoc topics (nothing is
+  downloaded); <s> is prepended to each encoded text. The tokenizer of a
+  random-weight Hugging Face checkpoint (`scripts.make_hf_model`), and the
+  README's BPE."""
+  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
+  from tokenizers import (  # pylint: disable=import-outside-toplevel
+      Tokenizer, decoders, models, pre_tokenizers, processors, trainers)
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=['<s>', '</s>'],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False)
+  tokenizer.train_from_iterator(
+      sorted(pydoc_data.topics.topics.values()), trainer)
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single='<s> $A', special_tokens=[('<s>', 0)])
+  tokenizer.save(str(path))

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import core, dot_product_attention
-from scripts import timing
+from studies import report, timing
 from lm import config_lib, flops
 from train import loop
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -213,13 +213,12 @@ def markdown(env, tests=None, attention=None, train=None, decode=None
             '']
   if attention:
     names = list(dict.fromkeys(n for r in attention for n in r['ms']))
-    lines += ['| T | K | pass | ' + ' | '.join(
-        f'{n} ms (TFLOP/s)' for n in names) + ' |',
-              '|---|---|---|' + '---|' * len(names)]
-    for r in attention:  # A peer that refused a row (out of memory): '-'.
-      lines.append(f'| {r["T"]} | {r["K"]} | {r["pass"]} | ' + ' | '.join(
-          f'{r["ms"][n]:.2f} ({r["tflops"][n]:.1f})' if n in r['ms'] else '-'
-          for n in names) + ' |')
+    # A peer that refused a row (out of memory): '-'.
+    lines += report.table(
+        ['T', 'K', 'pass', *(f'{n} ms (TFLOP/s)' for n in names)],
+        ([r['T'], r['K'], r['pass'], *(
+            f'{r["ms"][n]:.2f} ({r["tflops"][n]:.1f})' if n in r['ms']
+            else '-' for n in names)] for r in attention))
   else:
     lines.append(f'Attention benchmark: {missing}.')
   if train:
@@ -231,15 +230,15 @@ def markdown(env, tests=None, attention=None, train=None, decode=None
   else:
     lines += ['', f'Training: {missing}.']
   if decode:
+    share = lambda r: r['tokens_per_sec'] / r['roofline_tokens_per_sec']
     lines += ['', f'Decode (read bandwidth measured '
-              f'{decode["bandwidth"] / 1e9:.0f} GB/s):', '',
-              '| K | batch | context | tokens/s | roofline | share |',
-              '|---|---|---|---|---|---|']
-    for r in decode['rows']:
-      share = r['tokens_per_sec'] / r['roofline_tokens_per_sec']
-      lines.append(f'| {r["K"]} | {r["batch"]} | {r["context"]} | '
-                   f'{r["tokens_per_sec"]:,.0f} | '
-                   f'{r["roofline_tokens_per_sec"]:,.0f} | {100 * share:.0f}% |')
+              f'{decode["bandwidth"] / 1e9:.0f} GB/s):', '', *report.table(
+                  ['K', 'batch', 'context', 'tokens/s', 'roofline', 'share'],
+                  ([r['K'], r['batch'], r['context'],
+                    f'{r["tokens_per_sec"]:,.0f}',
+                    f'{r["roofline_tokens_per_sec"]:,.0f}',
+                    f'{100 * share(r):.0f}%']
+                   for r in decode['rows']))]
   else:
     lines += ['', f'Decode: {missing}.']
   return '\n'.join(lines) + '\n'

@@ -33,7 +33,6 @@ import time
 import flax.linen as nn
 import numpy as np
 
-from scripts import bench_generate, bench_serve
 from train import loop
 from lm import checkpoint
 from lm import config_lib
@@ -42,6 +41,8 @@ from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from infra.errors import UserError
 from lm.model import Transformer
+from studies import timing
+from studies.report import table
 
 LOADED = 'generate: '  # serve.generate's first stderr line: the checkpoint.
 
@@ -105,7 +106,7 @@ def main():
     (workdir / 'config.json').write_text(config.to_json(indent=2))
     for size in args.sizes:
       prompts_file = pathlib.Path(tmp, f'prompts{size}.jsonl')
-      prompts = bench_generate.make_prompts(_with(args, requests=size))
+      prompts = timing.ascii_prompts(_with(args, requests=size))
       prompts_file.write_text(''.join(
           json.dumps({'id': i, 'prompt': p}) + '\n'
           for i, p in enumerate(prompts)))
@@ -121,7 +122,7 @@ def main():
   results = {
       'command': 'python -m scripts.bench_admission ' + ' '.join(sys.argv[1:]),
       'commit': provenance.commit(), 'date': time.strftime('%Y-%m-%d'),
-      'machine': bench_serve.machine(), 'args': vars(args), 'rows': rows,
+      'machine': timing.machine(), 'args': vars(args), 'rows': rows,
       'rss_growth': rows[-1]['peak_rss_mib'] / rows[0]['peak_rss_mib']}
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -151,12 +152,13 @@ def report(results: dict) -> str:
       f'{", ".join(f"{x:.2f}" for x in m["load_average"])} at the end. '
       f'--config={args["config"]}, {args["max_new_tokens"]} new tokens a '
       f'prompt, --slots={args["slots"]}, --kv_memory={args["kv_memory"]}.',
-      '', '| prompts | first result (s, from start) | first result (s, after '
-      'loading) | whole run (s) | peak RSS (MiB) |', '|---|---|---|---|---|']
-  for r in results['rows']:
-    lines.append(f'| {r["prompts"]:,} | {_s(r["first_result_s"])} | '
-                 f'{_s(r["first_after_loaded_s"])} | {r["seconds"]:.1f} | '
-                 f'{r["peak_rss_mib"]:,.0f} |')
+      '', *table(
+          ('prompts', 'first result (s, from start)',
+           'first result (s, after loading)', 'whole run (s)',
+           'peak RSS (MiB)'),
+          [(f'{r["prompts"]:,}', _s(r['first_result_s']),
+            _s(r['first_after_loaded_s']), f'{r["seconds"]:.1f}',
+            f'{r["peak_rss_mib"]:,.0f}') for r in results['rows']])]
   lines += ['', f'Peak RSS grows {results["rss_growth"]:.2f}x from the '
             'smallest file to the largest.', '']
   return '\n'.join(lines)

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import dot_product_attention
-from scripts import timing
-from scripts.timing import median_times, read_bandwidth, read_test
+from studies import report, timing
+from studies.timing import median_times, read_bandwidth, read_test
 from infra.cli import ArgumentParser, exit_on_user_error, int_list, positive_int
 
 
@@ -212,31 +212,24 @@ def markdown(env, rows, argv) -> dict[str, str]:
       f'measured read bandwidth {env["read_bandwidth_GBps"]:.1f} GB/s. '
       'Medians; every column of a row measured in the same run, the '
       'contestants taking turns.')
-  lines = [
-      written, '',
-      '| T | K | pass | ours ms | torch SDPA ms | jax.nn ms | repeat-K/V ms '
-      '| ours / best peer | peak bytes ours | peak bytes repeat |',
-      '|---|---|---|---|---|---|---|---|---|---|']
-  for r in rows:
-    if r['shape'] == 'train':
-      peaks = [f'{r[p] / 2**20:.0f} MiB' if f'{p}' in r else '-'
-               for p in ('ours_peak_bytes', 'repeat_peak_bytes')]
-      lines.append(
-          f'| {r["T"]} | {r["K"]} | {r["mode"]} | {ms(r["ours"])} | '
-          f'{ms(r.get("torch"))} | {ms(r["jax.nn"])} | {ms(r["repeat"])} | '
-          f'{r["ours/best_peer"]:.2f} | {peaks[0]} | {peaks[1]} |')
-  sections = {TRAIN_SECTION: '\n'.join(lines)}
+  train = report.table(
+      ['T', 'K', 'pass', 'ours ms', 'torch SDPA ms', 'jax.nn ms',
+       'repeat-K/V ms', 'ours / best peer', 'peak bytes ours',
+       'peak bytes repeat'],
+      ([r['T'], r['K'], r['mode'], ms(r['ours']), ms(r.get('torch')),
+        ms(r['jax.nn']), ms(r['repeat']), f'{r["ours/best_peer"]:.2f}',
+        *(f'{r[p] / 2**20:.0f} MiB' if p in r else '-'
+          for p in ('ours_peak_bytes', 'repeat_peak_bytes'))]
+       for r in rows if r['shape'] == 'train'))
+  sections = {TRAIN_SECTION: '\n'.join([written, '', *train])}
   decode = [r for r in rows if r['shape'] == 'decode']
   if decode:
-    lines = [written, '',
-             '| K | ms | KV GB/s | of read bandwidth | speed-up vs MHA |',
-              '|---|---|---|---|---|']
-    for r in decode:
-      lines.append(f'| {r["K"]} | {r["seconds"] * 1e3:.2f} | '
-                   f'{r["bytes_per_sec"] / 1e9:.1f} | '
-                   f'{100 * r["fraction_of_bandwidth"]:.0f}% | '
-                   f'{r["speedup_vs_mha"]:.1f}x |')
-    sections[DECODE_SECTION] = '\n'.join(lines)
+    sections[DECODE_SECTION] = '\n'.join([written, '', *report.table(
+        ['K', 'ms', 'KV GB/s', 'of read bandwidth', 'speed-up vs MHA'],
+        ([r['K'], f'{r["seconds"] * 1e3:.2f}',
+          f'{r["bytes_per_sec"] / 1e9:.1f}',
+          f'{100 * r["fraction_of_bandwidth"]:.0f}%',
+          f'{r["speedup_vs_mha"]:.1f}x'] for r in decode))])
   return sections
 
 

@@ -32,7 +32,10 @@ no more wall time (10 against 11 minutes).
 
 For each variant, batch and context, times decoding with the whole model
 (all layers) against a KV cache filled to `context`, in a jitted `lax.scan`
-as `train.sample` does, and reports tokens/s, the KV cache's bytes (in all,
+as `train.sample` does, taking turns with a 1 GiB read for --repeats rounds
+(so that the bandwidth a cell is held to is measured under the same load as
+the cell), and reports tokens/s (median, min and max over the rounds), the
+KV cache's bytes (in all,
 and per token: `lm.model.kv_bytes_per_token`), the attention's
 arithmetic intensity (its scores' and mix's FLOPs per byte of cache read,
 `lm.flops.attention_decode_intensity`), and the roofline: the tokens/s
@@ -44,13 +47,19 @@ a CPU comes close where the intensity is high: GQA's G query heads share
 each cached key and value, G/2 FLOPs per float32 byte of cache; GTA's
 tied state serves both, up to G; MLA's latent serves N heads twice, up to
 N, and GLA's N/g (g groups); against the CPU's ~6 FLOPs per byte of
-bandwidth. Writes decode.json and decode.png under --out.
+bandwidth. Then, per batch and context, the layouts ranked by KV bytes per
+token beside their ranking by tokens/s, and each pair where fewer bytes
+decode slower beyond the noise (the fastest round below the other's
+slowest). --markdown keeps a section per VM kind (`vm_kind`: CPU model
+name, family, vector extension), whose header names the CPU, its vector
+flags, the commit and the load average. Writes decode.json and decode.png
+under --out.
 --equal_params widens the MLP of variants with fewer K/V heads to the
 config's parameter count, as `scripts.compare --equal_params` trains them
 (GQA variants only).
 
 --llama_cpp: beside each GQA row, llama.cpp decoding the same model
-(`scripts.llama_cpp_peer`: exported as GGUF at the same weight dtype, in
+(`studies.llama_cpp_peer`: exported as GGUF at the same weight dtype, in
 its own process on as many threads as JAX uses, each sequence in its own
 KV stream filled to the same context, the cache in the same dtype), taking
 turns with ours; its tokens/s and ours over it. llama.cpp computes SwiGLU
@@ -67,18 +76,18 @@ projections and RoPE, a preallocated [B, K, S, H] cache written in place,
 and SDPA (`enable_gqa`) over the filled prefix; all from the same weights
 and cache (a test checks they agree), in this process, taking turns. The
 cache is filled to `context` - 8 and every timed step writes the same slot.
-Writes decode_layer.json under --out.
+Ours is also held to the step's roofline (its weights and cache read once at
+the bandwidth of a 1 GiB read timed in the same rounds, or its FLOPs at the
+peak). Writes decode_layer.json under --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import os
 import pathlib
-import re
 import sys
 import time
 
@@ -88,8 +97,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import cpu_kernel, layer
-from attention import layout as layout_lib
-from scripts import llama_cpp_peer, stats, timing
+from studies import llama_cpp_peer, report, stats, timing
+from studies.variants import GRAMMAR, Variant, variant_list
 from infra import provenance
 from lm import config_lib, flops
 from train import loop
@@ -124,7 +133,7 @@ def main():
                       'scripts.compare --equal_params does')
   parser.add_argument('--llama_cpp', action='store_true',
                       help='llama.cpp decoding the same GQA models beside '
-                      'ours (scripts.llama_cpp_peer; the model with SwiGLU)')
+                      'ours (studies.llama_cpp_peer; the model with SwiGLU)')
   parser.add_argument('--out', default='out/decode')
   parser.add_argument('--markdown', help='write the table as a section of '
                       f'this file ("{MODEL_SECTION}", or with --layer '
@@ -156,121 +165,89 @@ def main():
   plot(results, out / 'decode.png')
   print(f'wrote {out}/decode.json and decode.png')
   if args.markdown:
-    timing.replace_section(args.markdown, MODEL_SECTION,
+    timing.replace_section(args.markdown,
+                           f'{MODEL_SECTION} ({vm_kind(results["machine"])})',
                            model_markdown(results, args))
 
 
 MODEL_SECTION = 'Decoding with the whole model: against the roofline'
-GRAMMAR = ('K<k> (GQA, k K/V heads), GTA<k> (grouped-tied, k heads), MLA<a> '
-           '(latent of a), GLA<a>g<g> (MLA\'s latent in g groups), TPA<r> '
-           '(tensor product, K/V of rank r), TPAKV<r> (the same, per-head '
-           'queries), comma-separated')
 DEFAULT_VARIANTS = ('K8', 'K2', 'K1', 'GTA2', 'GTA1', 'MLA48', 'GLA48g2')
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-  """A layout --variants names: the model fields it sets on the config
-  (model.attention and that layout's settings, every other layout's left at
-  its defaults, so that a config's own MLA or GTA does not leak into
-  another variant); num_kv_heads None is the config's num_heads (MLA's)."""
-  name: str
-  num_kv_heads: int | None
-  attention: str = 'gqa'
-  settings: tuple[tuple[str, int], ...] = ()  # The layout's own, set.
-
-  PATTERNS = {  # Name -> the fields of its numbers.
-      r'K(\d+)': lambda k: dict(num_kv_heads=k),
-      r'GTA(\d+)': lambda k: dict(num_kv_heads=k, attention='gta'),
-      r'MLA(\d+)': lambda a: dict(num_kv_heads=None, attention='mla',
-                                  settings=(('kv_lora_rank', a),)),
-      r'GLA(\d+)g(\d+)': lambda a, g: dict(
-          num_kv_heads=None, attention='mla',
-          settings=(('kv_lora_rank', a), ('latent_groups', g))),
-      r'TPA(\d+)': lambda r: dict(num_kv_heads=None, attention='tpa',
-                                  settings=(('k_rank', r), ('v_rank', r))),
-      r'TPAKV(\d+)': lambda r: dict(
-          num_kv_heads=None, attention='tpa',
-          settings=(('q_rank', 0), ('k_rank', r), ('v_rank', r))),
-  }
-
-  @classmethod
-  def parse(cls, name: str) -> 'Variant':
-    """'GLA48g2' -> its Variant; ValueError for a name not in GRAMMAR."""
-    for pattern, fields in cls.PATTERNS.items():
-      match = re.fullmatch(pattern, name)
-      if match and all(int(n) > 0 for n in match.groups()):
-        return cls(name, **fields(*map(int, match.groups())))
-    raise ValueError(f'{name!r} is not a variant')
-
-  @property
-  def is_gqa(self) -> bool:
-    return self.attention == 'gqa'
-
-  def apply_to(self, model):
-    """Sets the variant's fields on `model` (a config's model section)."""
-    defaults = config_lib.defaults().model
-    model.update(num_kv_heads=self.num_kv_heads or model.num_heads,
-                 attention=self.attention)
-    for name in layout_lib.names():
-      if name in model:
-        model[name] = defaults[name]
-    if self.settings:
-      model[self.attention].update(dict(self.settings))
-
-
-def variant_list(text: str) -> list[Variant]:
-  """'K8,GTA2' -> [Variant, ...]: an argparse type."""
-  try:
-    return [Variant.parse(name) for name in text.split(',')]
-  except ValueError as e:
-    raise argparse.ArgumentTypeError(f'{e}; give {GRAMMAR}') from None
+def vm_kind(m: dict) -> str:
+  """A VM kind's name, which a section of the markdown is kept per: the CPU
+  model name, family and widest vector extension ('AMD EPYC, family 26,
+  AVX-512')."""
+  family = '' if m.get('family') is None else f', family {m["family"]}'
+  vectors = ('AVX-512' if m.get('avx512f') else 'AVX2' if m.get('avx2')
+             else 'no AVX2')
+  return f'{m["cpu"]}{family}, {vectors}'
 
 
 def model_markdown(results, args) -> str:
   """The rows at each batch and context, against the roofline: the lower
-  of the bandwidth and FLOP bounds, max(bytes / bandwidth, FLOPs / peak)."""
+  of the bandwidth and FLOP bounds, max(bytes / bandwidth, FLOPs / peak);
+  then each batch's ranking by bytes beside its ranking by speed."""
+  m = results['machine']
   peer = any('llama_cpp_tokens_per_sec' in r for r in results['rows'])
   lines = [
       f'Written by `python -m scripts.bench_decode {" ".join(sys.argv[1:])}` '
-      f'on {time.strftime("%Y-%m-%d")} (config {args.config}, float32; read '
-      f'bandwidth measured in the run: {results["bandwidth"] / 1e9:.1f} GB/s; '
-      f'peak {results["peak_flops"] / 1e9:,.0f} GFLOP/s, '
-      f'{results["peak_source"]}, the peak MFU uses). Tokens/s bounds: the '
-      'weights and the KV cache read once per step at that bandwidth, and '
-      "the step's FLOPs at the peak; the roofline is the lower of the two, "
-      'and the share is of it. Variants: K<k> GQA with k K/V heads, GTA<k> '
-      'grouped-tied with k, MLA<a> a latent of a, GLA<a>g<g> in g groups, '
-      'TPA<r> tensor product attention with K/V of rank r (TPAKV<r>: '
-      'per-head queries); K is model.num_kv_heads (MLA\'s and TPA\'s: the '
-      'query heads). KV bytes per '
-      'token: all layers\' (`lm.model.kv_bytes_per_token`); attention '
-      "FLOPs per KV byte: a decode step's scores and mix over the cache "
-      'bytes they read (`lm.flops.attention_decode_intensity`).' + (
-          LLAMA_CAPTION.format(cpu=results.get('cpu', '?'),
+      f'on {time.strftime("%Y-%m-%d")} at {results["commit"]} on '
+      f'{provenance.describe(m)}; vector flags: '
+      f'{", ".join(m["vector_flags"] or ["not recorded"])}; load average '
+      f'{results["load"][0]:.2f} at the start, {results["load"][1]:.2f} at '
+      f'the end (config {args.config}, float32; peak '
+      f'{results["peak_flops"] / 1e9:,.0f} GFLOP/s, {results["peak_source"]}, '
+      'the peak MFU uses). Each cell: the decode step and a 1 GiB read taking '
+      f'turns, {args.repeats} rounds; tokens/s median (min-max over the '
+      'rounds); the read bandwidth is the median of that cell\'s reads '
+      f'(over the run {results["bandwidth"] / 1e9:.1f} GB/s). Tokens/s '
+      'bounds: the weights and the KV cache read once per step at that '
+      "bandwidth, and the step's FLOPs at the peak; the roofline is the "
+      'lower of the two, and the share is of it. Variants: K<k> GQA with k '
+      'K/V heads, GTA<k> grouped-tied with k, MLA<a> a latent of a, '
+      'GLA<a>g<g> in g groups, TPA<r> tensor product attention with K/V of '
+      'rank r (TPAKV<r>: per-head queries); K is model.num_kv_heads (MLA\'s '
+      'and TPA\'s: the query heads). KV bytes per token: all layers\' '
+      '(`lm.model.kv_bytes_per_token`); attention FLOPs per KV byte: a '
+      "decode step's scores and mix over the cache bytes they read "
+      '(`lm.flops.attention_decode_intensity`).' + (
+          LLAMA_CAPTION.format(cpu=provenance.describe(m),
                                llama_cpp=results.get('llama_cpp', '?'),
                                wait=results.get('wait_policy') or 'default')
           if peer else ''), '',
-      '| variant | K | batch | context | tokens/s | KV bytes per token | '
-      'KV cache | attention FLOPs per KV byte | bandwidth bound | '
-      'FLOP bound | share of the roofline |' + LLAMA_COLUMNS * peer,
-      '|---|---|---|---|---|---|---|---|---|---|---|' + '---|---|' * peer]
-  for r in results['rows']:
-    lines.append(
-        f'| {r["variant"]} | {r["num_kv_heads"]} | {r["batch"]} | '
-        f'{r["context"]} | {r["tokens_per_sec"]:,.0f} | '
-        f'{r["kv_bytes_per_token"]:,.0f} | {r["kv_bytes"] / 2**20:,.0f} MiB | '
-        f'{r["attention_flops_per_kv_byte"]:.2f} | '
-        f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f} | '
-        f'{r["compute_roofline_tokens_per_sec"]:,.0f} | '
-        f'{100 * r["fraction_of_roofline"]:.0f}% |' + (
-            ' - | - |' if 'llama_cpp_tokens_per_sec' not in r else
-            f' {r["llama_cpp_tokens_per_sec"]:,.0f} | '
-            f'{r["ours_over_llama_cpp"]:.2f} |') * peer)
+      *report.table(MODEL_COLUMNS + LLAMA_COLUMNS * peer,
+                    [_model_cells(r, peer) for r in results['rows']])]
+  for ranked in rankings(results['rows']):
+    lines += ['', *ranking_markdown(ranked)]
   return '\n'.join(lines)
 
 
-LLAMA_COLUMNS = ' llama.cpp tokens/s | ours / llama.cpp |'
+MODEL_COLUMNS = ('variant', 'K', 'batch', 'context', 'tokens/s (min-max)',
+                 'KV bytes per token', 'KV cache',
+                 'attention FLOPs per KV byte', 'read GB/s',
+                 'bandwidth bound', 'FLOP bound', 'share of the roofline')
+LLAMA_COLUMNS = ('llama.cpp tokens/s', 'ours / llama.cpp')
+
+
+def _model_cells(r: dict, peer: bool) -> list:
+  """A row of model_markdown's table; llama.cpp's '-' where it has none."""
+  cells = [r['variant'], r['num_kv_heads'], r['batch'], r['context'],
+           f'{r["tokens_per_sec"]:,.0f} ({r["tokens_per_sec_min"]:,.0f}-'
+           f'{r["tokens_per_sec_max"]:,.0f})',
+           f'{r["kv_bytes_per_token"]:,.0f}',
+           f'{r["kv_bytes"] / 2**20:,.0f} MiB',
+           f'{r["attention_flops_per_kv_byte"]:.2f}',
+           f'{r["bandwidth"] / 1e9:.1f}',
+           f'{r["bandwidth_roofline_tokens_per_sec"]:,.0f}',
+           f'{r["compute_roofline_tokens_per_sec"]:,.0f}',
+           f'{100 * r["fraction_of_roofline"]:.0f}%']
+  if not peer:
+    return cells
+  if 'llama_cpp_tokens_per_sec' not in r:
+    return cells + ['-', '-']
+  return cells + [f'{r["llama_cpp_tokens_per_sec"]:,.0f}',
+                  f'{r["ours_over_llama_cpp"]:.2f}']
 
 
 LLAMA_CAPTION = (
@@ -278,15 +255,55 @@ LLAMA_CAPTION = (
     'too) as GGUF at the same weight dtype, llama-cpp-python {llama_cpp} in '
     'a process of its own on the same threads, each sequence in its own KV '
     'stream (kv_unified off) of the same dtype filled to the context, '
-    'taking turns with ours (`scripts.llama_cpp_peer`; OMP_WAIT_POLICY '
+    'taking turns with ours (`studies.llama_cpp_peer`; OMP_WAIT_POLICY '
     '{wait}); CPU: {cpu}.')
+
+
+def rankings(rows) -> list[dict]:
+  """Per batch and context: {'batch', 'context', 'by_bytes' (the variants,
+  fewest KV bytes per token first), 'by_speed' (fastest median first),
+  'inversions' [(fewer, more)]: each pair where the variant with fewer bytes
+  decodes slower than the one with more beyond the noise, its fastest round
+  below the other's slowest}."""
+  out = []
+  for batch, context in dict.fromkeys((r['batch'], r['context'])
+                                      for r in rows):
+    cell = [r for r in rows if (r['batch'], r['context']) == (batch, context)]
+    inversions = [(a['variant'], b['variant']) for a in cell for b in cell
+                  if a['kv_bytes_per_token'] < b['kv_bytes_per_token']
+                  and a['tokens_per_sec_max'] < b['tokens_per_sec_min']]
+    out.append(dict(
+        batch=batch, context=context,
+        by_bytes=[r['variant'] for r in sorted(
+            cell, key=lambda r: r['kv_bytes_per_token'])],
+        by_speed=[r['variant'] for r in sorted(
+            cell, key=lambda r: -r['tokens_per_sec'])],
+        inversions=inversions))
+  return out
+
+
+def ranking_markdown(ranked: dict) -> list[str]:
+  """A ranking's table (bytes beside speed) and its verdict."""
+  lines = [f'Batch {ranked["batch"]}, context {ranked["context"]}: the '
+           'layouts ranked by KV bytes per token (fewest first) and by '
+           'tokens/s (fastest first).', '',
+           *report.table(('rank', 'by bytes', 'by tokens/s'),
+                         [(i + 1, a, b) for i, (a, b) in enumerate(
+                             zip(ranked['by_bytes'], ranked['by_speed']))])]
+  found = ranked['inversions']
+  lines += ['', 'Fewer bytes slower beyond the noise (its fastest round below '
+            "the other's slowest): " + (', '.join(
+                f'{a} slower than {b}' for a, b in found) if found else
+                'none') + '.']
+  return lines
 
 
 def run(config_name, variants, batches, contexts, repeats,
         kv_cache_dtype=None, equal_params=False, llama_cpp=False):
-  """{'bandwidth', 'peak_flops', 'peak_source', 'rows'}: a row per variant
-  (a Variant, or an int k for K<k>), batch and context; llama_cpp: with
-  llama.cpp's tokens/s beside the GQA rows (the config with SwiGLU)."""
+  """{'bandwidth', 'peak_flops', 'peak_source', 'machine', 'commit',
+  'load', 'rows'}: a row per variant (a Variant, or an int k for K<k>),
+  batch and context (`measure`); llama_cpp: with llama.cpp's tokens/s
+  beside the GQA rows (the config with SwiGLU)."""
   variants = [v if isinstance(v, Variant) else Variant.parse(f'K{v}')
               for v in variants]
   if equal_params and not all(v.is_gqa for v in variants):
@@ -315,36 +332,37 @@ def run(config_name, variants, batches, contexts, repeats,
       config_lib.validate(config, batch_shards=1)
     except UserError as e:
       raise UserError(f'--variants={v.name}: {e}') from None
-  bandwidth = timing.read_bandwidth(repeats)
+  machine, load = provenance.machine(), [os.getloadavg()[0]]
   peak, peak_source = flops.peak_flops()
+  read = timing.read_test()
   rows = []
-  machine = provenance.describe(provenance.machine())
-  print(f'{machine}; read bandwidth {bandwidth / 1e9:.1f} GB/s; peak '
-        f'{peak / 1e9:,.0f} GFLOP/s ({peak_source}); load average '
-        f'{os.getloadavg()[0]:.2f}')
+  print(f'{provenance.describe(machine)}; peak {peak / 1e9:,.0f} GFLOP/s '
+        f'({peak_source}); load average {load[0]:.2f}')
   print(f'{"variant":>8} {"batch":>6} {"context":>8} {"tokens/s":>10} '
-        f'{"KV B/tok":>9} {"KV MiB":>8} {"FLOP/B":>7} {"bytes bound":>12} '
+        f'{"min-max":>15} {"KV B/tok":>9} {"GB/s":>5} {"bytes bound":>12} '
         f'{"FLOP bound":>11} {"of the lower":>12}')
   for v in variants:
     set_variant(v)
     mc = config_lib.model_config(config)
-    options = mc.attention(0)  # The layers' layouts are the same.
-    intensity = flops.attention_decode_intensity(options, mc.dtype)
     with contextlib.ExitStack() as stack:
       peer = stack.enter_context(llama_cpp_peer.started(
           config, _params(mc, max(contexts) + STEPS))) if (
               llama_cpp and v.is_gqa) else None
-      rows += _variant_rows(v, mc, batches, contexts, repeats, peer,
-                            bandwidth, peak, intensity)
-  return {'bandwidth': bandwidth, 'peak_flops': peak,
-          'peak_source': peak_source, 'cpu': machine,
-          'load_average': list(os.getloadavg()), 'rows': rows,
+      for batch in batches:
+        for context in contexts:
+          row = measure(v.name, mc, batch, context, repeats, read, peak, peer)
+          rows.append(row)
+          print_row(row)
+  load.append(os.getloadavg()[0])
+  return {'bandwidth': float(np.median([r['bandwidth'] for r in rows])),
+          'peak_flops': peak, 'peak_source': peak_source, 'machine': machine,
+          'commit': provenance.commit(), 'load': load, 'rows': rows,
           **({'llama_cpp': llama_cpp_peer.version(),
               'wait_policy': llama_cpp_peer.wait_policy()}
              if llama_cpp else {})}
 
 
-STEPS = 8  # Tokens decoded per timed call.
+STEPS = timing.DECODE_STEPS  # Tokens a timed call decodes.
 
 
 def _params(mc, max_len: int):
@@ -353,55 +371,65 @@ def _params(mc, max_len: int):
   return nn.unbox(loop.init_params(model_lib.Transformer(mc), seed=0))
 
 
-def _timed(mc, batch: int, context: int, repeats: int, peer):
-  """(our seconds per step, llama.cpp's or None), taking turns."""
-  ours = timing.decode_steps(mc, batch, context, STEPS)
-  if peer is None:
-    return timing.median_time(ours, repeats) / STEPS, None
-  kv = np.dtype(mc.kv_cache_dtype or mc.dtype).name
-  peer.decode_setup(batch, context, STEPS, kv)
-  times = timing.median_times({'ours': ours}, repeats, self_timed={
-      'llama.cpp': lambda: peer.decode_round() * STEPS})
-  return times['ours'] / STEPS, times['llama.cpp'] / STEPS
+def measure(name, mc, batch, context, repeats, read, peak, peer=None
+            ) -> dict:
+  """One cell's row: `STEPS` tokens decoded with the whole model against a
+  cache filled to `context` (`timing.decode_steps`), taking turns with
+  `read` (timing.read_test's (bytes, fn)) and, given a llama.cpp `peer`,
+  with it, for `repeats` rounds; tokens/s median, min and max over the
+  rounds; the bandwidth of that cell's reads and the roofline at it."""
+  options = mc.attention(0)  # The layers' layouts are the same.
+  read_bytes, read_fn = read
+  self_timed = {}
+  if peer is not None:
+    peer.decode_setup(batch, context, STEPS,
+                      np.dtype(mc.kv_cache_dtype or mc.dtype).name)
+    self_timed['llama.cpp'] = lambda: peer.decode_round() * STEPS
+  times = timing.all_times({'decode': timing.decode_steps(mc, batch, context,
+                                                          STEPS),
+                            'read': read_fn}, repeats, self_timed)
+  tokens = sorted(batch * STEPS / t for t in times['decode'])
+  bandwidth = read_bytes / float(np.median(times['read']))
+  bound = flops.decode_roofline_tokens_per_sec(mc, batch, context, bandwidth,
+                                               peak)
+  median = float(np.median(tokens))
+  row = dict(variant=name, num_kv_heads=mc.num_kv_heads,
+             attention=options.layout.name,
+             layout=dataclasses.asdict(options.layout), mlp_dim=mc.mlp_dim,
+             batch=batch, context=context, tokens_per_sec=median,
+             tokens_per_sec_min=tokens[0], tokens_per_sec_max=tokens[-1],
+             kv_bytes=model_lib.kv_cache_bytes(mc, batch, context),
+             kv_bytes_per_token=model_lib.kv_bytes_per_token(
+                 dataclasses.replace(mc, max_len=context)),
+             attention_flops_per_kv_byte=flops.attention_decode_intensity(
+                 options, mc.dtype),
+             bandwidth=bandwidth,
+             bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
+             compute_roofline_tokens_per_sec=bound['compute'],
+             roofline_tokens_per_sec=bound['roofline'],
+             fraction_of_roofline=median / bound['roofline'])
+  if peer is not None:
+    theirs = float(np.median(times['llama.cpp']))
+    row.update(llama_cpp_tokens_per_sec=batch * STEPS / theirs,
+               ours_over_llama_cpp=median / (batch * STEPS / theirs))
+  return row
 
 
-def _variant_rows(v, mc, batches, contexts, repeats, peer, bandwidth, peak,
-                  intensity) -> list[dict]:
-  """The rows of one variant: each batch and context timed."""
-  options = mc.attention(0)
-  rows = []
-  for batch in batches:
-    for context in contexts:
-      seconds, theirs = _timed(mc, batch, context, repeats, peer)
-      kv_bytes = model_lib.kv_cache_bytes(mc, batch, context)
-      per_token = model_lib.kv_bytes_per_token(
-          dataclasses.replace(mc, max_len=context))
-      bound = flops.decode_roofline_tokens_per_sec(mc, batch, context,
-                                                   bandwidth, peak)
-      row = dict(variant=v.name, num_kv_heads=mc.num_kv_heads,
-                 attention=options.layout.name,
-                 layout=dataclasses.asdict(options.layout),
-                 mlp_dim=mc.mlp_dim, batch=batch, context=context,
-                 tokens_per_sec=batch / seconds, kv_bytes=kv_bytes,
-                 kv_bytes_per_token=per_token,
-                 attention_flops_per_kv_byte=intensity,
-                 bandwidth_roofline_tokens_per_sec=bound['bandwidth'],
-                 compute_roofline_tokens_per_sec=bound['compute'],
-                 roofline_tokens_per_sec=bound['roofline'],
-                 fraction_of_roofline=batch / seconds / bound['roofline'])
-      if theirs is not None:
-        row.update(llama_cpp_tokens_per_sec=batch / theirs,
-                   ours_over_llama_cpp=theirs / seconds)
-      rows.append(row)
-      print(f'{v.name:>8} {batch:>6} {context:>8} '
-            f'{row["tokens_per_sec"]:>10,.0f} {per_token:>9,.0f} '
-            f'{kv_bytes / 2**20:>8.1f} {intensity:>7.2f} '
-            f'{bound["bandwidth"]:>12,.0f} {bound["compute"]:>11,.0f} '
-            f'{100 * row["fraction_of_roofline"]:>11.0f}%' + (
-                '' if theirs is None else
-                f'  llama.cpp {batch / theirs:>9,.0f} tokens/s, ours/'
-                f'llama.cpp {theirs / seconds:.2f}'), flush=True)
-  return rows
+def print_row(row):
+  """A row as `run` prints it, under its header."""
+  peer = row.get('llama_cpp_tokens_per_sec')
+  print(f'{row["variant"]:>8} {row["batch"]:>6} {row["context"]:>8} '
+        f'{row["tokens_per_sec"]:>10,.0f} '
+        f'{row["tokens_per_sec_min"]:>7,.0f}-'
+        f'{row["tokens_per_sec_max"]:<7,.0f} '
+        f'{row["kv_bytes_per_token"]:>9,.0f} '
+        f'{row["bandwidth"] / 1e9:>5.1f} '
+        f'{row["bandwidth_roofline_tokens_per_sec"]:>12,.0f} '
+        f'{row["compute_roofline_tokens_per_sec"]:>11,.0f} '
+        f'{100 * row["fraction_of_roofline"]:>11.0f}%' + (
+            '' if peer is None else
+            f'  llama.cpp {peer:>9,.0f} tokens/s, ours/llama.cpp '
+            f'{row["ours_over_llama_cpp"]:.2f}'), flush=True)
 
 
 # One attention layer against PyTorch (--layer).
@@ -428,28 +456,28 @@ def main_layer(args):
     raise UserError(f'--contexts={min(contexts)}: give more than '
                     f'{STEPS_LEFT} positions')
   torch = _torch()
+  peak, _ = flops.peak_flops()
+  read = timing.read_test()
+  machine, load = provenance.machine(), [os.getloadavg()[0]]
   rows = []
   for batch in batches:
     for context in contexts:
       for K in kv_heads:
-        contestants = layer_contestants(K, batch, context)
-        times = timing.median_times(contestants, args.repeats)
-        del contestants  # The caches, before the next ones are built.
-        rows.append(dict(num_kv_heads=K, batch=batch, context=context,
-                         ours_seconds=times['ours'],
-                         ours_jax_seconds=times['ours_jax'],
-                         torch_seconds=times['torch'],
-                         ours_over_torch=times['ours'] / times['torch']))
+        rows.append(measure_layer(K, batch, context, args.repeats, read, peak))
+        r = rows[-1]
         print(f'K={K:>2} batch={batch:>4} context={context}: ours '
-              f'{times["ours"] * 1e3:7.2f} ms  pure-JAX path '
-              f'{times["ours_jax"] * 1e3:7.2f} ms  torch '
-              f'{times["torch"] * 1e3:7.2f} ms  ours/torch '
-              f'{times["ours"] / times["torch"]:.2f}', flush=True)
+              f'{r["ours_seconds"] * 1e3:7.2f} ms ('
+              f'{100 * r["fraction_of_roofline"]:.0f}% of the roofline)  '
+              f'pure-JAX path {r["ours_jax_seconds"] * 1e3:7.2f} ms  torch '
+              f'{r["torch_seconds"] * 1e3:7.2f} ms  ours/torch '
+              f'{r["ours_over_torch"]:.2f}', flush=True)
+  load.append(os.getloadavg()[0])
   env = {'jax': jax.__version__, 'torch': torch.__version__,
          'torch_threads': torch.get_num_threads(),
          'cpu_kernel': (jax.default_backend() == 'cpu'
                         and cpu_kernel.available()),
-         'date': time.strftime('%Y-%m-%d')}
+         'date': time.strftime('%Y-%m-%d'), 'machine': machine, 'load': load,
+         'commit': provenance.commit(), 'peak_flops': peak}
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / 'decode_layer.json').write_text(
@@ -457,8 +485,39 @@ def main_layer(args):
           'scripts.bench_decode', out, statistics=stats.CONVENTION)}, indent=1))
   print(f'wrote {out}/decode_layer.json')
   if args.markdown:
-    timing.replace_section(args.markdown, LAYER_SECTION,
+    timing.replace_section(args.markdown,
+                           f'{LAYER_SECTION} ({vm_kind(machine)})',
                            layer_markdown(env, rows, args))
+
+
+def measure_layer(K, batch, context, repeats, read, peak) -> dict:
+  """One cell of --layer: ours, ours by the pure-JAX path and PyTorch
+  taking turns with `read` (timing.read_test's (bytes, fn)); each one's
+  median seconds (ours' min and max too), and ours against the roofline of
+  the step: its weights and cache read once at the bandwidth of the cell's
+  reads, or its FLOPs at `peak`, whichever takes longer."""
+  contestants = layer_contestants(K, batch, context)
+  read_bytes, contestants['read'] = read
+  times = timing.all_times(contestants, repeats)
+  del contestants  # The caches, before the next ones are built.
+  median = {name: float(np.median(t)) for name, t in times.items()}
+  options = layer.Options(num_heads=N, num_kv_heads=K, head_dim=H)
+  step_bytes = (layer.kv_cache_bytes(options, batch, context, jnp.float32)
+                + 4 * sum(int(np.prod(shape)) for shape in
+                          options.param_shapes(D).values()))
+  bandwidth = read_bytes / median['read']
+  step_flops = batch * options.layout.flops_per_token(
+      options, D, context - STEPS_LEFT + 1, shares_kv=False, absorbed=True)
+  roofline = max(step_bytes / bandwidth, step_flops / peak)
+  return dict(num_kv_heads=K, batch=batch, context=context,
+              ours_seconds=median['ours'], ours_min_seconds=min(times['ours']),
+              ours_max_seconds=max(times['ours']),
+              ours_jax_seconds=median['ours_jax'],
+              torch_seconds=median['torch'],
+              ours_over_torch=median['ours'] / median['torch'],
+              bandwidth=bandwidth, step_bytes=step_bytes,
+              step_flops=step_flops, roofline_seconds=roofline,
+              fraction_of_roofline=roofline / median['ours'])
 
 
 def _torch():
@@ -558,22 +617,33 @@ def layer_markdown(env, rows, args) -> str:
   argv = ' '.join(sys.argv[1:])
   kernel = ('the C++ decode kernel (`attention.cpu_kernel`)'
             if env['cpu_kernel'] else 'no C++ decode kernel (not built)')
+  m = env['machine']
   lines = [
-      f'Written by `python -m scripts.bench_decode {argv}` on {env["date"]}: '
+      f'Written by `python -m scripts.bench_decode {argv}` on {env["date"]} '
+      f'at {env["commit"]} on {provenance.describe(m)}; vector flags: '
+      f'{", ".join(m["vector_flags"] or ["not recorded"])}; load average '
+      f'{env["load"][0]:.2f} at the start, {env["load"][1]:.2f} at the end: '
       f'jax {env["jax"]}, torch {env["torch"]} ({env["torch_threads"]} '
       f'threads), float32; one layer, N={N}, H={H}, D={D}, one token per '
       'step against a cache filled to context - 8. Ours as users get it, '
       f'here with {kernel}, and by the pure-JAX path. Medians of '
-      f'{args.repeats} steps, the three taking turns in one process.', '',
-      '| K | batch | context | ours ms | pure-JAX path ms | PyTorch ms '
-      '| ours / PyTorch |',
-      '|---|---|---|---|---|---|---|']
-  for r in rows:
-    lines.append(f'| {r["num_kv_heads"]} | {r["batch"]} | {r["context"]} | '
-                 f'{r["ours_seconds"] * 1e3:.2f} | '
-                 f'{r["ours_jax_seconds"] * 1e3:.2f} | '
-                 f'{r["torch_seconds"] * 1e3:.2f} | '
-                 f'{r["ours_over_torch"]:.2f} |')
+      f'{args.repeats} steps (ours: min-max), the three and a 1 GiB read '
+      'taking turns in one process; the roofline: the step\'s weights and '
+      'cache read once at the bandwidth of those reads, or its FLOPs at the '
+      f'peak ({env["peak_flops"] / 1e9:,.0f} GFLOP/s), whichever is slower.',
+      '', *report.table(
+          ('K', 'batch', 'context', 'ours ms (min-max)',
+           'share of the roofline', 'read GB/s', 'pure-JAX path ms',
+           'PyTorch ms', 'ours / PyTorch'),
+          [(r['num_kv_heads'], r['batch'], r['context'],
+            f'{r["ours_seconds"] * 1e3:.2f} '
+            f'({r["ours_min_seconds"] * 1e3:.2f}-'
+            f'{r["ours_max_seconds"] * 1e3:.2f})',
+            f'{100 * r["fraction_of_roofline"]:.0f}%',
+            f'{r["bandwidth"] / 1e9:.1f}',
+            f'{r["ours_jax_seconds"] * 1e3:.2f}',
+            f'{r["torch_seconds"] * 1e3:.2f}', f'{r["ours_over_torch"]:.2f}')
+           for r in rows])]
   return '\n'.join(lines)
 
 

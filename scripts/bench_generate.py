@@ -32,26 +32,14 @@ import time
 import flax.linen as nn
 import numpy as np
 
-from scripts import bench_serve
 from infra import provenance
+from studies import timing
 from lm import checkpoint, config_lib
 from train import loop
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from infra.errors import UserError
 from lm.model import Transformer
-
-
-def make_prompts(args) -> list[str]:
-  """--requests prompts of printable ASCII, lengths uniform in
-  --prompt_len, seeded by --seed."""
-  low, high = args.prompt_len
-  if low < 1 or low > high:
-    raise UserError(f'--prompt_len={low},{high} must be LOW,HIGH with '
-                    '1 <= LOW <= HIGH')
-  rng = np.random.default_rng(args.seed)
-  return [rng.integers(32, 127, int(rng.integers(low, high + 1))).astype(
-      np.uint8).tobytes().decode() for _ in range(args.requests)]
 
 
 def command_runner(workdir, prompts_file, out_dir, args):
@@ -82,8 +70,8 @@ def command_runner(workdir, prompts_file, out_dir, args):
 
 def alone_runner(mc, params, prompts, new: int):
   """The requests one after another through lm.inference.generate
-  (`scripts.bench_serve.generate_runner`)."""
-  return bench_serve.alone_runner(mc, params, [
+  (`studies.timing.alone_runner`)."""
+  return timing.alone_runner(mc, params, [
       (np.frombuffer(p.encode(), np.uint8).astype(np.int32), new)
       for p in prompts])
 
@@ -109,7 +97,28 @@ def main():
     raise UserError(f'--prompt_len and --max_new_tokens reach '
                     f'{args.prompt_len[1] + args.max_new_tokens} tokens, past '
                     f'model.max_len ({config.model.max_len}); lower them')
-  prompts = make_prompts(args)
+  runs = measure(config, args)
+  ratios = [r['speedup'] for r in runs]
+  results = {
+      'command': 'python -m scripts.bench_generate ' + ' '.join(sys.argv[1:]),
+      'commit': provenance.commit(), 'date': time.strftime('%Y-%m-%d'),
+      'machine': timing.machine(), 'args': vars(args), 'runs': runs,
+      'speedup': float(np.median(ratios)),
+      'speedup_range': [min(ratios), max(ratios)]}
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / 'generate.json').write_text(json.dumps(results, indent=1))
+  (out / 'report.md').write_text(report_text(results, args))
+  print(f'serve.generate is {results["speedup"]:.2f}x one request at a time '
+        f'(median of {len(runs)} turns); wrote {out}/generate.json and '
+        'report.md')
+
+
+def measure(config, args) -> list[dict]:
+  """The command and the one-at-a-time peer over the same prompts on a
+  random model of CONFIG (a step-0 workdir), taking turns --repeats times:
+  each turn's numbers and the command's speedup."""
+  prompts = timing.ascii_prompts(args)
   mc = config_lib.model_config(config)
   params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
   with tempfile.TemporaryDirectory() as tmp:
@@ -133,18 +142,14 @@ def main():
             f'included), one at a time {run["alone_seconds"]:.1f} s: '
             f'{run["speedup"]:.2f}x', flush=True)
       runs.append(run)
-  ratios = [r['speedup'] for r in runs]
-  results = {
-      'command': 'python -m scripts.bench_generate ' + ' '.join(sys.argv[1:]),
-      'commit': provenance.commit(), 'date': time.strftime('%Y-%m-%d'),
-      'machine': bench_serve.machine(), 'args': vars(args), 'runs': runs,
-      'speedup': float(np.median(ratios)),
-      'speedup_range': [min(ratios), max(ratios)]}
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / 'generate.json').write_text(json.dumps(results, indent=1))
-  m = results['machine']
-  (out / 'report.md').write_text(
+  return runs
+
+
+def report_text(results: dict, args) -> str:
+  """report.md: the command, the machine and its load, the speedup."""
+  m, runs = results['machine'], results['runs']
+  low, high = results['speedup_range']
+  return (
       f'# serve.generate against one request at a time\n\n'
       f'`{results["command"]}` at commit {results["commit"]} on '
       f'{results["date"]}; CPU {m["cpu"]} (avx2: {m["avx2"]}, avx512f: '
@@ -153,14 +158,11 @@ def main():
       f'{args.requests} requests x {args.max_new_tokens} new tokens, '
       f'--kv_memory={args.kv_memory}, --slots={args.slots}: the command '
       f'(everything included) is {results["speedup"]:.2f}x one request at a '
-      f'time in wall time (range {min(ratios):.2f} to {max(ratios):.2f} over '
+      f'time in wall time (range {low:.2f} to {high:.2f} over '
       f'{len(runs)} turns; the command '
       f'{np.median([r["command_seconds"] for r in runs]):.1f} s, one at a '
       f'time {np.median([r["alone_seconds"] for r in runs]):.1f} s, '
       'medians).\n')
-  print(f'serve.generate is {results["speedup"]:.2f}x one request at a time '
-        f'(median of {len(runs)} turns); wrote {out}/generate.json and '
-        'report.md')
 
 
 if __name__ == '__main__':

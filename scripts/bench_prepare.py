@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from lm import tokenizer as tokenizer_lib
 from train import prepare_data
 from infra.errors import UserError
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
@@ -104,12 +105,11 @@ def main():
   parser.add_argument('--out', default='out/bench_prepare')
   args = parser.parse_args()
   check_output_dir(args.out)
-  from scripts import make_hf_model  # pylint: disable=import-outside-toplevel
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     scratch = pathlib.Path(tmp)
     tokenizer = scratch / 'tokenizer.json'
-    make_hf_model.train_tokenizer(4096, tokenizer)  # The README's BPE.
+    tokenizer_lib.train_bpe(4096, tokenizer)  # The README's BPE.
     for megabytes in args.sizes_mb:
       source = scratch / f'input-{megabytes:g}.jsonl'
       make_input(source, megabytes)

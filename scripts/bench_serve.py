@@ -13,7 +13,7 @@ up to HIGH of the inclusive ranges --prompt_len and --output_len (step
 --length_step: a coarser step means fewer shapes for the one-at-a-time peer
 to compile) with numpy's generator seeded by --seed; the prompt tokens
 uniform over the vocabulary. --variants names layouts in
-`scripts.bench_decode`'s grammar (K<k>, GTA<k>, MLA<a>, GLA<a>g<g>, TPA<r>,
+`studies.variants`' grammar (bench_decode's) (K<k>, GTA<k>, MLA<a>, GLA<a>g<g>, TPA<r>,
 TPAKV<r>) in place of --kv_heads' K<k>; the transformers peer computes
 grouped-query attention only, so other layouts need --no_hf. Each K (or
 variant) gets a random model
@@ -47,7 +47,7 @@ Peers, in the same run, taking turns with the engine for each K:
                  computed but not counted: static batching's cost), after a
                  warm-up batch
   llama.cpp      with --llama_cpp: the same model as GGUF (the same weight
-                 dtype; `scripts.llama_cpp_peer`, a process of its own on
+                 dtype; `studies.llama_cpp_peer`, a process of its own on
                  the same threads), the trace through continuous batching
                  over llama.cpp's batch API: one unified KV cache of as many
                  tokens as --kv_memory holds (in our cache's dtype), at most
@@ -75,7 +75,6 @@ import dataclasses
 import functools
 import json
 import operator
-import os
 import pathlib
 import subprocess
 import sys
@@ -83,32 +82,63 @@ import tempfile
 import time
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from scripts import bench_decode, llama_cpp_peer
 from serve import engine as engine_lib, pages, runner
 from train import loop
 from lm import checkpoint
 from lm import config_lib
 from infra import provenance
-from lm import inference
 from lm import model as model_lib
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
 from infra.errors import UserError
 from lm.model import Transformer
+from studies import llama_cpp_peer
+from studies.report import table
+from studies.variants import GRAMMAR, Variant, variant_list
+# The peers and the machine, shared with bench_generate.
+from studies.timing import alone_runner, generate_runner, jax_threads, machine
 
 
 def main():
+  args = _parser().parse_args()
+  if args.hf_worker:
+    hf_worker(args)
+    return
+  check_output_dir(args.out)
+  variants = _variants(args)
+  kv_memory = pages.parse_bytes(args.kv_memory)
+  config = config_lib.load(args.config)
+  if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
+    llama_cpp_peer.check_installed()
+    config.model.mlp_activation = 'silu'
+  trace = make_trace(args, config.model.vocab_size, config.model.max_len)
+  check_fits(config, variants, trace, kv_memory, args)
+  rows = []
+  out = pathlib.Path(args.out)
+  for v in variants:
+    v.apply_to(config.model)
+    rows.append({'variant': v.name,
+                 **summarize(turns(config, trace, kv_memory, args))})
+    print(f'{v.label}: {_said(rows[-1], args)}', flush=True)
+    results = _results(rows, args)
+    # After each variant: a late failure loses none.
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'serve.json').write_text(json.dumps(results, indent=1))
+  (out / 'report.md').write_text(report(results, args))
+  plot(rows, out / 'serve.png')
+  print(f'wrote {out}/serve.json, report.md and serve.png')
+
+
+def _parser() -> ArgumentParser:
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--config', default='gqa_small')
   parser.add_argument('--kv_heads', type=int_list, default=None,
                       help='K of each grouped-query model (default 8,2,1)')
-  parser.add_argument('--variants', type=bench_decode.variant_list,
+  parser.add_argument('--variants', type=variant_list,
                       help='layouts in place of --kv_heads: '
-                      f'{bench_decode.GRAMMAR}')
+                      f'{GRAMMAR}')
   parser.add_argument('--kv_memory', default='4MiB')
   parser.add_argument('--slots', type=positive_int, default=32)
   parser.add_argument('--requests', type=positive_int, default=32)
@@ -127,24 +157,31 @@ def main():
                       help='leave out the transformers peer')
   parser.add_argument('--llama_cpp', action='store_true',
                       help='add llama.cpp serving the same trace at the same '
-                      'KV memory (scripts.llama_cpp_peer; the model with '
+                      'KV memory (studies.llama_cpp_peer; the model with '
                       'SwiGLU)')
   parser.add_argument('--hf_worker', help=argparse.SUPPRESS)
   parser.add_argument('--trace_file', help=argparse.SUPPRESS)
-  args = parser.parse_args()
-  if args.hf_worker:
-    hf_worker(args)
-    return
-  check_output_dir(args.out)
-  variants = _variants(args)
-  kv_memory = pages.parse_bytes(args.kv_memory)
-  config = config_lib.load(args.config)
-  if args.llama_cpp:  # The MLP llama.cpp computes, for every contestant.
-    llama_cpp_peer.check_installed()
-    config.model.mlp_activation = 'silu'
-  trace = make_trace(args, config.model.vocab_size, config.model.max_len)
+  return parser
+
+
+def _results(rows: list[dict], args) -> dict:
+  """serve.json: the rows so far, the command, its commit and the
+  machine."""
+  return {'command': 'python -m scripts.bench_serve ' + ' '.join(
+      sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
+          'commit': provenance.commit(), 'out': args.out,
+          'repeats': args.repeats,
+          'trace': {'requests': args.requests, 'prompt_len': args.prompt_len,
+                    'output_len': args.output_len,
+                    'length_step': args.length_step, 'seed': args.seed},
+          'machine': machine()}
+
+
+def check_fits(config, variants, trace, kv_memory: int, args):
+  """Every variant's config refused, if bad, before any run: invalid, or a pool
+  of --kv_memory too small for the trace's longest request."""
   longest = max(len(prompt) + new for prompt, new in trace)
-  for v in variants:  # Every bad setting refused before any run.
+  for v in variants:
     v.apply_to(config.model)
     try:
       config_lib.validate(config, batch_shards=1)
@@ -155,31 +192,36 @@ def main():
     need = pages.pages_for(longest, args.page_size)
     if need > usable:
       raise UserError(
-          f'{_label(v)}: the trace\'s longest request ({longest} tokens) '
+          f'{v.label}: the trace\'s longest request ({longest} tokens) '
           f'needs {need} pages of {args.page_size} tokens, and --kv_memory='
           f'{args.kv_memory} holds {usable}; give --kv_memory of at least '
           f'{(need + 1) * runner.page_bytes(mc, args.page_size):,} bytes, or '
           'shorter --prompt_len/--output_len')
-  rows = []
-  for v in variants:
-    v.apply_to(config.model)
-    mc = config_lib.model_config(config)
-    params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
-    with contextlib.ExitStack() as stack:
-      contestants = [engine_runner(mc, params, trace, kv_memory, args),
-                     alone_runner(mc, params, trace),
-                     static_runner(mc, params, trace, kv_memory, args.slots)]
-      if not args.no_hf:
-        contestants.append(stack.enter_context(
-            transformers_runner(config, params, trace, args.slots)))
-      if args.llama_cpp:
-        contestants.append(stack.enter_context(
-            llama_cpp_runner(config, params, trace, kv_memory, args.slots)))
-      # Taking turns: each repeat runs the engine, then each peer.
-      runs = [functools.reduce(operator.or_, (run() for run in contestants))
-              for _ in range(args.repeats)]
-    row = {'variant': v.name, **summarize(runs)}
-    print(f'{_label(v)}: {row["tokens_per_sec"]:,.1f} tokens/s, '
+
+
+def turns(config, trace, kv_memory: int, args) -> list[dict]:
+  """The engine and each peer on a random model of CONFIG (its variant set),
+  taking turns --repeats times: each turn's numbers."""
+  mc = config_lib.model_config(config)
+  params = nn.unbox(loop.init_params(Transformer(mc), seed=0))
+  with contextlib.ExitStack() as stack:
+    contestants = [engine_runner(mc, params, trace, kv_memory, args),
+                   alone_runner(mc, params, trace),
+                   static_runner(mc, params, trace, kv_memory, args.slots)]
+    if not args.no_hf:
+      contestants.append(stack.enter_context(
+          transformers_runner(config, params, trace, args.slots)))
+    if args.llama_cpp:
+      contestants.append(stack.enter_context(
+          llama_cpp_runner(config, params, trace, kv_memory, args.slots)))
+    # Taking turns: each repeat runs the engine, then each peer.
+    return [functools.reduce(operator.or_, (run() for run in contestants))
+            for _ in range(args.repeats)]
+
+
+def _said(row: dict, args) -> str:
+  """A variant's row, as the progress line says it."""
+  return (f'{row["tokens_per_sec"]:,.1f} tokens/s, '
           f'{row["mean_in_flight"]:.1f} in flight (high-water '
           f'{row["high_water_pages"]}/{row["usable_pages"]} pages); one at a '
           f'time {row["alone_tokens_per_sec"]:,.1f} tokens/s, engine over it '
@@ -192,24 +234,7 @@ def main():
           + ('' if not args.llama_cpp else
              f'; llama.cpp {row["llama_cpp_tokens_per_sec"]:,.1f} tokens/s, '
              f'engine over it {_speedup(row, "llama_cpp")}')
-          + f' (medians of {args.repeats} turns)', flush=True)
-    rows.append(row)
-    results = {'command': 'python -m scripts.bench_serve ' + ' '.join(
-        sys.argv[1:]), 'date': time.strftime('%Y-%m-%d'), 'rows': rows,
-               'commit': provenance.commit(), 'out': args.out,
-               'repeats': args.repeats,
-               'trace': {'requests': args.requests,
-                         'prompt_len': args.prompt_len,
-                         'output_len': args.output_len,
-                         'length_step': args.length_step, 'seed': args.seed},
-               'machine': machine()}
-    out = pathlib.Path(args.out)  # After each variant: a late failure loses
-    # none.
-    out.mkdir(parents=True, exist_ok=True)
-    (out / 'serve.json').write_text(json.dumps(results, indent=1))
-  (out / 'report.md').write_text(report(results, args))
-  plot(rows, out / 'serve.png')
-  print(f'wrote {out}/serve.json, report.md and serve.png')
+          + f' (medians of {args.repeats} turns)')
 
 
 def _variants(args) -> list:
@@ -219,18 +244,13 @@ def _variants(args) -> list:
   if args.variants and args.kv_heads:
     raise UserError('give --kv_heads or --variants, not both (K<k> in '
                     '--variants is --kv_heads\' k)')
-  variants = args.variants or [bench_decode.Variant.parse(f'K{k}')
+  variants = args.variants or [Variant.parse(f'K{k}')
                                for k in args.kv_heads or (8, 2, 1)]
   others = [v.name for v in variants if not v.is_gqa]
   if others and not args.no_hf:
     raise UserError(f'--variants={",".join(others)}: the transformers peer '
                     'computes grouped-query attention only; add --no_hf')
   return variants
-
-
-def _label(v) -> str:
-  """'K=2' for grouped-query attention's K<k>, else the variant's name."""
-  return f'K={v.num_kv_heads}' if v.is_gqa else v.name
 
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:
@@ -290,43 +310,6 @@ def engine_runner(mc, params, trace, kv_memory: int, args):
   return run
 
 
-def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
-                    name: str, **fields):
-  """A function timing lm.inference.generate once over each of `prompts`
-  ([B, P] batches, left-padded) with its `news` tokens, one call after
-  another, each shape compiled here before any clock; its numbers are
-  '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
-  model = Transformer(mc, decode=True)
-  compiled, calls = {}, []
-  for prompts_BP, new in zip(prompts, news):
-    args = (params, jnp.asarray(prompts_BP))
-    if (prompts_BP.shape, new) not in compiled:
-      compiled[prompts_BP.shape, new] = jax.jit(functools.partial(
-          inference.generate, model=model, max_new_tokens=new),
-          compiler_options=inference.compiler_options()).lower(*args).compile()
-    calls.append((compiled[prompts_BP.shape, new], args))
-  tokens = fields.pop('tokens')
-
-  def run() -> dict:
-    start, cpu = time.perf_counter(), time.process_time()
-    for fn, args in calls:
-      np.asarray(fn(*args))
-    seconds = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    return {f'{name}_seconds': seconds, f'{name}_cpu_seconds': cpu,
-            f'{name}_tokens_per_sec': tokens / seconds,
-            f'{name}_tokens_per_cpu_sec': tokens / cpu, **fields}
-  return run
-
-
-def alone_runner(mc, params, trace):
-  """The trace one request after another through lm.inference.generate
-  (`generate_runner`)."""
-  return generate_runner(mc, params, [p[None] for p, _ in trace],
-                         [new for _, new in trace], 'alone',
-                         tokens=sum(new for _, new in trace))
-
-
 def static_batch(mc, trace, kv_memory: int, slots: int) -> int:
   """The static-batch peer's batch: as many sequences as --kv_memory holds
   dense caches for, each as long as the trace's longest request (a static
@@ -377,22 +360,10 @@ def summarize(runs: list[dict]) -> dict:
   return row
 
 
-def jax_threads() -> int:
-  """The cores this process (and so JAX's CPU thread pool) may run on."""
-  return len(os.sched_getaffinity(0))
-
-
-def machine() -> dict:
-  """The CPU family, its vector extensions and the cores used
-  (`infra.provenance.machine`), and the load."""
-  return {**provenance.machine(), 'cores': jax_threads(),
-          'load_average': list(os.getloadavg())}
-
-
 @contextlib.contextmanager
 def llama_cpp_runner(config, params, trace, kv_memory: int, slots: int):
   """Yields a function serving the trace once through llama.cpp
-  (`scripts.llama_cpp_peer`, serve) in as many KV cells as kv_memory holds
+  (`studies.llama_cpp_peer`, serve) in as many KV cells as kv_memory holds
   (whole blocks of 256, which llama.cpp rounds a context up to), in
   --slots sequences; its numbers are 'llama_cpp_*'."""
   mc = config_lib.model_config(config)
@@ -521,12 +492,26 @@ def _loaded(machine: dict) -> bool:
 
 
 def report(results, args) -> str:
-  m = results.get('machine', {})
+  """report.md: the trace and the peers, the machine and its load, then a
+  row per variant."""
   hf = all('hf_tokens_per_sec' in r for r in results['rows'])
   llama = all('llama_cpp_tokens_per_sec' in r for r in results['rows'])
-  load = m.get('load_average')
-  lines = [
+  return '\n'.join([
       '# Serving throughput against K at one KV-memory budget', '',
+      _setting(results, args, hf, llama), '',
+      _machine_line(results.get('machine', {}), hf), '',
+      'Columns: usable pages (the pool less its scratch page) and the most '
+      'in use at once; mean sequences in flight over the decode steps; '
+      'tokens/s (tokens per CPU-second); the median over requests of the '
+      'time to first token (its wait in the queue included) and of the '
+      'time per later token.', '', *_table(results['rows'], hf, llama)]
+      ) + '\n\n![tokens/s against K](serve.png)\n'
+
+
+def _setting(results, args, hf: bool, llama: bool) -> str:
+  """The command, the trace, the peers and how the turns are read."""
+  first = results['rows'][0]
+  return (
       f'`{results["command"]}` at commit {results.get("commit", "?")} on '
       f'{results["date"]}. Trace: {args.requests} requests at once, prompt '
       f'lengths uniform in {args.prompt_len[0]}..{args.prompt_len[1]}, '
@@ -540,68 +525,75 @@ def report(results, args) -> str:
       'trace\'s longest request), padded to the batch\'s longest prompt and '
       'output' + (", transformers is `generate()` in batches of --slots on "
                    'the same weights in a process of its own' if hf else '')
-      + (f', llama.cpp is llama-cpp-python {results["rows"][0]["llama_cpp"]} '
+      + (f', llama.cpp is llama-cpp-python {first["llama_cpp"]} '
          'on the same model as GGUF (SwiGLU for every contestant), continuous '
          'batching over one unified KV cache of '
-         f'{results["rows"][0]["llama_cpp_kv_tokens"]:,} tokens at K='
-         f'{results["rows"][0]["num_kv_heads"]} (--kv_memory\'s bytes, each '
+         f'{first["llama_cpp_kv_tokens"]:,} tokens at K='
+         f'{first["num_kv_heads"]} (--kv_memory\'s bytes, each '
          'K its own), in a process of its own (OMP_WAIT_POLICY '
-         f'{results["rows"][0]["wait_policy"] or "default"})' if llama else '')
+         f'{first["wait_policy"] or "default"})' if llama else '')
       + f'. {results.get("repeats", 1)} timed run(s) of each, taking turns: '
       'every number is the median over them; a ratio is the engine\'s '
       'tokens/s over the peer\'s within each turn, given as the median of '
       'those ratios (so not the quotient of the medians shown) and their '
-      'range, in wall time and per CPU-second.', '',
-      f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
-      f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX'
-      + (' and for torch' if hf else '') + '; load average '
-      + (', '.join(f'{x:.2f}' for x in load) + ' (1, 5, 15 min)' if load
-         else '?') + ' at the end. '
-      + (_LOADED if _loaded(m) else _IDLE), '',
-      'Columns: usable pages (the pool less its scratch page) and the most '
-      'in use at once; mean sequences in flight over the decode steps; '
-      'tokens/s (tokens per CPU-second); the median over requests of the '
-      'time to first token (its wait in the queue included) and of the '
-      'time per later token.', '',
-      '| variant | K | page bytes | usable pages | high-water (pages) | '
-      'mean in flight | tokens/s (per CPU-s) | median TTFT | median '
-      'per-token | one at a time tokens/s (per CPU-s) | vs one at a time | '
-      'static batch (rows) tokens/s (per CPU-s) | vs static batches |' + (
-          ' transformers tokens/s (per CPU-s) | its TTFT, per-token | '
-          'vs transformers |' if hf else '') + (
-          ' llama.cpp tokens/s (per CPU-s) | its mean in flight, TTFT, '
-          'per-token | vs llama.cpp |' if llama else ''),
-      '|---' * 13 + '|' + ('---|---|---|' if hf else '')
-      + ('---|---|---|' if llama else '')]
-  for r in results['rows']:
-    line = (
-        f'| {r.get("variant", "K" + str(r["num_kv_heads"]))} | '
-        f'{r["num_kv_heads"]} | {r["page_bytes"]:,} | {r["usable_pages"]} '
-        f'| {r["high_water_pages"]} | {r["mean_in_flight"]:.1f} | '
-        f'{r["tokens_per_sec"]:,.0f} ({r.get("tokens_per_cpu_sec", 0):,.0f})'
-        f' | {r["time_to_first_token_s"]:.2f} s | '
-        f'{1e3 * r["per_token_s"]:.1f} ms | '
-        f'{r["alone_tokens_per_sec"]:,.0f} '
-        f'({r.get("alone_tokens_per_cpu_sec", 0):,.0f}) | '
-        f'{_speedup(r, "alone")} | ({r["static_batch"]}) '
-        f'{r["static_tokens_per_sec"]:,.0f} '
-        f'({r.get("static_tokens_per_cpu_sec", 0):,.0f}) | '
-        f'{_speedup(r, "static")} |')
+      'range, in wall time and per CPU-second.')
+
+
+def _machine_line(m: dict, hf: bool) -> str:
+  """The CPU, its cores and the load, and whether it ran alone."""
+  load = m.get('load_average')
+  return (f'CPU: {m.get("cpu", "?")} (avx2: {m.get("avx2", "?")}, avx512f: '
+          f'{m.get("avx512f", "?")}), {m.get("cores", "?")} cores for JAX'
+          + (' and for torch' if hf else '') + '; load average '
+          + (', '.join(f'{x:.2f}' for x in load) + ' (1, 5, 15 min)' if load
+             else '?') + ' at the end. '
+          + (_LOADED if _loaded(m) else _IDLE))
+
+
+def _table(rows: list[dict], hf: bool, llama: bool) -> list[str]:
+  """A row per variant: the engine's pages, flight and speed, then each
+  peer's speed and the engine's ratio over it."""
+  head = ['variant', 'K', 'page bytes', 'usable pages', 'high-water (pages)',
+          'mean in flight', 'tokens/s (per CPU-s)', 'median TTFT',
+          'median per-token', 'one at a time tokens/s (per CPU-s)',
+          'vs one at a time', 'static batch (rows) tokens/s (per CPU-s)',
+          'vs static batches']
+  if hf:
+    head += ['transformers tokens/s (per CPU-s)', 'its TTFT, per-token',
+             'vs transformers']
+  if llama:
+    head += ['llama.cpp tokens/s (per CPU-s)',
+             'its mean in flight, TTFT, per-token', 'vs llama.cpp']
+  cells = []
+  for r in rows:
+    row = [r.get('variant', f'K{r["num_kv_heads"]}'), r['num_kv_heads'],
+           f'{r["page_bytes"]:,}', r['usable_pages'],
+           r['high_water_pages'], f'{r["mean_in_flight"]:.1f}',
+           f'{r["tokens_per_sec"]:,.0f} '
+           f'({r.get("tokens_per_cpu_sec", 0):,.0f})',
+           f'{r["time_to_first_token_s"]:.2f} s',
+           f'{1e3 * r["per_token_s"]:.1f} ms',
+           f'{r["alone_tokens_per_sec"]:,.0f} '
+           f'({r.get("alone_tokens_per_cpu_sec", 0):,.0f})',
+           _speedup(r, 'alone'),
+           f'({r["static_batch"]}) {r["static_tokens_per_sec"]:,.0f} '
+           f'({r.get("static_tokens_per_cpu_sec", 0):,.0f})',
+           _speedup(r, 'static')]
     if hf:
-      line += (f' {r["hf_tokens_per_sec"]:,.0f} '
-               f'({r["hf_tokens_per_cpu_sec"]:,.0f}) | '
-               f'{r["hf_time_to_first_token_s"]:.2f} s, '
-               f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms | '
-               f'{_speedup(r, "hf")} |')
+      row += [f'{r["hf_tokens_per_sec"]:,.0f} '
+              f'({r["hf_tokens_per_cpu_sec"]:,.0f})',
+              f'{r["hf_time_to_first_token_s"]:.2f} s, '
+              f'{1e3 * (r["hf_per_token_s"] or 0):.1f} ms',
+              _speedup(r, 'hf')]
     if llama:
-      line += (f' {r["llama_cpp_tokens_per_sec"]:,.0f} '
-               f'({r["llama_cpp_tokens_per_cpu_sec"]:,.0f}) | '
-               f'{r["llama_cpp_mean_in_flight"]:.1f}, '
-               f'{r["llama_cpp_time_to_first_token_s"]:.2f} s, '
-               f'{1e3 * (r["llama_cpp_per_token_s"] or 0):.1f} ms | '
-               f'{_speedup(r, "llama_cpp")} |')
-    lines.append(line)
-  return '\n'.join(lines) + '\n\n![tokens/s against K](serve.png)\n'
+      row += [f'{r["llama_cpp_tokens_per_sec"]:,.0f} '
+              f'({r["llama_cpp_tokens_per_cpu_sec"]:,.0f})',
+              f'{r["llama_cpp_mean_in_flight"]:.1f}, '
+              f'{r["llama_cpp_time_to_first_token_s"]:.2f} s, '
+              f'{1e3 * (r["llama_cpp_per_token_s"] or 0):.1f} ms',
+              _speedup(r, 'llama_cpp')]
+    cells.append(row)
+  return table(head, cells)
 
 
 def _speedup(row, peer: str) -> str:

@@ -46,7 +46,7 @@ import time
 import jax
 import numpy as np
 
-from scripts import timing
+from studies import report, timing
 from lm import config_lib, flops, sharding
 from train import loop
 from train import metrics as metrics_lib
@@ -363,22 +363,21 @@ def _row(name, config, times: dict[str, list[float]]) -> dict:
 
 def format_rows(rows, env) -> str:
   peers = [p for p in ('torch eager', 'torch compile') if p in rows[0]]
-  head = ('| config | params | ours tokens/s | ' +
-          ' | '.join(f'{p} tokens/s' for p in peers) + ' | ' +
-          ' | '.join(f'ours / {p} (min-max over rounds)' for p in peers) +
-          ' | ours model TFLOP/s | ours MFU |')
-  lines = [head, '|' + '---|' * (head.count('|') - 1)]
+  head = ['config', 'params', 'ours tokens/s',
+          *(f'{p} tokens/s' for p in peers),
+          *(f'ours / {p} (min-max over rounds)' for p in peers),
+          'ours model TFLOP/s', 'ours MFU']
+  cells = []
   for r in rows:
     model_flops = r['ours']['tokens_per_s'] * r['model_flops_per_token']
-    cells = [r['config'], f'{r["params"]:,}',
-             f'{r["ours"]["tokens_per_s"]:,.0f}']
-    cells += [f'{r[p]["tokens_per_s"]:,.0f}' for p in peers]
-    cells += [f'{r[f"ours/{p}"]["median"]:.2f} ({r[f"ours/{p}"]["min"]:.2f}-'
-              f'{r[f"ours/{p}"]["max"]:.2f})' for p in peers]
-    cells += [f'{model_flops / 1e12:.3f}',
-              f'{100 * model_flops / env["peak_flops"]:.0f}%']
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  return '\n'.join(lines)
+    cells.append(
+        [r['config'], f'{r["params"]:,}', f'{r["ours"]["tokens_per_s"]:,.0f}',
+         *(f'{r[p]["tokens_per_s"]:,.0f}' for p in peers),
+         *(f'{r[f"ours/{p}"]["median"]:.2f} ({r[f"ours/{p}"]["min"]:.2f}-'
+           f'{r[f"ours/{p}"]["max"]:.2f})' for p in peers),
+         f'{model_flops / 1e12:.3f}',
+         f'{100 * model_flops / env["peak_flops"]:.0f}%'])
+  return '\n'.join(report.table(head, cells))
 
 
 def main():
@@ -407,28 +406,9 @@ def main():
   if not args.in_process and args.steps <= args.warmup:
     raise UserError(f'--steps={args.steps} must exceed --warmup='
                     f'{args.warmup}: the warm-up steps are left out')
-  peak, peak_source = flops.peak_flops()
-  env = {'machine': f'{platform.processor() or platform.machine()}, '
-                    f'{jax.devices()[0].device_kind}',
-         'jax': jax.__version__,
-         'torch': torch.__version__ if torch else None,
-         'torch_threads': torch.get_num_threads() if torch else None,
-         'peak_flops': peak, 'peak_source': peak_source,
-         'date': time.strftime('%Y-%m-%d'), 'rounds': args.rounds,
-         'steps': args.steps, 'in_process': args.in_process}
+  env = environment(args)
   print(json.dumps(env), flush=True)
-  configs = {}  # Every config checked before anything is measured.
-  for name in args.configs.split(','):
-    configs[name] = config_lib.load(name)  # As train.main reads it.
-    config_lib.validate(configs[name], batch_shards=1)
-    if not args.in_process:  # As the timed runs will read it.
-      timed = config_lib.load(name)
-      timed.update_from_flattened_dict(run_overrides(timed, args.steps))
-      config_lib.validate(timed, batch_shards=1)
-    refusal = torch and TorchTransformer.refusal(
-        config_lib.model_config(configs[name]))
-    if refusal:
-      raise UserError(f'{name}: {refusal}')
+  configs = checked_configs(args)
   rows = []
   for name, config in configs.items():
     rows.append((bench_config if args.in_process else bench_processes)(
@@ -440,21 +420,60 @@ def main():
     with open(args.json, 'w') as f:
       json.dump({'env': env, 'rows': rows}, f, indent=1)
   if args.markdown:
-    section = (
-        f'Written by `python -m scripts.bench_train {" ".join(sys.argv[1:])}` '
-        f'on {env["date"]}: {env["machine"]}, jax {env["jax"]}, torch '
-        f'{env["torch"]} ({env["torch_threads"]} threads), float32. '
-        + (f'The compiled steps alone, in one process: each round times '
-           f'{args.steps} steps of each contestant in turn' if args.in_process
-           else f'As users run them, each contestant in its own process '
-           f'({args.steps} steps, every loss fetched), taking turns; a '
-           f'round\'s time is the median step after the first '
-           f'{args.warmup}')
-        + f'; medians over {args.rounds} rounds, the ratio\'s range over the '
-        f'rounds in brackets. MFU against {env["peak_source"]} = '
-        f'{env["peak_flops"] / 1e9:,.0f} GFLOP/s.\n\n{table}\n')
     timing.replace_section(
-        args.markdown, STEP_SECTION if args.in_process else SECTION, section)
+        args.markdown, STEP_SECTION if args.in_process else SECTION,
+        markdown_section(env, table, args))
+
+
+def environment(args) -> dict:
+  """What every figure is measured on: the machine, the versions, the
+  peak FLOP/s the MFU is against, the settings."""
+  peak, peak_source = flops.peak_flops()
+  return {'machine': f'{platform.processor() or platform.machine()}, '
+                     f'{jax.devices()[0].device_kind}',
+          'jax': jax.__version__,
+          'torch': torch.__version__ if torch else None,
+          'torch_threads': torch.get_num_threads() if torch else None,
+          'peak_flops': peak, 'peak_source': peak_source,
+          'date': time.strftime('%Y-%m-%d'), 'rounds': args.rounds,
+          'steps': args.steps, 'in_process': args.in_process}
+
+
+def checked_configs(args) -> dict:
+  """Each of --configs as train.main reads it, checked (and as the timed
+  runs will read it, and for the torch peer) before anything is
+  measured."""
+  configs = {}
+  for name in args.configs.split(','):
+    configs[name] = config_lib.load(name)
+    config_lib.validate(configs[name], batch_shards=1)
+    if not args.in_process:
+      timed = config_lib.load(name)
+      timed.update_from_flattened_dict(run_overrides(timed, args.steps))
+      config_lib.validate(timed, batch_shards=1)
+    refusal = torch and TorchTransformer.refusal(
+        config_lib.model_config(configs[name]))
+    if refusal:
+      raise UserError(f'{name}: {refusal}')
+  return configs
+
+
+def markdown_section(env: dict, table: str, args) -> str:
+  """BENCHMARKS.md's section: the command, the machine, how it was timed,
+  then the table."""
+  return (
+      f'Written by `python -m scripts.bench_train {" ".join(sys.argv[1:])}` '
+      f'on {env["date"]}: {env["machine"]}, jax {env["jax"]}, torch '
+      f'{env["torch"]} ({env["torch_threads"]} threads), float32. '
+      + (f'The compiled steps alone, in one process: each round times '
+         f'{args.steps} steps of each contestant in turn' if args.in_process
+         else f'As users run them, each contestant in its own process '
+         f'({args.steps} steps, every loss fetched), taking turns; a '
+         f'round\'s time is the median step after the first '
+         f'{args.warmup}')
+      + f'; medians over {args.rounds} rounds, the ratio\'s range over the '
+      f'rounds in brackets. MFU against {env["peak_source"]} = '
+      f'{env["peak_flops"] / 1e9:,.0f} GFLOP/s.\n\n{table}\n')
 
 
 SECTION = 'Training step: train.main against PyTorch'

@@ -16,34 +16,13 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from infra.errors import UserError, pip_install
-
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-
                        positive_int)
+from infra.errors import UserError, pip_install
+from lm import tokenizer as tokenizer_lib
 
 FAMILIES = ('llama', 'mistral', 'ministral', 'qwen2', 'qwen3', 'gemma',
             'gemma2', 'gemma3_text')
-
-
-def train_tokenizer(vocab_size: int, path: pathlib.Path):
-  """A byte-level BPE of `vocab_size` tokens (<s> = 0, </s> = 1), trained on
-  Python's pydoc topics; <s> is prepended to each encoded text."""
-  import pydoc_data.topics  # pylint: disable=import-outside-toplevel
-  from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,  # pylint: disable=import-outside-toplevel
-                          processors, trainers)
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size, special_tokens=['<s>', '</s>'],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False)
-  tokenizer.train_from_iterator(
-      sorted(pydoc_data.topics.topics.values()), trainer)
-  tokenizer.post_processor = processors.TemplateProcessing(
-      single='<s> $A', special_tokens=[('<s>', 0)])
-  tokenizer.save(str(path))
 
 
 def make(out: str, *, family: str = 'llama', d_model: int = 384,
@@ -102,7 +81,7 @@ def make(out: str, *, family: str = 'llama', d_model: int = 384,
   out_dir = pathlib.Path(out)
   model.save_pretrained(out_dir)
   if tokenizer:
-    train_tokenizer(vocab_size, out_dir / 'tokenizer.json')
+    tokenizer_lib.train_bpe(vocab_size, out_dir / tokenizer_lib.FILE)
   return model
 
 

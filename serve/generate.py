@@ -105,6 +105,14 @@ def generate_file(workdir: str, prompts: str, out: str, *, kv_memory: str,
     run.total = _scan(run, prompts, mc)
     print(loaded, file=sys.stderr, flush=True)
     return run.serve(sys.stdout, prompts_lib.Lines(prompts))
+  return _serve_file(run, prompts, out, mc, record, loaded)
+
+
+def _serve_file(run: '_Run', prompts: str, out: str, mc, record: dict,
+                loaded: str) -> engine_lib.Stats | None:
+  """Appends to OUT (locked, its settings checked against RECORD) the
+  results of the requests without one; None when none was left."""
+  out_path = pathlib.Path(out)
   out_path.parent.mkdir(parents=True, exist_ok=True)
   with results_lib.Lock(out_path):
     held = results_lib.plan(out_path, retry_errors=True)

@@ -1,9 +1,13 @@
-"""The CPU decode kernel (`attention.cpu_kernel`, an XLA FFI custom call)
-against the einsum path, `attention.dot_product_attention`, on the same
-cache contents: every K of N = 8, each cache dtype, each kind of mask, one
-and several queries per row, both layouts; and in the model's decode step,
-where a test shows the kernel is the one that ran (its custom call in the
-compiled step) and that the check can fail (not there when turned off)."""
+"""The CPU decode kernels (`attention.cpu_kernel`, XLA FFI custom calls)
+against references built by hand on the same cache contents (grouped-query
+attention: `attention.dot_product_attention`; GTA: its keys built per KV
+head; MLA and GLA: the absorbed step as einsums): every K of N = 8 (every
+latent width kind), each cache dtype, each kind of mask, one and several
+queries per row, both layouts; page ids outside the pool and an empty pool
+refused with an error; and in each layout's decode step, where a test shows
+the kernel is the one that ran (its custom call in the compiled step), that
+the check can fail (not there when turned off), and that it agrees with the
+pure-JAX path."""
 
 import os
 import pathlib
@@ -20,6 +24,7 @@ import numpy as np
 import pytest
 
 from attention import cpu_kernel, kv_cache, layer
+from attention.cpu import build
 from attention.grouped import GQA
 from attention.latent import MLA
 from attention.tied import GTA
@@ -33,6 +38,14 @@ from lm.model import Transformer
 pytestmark = pytest.mark.skipif(
     not cpu_kernel.available(),
     reason='the CPU kernel is not built (python setup.py build_ext --inplace)')
+
+
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+  """The kernels whatever GQA_LAB_CPU_KERNEL the suite runs with (it is
+  run both ways; this file specifies the kernels themselves, and a test
+  that needs another mode sets it)."""
+  monkeypatch.setenv(cpu_kernel.ENV, 'auto')
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 B, N, H, P, p, M = 3, 8, 16, 16, 4, 5  # S = M·p = 20 positions per row.
@@ -222,16 +235,22 @@ def _tied_cache(K, Y, dtype, seed, B_=B, S_=S, head_dim=H):
   """(stored entries: tied states [B, S, K, H], RoPE keys [B, S, 1, Y] (none
   when Y = 0), int8 scales [B, S, K] and [B, S, 1]; the float32 tied states
   and RoPE keys they stand for)."""
-  keys = jax.random.split(jax.random.key(seed), 2)
   shapes = {'cached_tied': (B_, S_, K, head_dim)}
   if Y:
     shapes['cached_rope_key'] = (B_, S_, 1, Y)
+  return _entries(shapes, TIED_SCALES, dtype, seed)
+
+
+def _entries(shapes, scale_names, dtype, seed):
+  """(stored entries of `shapes` ([B, S, E, F] each), int8 scales [B, S, E]
+  named by scale_names; the float32 values they stand for)."""
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
   stored, real = {}, {}
   for (name, shape), key in zip(shapes.items(), keys):
     x = jax.random.normal(key, shape)
     if dtype == jnp.int8:
       stored[name], scale = kv_cache.quantize(x, axis=3)
-      stored[TIED_SCALES[name]] = scale
+      stored[scale_names[name]] = scale
       real[name] = stored[name] * scale[..., None]
     else:
       stored[name] = x.astype(dtype)
@@ -239,15 +258,17 @@ def _tied_cache(K, Y, dtype, seed, B_=B, S_=S, head_dim=H):
   return stored, real
 
 
-def _dense_tied_kv(stored) -> kv_cache.KV:
-  """GTA's dense layout: tied states [B·K, S, H] and scales [B·K, S], RoPE
-  keys [B, S, Y] and scales [B, S]."""
+def _dense_tied_kv(stored, names=('cached_tied', 'cached_rope_key'),
+                   scales=('tied_scale', 'rope_key_scale')) -> kv_cache.KV:
+  """GTA's dense layout (or MLA's, with its names): tied states (latents)
+  [B·E, S, F] and scales [B·E, S], RoPE keys [B, S, Y] and scales
+  [B, S]."""
   heads_major = lambda x: jnp.moveaxis(x, 2, 1).reshape(-1, *x.shape[1:2],
                                                         *x.shape[3:])
   get = lambda name: None if name not in stored else heads_major(stored[name])
-  return kv_cache.KV(get('cached_tied'), get('cached_rope_key'),
-                     get('tied_scale'), get('rope_key_scale'),
-                     positions_S=jnp.arange(stored['cached_tied'].shape[1]))
+  return kv_cache.KV(get(names[0]), get(names[1]), get(scales[0]),
+                     get(scales[1]),
+                     positions_S=jnp.arange(stored[names[0]].shape[1]))
 
 
 def _tied_reference(q_BTNH, real, visible, options):
@@ -351,6 +372,184 @@ def _check_tied_wide(layout, K, B_, S_, dtype=jnp.float32, soft_cap=None):
       rtol=2e-5)
 
 
+# Multi-head latent attention (MLA, and GLA's G groups), absorbed:
+# `cpu_kernel.latent_attention`.
+
+LATENT_SCALES = {'cached_latent': 'latent_scale',
+                 'cached_rope_key': 'rope_key_scale'}
+LATENT_NAMES = tuple(LATENT_SCALES), tuple(LATENT_SCALES.values())
+# (G, F, Y): MLA with whole vectors (gqa_small's MLA48), GLA's 24-wide
+# groups (a vector and a remainder of 8), widths below a vector (every
+# feature one by one), no RoPE key.
+LATENT_WIDTHS = {'mla': (1, 48, 16), 'gla': (2, 24, 16), 'narrow': (2, 10, 4),
+                 'no_rope': (2, 32, 0)}
+
+
+def _latent_options(G, F, Y, **fields):
+  return layer.Options(num_heads=N, num_kv_heads=N, head_dim=16,
+                       layout=MLA(kv_lora_rank=G * F, latent_groups=G,
+                                  qk_rope_head_dim=Y),
+                       use_rope=Y > 0, **fields)
+
+
+def _latent_kv(layout, G, F, Y, dtype, seed, B_=B, S_=S, p_=None):
+  """(kv of a latent cache: latents [B, S, G, F] and RoPE keys [B, S, 1, Y]
+  in a paged pool or the dense layout; the float32 values they stand
+  for)."""
+  shapes = {'cached_latent': (B_, S_, G, F)}
+  if Y:
+    shapes['cached_rope_key'] = (B_, S_, 1, Y)
+  stored, real = _entries(shapes, LATENT_SCALES, dtype, seed)
+  if layout == 'dense':
+    return _dense_tied_kv(stored, *LATENT_NAMES), real
+  if p_ is None:
+    return _pool(stored), real
+  return _ordered_pool(stored, B_, S_, p_), real
+
+
+def _latent_reference(q_BTNF, q_BTNY, real, visible, options):
+  """The absorbed step by hand: head n = g·M + m against its group's
+  latents c and the RoPE key r, softmax(q_lat·c + q_rope·r) times c, zeros
+  for a query that sees nothing."""
+  c_BSGF = real['cached_latent']
+  c_BSNF = jnp.repeat(c_BSGF, N // c_BSGF.shape[2], axis=2)
+  logits_BNTS = jnp.einsum('BTNF,BSNF->BNTS', q_BTNF, c_BSNF)
+  if 'cached_rope_key' in real:
+    logits_BNTS += jnp.einsum('BTNY,BSY->BNTS', q_BTNY,
+                              real['cached_rope_key'][:, :, 0])
+  logits_BNTS = logits_BNTS * options.scale
+  if options.logits_soft_cap:
+    cap = options.logits_soft_cap
+    logits_BNTS = cap * jnp.tanh(logits_BNTS / cap)
+  seen_BNTS = jnp.broadcast_to(visible, logits_BNTS.shape)
+  probs_BNTS = jax.nn.softmax(jnp.where(seen_BNTS, logits_BNTS, -jnp.inf), -1)
+  probs_BNTS = jnp.where(seen_BNTS.any(-1, keepdims=True), probs_BNTS, 0.0)
+  return jnp.einsum('BNTS,BSNF->BTNF', probs_BNTS, c_BSNF)
+
+
+def _latent_queries(T, F, Y, B_=B, seed=0):
+  q = jax.random.normal(jax.random.key(seed), (B_, T, N, F + Y))
+  return q[..., :F], q[..., F:]
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.int8],
+                         ids=['float32', 'bfloat16', 'int8'])
+@pytest.mark.parametrize('T', [1, 4])
+@pytest.mark.parametrize('widths', LATENT_WIDTHS)
+def test_the_latent_kernel_matches_the_absorbed_step_by_hand(layout, dtype, T,
+                                                             widths):
+  G, F, Y = LATENT_WIDTHS[widths]
+  options = _latent_options(G, F, Y)
+  kv, real = _latent_kv(layout, G, F, Y, dtype, seed=G + F)
+  q_BTNF, q_BTNY = _latent_queries(T, F, Y)
+  kernel = jax.jit(lambda qf, qy, vis: cpu_kernel.latent_attention(
+      options, qf, qy, kv, vis))
+  for kind in MASKS:  # One compiled kernel: the masks are arrays.
+    visible = _visible(kind, T)
+    assert cpu_kernel.refusal(options, kv, visible) is None
+    got_BTNF = kernel(q_BTNF, q_BTNY, visible)
+    chex.assert_shape(got_BTNF, (B, T, N, F))
+    chex.assert_trees_all_close(
+        got_BTNF, _latent_reference(q_BTNF, q_BTNY, real, visible, options),
+        atol=2e-5, rtol=2e-5, custom_message=f'mask {kind}')
+    if kind == 'padding':
+      np.testing.assert_array_equal(got_BTNF[1], 0.0)
+
+
+@pytest.mark.parametrize('layout', ['paged', 'dense'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.int8],
+                         ids=['float32', 'bfloat16', 'int8'])
+@pytest.mark.parametrize('widths', ['mla', 'gla'])
+def test_the_latent_kernel_on_whole_blocks_shared_among_threads(layout, dtype,
+                                                                widths):
+  """8 rows of 512 positions (pages of 16: the 16-position vector loops;
+  8 dense blocks), 1.6-3 MiB of cache: past kMinBytesPerThread, so the
+  units are shared with XLA's intra-op threads; soft-capped, row 0 holding
+  10 fewer positions than the others."""
+  G, F, Y = LATENT_WIDTHS[widths]
+  B_, S_ = 8, 512
+  options = _latent_options(G, F, Y, logits_soft_cap=2.0)
+  kv, real = _latent_kv(layout, G, F, Y, dtype, seed=G, B_=B_, S_=S_, p_=16)
+  q_BTNF, q_BTNY = (3 * x for x in _latent_queries(1, F, Y, B_=B_))
+  held_B = jnp.full(B_, S_).at[0].add(-10)
+  visible = (jnp.arange(S_) < held_B[:, None])[:, None, None]
+  got = jax.jit(lambda qf, qy: cpu_kernel.latent_attention(
+      options, qf, qy, kv, visible))(q_BTNF, q_BTNY)
+  chex.assert_trees_all_close(
+      got, _latent_reference(q_BTNF, q_BTNY, real, visible, options),
+      atol=2e-5, rtol=2e-5)
+
+
+def _ordered_pool(stored, B_, S_, p_) -> kv_cache.KV:
+  """A pool [E, P, p, F] (scales [E, P, p]) of each entry [B, S, E, F]
+  (scales [B, S, E]): row b's page m is page 1 + m·B + b; page 0 zeros."""
+  M_ = S_ // p_
+  def pool(x_BSE):
+    x_EBMp = jnp.moveaxis(x_BSE.reshape(B_, M_, p_, *x_BSE.shape[2:]), 3, 0)
+    x_EXp = jnp.swapaxes(x_EBMp, 1, 2).reshape(
+        x_EBMp.shape[0], M_ * B_, p_, *x_EBMp.shape[4:])
+    return jnp.concatenate([jnp.zeros_like(x_EXp[:, :1]), x_EXp], axis=1)
+  table_BM = 1 + jnp.arange(M_)[None, :] * B_ + jnp.arange(B_)[:, None]
+  return kv_cache.KV(None, None, positions_S=jnp.arange(S_), paged=(
+      kv_cache.PagedCache({name: pool(x) for name, x in stored.items()},
+                          table_BM.astype(jnp.int32), jnp.zeros(B_, int))))
+
+
+# Pages the pool does not hold: refused with an error, never read.
+
+
+def _paged_call(target, pool_shape, table_BM):
+  """The paged FFI target called directly (as `cpu_kernel` calls it) over a
+  float32 pool of pool_shape [E, P, p, F] and page table [B, M]."""
+  E, P, p_, F = pool_shape
+  B_, M_ = table_BM.shape
+  call = jax.ffi.ffi_call(target,
+                          jax.ShapeDtypeStruct((B_, 1, N, F), jnp.float32))
+  second = (1, P, p_, 0) if target == cpu_kernel.PAGED_TIED_TARGET else (
+      pool_shape)
+  return call(jnp.ones((B_, 1, N, F)), jnp.ones(pool_shape),
+              jnp.ones(second), jnp.zeros((0,)), jnp.zeros((0,)),
+              jnp.asarray(table_BM, jnp.int32),
+              jnp.ones((B_, 1, M_ * p_), bool),
+              scale=np.float32(1), soft_cap=np.float32(0))
+
+
+@pytest.mark.parametrize('target', [cpu_kernel.PAGED_TARGET,
+                                    cpu_kernel.PAGED_TIED_TARGET])
+@pytest.mark.parametrize('entry', [7, -1], ids=['past_the_pool', 'negative'])
+def test_a_page_id_outside_the_pool_is_an_error_naming_it(target, entry):
+  """A page table entry that names no page of the pool (7 of a pool of 7
+  pages, or -1) fails the call with one line naming the entry and the pool
+  (it used to be clamped onto a wrong page, silently)."""
+  table_BM = np.array([[1, 2, 3], [4, 5, 6]])
+  table_BM[1, 2] = entry
+  assert _paged_call(target, (2, 7, 4, 16), table_BM[:1]).shape == (
+      1, 1, N, 16)  # The control: the first row's pages are the pool's.
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      f'INVALID_ARGUMENT: {target}: page_table[1, 2] = {entry} is not a page '
+      "of the pool's 7 (0 to 6)")):
+    _paged_call(target, (2, 7, 4, 16), table_BM)
+
+
+@pytest.mark.parametrize('target', [cpu_kernel.PAGED_TARGET,
+                                    cpu_kernel.PAGED_TIED_TARGET])
+def test_an_empty_pool_is_an_error_and_refused(target):
+  """A pool of no pages: the kernel fails the call naming it (it was
+  undefined behaviour, std::clamp(x, 0, -1)); `refusal` names it before,
+  so a layer takes the JAX path."""
+  with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(
+      f'INVALID_ARGUMENT: {target}: an empty pool (0 pages of 4 positions): '
+      'allocate its pages first')):
+    _paged_call(target, (2, 0, 4, 16), np.zeros((1, 3)))
+  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=16)
+  empty = kv_cache.KV(None, None, paged=kv_cache.PagedCache(
+      {'cached_key': jnp.zeros((2, 0, 4, 16))}, jnp.zeros((1, 3), jnp.int32),
+      jnp.zeros(1, int)))
+  assert cpu_kernel.refusal(options, empty, _visible('none', 1)) == (
+      'an empty pool (no pages)')
+
+
 def test_soft_cap_and_bfloat16_queries():
   options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
                           logits_soft_cap=2.0)
@@ -382,6 +581,12 @@ def test_what_the_kernel_refuses_is_named():
                                                        per_head)
   tied_half = _dense_tied_kv(_tied_cache(2, H // 2, jnp.float16, seed=0)[0])
   assert 'float16' in cpu_kernel.refusal(tied, tied_half, _visible('none', 1))
+  latent_kv, _ = _latent_kv('dense', 2, 24, 16, jnp.float32, seed=0)
+  assert cpu_kernel.refusal(_latent_options(2, 24, 16), latent_kv,
+                            _visible('none', 1)) is None
+  latent_half, _ = _latent_kv('paged', 2, 24, 16, jnp.float16, seed=0)
+  assert 'float16' in cpu_kernel.refusal(_latent_options(2, 24, 16),
+                                         latent_half, _visible('none', 1))
 
 
 def test_an_unknown_mode_is_one_clear_error(monkeypatch):
@@ -408,8 +613,8 @@ def test_a_bad_tied_input_is_one_line_naming_the_shapes():
                           jax.ShapeDtypeStruct((2, 1, 8, 16), jnp.float32))
   with pytest.raises(Exception, match=re.escape(
       'gqa_lab_dense_tied_decode: tied states [4, 32, 16] and RoPE keys '
-      '[2, 31, 8] are not [B·K, S, H] and [B, S, Y], Y <= H, with B = the '
-      'query [2, 1, 8, 16]\'s first')):
+      '[2, 31, 8] are not [B·K, S, W] and [B, S, Y], with B = the query '
+      '[2, 1, 8, 16]\'s first')):
     call(jnp.ones((2, 1, 8, 16)), jnp.ones((4, 32, 16)), jnp.ones((2, 31, 8)),
          jnp.zeros((0,)), jnp.zeros((0,)), jnp.ones((2, 1, 32), bool),
          scale=np.float32(1), soft_cap=np.float32(0))
@@ -444,21 +649,34 @@ def _decode_step(options, paged: bool):
   return jax.jit(step), (arrays, x_BTD)
 
 
-LAYOUTS = {'grouped': GQA(), 'tied': GTA()}
-TARGETS = {  # (layout, paged) -> the custom call of the step.
-    ('grouped', True): cpu_kernel.PAGED_TARGET,
-    ('grouped', False): cpu_kernel.DENSE_TARGET,
-    ('tied', True): cpu_kernel.PAGED_TIED_TARGET,
-    ('tied', False): cpu_kernel.DENSE_TIED_TARGET}
+STEP_LAYOUTS = {  # Name -> the layer's layout and KV heads.
+    'grouped': (GQA(), 2),
+    'tied': (GTA(), 2),
+    'mla': (MLA(kv_lora_rank=32, qk_rope_head_dim=8), N),
+    'gla': (MLA(kv_lora_rank=48, latent_groups=2, qk_rope_head_dim=16), N),
+}
 
 
-@pytest.mark.parametrize('layout', LAYOUTS)
+def _step_options(name: str, head_dim: int = H, **fields) -> layer.Options:
+  layout, K = STEP_LAYOUTS[name]
+  return layer.Options(num_heads=N, num_kv_heads=K, head_dim=head_dim,
+                       layout=layout, **fields)
+
+
+def _target(name: str, paged: bool) -> str:
+  """The custom call of a layout's decode step: grouped-query attention's
+  kernel, or the one tied and latent caches share."""
+  if name == 'grouped':
+    return cpu_kernel.PAGED_TARGET if paged else cpu_kernel.DENSE_TARGET
+  return cpu_kernel.PAGED_TIED_TARGET if paged else cpu_kernel.DENSE_TIED_TARGET
+
+
+@pytest.mark.parametrize('name', STEP_LAYOUTS)
 @pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
 def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
-    paged, layout, monkeypatch):
-  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=H,
-                          kv_cache_dtype='int8', layout=LAYOUTS[layout])
-  target = TARGETS[layout, paged]
+    paged, name, monkeypatch):
+  options = _step_options(name, kv_cache_dtype='int8')
+  target = _target(name, paged)
   step, args = _decode_step(options, paged)
   assert target in step.lower(*args).compile().as_text()
   out_kernel, cache_kernel = step(*args)
@@ -468,18 +686,6 @@ def test_the_decode_step_runs_the_kernel_and_agrees_with_the_jax_path(
   out_jax, cache_jax = step(*args)
   chex.assert_trees_all_close(out_kernel, out_jax, atol=1e-5)
   chex.assert_trees_all_equal(cache_kernel, cache_jax)
-
-
-@pytest.mark.parametrize('paged', [True, False], ids=['paged', 'dense'])
-def test_a_latent_decode_step_runs_no_kernel(paged):
-  """MLA's decode (absorbed, `attention.latent`) is its own: neither kernel
-  reads a latent cache, so its step holds no custom call of either (the
-  control: the grouped and tied steps above hold theirs)."""
-  options = layer.Options(num_heads=N, num_kv_heads=N, head_dim=H,
-                          layout=MLA(kv_lora_rank=32))
-  step, args = _decode_step(options, paged)
-  text = step.lower(*args).as_text()
-  assert not [target for target in TARGETS.values() if target in text]
 
 
 @pytest.mark.slow
@@ -510,23 +716,22 @@ def test_the_serving_step_reads_the_pool_in_place(kv_cache_dtype):
   assert gathers(text) == 2 * mc.num_layers
 
 
-@pytest.mark.parametrize('tied', [False, True], ids=['grouped', 'tied'])
+@pytest.mark.parametrize('kind', ['grouped', 'tied', 'latent'])
 @pytest.mark.parametrize('layout', ['paged', 'dense'])
-def test_the_benchmark_times_two_paths_that_agree(layout, tied):
+def test_the_benchmark_times_two_paths_that_agree(layout, kind):
   """scripts.bench_cpu_kernel's contestants: the same step's output."""
   from scripts import bench_cpu_kernel  # pylint: disable=import-outside-toplevel
   runs = bench_cpu_kernel.contestants(layout, K=2, batch=3, context=64,
-                                      fill=0.5, tied=tied)
+                                      fill=0.5, kind=kind)
   chex.assert_trees_all_close(runs['kernel'](), runs['jax'](), atol=1e-5)
 
 
-@pytest.mark.parametrize('layout', LAYOUTS)
+@pytest.mark.parametrize('name', STEP_LAYOUTS)
 @pytest.mark.parametrize('platform', ['tpu', 'cuda'])
 def test_the_step_lowered_for_an_accelerator_holds_no_cpu_kernel(platform,
-                                                                 layout):
-  options = layer.Options(num_heads=N, num_kv_heads=2, head_dim=128,
-                          layout=LAYOUTS[layout])
-  target = TARGETS[layout, True]
+                                                                 name):
+  options = _step_options(name, head_dim=128)
+  target = _target(name, paged=True)
   step, args = _decode_step(options, paged=True)
   text = jax.export.export(step, platforms=[platform])(*args).mlir_module()
   assert target not in text
@@ -571,6 +776,10 @@ for layout, dtype in itertools.product(
 for layout in ['paged', 'dense']:
   t._check_tied_wide(layout, 8, 2, 160)  # float32.
   t._check_tied(layout, jnp.int8, 4, 2, 0, 24)
+  t.test_the_latent_kernel_on_whole_blocks_shared_among_threads(
+      layout, jnp.bfloat16, 'gla')
+  t.test_the_latent_kernel_matches_the_absorbed_step_by_hand(
+      layout, jnp.int8, 4, 'narrow')
 '''
 
 
@@ -582,16 +791,14 @@ def test_each_target_the_build_dispatches_to_matches_the_einsum_path(
     target, tmp_path):
   """The library built for one target only (AVX2, or the x86-64 baseline),
   as the AVX2 and older machines run it whatever machine the test runs on:
-  both kernels (grouped and tied) equal the einsum path."""
+  both kernels (grouped, and tied for GTA and latent caches) equal their
+  references."""
   clones = '' if target == 'default' else (
       f'__attribute__((target("{target}")))')
   library = tmp_path / 'libgrouped_decode.so'
-  subprocess.run(
-      ['g++', '-std=c++17', '-O3', '-shared', '-fPIC', '-fvisibility=hidden',
-       '-fno-math-errno', f'-I{jax.ffi.include_dir()}',
-       f'-DGQA_LAB_CLONES={clones}',
-       *map(str, sorted((REPO / 'attention' / 'cpu').glob('*.cc'))),
-       '-o', str(library)], check=True, capture_output=True)
+  subprocess.run(build.command(jax.ffi.include_dir(), str(library), clones,
+                               root=str(REPO)),
+                 check=True, capture_output=True)
   result = subprocess.run([sys.executable, '-c', _EACH_TARGET, str(library)],
                           capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, 'PYTHONPATH': str(REPO)})

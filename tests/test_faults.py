@@ -821,10 +821,11 @@ def test_installed_package_runs_from_any_directory(tmp_path, monkeypatch):
   assert install.returncode == 0, install.stderr[-3000:]
   elsewhere = tmp_path / 'elsewhere'
   elsewhere.mkdir()
-  where = subprocess.run([python, '-c', 'import train, configs, scripts; '
-                          'print(train.__file__, configs.__file__)'],
+  where = subprocess.run([python, '-c', 'import train, configs, scripts, '
+                          'studies.kv_frontier.tables; print(train.__file__, '
+                          'configs.__file__, studies.__file__)'],
                          cwd=elsewhere, capture_output=True, text=True)
-  assert where.stdout.count(site) == 2, where.stdout + where.stderr
+  assert where.stdout.count(site) == 3, where.stdout + where.stderr
   result = _run('train.main', '--config=tiny', '--workdir=run',
                 '--config.train.steps=4', '--config.train.warmup_steps=1',
                 cwd=elsewhere, python=python)

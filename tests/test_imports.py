@@ -6,11 +6,13 @@ settings are config sections). Floor 1: lm/, the model and running it,
 imports those. Floor 2: train/ (the loop, its commands
 and the conversions), serve/ and evaluation/ import the floors below and not
 each other: serving and evaluation never import the training loop. Floor 3:
-scripts/ imports anything. A command lives in its room, and a piece two rooms
-need moves down. Every import counts, at module level or inside a function (a
-deferred import is still an arrow), and no chain of them comes back to where
-it started.
-"""
+studies/, the study machinery (statistics, runs, timing, task scores,
+reports, each study's design and reading), imports the floors below. Floor
+4: scripts/, the entry points, imports anything but another script: a piece
+two commands share lives in a room below. A command lives in its room, and
+a piece two rooms need moves down. Every import counts, at module level or
+inside a function (a deferred import is still an arrow), and no chain of
+them comes back to where it started."""
 
 import ast
 import pathlib
@@ -24,8 +26,10 @@ ALLOWED = {  # Room -> the other rooms it may import.
     'train': {'attention', 'configs', 'infra', 'lm'},
     'serve': {'attention', 'configs', 'infra', 'lm'},
     'evaluation': {'attention', 'configs', 'infra', 'lm'},
-    'scripts': {'attention', 'configs', 'infra', 'lm', 'train', 'serve',
+    'studies': {'attention', 'configs', 'infra', 'lm', 'train', 'serve',
                 'evaluation'},
+    'scripts': {'attention', 'configs', 'infra', 'lm', 'train', 'serve',
+                'evaluation', 'studies'},
 }
 
 
@@ -85,6 +89,16 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
   return found
 
 
+def scripts_importing_scripts(graph: dict[str, set[str]]) -> list[str]:
+  """'scripts/a.py: imports scripts.b' for each entry point that imports
+  another (scripts/ holds commands only: what two share lives in studies/
+  or a room below); the package's __init__ is no command."""
+  return [f'{module.replace(".", "/")}.py: imports {target}'
+          for module, targets in sorted(graph.items())
+          if module.startswith('scripts.')
+          for target in sorted(targets) if target.startswith('scripts.')]
+
+
 def cycles(graph: dict[str, set[str]]) -> list[str]:
   """One cycle, as 'a -> b -> a', for each strongly connected set of modules
   (Tarjan's algorithm), and each module that imports itself."""
@@ -133,6 +147,11 @@ def test_every_import_points_down_a_room():
   assert not found, 'imports against the rooms:\n' + '\n'.join(found)
 
 
+def test_no_script_imports_another():
+  found = scripts_importing_scripts(import_graph())
+  assert not found, 'scripts importing scripts:\n' + '\n'.join(found)
+
+
 def test_no_modules_import_each_other_in_a_cycle():
   found = cycles(import_graph())
   assert not found, 'import cycles:\n' + '\n'.join(found)
@@ -148,14 +167,14 @@ def test_the_walker_sees_deferred_and_relative_imports():
             '  from ..train.convert.hf import HF\n')
   known = {'attention', 'attention.layer', 'lm', 'lm.model', 'lm.evaluator',
            'train', 'train.convert', 'train.convert.hf', 'serve',
-           'serve.engine', 'scripts', 'scripts.stats'}
-  assert imported(source, 'scripts.x', False, known) == {
+           'serve.engine', 'studies', 'studies.stats'}
+  assert imported(source, 'studies.x', False, known) == {
       'attention.layer', 'lm.model', 'lm.evaluator', 'attention',
-      'serve.engine', 'scripts.stats', 'train.convert.hf'}
+      'serve.engine', 'studies.stats', 'train.convert.hf'}
   # And the real graph: a module-level arrow, and one inside a function.
   graph = import_graph()
-  assert 'lm.checkpoint' in graph['scripts.compare']
-  assert 'evaluation.evaluate' in graph['scripts.task_scores']
+  assert 'lm.checkpoint' in graph['studies.compare.runs']
+  assert 'evaluation.evaluate' in graph['studies.task_scores']
   assert 'lm.evaluator' in graph['evaluation.evaluate']
 
 
@@ -178,6 +197,9 @@ def test_the_checks_fail_on_an_arrow_up_and_on_a_cycle():
                          'lm/checkpoint.py: imports train.loop (lm -> train)',
                          'serve/engine.py: imports train.sample '
                          '(serve -> train)']
+  assert scripts_importing_scripts({
+      'scripts.a': {'scripts.b', 'studies.stats'}, 'scripts.b': set(),
+      'studies.stats': set()}) == ['scripts/a.py: imports scripts.b']
   assert cycles({'train.a': {'train.b'}, 'train.b': {'train.c'},
                  'train.c': {'train.a', 'train.d'}, 'train.d': set()}) == [
                      'train.a -> train.b -> train.c -> train.a']

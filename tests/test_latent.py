@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention import Attention, latent, layer
+from attention import Attention, cpu_kernel, latent, layer
 from attention import nnx as attention_nnx
 from attention.rope import apply_rope
 from configs import tiny
@@ -202,13 +202,16 @@ def _per_head_kv(text: str, B: int, S: int) -> set:
 @pytest.mark.slow
 def test_the_decode_step_builds_no_per_head_keys_or_values(monkeypatch):
   """The compiled decode step of an MLA model holds no [.., S, N, I]- or
-  [.., S, N, U]-like array; the control, the same step expanding the
-  cached latent into per-head K/V, is caught by the same check."""
+  [.., S, N, U]-like array, with the CPU kernel (where built) and by the
+  pure-JAX path; the control, the JAX path expanding the cached latent
+  into per-head K/V, is caught by the same check."""
   mc, params = _model(max_len=40)
   S = mc.max_len
   assert not _per_head_kv(_decode_step_hlo(mc, params), 2, S)
-  monkeypatch.setattr(latent, 'absorbed_attention', _expanding_attention)
-  assert _per_head_kv(_decode_step_hlo(mc, params), 2, S)
+  with cpu_kernel.disabled():
+    assert not _per_head_kv(_decode_step_hlo(mc, params), 2, S)
+    monkeypatch.setattr(latent, 'absorbed_attention', _expanding_attention)
+    assert _per_head_kv(_decode_step_hlo(mc, params), 2, S)
 
 
 @pytest.mark.slow

@@ -234,10 +234,10 @@ def test_a_text_completion_is_our_greedy_text(exported):
 
 @pytest.mark.slow
 def test_the_benchmarks_llama_cpp_peer_serves_our_greedy_tokens(tmp_path):
-  """scripts.llama_cpp_peer's continuous batching (3 slots for 6 requests
+  """studies.llama_cpp_peer's continuous batching (3 slots for 6 requests
   in one unified cache, cells freed as requests end) gives each request
   the tokens `lm.inference.generate` gives it alone."""
-  from scripts import llama_cpp_peer  # pylint: disable=import-outside-toplevel
+  from studies import llama_cpp_peer  # pylint: disable=import-outside-toplevel
   config = gguf_models.tiny_config(**gguf_models.SILU)
   mc = gguf_models.model_config(**gguf_models.SILU)
   params = jax.device_get(nn.unbox(loop.init_params(Transformer(mc), seed=2)))

@@ -28,6 +28,21 @@ def test_the_machine_names_the_cpu_and_its_vector_extensions():
   assert provenance.machine('')['avx512f'] is None  # Unknown, not False.
 
 
+def test_the_machine_names_the_family_and_the_vector_flags_where_listed():
+  """What a benchmark's VM kind is told by: two AMD EPYC VMs of the same
+  model name differ in family (Zen 4: 25, Zen 5: 26) and flags."""
+  info = ('processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\n'
+          'model name\t: AMD EPYC\nflags\t\t: fpu avx2 fma avx512f '
+          'avx512_bf16 avx512_vnni\n')
+  m = provenance.machine(info)
+  assert (m['family'], m['model'], m['vector_flags']) == (
+      26, 2, ['avx2', 'fma', 'avx512f', 'avx512_bf16', 'avx512_vnni'])
+  assert provenance.describe(m).startswith(
+      'AMD EPYC, family 26 model 2 (AVX-512F), ')
+  old = {k: v for k, v in m.items() if k not in ('family', 'model')}
+  assert provenance.describe(old).startswith('AMD EPYC (AVX-512F), ')
+
+
 def test_without_argv_the_command_is_this_process_flags(monkeypatch):
   monkeypatch.setattr(sys, 'argv', ['ignored.py', '--out=y'])
   assert provenance.record('evaluation.evaluate', 'y')['command'] == (

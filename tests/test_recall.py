@@ -12,6 +12,7 @@ import pytest
 
 from configs import recall, tiny
 from scripts import compare
+from studies.compare import runs as compare_runs
 from lm import data, evaluator
 from train import loop
 from lm.model import Transformer
@@ -115,7 +116,7 @@ def test_training_on_recall_learns_the_task_through_the_weights(tmp_path):
   assert record['eval_loss'] < math.log(16) - 0.5, record
   assert 'eval_bpb' not in record  # Not text: no bits per byte.
   # scripts/compare.py splits the accuracy by query (the first is retrieval).
-  by_query = compare.recall_accuracy_by_query(tmp_path)
+  by_query = compare_runs.recall_accuracy_by_query(tmp_path)
   assert len(by_query) == 4
   # Over other held-out rows, the same accuracy as the loop's evaluation.
   assert np.mean(by_query) == pytest.approx(record['eval_accuracy'], abs=0.1)
@@ -143,7 +144,7 @@ def test_a_small_model_learns_to_retrieve_every_answer(tmp_path):
   config.train.update(steps=800, eval_every=800, checkpoint_every=800,
                       log_every=100, min_learning_rate_ratio=1.0)
   record = loop.train_and_evaluate(config, str(tmp_path))
-  by_query = compare.recall_accuracy_by_query(tmp_path)
+  by_query = compare_runs.recall_accuracy_by_query(tmp_path)
   assert len(by_query) == 4
   assert min(by_query) >= 0.95, by_query
   assert record['eval_accuracy'] >= 0.95, record

@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -11,7 +13,14 @@ import pytest
 
 from attention import dot_product_attention
 from scripts import (bench_attention, bench_decode, compare, kv_frontier,
-                     recall_sweep, stats, timing)
+                     recall_sweep)
+from studies import recall_sweep as recall_study
+from studies.kv_frontier import analysis as frontier_analysis
+from studies.kv_frontier import design as frontier_design
+from studies.kv_frontier import reading as frontier_reading
+from studies.kv_frontier import tables as frontier_tables
+from studies import report, stats, timing, variants
+from studies.compare import design
 from infra import provenance
 from lm import config_lib
 from train import loop
@@ -28,9 +37,9 @@ def _params(config):
 
 @pytest.mark.parametrize('K', [2, 1])
 def test_equal_params_widens_the_mlp_to_mha_size(K):
-  mha = _params(compare.variant_config('gqa_small', 8, 0, 10, False))
-  plain = _params(compare.variant_config('gqa_small', K, 0, 10, False))
-  equal = _params(compare.variant_config('gqa_small', K, 0, 10, True))
+  mha = _params(design.variant_config('gqa_small', 8, 0, 10, False))
+  plain = _params(design.variant_config('gqa_small', K, 0, 10, False))
+  equal = _params(design.variant_config('gqa_small', K, 0, 10, True))
   assert plain < 0.9 * mha
   assert equal == pytest.approx(mha, rel=0.005)
 
@@ -103,6 +112,63 @@ def test_bench_decode_layer_writes_its_rows_and_its_section(tmp_path,
   assert '## Other\n\nkept' in text
 
 
+def test_bench_decode_ranks_bytes_beside_speed_naming_inversions_past_noise():
+  """A layout with fewer KV bytes per token that decodes slower than one
+  with more is named only when its fastest round is below the other's
+  slowest; within the noise (ranges overlapping) it is not."""
+  def row(name, per_token, median, low, high):
+    return dict(variant=name, batch=256, context=2048,
+                kv_bytes_per_token=per_token, tokens_per_sec=median,
+                tokens_per_sec_min=low, tokens_per_sec_max=high)
+  rows = [row('K2', 2048, 100, 95, 105), row('K1', 1024, 200, 190, 210),
+          row('GTA1', 768, 150, 140, 160), row('MLA48', 1024, 104, 99, 106)]
+  [ranked] = bench_decode.rankings(rows)
+  assert ranked['by_bytes'] == ['GTA1', 'K1', 'MLA48', 'K2']
+  assert ranked['by_speed'] == ['K1', 'GTA1', 'MLA48', 'K2']
+  assert ranked['inversions'] == [('GTA1', 'K1')]  # MLA48 ~ K2: noise.
+  text = '\n'.join(bench_decode.ranking_markdown(ranked))
+  assert 'GTA1 slower than K1.' in text and '| 2 | K1 | GTA1 |' in text
+  rows[2]['tokens_per_sec_max'] = 195  # Overlaps K1's 190-210.
+  [ranked] = bench_decode.rankings(rows)
+  assert ranked['inversions'] == []
+  assert 'the other\'s slowest): none.' in '\n'.join(
+      bench_decode.ranking_markdown(ranked))
+
+
+def test_profile_decode_sorts_operations_into_kinds():
+  from scripts import profile_decode  # pylint: disable=import-outside-toplevel
+  kinds = {name: profile_decode.kind(name) for name in (
+      'ffi_call.34', 'custom-call.2', 'dot_general.241', 'dot.68',
+      'ynn_fusion.15', 'multiply_multiply_fusion.2', 'copy.3')}
+  assert kinds == {'ffi_call.34': 'decode kernel',
+                   'custom-call.2': 'decode kernel',
+                   'dot_general.241': 'matmul', 'dot.68': 'matmul',
+                   'ynn_fusion.15': 'fusion',
+                   'multiply_multiply_fusion.2': 'fusion', 'copy.3': 'other'}
+
+
+@pytest.mark.slow
+def test_profile_decode_finds_the_kernel_in_a_decode_step():
+  """The command (its own process: XLA records operations only when told
+  before it starts) names the decode kernel among a step's operations, a
+  share of it taken by each kind; with the kernel off (the control) none
+  is the kernel's."""
+  from attention import cpu_kernel  # pylint: disable=import-outside-toplevel
+  if not cpu_kernel.available():
+    pytest.skip('the CPU kernel is not built')
+  command = [sys.executable, '-m', 'scripts.profile_decode', '--config=tiny',
+             '--variants=K2', '--batches=2', '--contexts=16', '--repeats=1']
+  run = lambda mode: subprocess.run(
+      command, capture_output=True, text=True, timeout=300,
+      env={**os.environ, cpu_kernel.ENV: mode})
+  on, off = run('auto'), run('off')
+  assert on.returncode == 0 == off.returncode, on.stderr[-2000:]
+  first = on.stdout.splitlines()[0]
+  assert first.startswith('K2 batch 2 context 16: ') and 'decode kernel' in (
+      first), on.stdout
+  assert 'matmul' in off.stdout and 'decode kernel' not in off.stdout
+
+
 @pytest.mark.slow
 def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
                                                           monkeypatch):
@@ -128,9 +194,15 @@ def test_bench_decode_reports_the_share_of_the_lower_bound(tmp_path,
     assert r['fraction_of_roofline'] == pytest.approx(
         r['tokens_per_sec'] / bound)
   text = markdown.read_text()
-  assert f'## {bench_decode.MODEL_SECTION}' in text
+  machine = provenance.machine()
+  assert (f'## {bench_decode.MODEL_SECTION} '
+          f'({bench_decode.vm_kind(machine)})') in text
+  assert provenance.describe(machine) in text  # The CPU named.
   share = round(100 * results['rows'][1]['fraction_of_roofline'])
   assert '| 1 | 2 | 16 | ' in text and f'| {share}% |' in text
+  for r in results['rows']:  # Every round within its reported range.
+    assert r['tokens_per_sec_min'] <= r['tokens_per_sec'] <= r[
+        'tokens_per_sec_max']
 
 
 @pytest.mark.slow
@@ -171,7 +243,7 @@ def test_bench_decode_times_each_named_variant(tmp_path, monkeypatch):
   assert (tmp_path / 'out' / 'decode.png').stat().st_size > 0
 
 
-def test_bench_decode_variants_name_their_fields():
+def test_variants_name_their_fields():
   """Every variant sets model.attention and every layout's settings (its
   own, the others' defaults), so that one variant's MLA or GLA cannot leak
   into the next one timed."""
@@ -180,14 +252,14 @@ def test_bench_decode_variants_name_their_fields():
   for name, fields in (
       ('K1', (1, 'gqa', None, 1)), ('GLA48g2', (8, 'mla', 48, 2)),
       ('GTA2', (2, 'gta', None, 1)), ('MLA48', (8, 'mla', 48, 1))):
-    bench_decode.Variant.parse(name).apply_to(model)
+    variants.Variant.parse(name).apply_to(model)
     assert (model.num_kv_heads, model.attention, model.mla.kv_lora_rank,
             model.mla.latent_groups) == fields, name
     config_lib.validate(config, batch_shards=1)  # No other layout's set.
   for name, fields in (('TPA2', (8, 'tpa', 6, 2, 2)),
                        ('TPAKV3', (8, 'tpa', 0, 3, 3)),
                        ('K2', (2, 'gqa', 6, 2, 2))):
-    bench_decode.Variant.parse(name).apply_to(model)
+    variants.Variant.parse(name).apply_to(model)
     tpa = model.tpa
     assert (model.num_kv_heads, model.attention, tpa.q_rank, tpa.k_rank,
             tpa.v_rank) == fields, name
@@ -195,7 +267,7 @@ def test_bench_decode_variants_name_their_fields():
   for bad in ('K0', 'GQA2', 'GLA48', 'MLA', 'k2', 'GTA2,', 'TPA0', 'TPA',
               'TPAKV'):
     with pytest.raises(ValueError, match='is not a variant'):
-      bench_decode.Variant.parse(bad)
+      variants.Variant.parse(bad)
 
 
 @pytest.mark.slow
@@ -206,7 +278,7 @@ def test_bench_decode_equal_params_times_the_models_compare_trains():
                              repeats=1, equal_params=True)
   widths = {r['num_kv_heads']: r['mlp_dim'] for r in results['rows']}
   for K in (4, 1):
-    config = compare.variant_config('tiny', K, seed=0, steps=0,
+    config = design.variant_config('tiny', K, seed=0, steps=0,
                                     equal_params=True)
     assert widths[K] == config.model.mlp_dim
   assert widths[1] > widths[4] == config_lib.load('tiny').model.mlp_dim
@@ -306,7 +378,7 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   cells = [_sweep_cell(8, 16, [1, 1, 1]), _sweep_cell(1, 16, [1, 1, 1]),
            _sweep_cell(8, 8, [0, 1, 0]), _sweep_cell(1, 8, [1, 1, 0])]
   cell = {(c['K'], c['H']): c for c in cells}
-  found = {(c['H'], c['K']): c for c in recall_sweep.comparisons(
+  found = {(c['H'], c['K']): c for c in recall_study.comparisons(
       cell, [8, 1], [16, 8])}
   assert found[16, 1]['verdict'] == 'equal on all seeds'
   d = found[8, 1]['difference']
@@ -315,8 +387,7 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   assert found[8, 1]['verdict'] == stats.decide(d) == 'not claimed'
   meta = dict(argv=['--out=x'], description='recall', model='m', steps=500,
               batch_size=64, seeds=3, minutes=1.0, pairs=8)
-  report = '\n'.join(recall_sweep._report_lines(cell, [8, 1], [16, 8],  # pylint: disable=protected-access
-                                                meta))
+  report = '\n'.join(recall_study.report_lines(cell, [8, 1], [16, 8], meta))
   assert ('no difference of K is claimed at any head size (1 equal on all '
           'seeds, 1 not claimed)') in report
   assert '| 8 | 1 | 2/3 / 1/3 | +0.33 [' in report
@@ -325,7 +396,7 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   # seeds' counts and stats.decide's verdict, whatever it is.
   cells = [_sweep_cell(8, 8, [0, 1, 0, 1, 0, 1]),
            _sweep_cell(1, 8, [1, 1, 1, 1, 1, 1])]
-  (c,) = recall_sweep.comparisons({(x['K'], x['H']): x for x in cells},
+  (c,) = recall_study.comparisons({(x['K'], x['H']): x for x in cells},
                                   [8, 1], [8])
   assert c['verdict'] == stats.decide(c['difference'])
 
@@ -335,35 +406,38 @@ def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
   """docs/results/recall/sweep/report.md is what `python -m
   scripts.recall_sweep --out=DIR --report_only` makes from the sweep.json
   beside it, byte for byte, rebuilt here into a fresh folder from a copy of
-  that JSON alone. Only the rebuild's own line (study.REBUILT: the command,
+  that JSON alone. Only the rebuild's own line (report.REBUILT: the command,
   commit and machine of the rebuild) is normalised, in both."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  from scripts import study  # pylint: disable=import-outside-toplevel
   published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
                'results' / 'recall' / 'sweep')
   shutil.copy(published / 'sweep.json', tmp_path / 'sweep.json')
   monkeypatch.setattr(sys, 'argv', ['recall_sweep', f'--out={tmp_path}',
                                     '--report_only'])
   recall_sweep.main()
-  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      study.normalise_rebuilt((published / 'report.md').read_text()))
+  assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      report.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
                 int8_shift=(0.003, -0.002, 0.002), latent=0, tie=False,
-                groups=1):
-  """A model's record as kv_frontier.measure writes it, per-seed values
-  made up: float NLL and accuracy, int8 NLL higher by int8_shift (0.001
-  on average, not resolved). latent: MLA's kv_lora_rank (K then 0); tie:
-  GTA; groups: GLA's latent groups."""
+                groups=1, now=False):
+  """A model's record as kv_frontier's runs wrote it before layouts had
+  names (its layout's settings flat) or, with `now`, as they write it
+  today (`Variant.layout`: model.attention and that layout's section);
+  per-seed values made up: float NLL and accuracy, int8 NLL higher by
+  int8_shift (0.001 on average, not resolved). latent: MLA's kv_lora_rank
+  (K then 0); tie: GTA; groups: GLA's latent groups."""
   seeds = lambda x: [float(v) for v in x]
-  return dict(
-      variant=kv_frontier.Variant(K, pattern, share, latent, tie=tie,
-                                  groups=groups).name,
-      num_kv_heads=K or 8, attention_pattern=pattern, kv_share=share,
+  v = frontier_design.Variant(K, pattern, share, latent, tie=tie,
+                              groups=groups)
+  layout = v.layout() if now else dict(
       kv_lora_rank=latent, qk_rope_head_dim=0, tie_kv=tie,
-      latent_groups=groups,
+      latent_groups=groups)
+  return dict(
+      variant=v.name, num_kv_heads=K or 8, attention_pattern=pattern,
+      kv_share=share, **layout,
       kv_bytes_per_token={'float': nbytes, 'int8': nbytes * 9 / 32},
       seeds={'float': {'nll': seeds(nll), 'accuracy': seeds(accuracy)},
              'int8': {'nll': seeds(np.add(nll, int8_shift)),
@@ -386,7 +460,7 @@ def _fake_grid(control_accuracy, control_nll=3.4):
 
 
 def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
-  analysis = kv_frontier.analyse(_fake_grid(control_accuracy=0.03))
+  analysis = frontier_analysis.analyse(_fake_grid(control_accuracy=0.03))
   control = analysis['control']
   assert control['control'] == 'K1_L_share1'
   assert control['reference'] == 'K1_G_share1'
@@ -394,7 +468,7 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
   assert control['diff']['accuracy']['mean'] == pytest.approx(-0.87)
   assert control['diff']['nll']['mean'] == pytest.approx(2.4)
   # A control that does as well as all-global: the setup is blind.
-  blind = kv_frontier.analyse(_fake_grid(control_accuracy=0.9,
+  blind = frontier_analysis.analyse(_fake_grid(control_accuracy=0.9,
                                          control_nll=1.0))['control']
   assert not blind['sees_attention']
   # Equal bytes: GQA-2 with CLA2 against MQA, in each pattern, paired.
@@ -426,7 +500,7 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
   assert frontier[0] == 'K1_LLGG_share1 int8'
   assert 'K2_G_share2 float' not in frontier  # Not better than its int8.
   assert 'K1_G_share1 float' not in frontier
-  report = kv_frontier.report(dict(
+  made = frontier_tables.text(dict(
       provenance={'command': 'python -m scripts.kv_frontier --out=x',
                   'commit': 'abc1234', 'out': 'x'}, minutes=1.0,
       panels={'recall': dict(config='kv_recall', window=4, steps=10,
@@ -434,19 +508,19 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
                              layers=4, models=_fake_grid(0.03),
                              analysis=analysis)}))
   assert 'Made by `python -m scripts.kv_frontier --out=x` at commit abc1234' \
-      in report
-  assert 'the setup sees attention' in report
-  assert '| K2_G_share2 − K1_G_share1 | 128 | -0.1000 [' in report
-  assert 'the negative control K1_L_share1 is left out' in report
+      in made
+  assert 'the setup sees attention' in made
+  assert '| K2_G_share2 − K1_G_share1 | 128 | -0.1000 [' in made
+  assert 'the negative control K1_L_share1 is left out' in made
   # A family of one effect is not Holm-corrected, and says so.
-  assert 'a family of 1, uncorrected' in report and '| rejects H0 |' in report
+  assert 'a family of 1, uncorrected' in made and '| rejects H0 |' in made
   # An unresolved pair: what its interval allows and what the seeds detect,
   # not "any true difference is likely below".
   assert ('K2_LLGG_share2 − K1_LLGG_share1: the interval allows differences '
-          'up to 0.') in report and 'with 80% power' in report
-  assert 'likely below' not in report and 'ties' not in report
+          'up to 0.') in made and 'with 80% power' in made
+  assert 'likely below' not in made and 'ties' not in made
   # A difference equal on every seed has no interval, not [-inf, +inf].
-  assert kv_frontier._ci(stats.paired([0.5] * 3, [0.5] * 3).as_dict()) == \
+  assert report.interval(stats.paired([0.5] * 3, [0.5] * 3).as_dict()) == \
       '+0.0000 (equal on all 3 seeds)'
 
 
@@ -458,7 +532,7 @@ def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():
                   latent=32),
       # Fewer: a frontier point, in no equal-bytes pair.
       _fake_model(0, 'G', 1, 1.5 + noise, 0.7 + noise, 64, latent=16)]
-  analysis = kv_frontier.analyse(models)
+  analysis = frontier_analysis.analyse(models)
   pairs = {(e['a'], e['b']): e for e in analysis['equal_bytes']}
   assert set(pairs) == {('K2_G_share2', 'K1_G_share1'),
                         ('K2_LLGG_share2', 'K1_LLGG_share1'),
@@ -469,7 +543,7 @@ def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():
   # MLA is not a level of K, kv_share or the pattern: the factors are the
   # GQA grid's alone, as without it.
   assert [(e['factor'], e['pairs']) for e in analysis['main_effects']] == [
-      (e['factor'], e['pairs']) for e in kv_frontier.analyse(
+      (e['factor'], e['pairs']) for e in frontier_analysis.analyse(
           _fake_grid(control_accuracy=0.03))['main_effects']]
   assert len(analysis['int8']) == 7
   # A conversion (MQA into MLA at half its bytes): a frontier point,
@@ -478,13 +552,13 @@ def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():
                           latent=16)
   converted.update(variant='MLA16_G_share1_from_K1_G_share1 +100',
                    source='K1_G_share1', uptrain_steps=100)
-  with_conversion = kv_frontier.analyse(models + [converted])
+  with_conversion = frontier_analysis.analyse(models + [converted])
   assert with_conversion['equal_bytes'] == analysis['equal_bytes']
   assert with_conversion['main_effects'] == analysis['main_effects']
   (conversion,) = with_conversion['conversions']
   assert conversion['source'] == 'K1_G_share1'
   assert conversion['diff']['nll']['mean'] == pytest.approx(0.3)
-  report = kv_frontier.report(dict(
+  report = frontier_tables.text(dict(
       provenance={'command': 'python -m scripts.kv_frontier --out=x',
                   'commit': 'abc1234', 'out': 'x'}, minutes=1.0,
       panels={'recall': dict(config='kv_recall', window=2, steps=10,
@@ -499,7 +573,7 @@ def test_kv_frontier_pairs_mla_at_equal_bytes_and_keeps_it_off_the_factors():
 def _with_first(model, first):
   """MODEL (`_fake_model`'s) with first-query accuracies by seed, the same
   through both caches."""
-  for cache in kv_frontier.CACHES:
+  for cache in frontier_design.CACHES:
     model['seeds'][cache]['first'] = [float(f) for f in first]
   return model
 
@@ -516,11 +590,11 @@ def test_kv_frontier_reading_is_made_from_the_numbers_by_stats_decide():
             'K1_L_share1': [0.03, 0.04, 0.02]}
   for m in models:
     _with_first(m, firsts[m['variant']])
-  analysis = kv_frontier.analyse(models)
+  analysis = frontier_analysis.analyse(models)
   panel = dict(config='kv_recall', window=2, steps=10, seeds=[1, 2, 3],
                task='the recall probe', layers=4, models=models,
                analysis=analysis)
-  text = '\n'.join(kv_frontier.reading(dict(panels={'recall': panel})))
+  text = '\n'.join(frontier_reading.reading(dict(panels={'recall': panel})))
   assert text.startswith('## What it shows')
   assert ('- **recall** (10 steps of `kv_recall`), **the negative control**'
           in text)
@@ -534,21 +608,21 @@ def test_kv_frontier_reading_is_made_from_the_numbers_by_stats_decide():
   # Every verdict is stats.decide's, with what the seeds detect.
   pair = next(e for e in analysis['equal_bytes']
               if e['a'] == 'K2_G_share2')['diff']['nll']
-  places = kv_frontier._decimals(pair)  # pylint: disable=protected-access
-  assert (f'NLL {kv_frontier._ci(pair, f"+.{places}f")} nats '
+  places = frontier_reading.decimals(pair)
+  assert (f'NLL {report.interval(pair, f"+.{places}f")} nats '
           f'({stats.decide(pair)}; detectable {pair["detectable"]:.2g})'
           ) in text
   # Nothing retrieves: no reading of a retrieval gap.
   for m in models:
     _with_first(m, [0.2, 0.2, 0.2])
-  flat = '\n'.join(kv_frontier.reading(dict(panels={'recall': dict(
-      panel, analysis=kv_frontier.analyse(models))})))
+  flat = '\n'.join(frontier_reading.reading(dict(panels={'recall': dict(
+      panel, analysis=frontier_analysis.analyse(models))})))
   assert 'a reading this run does not test' not in flat
   assert 'at the floor' not in flat
   # A blind setup says so, in bold.
   blind = _fake_grid(control_accuracy=0.9, control_nll=1.0)
-  blind_text = '\n'.join(kv_frontier.reading(dict(panels={'recall': dict(
-      panel, models=blind, analysis=kv_frontier.analyse(blind))})))
+  blind_text = '\n'.join(frontier_reading.reading(dict(panels={'recall': dict(
+      panel, models=blind, analysis=frontier_analysis.analyse(blind))})))
   assert '**The control is not resolved worse: the setup is blind' \
       in blind_text
 
@@ -558,7 +632,7 @@ def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
   detect is 'not claimed' in the reading, as in the tables."""
   d = stats.paired([0.036, 0.004, 0.032, 0.008, 0.02], [0.0] * 5)
   assert d.resolved and stats.decide(d) == 'not claimed'
-  said = kv_frontier._said({**d.as_dict(),  # pylint: disable=protected-access
+  said = frontier_reading.said({**d.as_dict(),
                             'detectable': stats.detectable(d.sd, d.n)})
   assert '(not claimed; detectable' in said
 
@@ -571,31 +645,30 @@ def test_a_published_kv_frontier_report_rebuilds_identically(
   --out=DIR --report_only` makes from the frontier.json beside it, byte for
   byte, rebuilt here into a fresh folder from a copy of that JSON alone:
   the reading included (nothing hand-written). Only the rebuild's own line
-  (study.REBUILT: the command, commit and machine of the rebuild) is
+  (report.REBUILT: the command, commit and machine of the rebuild) is
   normalised, in both."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  from scripts import study  # pylint: disable=import-outside-toplevel
   published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
                'results' / folder)
   shutil.copy(published / 'frontier.json', tmp_path / 'frontier.json')
   monkeypatch.setattr(sys, 'argv', ['kv_frontier', f'--out={tmp_path}',
                                     '--report_only'])
   kv_frontier.main()
-  assert study.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      study.normalise_rebuilt((published / 'report.md').read_text()))
+  assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
+      report.normalise_rebuilt((published / 'report.md').read_text()))
 
 
 def test_kv_frontier_mla_variant_costs_what_mqa_costs():
   """The recall panel's MLA point: the latent as wide as MQA's K and V,
   so its float cache has MQA's bytes per token (int8 has fewer: one scale
   per token for the latent, not one for K and one for V)."""
-  panel = kv_frontier.PANELS['recall']
+  panel = frontier_design.PANELS['recall']
   mla, = [v for v in panel.variants
           if v.latent and v.pattern == 'G' and v.groups == 1]
   costs = {}
-  for v in (mla, kv_frontier.REFERENCE):
-    config = kv_frontier.variant_config(panel.config, v, 1, 2, panel.window)
+  for v in (mla, frontier_design.REFERENCE):
+    config = frontier_design.variant_config(panel.config, v, 1, 2, panel.window)
     config_lib.validate(config, batch_shards=1)
     mc = config_lib.model_config(config)
     assert mc.layout.name == ('mla' if v.latent else 'gqa')
@@ -610,7 +683,7 @@ def test_kv_frontier_gta_and_gla_points_cost_what_their_pairs_say():
   and GTA-1 half; with the LM panel's RoPE key of 16 (H = 32), GTA-1 holds
   (32 + 16) / 64 of MQA's; GLA holds exactly its MLA's bytes."""
   def nbytes(panel, v):
-    config = kv_frontier.variant_config(panel.config, v, 1, 2, panel.window)
+    config = frontier_design.variant_config(panel.config, v, 1, 2, panel.window)
     config_lib.validate(config, batch_shards=1)
     mc = config_lib.model_config(config)
     assert mc.layout.name == ('gta' if v.tie else 'mla' if v.latent
@@ -618,14 +691,14 @@ def test_kv_frontier_gta_and_gla_points_cost_what_their_pairs_say():
     if v.latent:
       assert mc.layout.latent_groups == v.groups
     return model_lib.kv_bytes_per_token(mc)
-  V = kv_frontier.Variant
-  recall, lm = kv_frontier.PANELS['recall'], kv_frontier.PANELS['lm']
-  mqa = nbytes(recall, kv_frontier.REFERENCE)
+  V = frontier_design.Variant
+  recall, lm = frontier_design.PANELS['recall'], frontier_design.PANELS['lm']
+  mqa = nbytes(recall, frontier_design.REFERENCE)
   assert nbytes(recall, V(2, 'G', 1, tie=True)) == mqa
   assert nbytes(recall, V(1, 'G', 1, tie=True)) == mqa / 2
   assert nbytes(recall, V(0, 'G', 1, latent=32, groups=2)) == nbytes(
       recall, V(0, 'G', 1, latent=32))
-  mqa = nbytes(lm, kv_frontier.REFERENCE)
+  mqa = nbytes(lm, frontier_design.REFERENCE)
   assert nbytes(lm, V(1, 'G', 1, rope=16, tie=True)) == mqa * 48 / 64
   assert nbytes(lm, V(0, 'G', 1, latent=48, rope=16, groups=2)) == nbytes(
       lm, V(0, 'G', 1, latent=48, rope=16)) == mqa
@@ -648,7 +721,7 @@ def test_kv_frontier_pairs_gta_with_gqa_of_its_heads_and_gla_with_mla():
       _fake_model(0, 'G', 1, 1.0 + noise, 0.9 + noise, 128, latent=32),
       _fake_model(0, 'G', 1, 1.0 + noise[::-1], 0.9 + noise, 128, latent=32,
                   groups=2)]
-  analysis = kv_frontier.analyse(models)
+  analysis = frontier_analysis.analyse(models)
   pairs = {(e['a'], e['b']): e for e in analysis['same_heads']}
   assert set(pairs) == {('GTA1_G_share1', 'K1_G_share1'),
                         ('GLA32g2_G_share1', 'MLA32_G_share1')}
@@ -660,13 +733,13 @@ def test_kv_frontier_pairs_gta_with_gqa_of_its_heads_and_gla_with_mla():
       'resolved']
   assert all('GTA' not in e['factor'] for e in analysis['main_effects'])
   assert [e['factor'] for e in analysis['main_effects']] == [
-      e['factor'] for e in kv_frontier.analyse(_fake_grid(
+      e['factor'] for e in frontier_analysis.analyse(_fake_grid(
           control_accuracy=0.03))['main_effects']]
   # GTA-2 and GLA hold MQA's bytes: equal-bytes pairs with MQA and GQA-2.
   equal = {(e['a'], e['b']) for e in analysis['equal_bytes']}
   assert ('GTA2_G_share1', 'K1_G_share1') in equal
   assert ('GLA32g2_G_share1', 'K1_G_share1') in equal
-  report = kv_frontier.report({'provenance': {
+  report = frontier_tables.text({'provenance': {
       'command': 'test', 'commit': 'x', 'out': 'x'}, 'minutes': 1.0,
       'panels': {'recall': dict(config='kv_recall', window=2, steps=10,
                                 seeds=[1, 2, 3], task='t', layers=4,
@@ -675,14 +748,50 @@ def test_kv_frontier_pairs_gta_with_gqa_of_its_heads_and_gla_with_mla():
   assert 'GTA1_G_share1 − K1_G_share1' in report
 
 
+def test_kv_frontier_reads_a_layout_however_its_record_names_it():
+  """A record written before layouts had names (kv_lora_rank, tie_kv and
+  latent_groups flat, read through configs._json.upgrade_model) and one
+  written today (model.attention and its section) are the same point of
+  the design: analysed alike, Zadouri et al.'s pairs and the main effects
+  included. A GLA whose latent no MLA has finds no pair (the pairing can
+  fail)."""
+  noise = np.array([0.01, -0.02, 0.015])
+  def grid(now):
+    return [_fake_model(K, pattern, share, 1.0 + noise * (i + 1),
+                        0.9 + noise, nbytes, latent=latent, tie=tie,
+                        groups=groups, now=now)
+            for i, (K, pattern, share, nbytes, latent, tie, groups) in
+            enumerate([(1, 'G', 1, 128, 0, False, 1),
+                       (2, 'G', 2, 128, 0, False, 1),
+                       (1, 'LLGG', 1, 80, 0, False, 1),
+                       (1, 'L', 1, 32, 0, False, 1),
+                       (1, 'G', 1, 64, 0, True, 1),
+                       (0, 'G', 1, 128, 32, False, 1),
+                       (0, 'G', 1, 128, 32, False, 2),
+                       (0, 'G', 1, 64, 16, False, 2)])]
+  then, now = grid(now=False), grid(now=True)
+  assert 'kv_lora_rank' in then[5] and 'kv_lora_rank' not in now[5]
+  assert now[5]['attention'] == 'mla' and now[4]['attention'] == 'gta'
+  for old, new in zip(then, now):
+    assert frontier_design.point(old) == frontier_design.point(new)
+  analysis = frontier_analysis.analyse(then)
+  assert analysis == frontier_analysis.analyse(now)
+  assert {(e['a'], e['b']) for e in analysis['same_heads']} == {
+      ('GTA1_G_share1', 'K1_G_share1'),
+      ('GLA32g2_G_share1', 'MLA32_G_share1')}
+  # The GQA grid's one pair (K1 LLGG and G): GTA-1 is not a level of it.
+  assert [(e['factor'], e['pairs']) for e in analysis['main_effects']] == [
+      ('LLGG vs G', 1)]
+
+
 def test_kv_frontier_recall_control_reaches_no_pair():
   """The negative control is blind by construction: from the first query's
   position (where its answer is predicted), four local layers reach back
   less far than the last pair's value, while the previous-token head that
   'LLGG' needs fits a local layer."""
-  panel = kv_frontier.PANELS['recall']
-  config = kv_frontier.variant_config(panel.config, kv_frontier.CONTROL, 1,
-                                      2, panel.window)
+  panel = frontier_design.PANELS['recall']
+  config = frontier_design.variant_config(
+      panel.config, frontier_design.CONTROL, 1, 2, panel.window)
   m, d = config.model, config.data
   reach = m.num_layers * (m.local_window - 1)
   first_query, last_value = 2 * d.recall_pairs + d.recall_gap, \
@@ -695,7 +804,7 @@ def test_kv_frontier_refuses_unequal_bytes_as_an_equal_bytes_pair():
   models = _fake_grid(0.03)
   models[1]['kv_bytes_per_token'] = {'float': 256, 'int8': 72}
   with pytest.raises(ValueError, match='differ in bytes'):
-    kv_frontier.analyse(models)
+    frontier_analysis.analyse(models)
 
 
 @pytest.mark.slowest
@@ -720,9 +829,9 @@ def test_kv_frontier_trains_reads_and_reports_a_small_grid(tmp_path,
       'command'].startswith('python -m scripts.kv_frontier --out=')
   panel = result['panels']['recall']
   assert {m['variant'] for m in panel['models']} == {
-      v.name for v in kv_frontier.PANELS['recall'].quick_variants}
+      v.name for v in frontier_design.PANELS['recall'].quick_variants}
   for m in panel['models']:
-    for cache in kv_frontier.CACHES:
+    for cache in frontier_design.CACHES:
       for metric in ('nll', 'accuracy', 'first'):
         assert len(m['seeds'][cache][metric]) == 2
     assert all(k > -1e-6 for k in m['kl'])  # A KL, up to rounding.

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from scripts import bench_decode, bench_serve
+from scripts import bench_serve
 from serve import engine, generate, pages, runner
 from serve import prompts as prompts_lib
 from serve import results as results_lib
@@ -34,6 +34,7 @@ from lm import model as model_lib
 from lm import inference
 from lm import sampling
 from infra.errors import UserError
+from studies import variants
 from lm.model import Transformer
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -494,14 +495,14 @@ def test_bench_serve_reports_a_trace_beside_one_at_a_time(tmp_path):
 
 
 def test_bench_serve_serves_named_layouts_and_refuses_what_it_cannot_peer():
-  """--variants in bench_decode's grammar, in place of --kv_heads (8,2,1
+  """--variants in studies.variants' grammar (bench_decode's), in place of --kv_heads (8,2,1
   by default); a layout transformers cannot compute needs --no_hf."""
   args = lambda **given: argparse.Namespace(
       **{'kv_heads': None, 'variants': None, 'no_hf': False, **given})
   names = lambda a: [v.name for v in bench_serve._variants(a)]  # pylint: disable=protected-access
   assert names(args()) == ['K8', 'K2', 'K1']
   assert names(args(kv_heads=[4])) == ['K4']
-  tpa = bench_decode.variant_list('K2,TPA2')
+  tpa = variants.variant_list('K2,TPA2')
   assert names(args(variants=tpa, no_hf=True)) == ['K2', 'TPA2']
   with pytest.raises(UserError, match='^--variants=TPA2: the transformers '
                      'peer computes grouped-query attention only; add '

@@ -1,4 +1,4 @@
-"""The studies' statistics (scripts/stats.py) against scipy and simulation."""
+"""The studies' statistics (studies/stats.py) against scipy and simulation."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from scripts import stats
+from studies import stats
 
 
 def test_paired_is_the_t_interval_of_the_per_seed_differences():

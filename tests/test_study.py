@@ -1,4 +1,4 @@
-"""scripts/study.py: a study reuses a finished run only under the settings it
+"""studies/study.py: a study reuses a finished run only under the settings it
 was trained with (issue 39: kv_frontier --quick, then --steps=30, reported
 "30 steps" over runs of 15)."""
 
@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from scripts import compare, study
+from scripts import compare
+from studies import report, study
+from studies.compare import design, plots
+from studies.compare import runs as compare_runs
 from lm import checkpoint
 from lm import config_lib
 from infra.errors import UserError
@@ -134,7 +137,7 @@ def test_compare_refuses_its_finished_runs_under_other_steps(tmp_path):
   """The issue's repro through the command line: runs finished at 2 steps,
   the study asked for 3; refused before anything trains or is timed."""
   out = tmp_path / 'out'
-  config = compare.variant_config('tiny', 4, 0, 2, False)
+  config = design.variant_config('tiny', 4, 0, 2, False)
   study.train(config, out / 'K4_s0', out / 'K4_s0' / 'log.txt')
   before = _snapshot(out / 'K4_s0')
   result = subprocess.run(
@@ -193,11 +196,11 @@ def test_compare_report_only_rebuilds_what_results_json_holds(
   results.json it says to run without it first. One seed trains no control
   (it could not be tested)."""
   out = tmp_path / 'out'
-  for plot in ('_plot_loss', '_plot_throughput'):
-    monkeypatch.setattr(compare, plot, lambda *_: None)
-  monkeypatch.setattr(compare.timing, 'decode_step_seconds',
+  for plot in ('loss', 'throughput'):
+    monkeypatch.setattr(plots, plot, lambda *_: None)
+  monkeypatch.setattr(compare_runs.timing, 'decode_step_seconds',
                       lambda *_, **__: 1e-3)
-  monkeypatch.setattr(compare.timing, 'read_bandwidth', lambda *_: 1e10)
+  monkeypatch.setattr(compare_runs.timing, 'read_bandwidth', lambda *_: 1e10)
   argv = ['compare', f'--out={out}', '--config=tiny', '--kv_heads=4',
           '--steps=2']
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1', '--report_only'])
@@ -212,8 +215,8 @@ def test_compare_report_only_rebuilds_what_results_json_holds(
   rebuilt = (out / 'report.md').read_text()
   assert ('Negative control (a model without context): left out '
           '(--no_control, or one seed)') in rebuilt
-  assert study.normalise_rebuilt(rebuilt).replace(
-      f'{study.REBUILT}\n\n', '') == trained
+  assert report.normalise_rebuilt(rebuilt).replace(
+      f'{report.REBUILT}\n\n', '') == trained
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1'])
   compare.main()
   assert not list(out.glob('control_s*'))
@@ -284,7 +287,7 @@ def test_task_scores_are_scored_again_for_another_checkpoint(
   """scored.json was reused when the settings and final.json matched,
   though the checkpoint in the workdir had been replaced."""
   from evaluation import evaluate  # pylint: disable=import-outside-toplevel
-  from scripts import task_scores  # pylint: disable=import-outside-toplevel
+  from studies import task_scores  # pylint: disable=import-outside-toplevel
   workdir = tmp_path / 'run'
   shutil.copytree(trained, workdir)
   calls = []

@@ -13,7 +13,9 @@ import types
 import pytest
 
 from evaluation import evaluate as evaluate_lib
-from scripts import compare, stats, task_scores, timing
+from scripts import compare
+from studies import stats, task_scores, timing
+from studies.compare import plots
 from infra.errors import UserError
 
 from tests.test_faults import REPO
@@ -76,8 +78,8 @@ def test_compare_scores_every_run_by_seed_and_paired_against_mha(
       f'--include_path={TASKS_DIR}', '--task_limit=2'])
   monkeypatch.setattr(timing, 'decode_step_seconds', lambda *_, **__: 1e-3)
   monkeypatch.setattr(timing, 'read_bandwidth', lambda *_: 1e10)
-  for plot in ('_plot_loss', '_plot_throughput'):
-    monkeypatch.setattr(compare, plot, lambda *_: None)
+  for plot in ('loss', 'throughput'):
+    monkeypatch.setattr(plots, plot, lambda *_: None)
   compare.main()
   result = json.loads((out / 'results.json').read_text())
   by_K = {v['K']: v for v in result['variants']}

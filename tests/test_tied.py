@@ -302,9 +302,10 @@ def test_latent_settings_with_gta_are_refused_in_one_line(mla):
     config_lib.validate(config, batch_shards=1)
 
 
-def test_the_cpu_kernel_takes_a_tied_cache():
+def test_the_cpu_kernel_takes_a_tied_cache(monkeypatch):
   """(The TPU's paged kernel is grouped-query attention's alone: a tied
   layer never asks it, tests/test_paged_attention.py.)"""
+  monkeypatch.setenv(cpu_kernel.ENV, 'auto')  # Whatever the suite runs with.
   options = _options(2)
   if not cpu_kernel.available():
     pytest.skip('the CPU kernel is not built')
@@ -320,10 +321,12 @@ def test_the_cpu_kernel_takes_a_tied_cache():
     dict(num_kv_heads=2), dict(num_kv_heads=1, use_rope=False,
                                kv_cache_dtype='int8')],
     ids=['gqa', 'mqa_nope_int8'])
-def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(model):
+def test_the_decode_step_on_the_cpu_is_the_kernel_and_agrees_with_jax(
+    model, monkeypatch):
   """A GTA model's decode step compiled for this CPU holds the tied kernel's
   custom call (`attention.cpu_kernel`), each step's logits those of the
   pure-JAX path; the control: with the kernel off, the step holds none."""
+  monkeypatch.setenv(cpu_kernel.ENV, 'auto')  # Whatever the suite runs with.
   if not cpu_kernel.available():
     pytest.skip('the CPU kernel is not built')
   mc, params = _model(**model)

@@ -1,4 +1,4 @@
-"""The source-replicated uptraining study (scripts/uptrain_replication.py):
+"""The source-replicated uptraining study (studies/uptrain/replicated*.py):
 its statistics and verdicts on made-up results whose answers are known, and
 its report rebuilt from results.json alone."""
 
@@ -8,7 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from scripts import stats, uptrain_replication, uptrain_report, uptrain_study
+from scripts import uptrain_study
+from studies import stats
+from studies.uptrain import (common, design, replicated_report,
+                             replicated_summary)
+from studies.uptrain import results as uptrain_results
 
 SOURCE = {400: 1.90, 1600: 1.66, 3200: 1.60}  # Loss of a source of S steps.
 GTA = {'K': 1, 'qk_rope_head_dim': 14, 'method': 'gta', 'pooling': 'mean',
@@ -42,7 +46,7 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001,
          'method': 'mla_half', 'energy_kept': [0.85, 0.87]}
   out = []
   for S, loss in SOURCE.items():
-    read = uptrain_study.reads(S, 80)
+    read = design.reads(S, 80)
     steps = sorted({0, read['paper'], read['fixed']})
     for seed in range(sources):
       src = loss + 0.01 * seed
@@ -74,7 +78,7 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001,
             for t, l in zip(evals, np.linspace(3.0, end, len(evals)))]})
       out.append({'steps': S, 'seed': seed, 'source': {'loss': src},
                   'runs': runs, 'scratch': scratch, 'reads': read,
-                  'rate': 1e-3, 'warmup': uptrain_study.unit_steps(S),
+                  'rate': 1e-3, 'warmup': design.unit_steps(S),
                   'mla': mla, **({'gta': GTA, 'gla': GLA} if latent
                                  else {})})
   return {'provenance': {'command': 'python -m scripts.uptrain_study --out=x',
@@ -95,13 +99,13 @@ def _shrinking(S, K, seed):
 
 def test_values_are_averaged_within_a_source_and_intervals_are_over_sources():
   results = _results(_growing)
-  summ = uptrain_replication.summary(results)
+  summ = replicated_summary.summary(results)
   gap = summ['lengths'][1600]['gap_K2']['paper']
   assert gap['n'] == 3  # Sources, not sources x uptraining seeds.
   first = next(s for s in results['sources'] if (s['steps'], s['seed']) ==
                (1600, 0))
-  by_hand = (uptrain_replication.losses(first, 'mean', 2, 80)
-             - uptrain_replication.losses(first, 'identity', 4, 80)).mean()
+  by_hand = (replicated_summary.losses(first, 'mean', 2, 80)
+             - replicated_summary.losses(first, 'identity', 4, 80)).mean()
   assert gap['values'][0] == pytest.approx(by_hand)
   assert gap['within_sd'] > 0  # The uptraining seeds' spread, reported.
   # The MLA arm is paired with the GQA of equal bytes (K = 1: 32 numbers).
@@ -114,12 +118,12 @@ def test_gta_and_gla_are_paired_within_the_source_and_decided():
   # GTA 0.05 nats above mean-pooled K = 1 (its nearest bytes), GLA 0.001
   # from MLA-half: far below what 3 sources with 0.003 of noise per
   # uptraining seed detect.
-  summ = uptrain_replication.summary(_results(_growing, gla=0.001))
+  summ = replicated_summary.summary(_results(_growing, gla=0.001))
   row = summ['lengths'][1600]
   first = next(s for s in _results(_growing, gla=0.001)['sources']
                if (s['steps'], s['seed']) == (1600, 0))
-  by_hand = (uptrain_replication.losses(first, 'gta', 1, 80)
-             - uptrain_replication.losses(first, 'mean', 1, 80)).mean()
+  by_hand = (replicated_summary.losses(first, 'gta', 1, 80)
+             - replicated_summary.losses(first, 'mean', 1, 80)).mean()
   assert row['gta_vs_equal_bytes']['paper']['values'][0] == \
       pytest.approx(by_hand)
   assert row['gta_vs_equal_bytes']['paper']['n'] == 3  # Over sources.
@@ -130,36 +134,36 @@ def test_gta_and_gla_are_paired_within_the_source_and_decided():
   for c in gla:
     assert abs(c['mean']) < c['detectable']
     assert c['verdict'] == 'not claimed'
-  text = uptrain_replication.text(_results(_growing, gla=0.001))
+  text = replicated_report.text(_results(_growing, gla=0.001))
   assert '**GTA at MLA-below\'s cache bytes** (K/V heads mean-pooled to ' \
       'K = 1, tied, a 14-wide shared RoPE key: K·H + Y = 30 numbers, ' \
       '240 bytes/token' in text
   assert 'GLA − MLA' in text and '**not claimed**' in text
   # Results made before these arms report without them.
-  old = uptrain_replication.summary(_results(_growing, latent=False))
+  old = replicated_summary.summary(_results(_growing, latent=False))
   assert 'gla_vs_mla' not in old and 'gta_vs_equal_bytes' not in old
-  assert 'GTA' not in uptrain_replication.text(_results(_growing,
+  assert 'GTA' not in replicated_report.text(_results(_growing,
                                                          latent=False))
 
 
 def test_claim_1_is_decided_by_the_trend_over_source_length():
-  grows = uptrain_replication.summary(_results(_growing))
+  grows = replicated_summary.summary(_results(_growing))
   assert grows['trend']['gap_K2']['paper']['mean'] > 0
   assert grows['claim1']['paper'] == 'contradicted'
-  shrinks = uptrain_replication.summary(_results(_shrinking))
+  shrinks = replicated_summary.summary(_results(_shrinking))
   assert shrinks['claim1']['paper'] == (
       'not reproduced at this scale (the gap shrinks with the source)')
-  near = uptrain_replication.summary(_results(
+  near = replicated_summary.summary(_results(
       lambda S, K, seed: 0.002 * seed))
   assert near['claim1']['paper'] == 'reproduced'
   # A gap whose distance from the margin is below what 3 sources detect.
-  unsure = uptrain_replication.summary(_results(
+  unsure = replicated_summary.summary(_results(
       lambda S, K, seed: 0.02 + 0.03 * (seed - 1), noise=0.0))
   assert unsure['claim1']['paper'] == 'not claimed'
 
 
 def test_the_gate_reads_the_drift_at_every_read_and_withholds_claim_1():
-  summ = uptrain_replication.summary(_results(_growing, drift=-0.08))
+  summ = replicated_summary.summary(_results(_growing, drift=-0.08))
   assert not summ['gate'][3200]['passes']
   assert summ['claim1']['paper'] == 'not claimed (below the control gate)'
   steps = [d['step'] for d in summ['lengths'][400]['drift']]
@@ -167,7 +171,7 @@ def test_the_gate_reads_the_drift_at_every_read_and_withholds_claim_1():
 
 
 def test_claim_2_is_holm_corrected_and_decided_by_the_convention():
-  summ = uptrain_replication.summary(_results(_growing))
+  summ = replicated_summary.summary(_results(_growing))
   assert len(summ['ranking']) == 12  # 3 lengths x 2 K x 2 pairs.
   assert {(c['better'], c['worse']) for c in summ['ranking']} == {
       ('mean', 'first'), ('first', 'random')}
@@ -177,7 +181,7 @@ def test_claim_2_is_holm_corrected_and_decided_by_the_convention():
              for v in by_K.values())
   # Random as good as first-head: that pair is below what 3 sources
   # detect, so the ordering is not claimed (and never contradicted).
-  tie = uptrain_replication.summary(_results(_growing, random=0.0))
+  tie = replicated_summary.summary(_results(_growing, random=0.0))
   cells = [c for c in tie['ranking'] if c['worse'] == 'random']
   assert all(c['verdict'] == 'not claimed' for c in cells)
   assert all(v.startswith('not claimed (') and 'first < random: not claimed'
@@ -185,11 +189,11 @@ def test_claim_2_is_holm_corrected_and_decided_by_the_convention():
   # Random worse than first by the same amount on every source: one
   # measurement, never resolved, so the ordering is not claimed either.
   same = [{'S': 400, 'K': 2, 'better': b, 'worse': w,
-           **uptrain_replication._over_sources([-0.05] * 3)}
+           **replicated_summary._over_sources([-0.05] * 3)}
           for b, w in (('mean', 'first'), ('first', 'random'))]
-  family = uptrain_replication._holm(same)
+  family = replicated_summary._holm(same)
   assert [c['verdict'] for c in family] == ['equal on all seeds'] * 2
-  assert uptrain_report.ranking_verdict(family, 2) == (
+  assert common.ranking_verdict(family, 2) == (
       'not claimed (mean < first: not claimed (equal on all seeds); '
       'first < random: not claimed (equal on all seeds))')
 
@@ -199,7 +203,7 @@ def test_claim_3_is_judged_against_the_margin_and_by_the_trend():
   scratch for the source's steps: within the margin, beyond it and
   growing or shrinking with S, or closer to it than the sources detect."""
   def claim3(above, **kw):
-    summ = uptrain_replication.summary(_results(_growing, above_scratch=above,
+    summ = replicated_summary.summary(_results(_growing, above_scratch=above,
                                                 **kw))
     return summ, summ['claim3']['paper']
   summ, verdict = claim3(lambda S, K, seed: 0.2 + 0.1 * np.log2(S / 400) / 3
@@ -226,11 +230,11 @@ def test_claim_3_is_judged_against_the_margin_and_by_the_trend():
 
 def test_claim_3_reads_the_steps_each_scratch_curve_needs():
   results = _results(_growing)
-  summ = uptrain_replication.summary(results)
+  summ = replicated_summary.summary(results)
   source = next(s for s in results['sources'] if (s['steps'], s['seed']) ==
                 (1600, 2))
-  up = uptrain_replication.losses(source, 'mean', 2, 80).mean()
-  curve = uptrain_replication.scratch_curve(source, 2)
+  up = replicated_summary.losses(source, 'mean', 2, 80).mean()
+  curve = replicated_summary.scratch_curve(source, 2)
   steps = [p['step'] for p in curve]
   losses = [p['loss'] for p in curve]
   # Linear between the evaluations either side of the uptrained loss.
@@ -244,7 +248,7 @@ def test_claim_3_reads_the_steps_each_scratch_curve_needs():
       up - losses[-1])
   # An uptrained loss below the whole scratch curve is censored, not
   # averaged: no interval over sources.
-  better = uptrain_replication.summary(_results(
+  better = replicated_summary.summary(_results(
       _growing, above_scratch=lambda S, K, seed: -0.1))
   e = better['lengths'][1600]['equivalent_K2']['paper']
   assert e['censored'] == 3 and 'mean' not in e
@@ -278,15 +282,14 @@ def test_every_published_uptrain_report_is_what_its_json_makes():
   makes today (--report_only rebuilds it identically): no hand-written
   text, no stale reading."""
   import pathlib  # pylint: disable=import-outside-toplevel
-  from scripts import study, uptrain_report  # pylint: disable=import-outside-toplevel
+  from studies import study  # pylint: disable=import-outside-toplevel
   root = pathlib.Path(__file__).resolve().parent.parent / 'docs/results/uptrain'
   found = sorted(root.glob('**/results.json'))
   assert len(found) >= 2
   for path in found:
     results = study.saved(path)
-    report = (uptrain_replication if 'sources' in results else
-              uptrain_report)
-    assert report.text(results) == (path.parent / 'report.md').read_text(), (
+    assert uptrain_results.text(results) == (
+        path.parent / 'report.md').read_text(), (
         f'{path.parent}/report.md is not what its results.json makes: '
         f'python -m scripts.uptrain_study --out={path.parent} --report_only')
 

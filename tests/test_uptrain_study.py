@@ -13,8 +13,12 @@ import sys
 import numpy as np
 import pytest
 
-from scripts import stats, uptrain_report, uptrain_study
+from scripts import uptrain_study
+from studies import stats
+from studies.uptrain import (common, design, single_reading, single_summary,
+                             single_tables)
 from lm import config_lib
+from train.convert import to_mla
 
 SOURCE = 2.0
 STEPS = [1, 2, 4, 8, 16]  # Uptraining steps of the alphas, S = 100.
@@ -32,7 +36,7 @@ def _results(up: dict, noise: float = 0.0, pooled_gain: float = 0.0,
   mla(s, seed): the MLA arm's (none without)."""
   rng = np.random.default_rng(0)
   runs = []
-  for arm in uptrain_study.plan_arms(4, [1]):
+  for arm in design.plan_arms(4, [1]):
     for seed in (1, 2, 3):
       curve = [{'step': 0, 'loss': up[arm.method](0), 'accuracy': 0.0}]
       for s in STEPS:
@@ -51,7 +55,7 @@ def _results(up: dict, noise: float = 0.0, pooled_gain: float = 0.0,
         'runs': runs, 'scratch': scratch,
         'plan': {'kv_heads': [1], 'seeds': [1, 2, 3], 'num_heads': 4,
                  'steps': 100, 'alpha_steps': STEPS,
-                 'alphas': list(uptrain_study.ALPHAS), 'near': 0.02,
+                 'alphas': list(design.ALPHAS), 'near': 0.02,
                  'paper_alpha': 0.05, 'vocab_size': 256}}
   recall_curve = lambda hit: [{'step': 0, 'loss': 1.0, 'accuracy': 0.3},
                               {'step': 10, 'loss': 0.1,
@@ -95,27 +99,27 @@ UP = {'identity': lambda s: SOURCE + 0.002 * s / 16,
 def test_equivalent_steps_interpolate_the_running_minimum_and_censor():
   steps, curve = [10, 20, 30], [4.0, 4.5, 3.0]  # A bump at 20.
   # On the running minimum [4, 4, 3]: 3.5 is halfway from 20 to 30.
-  assert uptrain_report.equivalent_steps(3.5, steps, curve, 6.0) == 25
-  assert uptrain_report.equivalent_steps(5.0, steps, curve, 6.0) == 5
-  assert uptrain_report.equivalent_steps(7.0, steps, curve, 6.0) == 0
-  assert uptrain_report.equivalent_steps(2.9, steps, curve, 6.0) == math.inf
+  assert common.equivalent_steps(3.5, steps, curve, 6.0) == 25
+  assert common.equivalent_steps(5.0, steps, curve, 6.0) == 5
+  assert common.equivalent_steps(7.0, steps, curve, 6.0) == 0
+  assert common.equivalent_steps(2.9, steps, curve, 6.0) == math.inf
 
 
 def test_summary_maps_uptrained_losses_to_scratch_steps_and_judges_claims():
   results = _results(UP, noise=0.0005)
-  summ = uptrain_report.summary(results)
+  summ = single_summary.summary(results)
   row = summ['compute'][1][2]  # The paper's alpha: 4 uptraining steps.
   np.testing.assert_allclose(row['E'], 30 * (5 - 3.0 - 0.01), atol=1)
   assert row['advantage']['mean'] == pytest.approx(59.7 / 4, abs=0.3)
   assert row['retained']['mean'] == pytest.approx((59.7 - 4) / 100, abs=0.01)
-  assert uptrain_report._compute_verdict(row) == 'reproduced'
+  assert single_reading._compute_verdict(row) == 'reproduced'
   # The gap from scratch: K = 1 is 0.01 worse at every seed: resolved.
   assert summ['gap'][1]['end']['mean'] == pytest.approx(0.01)
   assert summ['gap'][1]['end']['low'] > 0
   # Claim 2: mean < first and first < random, both resolved after Holm.
   assert [c['holm'] for c in summ['ranking']] == [True, True]
   assert summ['ranking'][0]['mean'] == pytest.approx(-0.05, abs=0.003)
-  assert uptrain_report.ranking_verdict(summ['ranking'], 1) == 'reproduced'
+  assert common.ranking_verdict(summ['ranking'], 1) == 'reproduced'
   # The gate: drift 0.002 at the last alpha, floor 0.008, below every
   # effect it applies to (the gap 0.01, claim 1's 1.0).
   assert summ['gate']['floor'] == pytest.approx(0.008, abs=0.004)
@@ -123,7 +127,7 @@ def test_summary_maps_uptrained_losses_to_scratch_steps_and_judges_claims():
   # Claim 1: 1.0 nats above the control at 0.05: the interval excludes the
   # paper's margin; from one source that is "not reproduced at this scale",
   # never "contradicted" (the trend over source length decides that).
-  assert uptrain_report._near_verdict(summ['near'][1], 2, 0.02).startswith(
+  assert single_reading._near_verdict(summ['near'][1], 2, 0.02).startswith(
       'not reproduced at this scale (one source')
   assert summ['recall']['arms']['mean_K1']['k'] == 2
   assert summ['recall']['scratch'][1]['median'] == 602
@@ -131,34 +135,34 @@ def test_summary_maps_uptrained_losses_to_scratch_steps_and_judges_claims():
 
 def test_the_gate_fails_when_the_control_drifts_by_a_claimed_effect():
   drifting = {**UP, 'identity': lambda s: SOURCE + 0.02 * s / 16}
-  summ = uptrain_report.summary(_results(drifting, noise=0.0005))
+  summ = single_summary.summary(_results(drifting, noise=0.0005))
   assert not summ['gate']['passes']
   # Only effects against the source or control: an arm-vs-arm difference
   # (mean - first, 0.05 < the floor 0.08) cancels the shared drift.
   assert [name for name, _ in summ['gate']['below']] == [
       'K=1 - MHA from scratch']
-  assert uptrain_report.ranking_verdict(summ['ranking'], 1) == 'reproduced'
-  assert 'not to arm-vs-arm differences' in uptrain_report.GATE_RULE
+  assert common.ranking_verdict(summ['ranking'], 1) == 'reproduced'
+  assert 'not to arm-vs-arm differences' in single_summary.GATE_RULE
 
 
 def test_near_mha_and_the_optimizer_start_are_read_with_their_intervals():
   near = {**UP, 'mean': lambda s: SOURCE + 0.01 if s else 3.5}
-  summ = uptrain_report.summary(_results(near, noise=0.0005,
+  summ = single_summary.summary(_results(near, noise=0.0005,
                                          pooled_gain=0.03))
-  assert uptrain_report._near_verdict(summ['near'][1], 2, 0.02) == \
+  assert single_reading._near_verdict(summ['near'][1], 2, 0.02) == \
       'reproduced'
   assert all(c['holm'] and c['mean'] == pytest.approx(-0.03, abs=0.003)
              for c in summ['start'])
-  assert uptrain_report._start_recommendation(summ['start']).startswith(
+  assert single_reading._start_recommendation(summ['start']).startswith(
       '**pooled** Adam wins')
-  noisy = uptrain_report.summary(_results(near, noise=0.05))
-  recommendation = uptrain_report._start_recommendation(noisy['start'])
+  noisy = single_summary.summary(_results(near, noise=0.05))
+  recommendation = single_reading._start_recommendation(noisy['start'])
   assert recommendation.startswith('not claimed after Holm (mean K=1: '
                                    'detectable 0.') and 'not as the better' \
       in recommendation
   # Claim 1 with an interval straddling the margin: not claimed, not
   # "not reproduced"; the detectable difference is printed.
-  assert uptrain_report._near_verdict(noisy['near'][1], 2, 0.02).startswith(
+  assert single_reading._near_verdict(noisy['near'][1], 2, 0.02).startswith(
       'not claimed (detectable 0.')
 
 
@@ -171,31 +175,31 @@ def test_claim_2_tells_unresolved_from_contradicted():
             {'K': 1, 'better': 'first', 'worse': 'random', 'holm': True,
              'mean': -0.11, 'sd': 0.01, 'n': 4, 'low': -0.126,
              'high': -0.094, 'detectable': 0.02}]
-  assert uptrain_report.ranking_verdict(family, 1) == (
+  assert common.ranking_verdict(family, 1) == (
       'not claimed (mean < first: not claimed, detectable 0.0213 nats; '
       'first < random: reproduced)')
   # Resolved the other way (first beats mean, beyond what seeds detect).
   family[0].update(holm=True, mean=0.05, low=0.03, high=0.07)
-  assert uptrain_report.ranking_verdict(family, 1).startswith('contradicted')
+  assert common.ranking_verdict(family, 1).startswith('contradicted')
   # Resolved and Holm-rejected, but below the detectable effect: not claimed.
   family[0].update(mean=0.0043, sd=0.0025, low=0.0003, high=0.0083)
-  assert uptrain_report.ranking_verdict(family, 1).startswith(
+  assert common.ranking_verdict(family, 1).startswith(
       'not claimed (mean < first: not claimed')
 
 
 def test_recall_median_counts_censored_seeds_beyond_every_observed_one():
-  assert uptrain_report.censored_median([500, None, 575]) == 575
-  assert uptrain_report.censored_median([500, None, None]) == math.inf
-  assert uptrain_report._median({'k': 3, 'median': 6.0, 'steps': [5, 6, 7]},
+  assert single_summary.censored_median([500, None, 575]) == 575
+  assert single_summary.censored_median([500, None, None]) == math.inf
+  assert single_reading._median({'k': 3, 'median': 6.0, 'steps': [5, 6, 7]},
                                 '192 steps') == ' (median 6 steps; each: 5, 6, 7)'
-  assert uptrain_report._median({'k': 1, 'median': math.inf,
+  assert single_reading._median({'k': 1, 'median': math.inf,
                                  'steps': [500, None, None]},
                                 '192 steps').startswith(' (median > 192 steps')
 
 
 def test_claim_3_reads_each_seed_on_its_own_scratch_curve():
   results = _results(UP)  # Every seed's uptrained loss is 3.0.
-  summ = uptrain_report.summary(results)
+  summ = single_summary.summary(results)
   # Seed s's K = 1 scratch curve is 5.01 + 0.001 (s - 2) - step / 30: on
   # the seed-mean curve every seed would read 60.3.
   E = summ['compute'][1][2]['E']
@@ -205,9 +209,9 @@ def test_claim_3_reads_each_seed_on_its_own_scratch_curve():
   # A seed without a scratch run falls back to the seed-mean curve, named.
   results['lm']['scratch'] = [r for r in results['lm']['scratch']
                               if r['seed'] != 3]
-  summ = uptrain_report.summary(results)
+  summ = single_summary.summary(results)
   assert summ['compute_unpaired'][1] == [3]
-  lines = '\n'.join(uptrain_report.reading(results, summ))
+  lines = '\n'.join(single_reading.reading(results, summ))
   assert 'seeds 3 have no scratch run' in lines
 
 
@@ -236,7 +240,7 @@ def _with_task_scores(results):
 
 def test_task_scores_are_paired_against_the_control_at_each_alpha():
   results = _with_task_scores(_results(UP, noise=0.0005))
-  summ = uptrain_report.summary(results)
+  summ = single_summary.summary(results)
   assert list(summ['tasks']) == ['uptrained α = 0.05 (4 steps)',
                                  'uptrained α = 0.2 (16 steps)',
                                  'from scratch, step 120']
@@ -252,7 +256,7 @@ def test_task_scores_are_paired_against_the_control_at_each_alpha():
       stats.detectable(d.sd, 3))
   scratch = summ['tasks']['from scratch, step 120'][0]
   assert (scratch['arm'], scratch['reference']) == ('K=1', 'MHA')
-  text = '\n'.join(uptrain_report.task_lines(results))
+  text = '\n'.join(single_tables.task_lines(results))
   assert 'differs from the run\'s by at most 3.0e-07 nats' in text
   assert 'The source: choice acc 0.55.' in text
   assert '| choice | acc ↑ | 0.52 [' in text  # The control's mean.
@@ -261,58 +265,62 @@ def test_task_scores_are_paired_against_the_control_at_each_alpha():
   assert '**not** the run' not in text
   results['lm']['tasks']['runs'][0]['run_loss'] = 3.01  # A replay off.
   assert '**not** the run\'s state' in '\n'.join(
-      uptrain_report.task_lines(results))
-  assert uptrain_report.task_lines(_results(UP)) == []  # No --tasks.
+      single_tables.task_lines(results))
+  assert single_tables.task_lines(_results(UP)) == []  # No --tasks.
 
 
 def test_mla_plan_matches_the_gqa_targets_cache_bytes():
-  mc = config_lib.model_config(uptrain_study.source_config('uptrain_source',
-                                                           None))
+  mc = config_lib.model_config(design.source_config('uptrain_source', None))
   # N = 4 heads of H = 16, RoPE: 2·N = 8 RoPE dims (a pair per head), the
   # rest of 2·K·H to the latent.
   for K, rank in ((2, 56), (1, 24)):
-    plan = uptrain_study.mla_plan(mc, K)
+    plan = design.mla_plan(mc, K)
     assert (plan['kv_lora_rank'], plan['qk_rope_head_dim']) == (rank, 8)
     assert plan['kv_bytes_per_token'] == plan['gqa_kv_bytes_per_token'] == \
         2 * K * 16 * mc.num_layers * 4  # float32.
-  recall = config_lib.model_config(uptrain_study.source_config(
+  recall = config_lib.model_config(design.source_config(
       'uptrain_recall', None))  # No RoPE: the whole budget to the latent.
-  plan = uptrain_study.mla_plan(recall, 1)
+  plan = design.mla_plan(recall, 1)
   assert (plan['kv_lora_rank'], plan['qk_rope_head_dim']) == (32, 0)
   assert plan['kv_bytes_per_token'] == plan['gqa_kv_bytes_per_token']
   # A latent capped at its full rank (d_model 16 < 2·2·16 - 8): the
   # nearest, and the bytes say so.
-  narrow = uptrain_study.mla_plan(dataclasses.replace(mc, d_model=16), 2)
+  narrow = design.mla_plan(dataclasses.replace(mc, d_model=16), 2)
   assert narrow['kv_lora_rank'] == 16
   assert narrow['kv_bytes_per_token'] < narrow['gqa_kv_bytes_per_token']
 
 
 def test_gta_and_gla_plans_sit_at_mla_belows_cache_bytes():
-  mc = config_lib.model_config(uptrain_study.source_config('uptrain_source',
-                                                           None))
-  below = uptrain_study.mla_below_plan(mc, [2, 1])
+  mc = config_lib.model_config(design.source_config('uptrain_source', None))
+  below = design.mla_below_plan(mc, [2, 1])
   assert below['kv_bytes_per_token'] == 32 * mc.num_layers * 4  # GQA-1's.
   # GLA-2: MLA-below's latent and RoPE dims, so its bytes.
-  gla = uptrain_study.gla_plan(mc, [2, 1])
+  gla = design.gla_plan(mc, [2, 1])
   assert (gla['kv_lora_rank'], gla['qk_rope_head_dim'],
           gla['latent_groups']) == (24, 8, 2)
   assert gla['kv_bytes_per_token'] == below['kv_bytes_per_token']
+  # What the reports read of a plan, and the conversion it passes through
+  # (`train.convert.to_mla`, the one place that reads those settings).
+  assert to_mla.latent(gla) == (24, 8, 2) and to_mla.latent(below) == (
+      24, 8, 1)
+  assert to_mla.arguments(gla) == dict(kv_lora_rank=24, qk_rope_head_dim=8,
+                                       latent_groups=2)
   # GTA caches K·H + Y (H = 16, Y even in 2..14, K | 4): 32 numbers is not
   # among them; 30 (K = 1, Y = 14) and 34 (K = 2, Y = 2) are as near, and
   # the tie goes to the smaller cache. Its GQA partner: K = 1 (32 numbers).
-  gta = uptrain_study.gta_plan(mc, below['kv_bytes_per_token'], [2, 1])
+  gta = design.gta_plan(mc, below['kv_bytes_per_token'], [2, 1])
   assert (gta['K'], gta['qk_rope_head_dim']) == (1, 14)
   assert gta['kv_bytes_per_token'] == 30 * mc.num_layers * 4
   assert (gta['partner_K'], gta['partner_kv_bytes_per_token']) == (
       1, below['kv_bytes_per_token'])
   # Where a layout has the bytes exactly, it is the one: GQA-2's 64 numbers
   # is GTA K = 2 with a 32-wide key, out of range; 40 = K = 2, Y = 8 is in.
-  exact = uptrain_study.gta_plan(mc, 40 * mc.num_layers * 4, [2, 1])
+  exact = design.gta_plan(mc, 40 * mc.num_layers * 4, [2, 1])
   assert (exact['K'], exact['qk_rope_head_dim']) == (2, 8)
   assert exact['kv_bytes_per_token'] == exact['target_kv_bytes_per_token']
   # GLA needs 2 groups to divide the latent: tiny's MLA-below has R = 1.
-  tiny = config_lib.model_config(uptrain_study.source_config('tiny', 40))
-  assert uptrain_study.gla_plan(tiny, [1]) is None
+  tiny = config_lib.model_config(design.source_config('tiny', 40))
+  assert design.gla_plan(tiny, [1]) is None
 
 
 def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
@@ -321,18 +329,18 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
   mla = lambda s, seed: UP['mean'](s) - (0.03 if s == 0 else
                                          0.1 + 0.002 * (seed - 2))
   results = _results(UP, noise=0.0005, mla=mla)
-  summ = uptrain_report.summary(results)
+  summ = single_summary.summary(results)
   K1 = summ['mla']['by_K'][1]
   assert K1['minus_gqa'][0]['mean'] == pytest.approx(-0.03)
   assert K1['minus_gqa'][0]['sd'] == 0  # Deterministic: one measurement.
   assert [c['mean'] for c in K1['minus_gqa'][1:]] == pytest.approx(
       [-0.1] * 5, abs=0.003)
   cell = summ['mla']['paper'][0]
-  assert cell['holm'] and uptrain_report._mla_verdict(cell) == 'MLA lower'
+  assert cell['holm'] and single_reading._mla_verdict(cell) == 'MLA lower'
   # The single-source default run's K=2: +0.0065 [+0.0010, +0.0120], 4 seeds.
   small = {'mean': 0.0065, 'sd': 0.003457, 'n': 4, 'low': 0.0010,
            'high': 0.0120, 'holm': True, 'detectable': 0.0072}
-  assert uptrain_report._mla_verdict(small) == (  # pylint: disable=protected-access
+  assert single_reading._mla_verdict(small) == (  # pylint: disable=protected-access
       'GQA lower by less than the seeds detect: not claimed (detectable '
       '0.0072 nats)')
   # E on GQA K=1's scratch curve: loss 2.9 at the paper's alpha.
@@ -340,8 +348,8 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
       30 * (5.01 + 0.001 * (s - 2) - (2.9 - 0.002 * (s - 2)))
       for s in (1, 2, 3)], atol=0.1)
   assert summ['recall']['arms']['mla_K1']['k'] == 3
-  text = '\n'.join(uptrain_report.reading(results, summ) +
-                   uptrain_report.tables(results, summ))
+  text = '\n'.join(single_reading.reading(results, summ) +
+                   single_tables.tables(results, summ))
   assert ('equal cache bytes, K = 1: MLA lower** at α = 0.05' in text and
           'kv_lora_rank 24 + 8 RoPE dims = 32 numbers per token and layer, '
           '256 bytes/token as GQA K = 1\'s 256' in text)
@@ -355,18 +363,18 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
   assert 'MLA lower** at α = 0.05 (MLA minus GQA, paired by seed, Holm ' \
          'over the 1 K): -0.09' in text and ', detectable 0.0' in text
   # A same-loss MLA: not resolved, with what the seeds could detect.
-  same = uptrain_report.summary(_results(
+  same = single_summary.summary(_results(
       UP, noise=0.0005, mla=lambda s, seed: UP['mean'](s) + 0.001 * (
           seed - 2)))
-  assert uptrain_report._mla_verdict(same['mla']['paper'][0]).startswith(
+  assert single_reading._mla_verdict(same['mla']['paper'][0]).startswith(
       'not claimed (detectable 0.')
   # Results from before the MLA arm read as before.
-  assert 'mla' not in uptrain_report.summary(_results(UP, noise=0.0005))
+  assert 'mla' not in single_summary.summary(_results(UP, noise=0.0005))
 
 
 @pytest.mark.slow  # The plots: about 3 s.
 def test_the_report_states_each_claim_and_its_provenance(tmp_path, capsys):
-  uptrain_report.write(tmp_path, _results(
+  single_tables.write(tmp_path, _results(
       UP, noise=0.0005, mla=lambda s, seed: UP['mean'](s) - 0.1))
   text = (tmp_path / 'report.md').read_text()
   assert '### MHA → MLA at K = 1\'s cache bytes' in text
@@ -448,7 +456,7 @@ def _check_task_scores(out, results, include):
   from evaluation import evaluate  # pylint: disable=import-outside-toplevel
   tasks = results['lm']['tasks']
   assert sorted((r['method'], r['seed'], r['step']) for r in tasks['runs']
-                ) == sorted((m, s, a) for m in uptrain_report.UP_METHODS
+                ) == sorted((m, s, a) for m in single_summary.UP_METHODS
                             for s in (1, 2) for a in (4, 16))
   for r in tasks['runs']:
     assert 0 <= r['scores']['gqa_lab_choice']['acc'] <= 1

@@ -514,29 +514,9 @@ class _Window:
 
 def _train(run: Run, config, should_stop, on_eval=None) -> dict:
   tc = config.train
-  state, workdir = run.state, run.workdir
   if run.start >= tc.steps:
-    final = workdir / 'final.json'
-    finished = final.exists()
-    if jax.process_count() > 1:  # Process 0 writes it: its view decides.
-      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-      finished = bool(multihost_utils.broadcast_one_to_all(np.array(finished)))
-    if finished:
-      run.reporter.message(
-          f'{workdir} is already trained to step {run.start} (train.steps='
-          f'{tc.steps}); nothing to do. Raise --config.train.steps to train '
-          'on, or use a new --workdir')
-      return json.loads(final.read_text()) if final.exists() else {}
-    # Stopped between its last save and final.json: the record is the last
-    # checkpoint's evaluation (the held-out numbers the run logged at that
-    # step; every process evaluates, as the collective needs), so a study
-    # reading final.json gets the run's numbers, not an empty record.
-    run.reporter.message(
-        f'{workdir} is trained to step {run.start} but its final.json was '
-        'never written (stopped after the last save); evaluating that '
-        'checkpoint to write it')
-    return _finish(run, tc, run.evaluate(state.params), None)
-
+    return _trained(run, tc)
+  state = run.state
   train_seconds = 0.0  # Wall time in train steps, excluding eval and saving.
   window, record, stopped_at = _Window(), {}, None
   for step in range(run.start, tc.steps):
@@ -573,6 +553,32 @@ def _train(run: Run, config, should_stop, on_eval=None) -> dict:
       break
   run.checkpointer.wait()
   return _finish(run, tc, record, stopped_at)
+
+
+def _trained(run: Run, tc) -> dict:
+  """A run already at train.steps: its final.json, written first if it
+  stopped between its last save and writing it."""
+  workdir = run.workdir
+  final = workdir / 'final.json'
+  finished = final.exists()
+  if jax.process_count() > 1:  # Process 0 writes it: its view decides.
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    finished = bool(multihost_utils.broadcast_one_to_all(np.array(finished)))
+  if finished:
+    run.reporter.message(
+        f'{workdir} is already trained to step {run.start} (train.steps='
+        f'{tc.steps}); nothing to do. Raise --config.train.steps to train '
+        'on, or use a new --workdir')
+    return json.loads(final.read_text()) if final.exists() else {}
+  # Stopped between its last save and final.json: the record is the last
+  # checkpoint's evaluation (the held-out numbers the run logged at that
+  # step; every process evaluates, as the collective needs), so a study
+  # reading final.json gets the run's numbers, not an empty record.
+  run.reporter.message(
+      f'{workdir} is trained to step {run.start} but its final.json was '
+      'never written (stopped after the last save); evaluating that '
+      'checkpoint to write it')
+  return _finish(run, tc, run.evaluate(run.state.params), None)
 
 
 def _stop_agreed(should_stop: Callable[[], bool], n: int,

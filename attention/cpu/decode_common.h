@@ -1,16 +1,27 @@
 // What the two decode kernels share (grouped_decode.cc: separate keys and
-// values; tied_decode.cc: grouped-tied attention's tied states): the
-// 16-float vectors, a work unit's online softmax, the threads, the checks.
+// values; tied_decode.cc: a cached state that is both, GTA's tied states
+// and MLA's latents): the 16-float vectors, a block's logits against
+// position-major keys, a work unit's online softmax and weighted sum, the
+// threads, the checks.
 //
 // Letters as in attention/core.py: B batch rows, T queries per row, S cached
-// positions per row, N query heads, K KV heads, G = N / K, H head dim; R = G·T
-// query rows of one KV head, row r = g·T + t; L positions per block (a page
-// of p, or kDenseBlock of a dense cache).
+// positions per row, N query heads, K KV heads (a tied kernel's state heads),
+// G = N / K, H a query's features, W a value's (and the output's; H for
+// grouped-query attention); R = G·T query rows of one KV head, row
+// r = g·T + t; L positions per block (a page of p, or a dense cache's
+// block: kDenseBlock, DenseStateBlock).
 //
 // A work unit is one (batch row, KV head): its R query rows stream the
 // head's cache once, block by block, with an online softmax. A kernel's unit
-// function computes a block's logits [R, n] and hands them here
-// (SoftmaxBlock), then adds the weighted values (AccumulateBlock).
+// function computes a block's logits [R, n] (PositionMajorLogits where a
+// position's key is a row of the cache), hands them to SoftmaxBlock, then
+// adds the weighted values (MixBlock).
+//
+// The vector loops put what they read once in registers and what they use
+// many times in lanes: a block's logits are 16 positions at a time, each
+// row's 16 partial sums reduced together (Reduce16x16), never one
+// horizontal sum per position; a weighted sum keeps up to 8 rows x 48
+// features of sums in registers while each value vector is read once.
 //
 // Everything below is inline: the hot parts are compiled into each of a
 // kernel's multi-versioned unit functions (GQA_LAB_CLONES), for its target.
@@ -46,7 +57,17 @@ namespace gqa_lab {
 
 namespace ffi = xla::ffi;
 
-constexpr int64_t kDenseBlock = 64;  // A dense cache's positions per block.
+// A dense cache's positions per block. Grouped-query attention's keys
+// [H, S] are H runs of positions, each read kDenseBlock at a time: at 64
+// (256 B of float32 a run) one core streamed a cache from memory at 9-16
+// GB per second of its time, at 256 at 12-25 (B = 256 of 2,048 positions,
+// N = 8 or 16, K = 1 to 16; 512 no better: 2-core Zen 5 EPYC,
+// 2026-12-04). A state kernel (tied_decode.cc) reads each block twice,
+// its logits then its weighted sum, so its block is what fits
+// kBlockBytes (DenseStateBlock): MLA48's 64 float32 a position at 256
+// positions (64 KiB) left L1 and was 15% slower than at 64.
+constexpr int64_t kDenseBlock = 256;
+constexpr int64_t kBlockBytes = 24 << 10;
 // The cache bytes a call spans per thread it wakes: below it, waking an
 // intra-op thread (tens of microseconds while the pool sleeps, as it does
 // between one-request decode steps) costs more than the thread saves. At 1
@@ -72,6 +93,13 @@ GQA_LAB_INLINE float ToFloat(bf16 x) {
 typedef float F16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;  // Query rows whose sums are kept in registers.
+
+// Positions per block of a dense state cache of `position_bytes` a
+// position: kBlockBytes' worth, a multiple of 16 from 64 to kDenseBlock.
+inline int64_t DenseStateBlock(int64_t position_bytes) {
+  const int64_t fit = kBlockBytes / std::max<int64_t>(position_bytes, 1);
+  return std::clamp<int64_t>(fit - fit % kLanes, 64, kDenseBlock);
+}
 
 GQA_LAB_INLINE F16 Load16(const float* x) {
   F16 v;
@@ -106,6 +134,34 @@ GQA_LAB_INLINE float Sum16(F16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// One step of Reduce16x16: x and y each hold 16/P sums as P partials (lane
+// P·o + q: partial q of sum o); the result holds their 32/P sums, x's
+// first, as P/2 partials (lane (P/2)·o + q: partials q and q + P/2 added).
+#define GQA_LAB_HALVE(x, y, P)                                            \
+  (__builtin_shufflevector(x, y, GQA_LAB_IDX16(P, 0)) +                   \
+   __builtin_shufflevector(x, y, GQA_LAB_IDX16(P, P / 2)))
+#define GQA_LAB_IDX(P, d, l) (P * ((l) / (P / 2)) + (l) % (P / 2) + d)
+#define GQA_LAB_IDX16(P, d)                                                \
+  GQA_LAB_IDX(P, d, 0), GQA_LAB_IDX(P, d, 1), GQA_LAB_IDX(P, d, 2),       \
+      GQA_LAB_IDX(P, d, 3), GQA_LAB_IDX(P, d, 4), GQA_LAB_IDX(P, d, 5),   \
+      GQA_LAB_IDX(P, d, 6), GQA_LAB_IDX(P, d, 7), GQA_LAB_IDX(P, d, 8),   \
+      GQA_LAB_IDX(P, d, 9), GQA_LAB_IDX(P, d, 10), GQA_LAB_IDX(P, d, 11), \
+      GQA_LAB_IDX(P, d, 12), GQA_LAB_IDX(P, d, 13), GQA_LAB_IDX(P, d, 14), \
+      GQA_LAB_IDX(P, d, 15)
+
+// Lane p: the sum of a[p]'s lanes. 15 steps of two shuffles and an add (8,
+// 4, 2, 1 pairs), where 16 Sum16 would take 16 trees of 4.
+GQA_LAB_INLINE F16 Reduce16x16(const F16 a[16]) {
+  F16 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k) b[k] = GQA_LAB_HALVE(a[2 * k], a[2 * k + 1], 16);
+  for (int k = 0; k < 4; ++k) c[k] = GQA_LAB_HALVE(b[2 * k], b[2 * k + 1], 8);
+  for (int k = 0; k < 2; ++k) d[k] = GQA_LAB_HALVE(c[2 * k], c[2 * k + 1], 4);
+  return GQA_LAB_HALVE(d[0], d[1], 2);
+}
+#undef GQA_LAB_HALVE
+#undef GQA_LAB_IDX16
+#undef GQA_LAB_IDX
+
 // e^x, 16 at a time: Cephes' expf (relative error ~1e-7); 0 below -87
 // (where e^x leaves float32's normal range), so a masked logit (-inf)
 // weighs exactly 0.
@@ -135,66 +191,86 @@ GQA_LAB_INLINE void Prefetch(const E* data, int64_t count) {
   }
 }
 
-// acc[r0..r0+RC-1, h:h+16·HV] += weights[rows, i] · values[i, h:h+16·HV]
-// over the block's seen positions; one row takes HV = 4, so that its
-// additions do not wait on each other.
-template <int RC, int HV, typename E>
-GQA_LAB_INLINE void Accumulate(const float* weights_RL, int64_t L, int64_t r0,
-                               int64_t h, int64_t H, int64_t n,
-                               const char* seen_L, const E* values,
-                               float* acc_RH) {
-  F16 sum[RC][HV];
-  for (int j = 0; j < RC; ++j) {
-    for (int u = 0; u < HV; ++u) {
-      sum[j][u] = Load16(acc_RH + (r0 + j) * H + h + u * kLanes);
+// How 16-float vectors cover the features [0, width) of a cached vector:
+// at 0, 16, ..., and, for a remainder, one more ending at `width`, whose
+// first `skip` lanes the vector before it covers already. Below 16 features
+// (which a vector would overrun) none: the features are taken one by one.
+struct Cover {
+  int64_t width = 0, vectors = 0, skip = 0;
+  static Cover Of(int64_t width) {
+    Cover c;
+    c.width = width;
+    if (width >= kLanes) {
+      c.vectors = (width + kLanes - 1) / kLanes;
+      c.skip = c.vectors * kLanes - width;
     }
+    return c;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    if (!seen_L[i]) continue;
-    F16 v[HV];
-    for (int u = 0; u < HV; ++u) v[u] = Load16(values + i * H + h + u * kLanes);
-    for (int j = 0; j < RC; ++j) {
-      const float w = weights_RL[(r0 + j) * L + i];
-      for (int u = 0; u < HV; ++u) sum[j][u] += w * v[u];
-    }
+  GQA_LAB_INLINE int64_t Offset(int64_t v) const {
+    return std::min(v * kLanes, width - kLanes);
   }
-  for (int j = 0; j < RC; ++j) {
-    for (int u = 0; u < HV; ++u) {
-      Store16(acc_RH + (r0 + j) * H + h + u * kLanes, sum[j][u]);
-    }
+  GQA_LAB_INLINE int64_t Scalars() const { return vectors ? 0 : width; }
+  // Features of vector v that it alone covers: lanes [First(v), 16).
+  GQA_LAB_INLINE int64_t First(int64_t v) const {
+    return v == vectors - 1 ? skip : 0;
   }
-}
+};
 
 enum class Layout { kPaged, kDense };
 
 // The queries' side of a decode call, which both kernels' problems extend
 // with their cache.
 struct Step {
-  int64_t B, T, N, K, H, S;
-  int64_t L;  // Positions per block: p, or kDenseBlock.
+  int64_t B, T, N, K, S;
+  int64_t H;  // A query row's features.
+  int64_t W;  // A value's features, the output's.
+  int64_t L;  // Positions per block: p, or a dense cache's block.
+  // Position-major keys (PositionMajorLogits): a query row's features
+  // [0, I) meet a key's own [0, I) (key.width = I), and its features
+  // [I, I + Y) a second key of Y shared by the K heads (rope.width = Y;
+  // GTA's and MLA's RoPE key), I + Y = H. The values' cover: value.
+  Cover key, rope, value;
   const float* query;  // [B, T, N, H].
   const bool* visible;  // [B or 1, T, S].
   bool visible_per_row;  // [B, T, S], else [1, T, S].
   float scale, soft_cap;
-  float* out;  // [B, T, N, H].
+  float* out;  // [B, T, N, W].
+
+  int64_t R() const { return N / K * T; }
+  // A row's weighted sums: the value cover's vectors, or its scalars.
+  int64_t AccWidth() const {
+    return value.vectors ? value.vectors * kLanes : value.width;
+  }
 };
 
 // One worker's buffers, sized for any unit of the call.
 struct Scratch {
-  std::vector<float> q_RH, acc_RH, logits_RL, max_R, total_R;
+  std::vector<float> q_RH, logits_RL, max_R, total_R;
+  // [R, key + rope vectors, 16]: the queries as PositionMajorLogits meets
+  // the covers. (Floats, read and written as vectors with Load16 and
+  // Store16: a vector's alignment in a std::vector is the base target's.)
+  std::vector<float> q_vectors;
+  std::vector<float> acc;  // [R, AccWidth()]: the weighted sums.
   std::vector<char> seen_L;
+  bool all_seen;  // Every query of the unit sees every position of the block.
   explicit Scratch(const Step& st) {
-    const int64_t R = st.N / st.K * st.T;
+    const int64_t R = st.R();
     q_RH.resize(R * st.H);
-    acc_RH.resize(R * st.H);
+    q_vectors.resize(R * (st.key.vectors + st.rope.vectors) * kLanes);
+    acc.resize(R * st.AccWidth());
     logits_RL.resize(R * st.L);
     max_R.resize(R);
     total_R.resize(R);
     seen_L.resize(st.L);
   }
+  float* Acc(const Step& st, int64_t r) {
+    return acc.data() + r * st.AccWidth();
+  }
 };
 
-// Unit (b, k)'s start: its query rows, times the scale, in s.q_RH; empty
+// Unit (b, k)'s start: its query rows, times the scale, in s.q_RH, and as
+// the vectors that meet the key and rope covers in s.q_vectors (a
+// remainder vector's lanes that the vector before it covers: zero); empty
 // sums.
 GQA_LAB_INLINE void BeginUnit(const Step& st, int64_t b, int64_t k,
                               Scratch& s) {
@@ -206,7 +282,20 @@ GQA_LAB_INLINE void BeginUnit(const Step& st, int64_t b, int64_t k,
       for (int64_t h = 0; h < H; ++h) row[h] = q[h] * st.scale;
     }
   }
-  std::fill(s.acc_RH.begin(), s.acc_RH.end(), 0.0f);
+  const int64_t V = st.key.vectors + st.rope.vectors;
+  for (int64_t r = 0; r < st.R(); ++r) {
+    const float* q = s.q_RH.data() + r * H;
+    for (int64_t v = 0; v < V; ++v) {
+      const bool rope = v >= st.key.vectors;
+      const Cover& c = rope ? st.rope : st.key;
+      const int64_t u = rope ? v - st.key.vectors : v;
+      const float* from = q + (rope ? st.key.width : 0) + c.Offset(u);
+      F16 x = Load16(from);
+      for (int64_t l = 0; l < c.First(u); ++l) x[l] = 0.0f;
+      Store16(s.q_vectors.data() + (r * V + v) * kLanes, x);
+    }
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.max_R.begin(), s.max_R.end(), kMinusInf);
   std::fill(s.total_R.begin(), s.total_R.end(), 0.0f);
 }
@@ -216,18 +305,121 @@ GQA_LAB_INLINE const bool* VisibleOfRow(const Step& st, int64_t b) {
   return st.visible + (st.visible_per_row ? b * st.T * st.S : 0);
 }
 
+// 16 bools as 16 lanes of 0 or -1 (true), to select with.
+typedef int32_t I16 __attribute__((vector_size(64)));
+GQA_LAB_INLINE I16 Mask16(const bool* x) {
+  typedef char C16 __attribute__((vector_size(16)));
+  C16 bytes;
+  __builtin_memcpy(&bytes, x, sizeof(bytes));
+  return __builtin_convertvector(bytes, I16) != 0;
+}
+
 // s.seen_L[i]: whether any of the T queries sees position s0 + i of the
 // block's n; false when none sees any (the block is then not read at all).
+// s.all_seen: whether every query sees every position (no mask to apply).
 GQA_LAB_INLINE bool SeenInBlock(const Step& st, const bool* visible_TS,
                                 int64_t s0, int64_t n, Scratch& s) {
-  bool any = false;
+  bool any = false, all = true;
   for (int64_t i = 0; i < n; ++i) {
     bool seen = false;
-    for (int64_t t = 0; t < st.T; ++t) seen |= visible_TS[t * st.S + s0 + i];
+    for (int64_t t = 0; t < st.T; ++t) {
+      const bool v = visible_TS[t * st.S + s0 + i];
+      seen |= v;
+      all &= v;
+    }
     s.seen_L[i] = seen;
     any |= seen;
   }
+  s.all_seen = all;
   return any;
+}
+
+// A block's position-major keys as PositionMajorLogits reads them: the
+// n positions of `key` (a position's features `stride` apart; its first
+// st.key.width met by the queries) and of `rope` (st.rope.width each, or
+// none), each with an int8 cache's scale per position (null: 1).
+template <typename E>
+struct KeyBlock {
+  const E* key;
+  int64_t stride;
+  const float* key_scale;
+  const E* rope;
+  const float* rope_scale;
+};
+
+// Row r's logit at one position, its features one by one beyond the
+// vectors (a remainder of fewer than 16).
+template <typename E>
+GQA_LAB_INLINE float ScalarLogit(const Step& st, const float* q,
+                                 const KeyBlock<E>& kb, int64_t i) {
+  float key = 0.0f, rope = 0.0f;
+  for (int64_t h = 0; h < st.key.Scalars(); ++h) {
+    key += q[h] * ToFloat(kb.key[i * kb.stride + h]);
+  }
+  for (int64_t h = 0; h < st.rope.Scalars(); ++h) {
+    rope += q[st.key.width + h] * ToFloat(kb.rope[i * st.rope.width + h]);
+  }
+  return key * (kb.key_scale ? kb.key_scale[i] : 1.0f) +
+         rope * (kb.rope_scale ? kb.rope_scale[i] : 1.0f);
+}
+
+// Row r's 16 partial sums of its logit at positions i0..i0+15 (key part
+// times its scale, plus rope part times its), or at position i0 alone
+// (kOne).
+template <int kCount, typename E>
+GQA_LAB_INLINE void PartialSums(const Step& st, const float* qv,
+                                const KeyBlock<E>& kb, int64_t i0,
+                                F16 sum[kCount]) {
+  for (int p = 0; p < kCount; ++p) sum[p] = F16{};
+  for (int64_t v = 0; v < st.key.vectors; ++v) {
+    const E* x = kb.key + i0 * kb.stride + st.key.Offset(v);
+    const F16 q = Load16(qv + v * kLanes);
+    for (int p = 0; p < kCount; ++p) sum[p] += q * Load16(x + p * kb.stride);
+  }
+  if (kb.key_scale != nullptr) {
+    for (int p = 0; p < kCount; ++p) sum[p] *= kb.key_scale[i0 + p];
+  }
+  for (int64_t v = 0; v < st.rope.vectors; ++v) {
+    const int64_t Y = st.rope.width;
+    const E* x = kb.rope + i0 * Y + st.rope.Offset(v);
+    const F16 q = Load16(qv + (st.key.vectors + v) * kLanes);
+    for (int p = 0; p < kCount; ++p) {
+      sum[p] += (kb.rope_scale ? q * kb.rope_scale[i0 + p] : q) *
+                Load16(x + p * Y);
+    }
+  }
+}
+
+// s.logits_RL [R, n]: each row against the block's position-major keys,
+// 16 positions at a time (a row's 16 partial-sum vectors reduced
+// together), a last block's odd positions one by one. Unseen positions
+// get logits too (SoftmaxBlock masks them).
+template <typename E>
+GQA_LAB_INLINE void PositionMajorLogits(const Step& st, const KeyBlock<E>& kb,
+                                        int64_t n, Scratch& s) {
+  const int64_t R = st.R(), L = st.L;
+  const int64_t V = st.key.vectors + st.rope.vectors;
+  const bool scalars = st.key.Scalars() + st.rope.Scalars() > 0;
+  const int64_t n16 = n - n % kLanes;
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qv = s.q_vectors.data() + r * V * kLanes;
+    const float* q = s.q_RH.data() + r * st.H;
+    float* logits = s.logits_RL.data() + r * L;
+    for (int64_t i = 0; i < n16; i += kLanes) {
+      F16 sum[kLanes];
+      PartialSums<kLanes>(st, qv, kb, i, sum);
+      F16 x = Reduce16x16(sum);
+      if (scalars) {
+        for (int p = 0; p < kLanes; ++p) x[p] += ScalarLogit(st, q, kb, i + p);
+      }
+      Store16(logits + i, x);
+    }
+    for (int64_t i = n16; i < n; ++i) {
+      F16 sum[1];
+      PartialSums<1>(st, qv, kb, i, sum);
+      logits[i] = Sum16(sum[0]) + (scalars ? ScalarLogit(st, q, kb, i) : 0.0f);
+    }
+  }
 }
 
 // Online softmax of the block's logits s.logits_RL [R, n] (scaled, int8
@@ -235,35 +427,42 @@ GQA_LAB_INLINE bool SeenInBlock(const Step& st, const bool* visible_TS,
 // against each row's running max; earlier blocks' sums are rescaled to it.
 GQA_LAB_INLINE void SoftmaxBlock(const Step& st, const bool* visible_TS,
                                  int64_t s0, int64_t n, Scratch& s) {
-  const int64_t R = st.N / st.K * st.T, T = st.T, S = st.S, L = st.L;
-  const int64_t H = st.H;
+  const int64_t R = st.R(), T = st.T, S = st.S, L = st.L;
   const int64_t n16 = n - n % kLanes;  // Positions in whole vectors.
   for (int64_t r = 0; r < R; ++r) {
-    const bool* visible_S = visible_TS + (r % T) * S + s0;
+    const bool* visible_S = visible_TS + (T == 1 ? 0 : r % T * S) + s0;
     float* logits = s.logits_RL.data() + r * L;
     if (st.soft_cap > 0.0f) {
       for (int64_t i = 0; i < n; ++i) {
         logits[i] = st.soft_cap * std::tanh(logits[i] / st.soft_cap);
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      logits[i] = visible_S[i] ? logits[i] : kMinusInf;
-    }
+    // Masked (unless every position is seen) and the block's max, in one
+    // pass.
     F16 max16 = F16{} + kMinusInf;
     for (int64_t i = 0; i < n16; i += kLanes) {
-      const F16 x = Load16(logits + i);
+      F16 x = Load16(logits + i);
+      if (!s.all_seen) {
+        x = Mask16(visible_S + i) ? x : F16{} + kMinusInf;
+        Store16(logits + i, x);
+      }
       max16 = x > max16 ? x : max16;
     }
     float block_max = kMinusInf;
     for (int j = 0; j < kLanes; ++j) block_max = std::max(block_max, max16[j]);
-    for (int64_t i = n16; i < n; ++i) block_max = std::max(block_max, logits[i]);
+    for (int64_t i = n16; i < n; ++i) {
+      logits[i] = visible_S[i] ? logits[i] : kMinusInf;
+      block_max = std::max(block_max, logits[i]);
+    }
     if (block_max == kMinusInf) {
       std::fill(logits, logits + n, 0.0f);
       continue;
     }
-    const float new_max = std::max(s.max_R[r], block_max);
-    const float rescale = std::exp(s.max_R[r] - new_max);  // 0 at first.
-    s.max_R[r] = new_max;
+    const float old_max = s.max_R[r];
+    const float new_max = std::max(old_max, block_max);
+    const float rescale = new_max == old_max ? 1.0f
+                                             : std::exp(old_max - new_max);
+    s.max_R[r] = new_max;  // (rescale 0 at first: e^-inf.)
     F16 total16 = {};
     for (int64_t i = 0; i < n16; i += kLanes) {
       const F16 w = Exp16(Load16(logits + i) - new_max);
@@ -277,8 +476,8 @@ GQA_LAB_INLINE void SoftmaxBlock(const Step& st, const bool* visible_TS,
     }
     s.total_R[r] = s.total_R[r] * rescale + total;
     if (rescale != 1.0f) {
-      float* acc = s.acc_RH.data() + r * H;
-      for (int64_t h = 0; h < H; ++h) acc[h] *= rescale;
+      float* acc = s.Acc(st, r);
+      for (int64_t h = 0; h < st.AccWidth(); ++h) acc[h] *= rescale;
     }
   }
 }
@@ -289,65 +488,108 @@ GQA_LAB_INLINE void SoftmaxBlock(const Step& st, const bool* visible_TS,
 GQA_LAB_INLINE void ScaleBlock(const Step& st, int64_t n, const float* scale,
                                Scratch& s) {
   if (scale == nullptr) return;
-  const int64_t R = st.N / st.K * st.T, L = st.L;
+  const int64_t R = st.R(), L = st.L;
   float* logits_RL = s.logits_RL.data();
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t i = 0; i < n; ++i) logits_RL[r * L + i] *= scale[i];
   }
 }
 
-// acc [R, H] += weights s.logits_RL [R, n] x values [n, H] (an int8 value's
-// scale already in its weight): each value read once per kRows rows (from
-// L1), the unseen positions skipped.
-template <typename E>
-GQA_LAB_INLINE void AccumulateBlock(const Step& st, int64_t n,
-                                    const E* values, Scratch& s) {
-  const int64_t R = st.N / st.K * st.T, H = st.H, L = st.L;
-  const int64_t R4 = R - R % kRows;
+// Rows r0..r0+RC-1's sums of value vectors v0..v0+VC-1 += their weights
+// times the block's seen values [n, stride]: RC·VC sums in registers, each
+// value vector read once for the RC rows.
+template <int RC, int VC, typename E>
+GQA_LAB_INLINE void MixTile(const Step& st, int64_t r0, int64_t v0,
+                            int64_t n, const E* values, int64_t stride,
+                            Scratch& s) {
+  const int64_t L = st.L, A = st.AccWidth() / kLanes;
   const float* weights_RL = s.logits_RL.data();
   const char* seen_L = s.seen_L.data();
-  float* acc_RH = s.acc_RH.data();
-  if (H % kLanes == 0) {
-    for (int64_t h = 0; h < H; h += kLanes) {
-      for (int64_t r = 0; r < R4; r += kRows) {
-        Accumulate<kRows, 1>(weights_RL, L, r, h, H, n, seen_L, values,
-                             acc_RH);
-      }
+  float* acc = s.acc.data();
+  F16 sum[RC][VC];
+  int64_t offset[VC];
+  for (int u = 0; u < VC; ++u) offset[u] = st.value.Offset(v0 + u);
+  for (int j = 0; j < RC; ++j) {
+    for (int u = 0; u < VC; ++u) {
+      sum[j][u] = Load16(acc + ((r0 + j) * A + v0 + u) * kLanes);
     }
-    for (int64_t r = R4; r < R; ++r) {
-      int64_t h = 0;
-      for (; h + 4 * kLanes <= H; h += 4 * kLanes) {
-        Accumulate<1, 4>(weights_RL, L, r, h, H, n, seen_L, values, acc_RH);
-      }
-      for (; h < H; h += kLanes) {
-        Accumulate<1, 1>(weights_RL, L, r, h, H, n, seen_L, values, acc_RH);
-      }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (!seen_L[i]) continue;
+    F16 v[VC];
+    for (int u = 0; u < VC; ++u) v[u] = Load16(values + i * stride + offset[u]);
+    for (int j = 0; j < RC; ++j) {
+      const float w = weights_RL[(r0 + j) * L + i];
+      for (int u = 0; u < VC; ++u) sum[j][u] += w * v[u];
     }
-  } else {
+  }
+  for (int j = 0; j < RC; ++j) {
+    for (int u = 0; u < VC; ++u) {
+      Store16(acc + ((r0 + j) * A + v0 + u) * kLanes, sum[j][u]);
+    }
+  }
+}
+
+// Rows r0..r0+RC-1 over every value vector, three at a time.
+template <int RC, typename E>
+GQA_LAB_INLINE void MixRows(const Step& st, int64_t r0, int64_t n,
+                            const E* values, int64_t stride, Scratch& s) {
+  const int64_t V = st.value.vectors;
+  int64_t v = 0;
+  for (; v + 3 <= V; v += 3) MixTile<RC, 3>(st, r0, v, n, values, stride, s);
+  if (V - v == 2) MixTile<RC, 2>(st, r0, v, n, values, stride, s);
+  if (V - v == 1) MixTile<RC, 1>(st, r0, v, n, values, stride, s);
+}
+
+// acc [R, W] += weights s.logits_RL [R, n] x the block's values [n, W],
+// a value's features `stride` apart (an int8 value's scale already in its
+// weight); the unseen positions skipped.
+template <typename E>
+GQA_LAB_INLINE void MixBlock(const Step& st, int64_t n, const E* values,
+                             int64_t stride, Scratch& s) {
+  const int64_t R = st.R();
+  if (st.value.vectors == 0) {  // Fewer than 16 features: one by one.
+    const int64_t L = st.L, W = st.value.width;
     for (int64_t i = 0; i < n; ++i) {
-      if (!seen_L[i]) continue;
+      if (!s.seen_L[i]) continue;
       for (int64_t r = 0; r < R; ++r) {
-        const float w = weights_RL[r * L + i];
-        for (int64_t h = 0; h < H; ++h) {
-          acc_RH[r * H + h] += w * ToFloat(values[i * H + h]);
+        const float w = s.logits_RL[r * L + i];
+        float* acc = s.Acc(st, r);
+        for (int64_t h = 0; h < W; ++h) {
+          acc[h] += w * ToFloat(values[i * stride + h]);
         }
       }
     }
+    return;
   }
+  int64_t r = 0;
+  for (; r + 8 <= R; r += 8) MixRows<8>(st, r, n, values, stride, s);
+  for (; r + 4 <= R; r += 4) MixRows<4>(st, r, n, values, stride, s);
+  for (; r < R; ++r) MixRows<1>(st, r, n, values, stride, s);
 }
 
 // Unit (b, k)'s end: out[b, :, k·G:(k+1)·G, :] = its sums / totals (zeros
 // for a row that saw nothing).
 GQA_LAB_INLINE void EndUnit(const Step& st, int64_t b, int64_t k,
-                            const Scratch& s) {
-  const int64_t G = st.N / st.K, T = st.T, H = st.H;
+                            Scratch& s) {
+  const int64_t G = st.N / st.K, T = st.T, W = st.W;
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t r = g * T + t;
       const float total = s.total_R[r];
       const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-      float* out = st.out + ((b * T + t) * st.N + k * G + g) * H;
-      for (int64_t h = 0; h < H; ++h) out[h] = s.acc_RH[r * H + h] * inverse;
+      const float* acc = s.Acc(st, r);
+      float* out = st.out + ((b * T + t) * st.N + k * G + g) * W;
+      if (st.value.vectors == 0) {
+        for (int64_t h = 0; h < W; ++h) out[h] = acc[h] * inverse;
+        continue;
+      }
+      for (int64_t v = 0; v < st.value.vectors; ++v) {
+        const int64_t at = st.value.Offset(v);
+        for (int64_t l = st.value.First(v); l < kLanes; ++l) {
+          out[at + l] = acc[v * kLanes + l] * inverse;
+        }
+      }
     }
   }
 }
@@ -404,26 +646,55 @@ inline ffi::Error Fail(const char* target, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(target) + ": " + what);
 }
 
-// Checks the query [B, T, N, H] against the cache's K and H and fills st's
-// B, T, N, K, H.
+// Checks the query [B, T, N, H] against the cache's K and fills st's B, T,
+// N, K, H.
 inline ffi::Error CheckQuery(const char* target, ffi::Buffer<ffi::F32>& query,
-                             int64_t K, int64_t H, Step& st) {
+                             int64_t K, Step& st) {
   auto qd = query.dimensions();
-  if (qd.size() != 4 || qd[3] != H || K < 1 || qd[2] % K) {
+  if (qd.size() != 4 || K < 1 || qd[2] % K) {
     return Fail(target, "query " + Dims(qd) +
-                " is not [B, T, N, H] with H = " + std::to_string(H) +
-                " and N a multiple of K = " + std::to_string(K));
+                " is not [B, T, N, H] with N a multiple of K = " +
+                std::to_string(K));
   }
   st.B = qd[0];
   st.T = qd[1];
   st.N = qd[2];
   st.K = K;
-  st.H = H;
+  st.H = qd[3];
   return ffi::Error::Success();
 }
 
-// Checks the mask and the output against st's B, T, S (set by the caller,
-// with CheckQuery's fields) and fills the rest of st.
+// Checks a paged pool of P pages of p positions and the page table [B, M]
+// read through it: every entry a page of the pool (an empty pool has none,
+// and a wrong id would read another sequence's page, or outside the pool).
+// Fills st's S and L.
+inline ffi::Error CheckPages(const char* target, int64_t P, int64_t p,
+                             ffi::BufferR2<ffi::S32>& page_table, Step& st) {
+  auto td = page_table.dimensions();
+  if (td[0] != st.B) {
+    return Fail(target, "page table " + Dims(td) + " has not B = " +
+                std::to_string(st.B) + " rows");
+  }
+  if (P < 1 || p < 1) {
+    return Fail(target, "an empty pool (" + std::to_string(P) + " pages of " +
+                std::to_string(p) + " positions): allocate its pages first");
+  }
+  const int32_t* table = page_table.typed_data();
+  for (int64_t e = 0; e < td[0] * td[1]; ++e) {
+    if (table[e] < 0 || table[e] >= P) {
+      return Fail(target, "page_table[" + std::to_string(e / td[1]) + ", " +
+                  std::to_string(e % td[1]) + "] = " +
+                  std::to_string(table[e]) + " is not a page of the pool's " +
+                  std::to_string(P) + " (0 to " + std::to_string(P - 1) + ")");
+    }
+  }
+  st.L = p;
+  st.S = td[1] * p;
+  return ffi::Error::Success();
+}
+
+// Checks the mask and the output against st's B, T, S, N, W (set by the
+// caller) and fills the rest of st.
 inline ffi::Error CheckStep(const char* target, ffi::Buffer<ffi::F32>& query,
                             ffi::Buffer<ffi::PRED>& visible, float scale,
                             float soft_cap,
@@ -439,8 +710,10 @@ inline ffi::Error CheckStep(const char* target, ffi::Buffer<ffi::F32>& query,
   }
   auto od = out->dimensions();
   if (od.size() != 4 || od[0] != st.B || od[1] != st.T || od[2] != st.N ||
-      od[3] != st.H) {
-    return Fail(target, "output " + Dims(od) + " is not the query's shape");
+      od[3] != st.W) {
+    return Fail(target, "output " + Dims(od) + " is not [B, T, N, W] = [" +
+                std::to_string(st.B) + ", " + std::to_string(st.T) + ", " +
+                std::to_string(st.N) + ", " + std::to_string(st.W) + "]");
   }
   st.query = query.typed_data();
   st.visible = visible.typed_data();

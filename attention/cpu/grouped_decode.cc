@@ -35,22 +35,9 @@
 namespace gqa_lab {
 namespace {
 
-// Logits of rows r0..r0+RC-1 against one key [H] (H a multiple of 16).
-template <int RC, typename E>
-GQA_LAB_INLINE void DotRows(const float* q_RH, int64_t r0, int64_t H,
-                            const E* key, float* logits_RL, int64_t L,
-                            int64_t i) {
-  F16 sum[RC] = {};
-  for (int64_t h = 0; h < H; h += kLanes) {
-    const F16 k = Load16(key + h);
-    for (int j = 0; j < RC; ++j) sum[j] += Load16(q_RH + (r0 + j) * H + h) * k;
-  }
-  for (int j = 0; j < RC; ++j) logits_RL[(r0 + j) * L + i] = Sum16(sum[j]);
-}
-
-// Logits of rows r0..r0+RC-1 at 16·PV positions from keys [H, stride].
-// RC·PV independent sums: one row (MHA) takes PV = 4, so that its additions
-// do not wait on each other.
+// Logits of rows r0..r0+RC-1 at 16·PV positions from keys [H, stride]
+// (a dense cache's transposed keys): RC·PV independent sums, each key
+// vector read once for the RC rows.
 template <int RC, int PV, typename E>
 GQA_LAB_INLINE void DotColumns(const float* q_RH, int64_t r0, int64_t H,
                                const E* keys, int64_t stride,
@@ -71,10 +58,36 @@ GQA_LAB_INLINE void DotColumns(const float* q_RH, int64_t r0, int64_t H,
   }
 }
 
+// Rows r0..r0+RC-1's logits at the block's n positions from keys [H, S]
+// from column s0 (already offset): 64 positions at a time, then 16, then
+// the last block's odd positions one by one.
+template <int RC, typename E>
+GQA_LAB_INLINE void ColumnLogits(const float* q_RH, int64_t r0, int64_t H,
+                                 const E* keys, int64_t S, int64_t n,
+                                 float* logits_RL, int64_t L) {
+  const int64_t n16 = n - n % kLanes;
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n16; i += 4 * kLanes) {
+    DotColumns<RC, 4>(q_RH, r0, H, keys + i, S, logits_RL + i, L);
+  }
+  for (; i < n16; i += kLanes) {
+    DotColumns<RC, 1>(q_RH, r0, H, keys + i, S, logits_RL + i, L);
+  }
+  for (; i < n; ++i) {
+    for (int j = 0; j < RC; ++j) {
+      float dot = 0.0f;
+      for (int64_t h = 0; h < H; ++h) {
+        dot += q_RH[(r0 + j) * H + h] * ToFloat(keys[h * S + i]);
+      }
+      logits_RL[(r0 + j) * L + i] = dot;
+    }
+  }
+}
+
 struct Problem : Step {
   int64_t P, M;  // Paged only.
-  const void* key;
-  const void* value;
+  const void* keys;
+  const void* values;
   const float* key_scale;  // Null for a float cache.
   const float* value_scale;
   const int32_t* page_table;  // Paged only.
@@ -82,16 +95,13 @@ struct Problem : Step {
 
 // The index of block j's first position in the cache's [.., positions]
 // order: its values start at this times H, its scales here. Paged: page
-// page_table[b, j] of KV head k (clamped into the pool: a bad table entry
-// reads a wrong page, never outside the pool); dense: row b·K + k, position
-// s0.
+// page_table[b, j] of KV head k (checked to be in the pool, CheckPages);
+// dense: row b·K + k, position s0.
 template <Layout layout>
 GQA_LAB_INLINE int64_t FirstOfBlock(const Problem& pr, int64_t b, int64_t k,
                                     int64_t j, int64_t s0) {
   if constexpr (layout == Layout::kPaged) {
-    const int64_t page =
-        std::clamp<int64_t>(pr.page_table[b * pr.M + j], 0, pr.P - 1);
-    return (k * pr.P + page) * pr.L;
+    return (k * pr.P + pr.page_table[b * pr.M + j]) * pr.L;
   } else {
     return (b * pr.K + k) * pr.S + s0;
   }
@@ -100,16 +110,14 @@ GQA_LAB_INLINE int64_t FirstOfBlock(const Problem& pr, int64_t b, int64_t k,
 // Unit (b, k): out[b, :, k·G:(k+1)·G, :] for its R = G·T query rows.
 template <typename E, Layout layout>
 GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
-  const int64_t K = pr.K, T = pr.T, H = pr.H, S = pr.S;
-  const int64_t L = pr.L, R = pr.N / K * T;
+  const int64_t K = pr.K, H = pr.H, S = pr.S, L = pr.L, R = pr.R();
   const int64_t b = unit / K, k = unit % K;
   BeginUnit(pr, b, k, s);
   const float* q_RH = s.q_RH.data();
   float* logits_RL = s.logits_RL.data();
-  const char* seen_L = s.seen_L.data();
   const bool* visible_TS = VisibleOfRow(pr, b);
-  const E* keys = static_cast<const E*>(pr.key);
-  const E* values = static_cast<const E*>(pr.value);
+  const E* keys = static_cast<const E*>(pr.keys);
+  const E* values = static_cast<const E*>(pr.values);
 
   for (int64_t s0 = 0, j = 0; s0 < S; s0 += L, ++j) {
     const int64_t n = std::min(L, S - s0);
@@ -140,62 +148,28 @@ GQA_LAB_INLINE void AttendUnit(const Problem& pr, int64_t unit, Scratch& s) {
       for (int64_t h = 0; h < H; ++h) Prefetch(key_block + h * S + L, ahead);
     }
 
-    // Logits [R, n]: each key read once for the R rows, kRows rows at a time
-    // (their sums in registers), the remaining rows one by one.
-    const int64_t R4 = R - R % kRows;
-    const int64_t n16 = n - n % kLanes;  // Positions in whole vectors.
+    // Logits [R, n]. Paged keys [p, H], a position's key a row: 16
+    // positions at a time (PositionMajorLogits, the key's scale in it).
+    // Dense keys [H, S], positions in lanes: kRows rows at a time, each key
+    // vector read once for them, then the key's scale.
     if constexpr (layout == Layout::kPaged) {
-      for (int64_t i = 0; i < n; ++i) {
-        if (!seen_L[i]) continue;
-        const E* key = key_block + i * H;
-        if (H % kLanes == 0) {
-          for (int64_t r = 0; r < R4; r += kRows) {
-            DotRows<kRows>(q_RH, r, H, key, logits_RL, L, i);
-          }
-          for (int64_t r = R4; r < R; ++r) {
-            DotRows<1>(q_RH, r, H, key, logits_RL, L, i);
-          }
-        } else {
-          for (int64_t r = 0; r < R; ++r) {
-            float dot = 0.0f;
-            for (int64_t h = 0; h < H; ++h) {
-              dot += q_RH[r * H + h] * ToFloat(key[h]);
-            }
-            logits_RL[r * L + i] = dot;
-          }
-        }
-      }
+      PositionMajorLogits(pr, KeyBlock<E>{key_block, H, key_scale, nullptr,
+                                          nullptr}, n, s);
     } else {
-      for (int64_t i = 0; i < n16; i += kLanes) {
-        for (int64_t r = 0; r < R4; r += kRows) {
-          DotColumns<kRows, 1>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
-        }
+      int64_t r = 0;
+      for (; r + kRows <= R; r += kRows) {
+        ColumnLogits<kRows>(q_RH, r, H, key_block, S, n, logits_RL, L);
       }
-      for (int64_t r = R4; r < R; ++r) {
-        int64_t i = 0;
-        for (; i + 4 * kLanes <= n16; i += 4 * kLanes) {
-          DotColumns<1, 4>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
-        }
-        for (; i < n16; i += kLanes) {
-          DotColumns<1, 1>(q_RH, r, H, key_block + i, S, logits_RL + i, L);
-        }
+      for (; r < R; ++r) {
+        ColumnLogits<1>(q_RH, r, H, key_block, S, n, logits_RL, L);
       }
-      for (int64_t i = n16; i < n; ++i) {  // A last block's odd positions.
-        for (int64_t r = 0; r < R; ++r) {
-          float dot = 0.0f;
-          for (int64_t h = 0; h < H; ++h) {
-            dot += q_RH[r * H + h] * ToFloat(key_block[h * S + i]);
-          }
-          logits_RL[r * L + i] = dot;
-        }
-      }
+      ScaleBlock(pr, n, key_scale, s);
     }
-    ScaleBlock(pr, n, key_scale, s);
 
     SoftmaxBlock(pr, visible_TS, s0, n, s);
 
     ScaleBlock(pr, n, value_scale, s);  // An int8 value's scale: its weight's.
-    AccumulateBlock(pr, n, value_block, s);
+    MixBlock(pr, n, value_block, H, s);
   }
   EndUnit(pr, b, k, s);
 }
@@ -249,12 +223,14 @@ ffi::Error CheckCommon(Problem& pr, const char* target,
                 " values, the cache " + std::to_string(scale_count) +
                 " positions and KV heads");
   }
+  pr.W = pr.H;
+  pr.value = Cover::Of(pr.H);
   if (auto e = CheckStep(target, query, visible, scale, soft_cap, out, pr);
       e.failure()) {
     return e;
   }
-  pr.key = key.untyped_data();
-  pr.value = value.untyped_data();
+  pr.keys = key.untyped_data();
+  pr.values = value.untyped_data();
   pr.key_scale = int8 ? key_scale.typed_data() : nullptr;
   pr.value_scale = int8 ? value_scale.typed_data() : nullptr;
   return ffi::Error::Success();
@@ -274,6 +250,17 @@ ffi::Error Launch(ffi::ThreadPool& pool, const Problem& pr, Layout layout,
   return ffi::Error::Success();
 }
 
+// Checks the query's head dim against the cache's H.
+ffi::Error CheckHeadDim(const char* target, ffi::Buffer<ffi::F32>& query,
+                        int64_t H, const Problem& pr) {
+  if (pr.H != H) {
+    return Fail(target, "query " + Dims(query.dimensions()) +
+                " is not [B, T, N, H] with H = " + std::to_string(H) +
+                ", the cache's");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
                        ffi::AnyBuffer key, ffi::AnyBuffer value,
                        ffi::Buffer<ffi::F32> key_scale,
@@ -288,19 +275,16 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
                 Dims(value.dimensions()) + " are not both [K, P, p, H]");
   }
   Problem pr{};
-  if (auto e = CheckQuery(target, query, kd[0], kd[3], pr); e.failure()) {
+  if (auto e = CheckQuery(target, query, kd[0], pr); e.failure()) return e;
+  if (auto e = CheckHeadDim(target, query, kd[3], pr); e.failure()) return e;
+  if (auto e = CheckPages(target, kd[1], kd[2], page_table, pr);
+      e.failure()) {
     return e;
   }
-  auto td = page_table.dimensions();
-  if (td[0] != pr.B) {
-    return Fail(target, "page table " + Dims(td) + " has not B = " +
-                std::to_string(pr.B) + " rows");
-  }
   pr.P = kd[1];
-  pr.L = kd[2];
-  pr.M = td[1];
-  pr.S = pr.M * pr.L;
+  pr.M = page_table.dimensions()[1];
   pr.page_table = page_table.typed_data();
+  pr.key = Cover::Of(pr.H);  // The keys are position-major: [p, H].
   if (auto e = CheckCommon(pr, target, query, key, value, key_scale,
                            value_scale, visible, scale, soft_cap, out,
                            kd[0] * kd[1] * kd[2]);
@@ -331,9 +315,10 @@ ffi::Error DenseDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> query,
                 " rows");
   }
   Problem pr{};
-  if (auto e = CheckQuery(target, query, kd[0] / B, kd[1], pr); e.failure()) {
+  if (auto e = CheckQuery(target, query, kd[0] / B, pr); e.failure()) {
     return e;
   }
+  if (auto e = CheckHeadDim(target, query, kd[1], pr); e.failure()) return e;
   pr.S = kd[2];
   pr.L = std::min<int64_t>(kDenseBlock, std::max<int64_t>(pr.S, 1));
   if (auto e = CheckCommon(pr, target, query, key, value, key_scale,

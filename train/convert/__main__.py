@@ -82,6 +82,16 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
+  _check_ends(f)
+  _check_targets(f)
+  if f.to_gguf or f.to_hf or f.from_hf:
+    _interop(f)
+  else:
+    _convert(f)
+
+
+def _check_ends(f):
+  """One source and one destination, and --to_gguf's flags: UserError."""
   if bool(f.source) == bool(f.from_hf):
     raise UserError('give one of --source (a workdir) or --from_hf (a '
                     'Hugging Face folder)')
@@ -101,6 +111,11 @@ def main(argv):
   if f['dtype'].present and not f.to_gguf:
     raise UserError('--dtype is the weights\' dtype in a GGUF file; give it '
                     'with --to_gguf, or leave it out')
+
+
+def _check_targets(f):
+  """One conversion into another layout at most, from a workdir into a
+  workdir, with only the flags it uses: UserError."""
   chosen = [f'--{name}' for name in TARGETS if f[name].value]
   if len(chosen) > 1:
     raise UserError(f'give one of {", ".join(chosen)}')
@@ -137,6 +152,11 @@ def main(argv):
                     '(at most min(d_model, 2·K·H - --qk_rope_head_dim) for K '
                     'KV heads of H dims: the full rank, every K/V direction '
                     'kept)')
+
+
+def _interop(f):
+  """--to_gguf, --to_hf or --from_hf: a GGUF or Hugging Face file out, or a
+  Hugging Face folder in."""
   if f.to_gguf:
     info = to_gguf.export(f.source, f.to_gguf, f.dtype)
     print(f'wrote {f.to_gguf}: {info["arch"]} ({info["dtype"]}, '
@@ -155,7 +175,11 @@ def main(argv):
             f'{f.workdir} can train only on token ids (.bin files); to train '
             f'on text, copy the model\'s {tokenizer_lib.FILE} into both',
             file=sys.stderr)
-    return
+
+
+def _convert(f):
+  """--source into --workdir: into another layout (TARGETS), or to
+  --num_kv_heads."""
   if f.to_gta:
     info = convert_to_gta(f.source, f.workdir, f.num_kv_heads,
                           f.qk_rope_head_dim, f.method, f.seed)

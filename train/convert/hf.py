@@ -86,20 +86,8 @@ def model_fields(hf: dict) -> dict[str, Any]:
     return hf_deepseek.model_fields(hf, _rope)
   get = lambda key, default=None: (hf[key] if hf.get(key) is not None
                                    else default)
-  problems = []
-  if get('mlp_bias', False):
-    problems.append('mlp_bias=true')
-  if get('attention_bias', False) and family != 'qwen2':
-    problems.append('attention_bias=true (a bias on o_proj)')
-  if get('use_bidirectional_attention', False):
-    problems.append('use_bidirectional_attention=true')
-  if family == 'gemma3_text' and get('attn_logit_softcapping'):
-    problems.append("attn_logit_softcapping, which transformers' Gemma 3 "
-                    'does not apply (so its logits would not be ours)')
+  problems = _unsupported(get, family)
   activation = get('hidden_activation') or get('hidden_act', 'silu')
-  if activation not in ACTIVATIONS:
-    problems.append(f'hidden_act={activation!r} (supported: '
-                    f'{", ".join(ACTIVATIONS)})')
   window, pattern = _layer_kinds(hf, family, problems)
   base, scaling, local_base = _rope(hf, family, problems)
   if problems:
@@ -132,6 +120,26 @@ def model_fields(hf: dict) -> dict[str, Any]:
       # layers (Gemma 3's 6 does not divide 26 or 34: unrolled).
       scan_layers=L % len(pattern) == 0,
       scan_unroll=1)  # Deep models: one layer compiled, not four.
+
+
+def _unsupported(get, family: str) -> list[str]:
+  """The settings of a config.json (`get(key, default)`) that lm.model
+  cannot express, each as a phrase."""
+  problems = []
+  if get('mlp_bias', False):
+    problems.append('mlp_bias=true')
+  if get('attention_bias', False) and family != 'qwen2':
+    problems.append('attention_bias=true (a bias on o_proj)')
+  if get('use_bidirectional_attention', False):
+    problems.append('use_bidirectional_attention=true')
+  if family == 'gemma3_text' and get('attn_logit_softcapping'):
+    problems.append("attn_logit_softcapping, which transformers' Gemma 3 "
+                    'does not apply (so its logits would not be ours)')
+  activation = get('hidden_activation') or get('hidden_act', 'silu')
+  if activation not in ACTIVATIONS:
+    problems.append(f'hidden_act={activation!r} (supported: '
+                    f'{", ".join(ACTIVATIONS)})')
+  return problems
 
 
 # config.json fields read as counts: required, or optional (None allowed).
@@ -274,14 +282,7 @@ def family_of(mc, remembered: str | None = None) -> str:
                     'the workdir, or export the MHA/GQA model it was '
                     'converted from')
   if mc.layout.name == 'mla':
-    problems = hf_deepseek.family_problems(mc)
-    if problems:
-      raise UserError(f'no Hugging Face architecture computes '
-                      f'{"; ".join(problems)}; MLA exports as deepseek_v3: keep '
-                      'the workdir, or train the model with DeepSeek\'s '
-                      'settings')
-    return remembered if remembered in hf_deepseek.FAMILIES else (
-        'deepseek_v3')
+    return _deepseek_family(mc, remembered)
   problems = []
   if not mc.use_rope:
     problems.append('model.use_rope=False')
@@ -331,6 +332,17 @@ def family_of(mc, remembered: str | None = None) -> str:
     raise UserError(f'no Hugging Face architecture computes {"; ".join(problems)}'
                     f'; export supports {", ".join(FAMILIES)}')
   return family
+
+
+def _deepseek_family(mc, remembered: str | None) -> str:
+  """An MLA model's model_type: DeepSeek's (the one remembered, else V3)."""
+  problems = hf_deepseek.family_problems(mc)
+  if problems:
+    raise UserError(f'no Hugging Face architecture computes '
+                    f'{"; ".join(problems)}; MLA exports as deepseek_v3: keep '
+                    'the workdir, or train the model with DeepSeek\'s '
+                    'settings')
+  return remembered if remembered in hf_deepseek.FAMILIES else 'deepseek_v3'
 
 
 def hf_config(mc, family: str, base: dict | None = None) -> dict:

@@ -41,12 +41,44 @@ A kv_lora_rank.
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
 from attention.latent import MLA
 from infra.errors import UserError
 from lm import model as model_lib
+
+
+# A conversion's arguments as a study plans one and saves the plan: flat
+# among the plan's own fields, named as `workdirs.convert_to_mla` takes them.
+ARGUMENTS = ('kv_lora_rank', 'qk_rope_head_dim', 'latent_groups')
+
+
+def arguments(record: Mapping) -> dict:
+  """The keyword arguments of an MLA conversion (`convert_to_mla`) that
+  RECORD holds among its own fields: kv_lora_rank, qk_rope_head_dim and
+  latent_groups (1, MLA's, where it holds none)."""
+  return {'latent_groups': 1, **{k: record[k] for k in ARGUMENTS
+                                 if k in record}}
+
+
+class Latent(NamedTuple):
+  """What an MLA conversion caches per token and layer, in a study's
+  words: a latent `width` wide (A, in `groups`: GLA's G) and a RoPE key of
+  `rope` (Y) beside it, A + Y numbers."""
+  width: int
+  rope: int
+  groups: int = 1
+
+
+def latent(record: Mapping) -> Latent:
+  """The Latent of the conversion whose arguments RECORD holds
+  (`arguments`: a saved plan, as studies wrote it before and write it
+  now)."""
+  a = arguments(record)
+  return Latent(a['kv_lora_rank'], a['qk_rope_head_dim'],
+                a['latent_groups'])
 
 
 def check_source(mc, kv_lora_rank: int, qk_rope_head_dim: int,

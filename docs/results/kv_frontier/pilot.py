@@ -5,7 +5,7 @@ The base config: $PILOT_CONFIG (default kv_recall); the pilots used 03c8275's co
 Lines go to /tmp/kv_pilots/NAME/log.txt (the loop's log), the last one also to stdout."""
 import os, sys, time, pathlib, shutil
 import jax, numpy as np
-from scripts import study
+from studies import study
 from lm import config_lib, data
 from lm.model import Transformer
 name, steps, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

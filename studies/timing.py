@@ -1,9 +1,12 @@
-"""How the scripts time things: medians taken in turns, the machine's read
-bandwidth, and a model's decode step as `train.sample` runs it."""
+"""How the benchmarks and studies time things: medians taken in turns, the
+machine's read bandwidth, and a model's decode step as `train.sample` runs
+it."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import pathlib
 import time
 
@@ -12,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train import loop
+from infra import provenance
+from infra.errors import UserError
 from lm import inference
 from lm import sampling
+from train import loop
 from lm.model import Transformer, unroll_layers
 
 
@@ -24,7 +29,16 @@ def median_time(fn, repeats: int) -> float:
 
 def median_times(fns: dict, repeats: int, self_timed: dict | None = None
                  ) -> dict:
-  """{name: median seconds}, the fns timed in turn, round after round.
+  """{name: median seconds}, the fns timed in turn, round after round
+  (`all_times`)."""
+  return {name: float(np.median(t))
+          for name, t in all_times(fns, repeats, self_timed).items()}
+
+
+def all_times(fns: dict, repeats: int, self_timed: dict | None = None
+              ) -> dict:
+  """{name: [seconds of each round]}, the fns timed in turn, round after
+  round.
 
   Interleaving puts every contestant under the same drift of the machine's
   load (on a shared 2-core VM, identical runs vary up to 2x over minutes).
@@ -42,7 +56,7 @@ def median_times(fns: dict, repeats: int, self_timed: dict | None = None
       times[name].append(time.perf_counter() - start)
     for name, fn in self_timed.items():
       times[name].append(fn())
-  return {name: float(np.median(t)) for name, t in times.items()}
+  return times
 
 
 def read_test():
@@ -58,14 +72,18 @@ def read_bandwidth(repeats: int) -> float:
   return nbytes / median_time(fn, repeats)
 
 
+DECODE_STEPS = 8  # Tokens a call of `decode_steps` decodes, by default.
+
+
 def decode_step_seconds(mc, batch: int, context: int, repeats: int,
-                        steps: int = 8) -> float:
+                        steps: int = DECODE_STEPS) -> float:
   """Median time per decoded token (all sequences), cache filled to
   `context` (`decode_steps`)."""
   return median_time(decode_steps(mc, batch, context, steps), repeats) / steps
 
 
-def decode_steps(mc, batch: int, context: int, steps: int = 8):
+def decode_steps(mc, batch: int, context: int,
+                 steps: int = DECODE_STEPS):
   """A function decoding `steps` greedy tokens for `batch` sequences whose
   cache is filled to `context`, each call from the same place.
 
@@ -99,6 +117,70 @@ def decode_steps(mc, batch: int, context: int, steps: int = 8):
     sampled, state['cache'] = run(state['cache'], token)
     return sampled
   return go
+
+
+def ascii_prompts(args) -> list[str]:
+  """--requests prompts of printable ASCII, lengths uniform in
+  --prompt_len (LOW,HIGH), seeded by --seed: the serving benchmarks'
+  JSONL prompts."""
+  low, high = args.prompt_len
+  if low < 1 or low > high:
+    raise UserError(f'--prompt_len={low},{high} must be LOW,HIGH with '
+                    '1 <= LOW <= HIGH')
+  rng = np.random.default_rng(args.seed)
+  return [rng.integers(32, 127, int(rng.integers(low, high + 1))).astype(
+      np.uint8).tobytes().decode() for _ in range(args.requests)]
+
+
+def jax_threads() -> int:
+  """The cores this process (and so JAX's CPU thread pool) may run on."""
+  return len(os.sched_getaffinity(0))
+
+
+def machine() -> dict:
+  """The CPU family, its vector extensions and the cores used
+  (`infra.provenance.machine`), and the load: what a benchmark's figures
+  are printed beside."""
+  return {**provenance.machine(), 'cores': jax_threads(),
+          'load_average': list(os.getloadavg())}
+
+
+def generate_runner(mc, params, prompts: list[np.ndarray], news: list[int],
+                    name: str, **fields):
+  """A function timing lm.inference.generate once over each of `prompts`
+  ([B, P] batches, left-padded) with its `news` tokens, one call after
+  another, each shape compiled here before any clock; its numbers are
+  '<name>_seconds', ... (and `fields`). Tokens counted: the trace's."""
+  model = Transformer(mc, decode=True)
+  compiled, calls = {}, []
+  for prompts_BP, new in zip(prompts, news):
+    args = (params, jnp.asarray(prompts_BP))
+    if (prompts_BP.shape, new) not in compiled:
+      compiled[prompts_BP.shape, new] = jax.jit(functools.partial(
+          inference.generate, model=model, max_new_tokens=new),
+          compiler_options=inference.compiler_options()).lower(*args).compile()
+    calls.append((compiled[prompts_BP.shape, new], args))
+  tokens = fields.pop('tokens')
+
+  def run() -> dict:
+    start, cpu = time.perf_counter(), time.process_time()
+    for fn, args in calls:
+      np.asarray(fn(*args))
+    seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    return {f'{name}_seconds': seconds, f'{name}_cpu_seconds': cpu,
+            f'{name}_tokens_per_sec': tokens / seconds,
+            f'{name}_tokens_per_cpu_sec': tokens / cpu, **fields}
+  return run
+
+
+def alone_runner(mc, params, trace):
+  """The trace (prompt, new tokens) one request after another through
+  lm.inference.generate (`generate_runner`): the one-at-a-time peer of
+  the serving benchmarks."""
+  return generate_runner(mc, params, [p[None] for p, _ in trace],
+                         [new for _, new in trace], 'alone',
+                         tokens=sum(new for _, new in trace))
 
 
 def replace_section(path: str, title: str, body: str):

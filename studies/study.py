@@ -1,4 +1,4 @@
-"""What every study script shares: its common flags, a run trained once and
+"""What every study shares: its common flags, a run trained once and
 quietly, a conversion made once, a result saved as strict JSON and read
 back for --report_only.
 
@@ -185,7 +185,7 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
   log.parent.mkdir(parents=True, exist_ok=True)
   # Where this run was trained (the commit as it starts, not as it ends):
   # a study that reuses it later says so.
-  trained = provenance.record('scripts.study', workdir)
+  trained = provenance.record('studies.study', workdir)
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):
     record = loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)
@@ -291,37 +291,3 @@ def trained_by(workdirs) -> str | None:
       + ([f'{unknown} run{"s" * (unknown != 1)} with no record'] if unknown
          else []))
 
-
-# A report rebuilt from its saved results (--report_only) says where, on a
-# line of its own that starts with this (the tests that rebuild a published
-# report normalise that line alone: the commit and machine of the rebuild).
-REBUILT = 'Statistics and reading rebuilt'
-
-
-def record_rebuild(prov: dict, module: str, out) -> dict:
-  """PROV (a results file's provenance, as saved) with this rebuild beside
-  it, never in its place: 'rebuilt' (the command, commit and machine of
-  this --report_only), and the statistics convention the rebuild applies."""
-  from scripts import stats  # pylint: disable=import-outside-toplevel
-  now = provenance.record(module, out)
-  prov.update(statistics=stats.CONVENTION, rebuilt={
-      k: now[k] for k in ('command', 'commit', 'machine')})
-  return prov
-
-
-def rebuilt_lines(prov: dict, source: str) -> list[str]:
-  """The report's rebuild line (`REBUILT` ...) and a blank line, or none
-  when the results were not rebuilt."""
-  if 'rebuilt' not in prov:
-    return []
-  r = prov['rebuilt']
-  return [f'{REBUILT} from {source} by `{r["command"]}` at commit '
-          f'{r["commit"]}' + (f' on {provenance.describe(r["machine"])}'
-                              if r.get('machine') else '') + '.', '']
-
-
-def normalise_rebuilt(report: str) -> str:
-  """REPORT with its rebuild line (`REBUILT` ...) replaced by the prefix
-  alone: what a rebuild at another commit or machine leaves unchanged."""
-  return '\n'.join(REBUILT if line.startswith(REBUILT) else line
-                   for line in report.split('\n'))

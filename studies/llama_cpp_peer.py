@@ -89,7 +89,7 @@ def started(config, params, threads: int | None = None):
     path = pathlib.Path(tmp, 'model.gguf')
     to_gguf.export(str(workdir), str(path))
     process = subprocess.Popen(
-        [sys.executable, '-m', 'scripts.llama_cpp_peer', f'--model={path}',
+        [sys.executable, '-m', 'studies.llama_cpp_peer', f'--model={path}',
          f'--threads={threads}'], stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True, bufsize=1)
     try:
@@ -133,7 +133,7 @@ class Peer:
                      outputs=outputs)
 
 
-# The worker (python -m scripts.llama_cpp_peer --model=PATH --threads=N).
+# The worker (python -m studies.llama_cpp_peer --model=PATH --threads=N).
 
 class Worker:
   """One model, one context at a time; commands from `Peer`."""
@@ -229,22 +229,7 @@ def serve_trace(worker: Worker, trace, n_ctx: int, slots: int,
     if not running:
       raise ValueError(f'request {waiting[-1]} needs {need(waiting[-1])} '
                        f'cells, more than the {n_ctx} of the cache')
-    entries, owners = [], []
-    for seq, (r, pos, made, token) in running.items():
-      if made:  # Decoding: its last token.
-        entries.append((token, pos, seq, True))
-        owners.append(seq)
-    for seq, state in running.items():  # Prefill what fits beside them.
-      r, pos, made, _ = state
-      prompt = trace[r][0]
-      if made or len(entries) >= N_BATCH:
-        continue
-      chunk = prompt[pos:pos + N_BATCH - len(entries)]
-      ends = pos + len(chunk) == len(prompt)
-      entries += [(t, pos + i, seq, ends and i == len(chunk) - 1)
-                  for i, t in enumerate(chunk)]
-      state[1] = pos + len(chunk)
-      owners += [seq] if ends else []
+    entries, owners = _batch(running, trace)
     in_flight.append(sum(1 for s in running.values() if s[2]))
     tokens = worker._decode(entries)  # pylint: disable=protected-access
     now = time.perf_counter()
@@ -275,6 +260,31 @@ def serve_trace(worker: Worker, trace, n_ctx: int, slots: int,
           'n_ctx': worker.l.llama_n_ctx(worker.ctx),
           **({'outputs': made_tokens} if outputs else {})}
 
+
+
+def _batch(running: dict, trace) -> tuple[list, list]:
+  """One llama_decode's batch from RUNNING (sequence -> [request,
+  position, tokens made, last token]): every decoding sequence's last token,
+  then the prompt chunks that fit beside them, their positions advanced.
+  Returns the entries (token, position, sequence, logits wanted) and the
+  sequences whose next tokens the logits give, in order."""
+  entries, owners = [], []
+  for seq, (r, pos, made, token) in running.items():
+    if made:  # Decoding: its last token.
+      entries.append((token, pos, seq, True))
+      owners.append(seq)
+  for seq, state in running.items():  # Prefill what fits beside them.
+    r, pos, made, _ = state
+    prompt = trace[r][0]
+    if made or len(entries) >= N_BATCH:
+      continue
+    chunk = prompt[pos:pos + N_BATCH - len(entries)]
+    ends = pos + len(chunk) == len(prompt)
+    entries += [(t, pos + i, seq, ends and i == len(chunk) - 1)
+                for i, t in enumerate(chunk)]
+    state[1] = pos + len(chunk)
+    owners += [seq] if ends else []
+  return entries, owners
 
 def _quiet(level, text, user_data):  # llama.cpp's log: errors only.
   del user_data

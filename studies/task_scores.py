@@ -16,7 +16,7 @@ scored.json of the same settings, the same finished run and the same
 parameters; anything else (other tasks, the run trained again, another
 checkpoint in its place) is scored again. `lines(arms,
 reference)` and `comparisons(arms, reference)`: the report's tables and
-results.json's paired differences (scripts/stats.py).
+results.json's paired differences (studies/stats.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import logging
 import math
 import pathlib
 
-from scripts import stats, study
+from studies import report, stats, study
 from infra.cli import positive_int
 from infra.errors import UserError
 
@@ -205,34 +205,31 @@ def lines(arms: dict, reference: str, better: dict | None = None
   better = better or {}
   labels = list(arms)
   seeds = sorted({s for by_seed in arms.values() for s in by_seed})
-  head = '| task | metric | ' + ' | '.join(labels) + ' |'
-  out = ['Mean [95% interval] over seeds:', '', head,
-         '|---' * (len(labels) + 2) + '|']
   keys = _keys(arms)
-  for task, metric in keys:
-    out.append(f'| {task} | {metric}{_arrow(better, task, metric)} | '
-               + ' | '.join(_estimate(list(_values(arms[a], task, metric)
-                                             .values())) for a in labels)
-               + ' |')
-  out += ['', 'By seed:', '', '| task | metric | seed | ' + ' | '.join(labels)
-          + ' |', '|---' * (len(labels) + 3) + '|']
-  for task, metric in keys:
-    for seed in seeds:
-      cells = [_values(arms[a], task, metric).get(seed) for a in labels]
-      out.append(f'| {task} | {metric} | {seed} | ' + ' | '.join(
-          '-' if v is None else f'{v:.4g}' for v in cells) + ' |')
+  out = ['Mean [95% interval] over seeds:', '', *report.table(
+      ['task', 'metric', *labels],
+      [[task, metric + _arrow(better, task, metric),
+        *(_estimate(list(_values(arms[a], task, metric).values()))
+          for a in labels)] for task, metric in keys])]
+  out += ['', 'By seed:', '', *report.table(
+      ['task', 'metric', 'seed', *labels],
+      [[task, metric, seed, *('-' if v is None else f'{v:.4g}' for v in (
+          _values(arms[a], task, metric).get(seed) for a in labels))]
+       for task, metric in keys for seed in seeds])]
   found = _paired(arms, reference)
   if found:
     out += ['', f'Paired by seed, each minus {reference} (a difference '
-            'below the detectable one is not claimed):', '',
-            '| task | metric | arm | difference [95% interval] | sd of '
-            'differences | detectable |', '|---|---|---|---|---|---|']
-    for c in found:
-      d = c['difference']
-      sd = f'{d.sd:.4g}' if d.n > 1 else '-'
-      detectable = (f'{c["detectable"]:.4g}' if math.isfinite(c['detectable'])
-                    else '-')
-      out.append(f'| {c["task"]} | {c["metric"]}'
-                 f'{_arrow(better, c["task"], c["metric"])} | {c["arm"]} | '
-                 f'{d:+.4g} | {sd} | {detectable} |')
+            'below the detectable one is not claimed):', '', *report.table(
+                ['task', 'metric', 'arm', 'difference [95% interval]',
+                 'sd of differences', 'detectable'],
+                [_paired_cells(c, better) for c in found])]
   return out
+
+
+def _paired_cells(c: dict, better: dict) -> list:
+  """A row of the paired table: an arm's difference on a task's metric."""
+  d = c['difference']
+  return [c['task'], c['metric'] + _arrow(better, c['task'], c['metric']),
+          c['arm'], f'{d:+.4g}', f'{d.sd:.4g}' if d.n > 1 else '-',
+          f'{c["detectable"]:.4g}' if math.isfinite(c['detectable'])
+          else '-']
