@@ -22,10 +22,16 @@ real tokens than the step's T (`num_new`; the rest are padding).
 
 `ModelRunner.run(rows)` takes a plan's rows (`serve.scheduler.Row`), each
 carrying the page ids it reads and writes (the plan is the only message
-from the scheduler: the runner never reads the page manager).
+from the scheduler: the runner never reads the page manager). For rows of
+sequences that ask for log-probabilities (`Sequence.logprobs`), it also
+returns, at each position fed, the log-probability of the token that
+follows there (the next context token, or the one sampled) and the k
+likeliest tokens' (OpenAI's `logprobs`): the model's own distribution,
+log-softmax of the logits before temperature or truncation (vLLM's
+default).
 
 Letters: B rows, T new tokens, M pages per sequence, p page size, P pages,
-V vocabulary.
+V vocabulary, k top log-probabilities.
 """
 
 from __future__ import annotations
@@ -113,21 +119,47 @@ def bucket(n: int, per_octave: int = BUCKETS_PER_OCTAVE) -> int:
   return -(-n // unit) * unit
 
 
+# The most top log-probabilities a position returns (OpenAI's limit for
+# completions).
+MAX_LOGPROBS = 5
+
+
+@dataclasses.dataclass
+class Logprobs:
+  """A row's log-probabilities at its n positions start..start+n-1: of the
+  token that follows each (`chosen` [n]), and the k likeliest tokens'
+  (`top_ids`, `top` [n, k], likeliest first)."""
+  start: int
+  chosen: np.ndarray
+  top_ids: np.ndarray
+  top: np.ndarray
+
+
 def _run_rows(model, params, pool, tokens_BT, table_BM, lengths_B, num_new_B,
-              settings: sampling.Rows, index_B,
-              needs: sampling.Needs | None = None):
+              settings: sampling.Rows, index_B, targets_BT=None,
+              needs: sampling.Needs | None = None, top_k: int | None = None):
   """Each row's tokens written at positions lengths_B.. of its pages (the
   first num_new_B real; None: all T), and one token sampled from the logits
   of each row's last real token, the index_B-th of its request's
-  generation: (tokens [B], the pool). needs (static): what the rows'
-  sampling uses."""
+  generation: (tokens [B], the pool, log-probabilities or None). needs
+  (static): what the rows' sampling uses. top_k (static; None: no
+  log-probabilities): the log-probabilities of targets_BT (the token after
+  each position; -1: the one sampled) [B, T] and the top_k likeliest
+  tokens' ([B, T, top_k] ids and values)."""
   logits_BTV, pool = forward(model, params, pool, tokens_BT, table_BM,
                              lengths_B, num_new_B)
   B, T, _ = logits_BTV.shape
   num_new_B = jnp.full((B,), T) if num_new_B is None else num_new_B
   last_BV = jnp.take_along_axis(
       logits_BTV, jnp.maximum(num_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
-  return sampling.sample(last_BV, settings, index_B, needs), pool
+  tokens_B = sampling.sample(last_BV, settings, index_B, needs)
+  if top_k is None:
+    return tokens_B, pool, None
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  targets_BT = jnp.where(targets_BT < 0, tokens_B[:, None], targets_BT)
+  chosen_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], -1)[..., 0]
+  top_BTk, ids_BTk = jax.lax.top_k(logp_BTV, max(top_k, 1))
+  return tokens_B, pool, (chosen_BT, ids_BTk[..., :top_k], top_BTk[..., :top_k])
 
 
 class ModelRunner:
@@ -152,14 +184,16 @@ class ModelRunner:
     # Programs specialised to what the rows' sampling needs (a greedy batch
     # compiles in about half the time of one that samples).
     self._step = jax.jit(functools.partial(_run_rows, self.model),
-                         donate_argnums=1, static_argnames='needs',
+                         donate_argnums=1, static_argnames=('needs', 'top_k'),
                          compiler_options=inference.compiler_options())
 
-  def run(self, rows: list[Row]) -> dict[str, int]:
-    """{sequence id: its sampled token} for the rows that sample; every
-    row's tokens written into its pages (`Row.pages`, the plan's)."""
+  def run(self, rows: list[Row]) -> tuple[dict[str, int],
+                                          dict[str, Logprobs]]:
+    """({sequence id: its sampled token} for the rows that sample, {id: its
+    row's Logprobs} for rows of sequences that ask for them); every row's
+    tokens written into its pages (`Row.pages`, the plan's)."""
     if not rows:
-      return {}
+      return {}, {}
     B = max(2, bucket(len(rows)))
     T = bucket(max(len(row.tokens) for row in rows))
     M = min(self.max_pages, bucket(max(
@@ -178,12 +212,34 @@ class ModelRunner:
       lengths_B[b], num_new_B[b] = row.start, len(row.tokens)
       index_B[b] = len(row.seq.generated)
       params[b] = row.seq.sampling
+    wanted = [row.seq.logprobs for row in rows
+              if row.seq.logprobs is not None]
+    top_k = max(wanted) if wanted else None
+    targets_BT = None if top_k is None else _targets(rows, B, T)
     # One token per row (decoding): no padding to mask, none passed.
     padded = None if T == 1 else num_new_B
-    tokens_B, self.pool = self._step(self.params, self.pool, tokens_BT,
-                                     table_BM, lengths_B, padded,
-                                     sampling.rows(params), index_B,
-                                     needs=sampling.needs(params))
+    tokens_B, self.pool, logprobs = self._step(
+        self.params, self.pool, tokens_BT, table_BM, lengths_B, padded,
+        sampling.rows(params), index_B, targets_BT,
+        needs=sampling.needs(params), top_k=top_k)
     tokens_B = np.asarray(tokens_B)
-    return {row.seq.id: int(tokens_B[b]) for b, row in enumerate(rows)
-            if row.sample}
+    sampled = {row.seq.id: int(tokens_B[b]) for b, row in enumerate(rows)
+               if row.sample}
+    if logprobs is None:
+      return sampled, {}
+    chosen_BT, ids_BTk, top_BTk = map(np.asarray, logprobs)
+    return sampled, {
+        row.seq.id: Logprobs(row.start, chosen_BT[b, :len(row.tokens)],
+                             ids_BTk[b, :len(row.tokens), :row.seq.logprobs],
+                             top_BTk[b, :len(row.tokens), :row.seq.logprobs])
+        for b, row in enumerate(rows) if row.seq.logprobs is not None}
+
+
+def _targets(rows: list[Row], B: int, T: int) -> np.ndarray:
+  """[B, T]: the token after each row's positions in its context, -1 where
+  it is the one the row samples (and in padding)."""
+  targets_BT = np.full((B, T), -1, np.int32)
+  for b, row in enumerate(rows):
+    after = row.seq.context[row.start + 1:row.end + 1]
+    targets_BT[b, :len(after)] = after
+  return targets_BT

@@ -24,9 +24,15 @@ Policy (vLLM v1's, with JetStream's split of scheduler and model):
      budget and the pages of their first chunk allow (with reserve=True, the
      pages of their peak need beside the running sequences' outstanding
      growth); the first that does not fit stops admission (nothing is
-     preempted for a newcomer).
+     preempted for a newcomer). With the page manager's prefix caching, an
+     admitted sequence first shares the cached pages its context starts with
+     (all but its last token: the row that samples is always computed) and
+     its prefill starts after them; every page a step fills is keyed
+     (`serve.pages`), generated tokens' pages too, so a preempted sequence
+     finds its own pages again when no one has taken them.
 A row that reaches the end of its sequence's context samples its next token.
 Running sequences never outnumber max_rows, so each gets a row every step.
+`abort(id)` ends a sequence wherever it is, its pages returned at once.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ import dataclasses
 import enum
 from typing import Callable, Literal
 
+from serve import pages as pages_lib
 from serve.pages import KVPageManager
 from infra.errors import UserError
 from lm.sampling_params import length_refusal
 
-FinishReason = Literal['length', 'eos', 'stop']
+FinishReason = Literal['length', 'eos', 'stop', 'abort']
 
 
 class Status(enum.Enum):
@@ -63,6 +70,18 @@ class Sequence:
   num_computed: int = 0  # Context tokens whose K/V is in its pages.
   status: Status = Status.WAITING
   finish_reason: FinishReason | None = None
+  # Prefix caching: whether it may start from cached pages (a request that
+  # wants every prompt token's log-probability computes them all); the
+  # hashes of its context's full pages (`pages.page_hashes`); how many of
+  # its pages are keyed or were found keyed; tokens found cached at its last
+  # admission.
+  reads_cache: bool = True
+  page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+  keyed_pages: int = 0
+  cached_tokens: int = 0
+  # The runner's, passed through: top log-probabilities it returns for each
+  # of the sequence's positions (None: none).
+  logprobs: int | None = None
 
   @property
   def context(self) -> list[int]:
@@ -121,9 +140,11 @@ class Stats:
   rows; rows summed over those steps (mean in flight = in_flight / steps);
   tokens fed as decode rows and as prefill chunks (the latter including
   recomputed ones); preemptions and the computed tokens they threw away;
-  requests admitted (re-admissions included), done and refused; the tokens
-  the requests done generated. The engine adds the pool's high-water mark,
-  its size, and the seconds from the first request to the last step."""
+  requests admitted (re-admissions included), done, refused and aborted;
+  the tokens the requests done generated; prefix caching: context tokens
+  looked up at admissions and those found cached (their prefill skipped).
+  The engine adds the pool's high-water mark, its size, and the seconds
+  from the first request to the last step."""
   steps: int = 0
   in_flight: int = 0
   decode_tokens: int = 0
@@ -133,7 +154,10 @@ class Stats:
   admitted: int = 0
   done: int = 0
   refused: int = 0
+  aborted: int = 0
   tokens: int = 0
+  lookup_tokens: int = 0
+  cached_tokens: int = 0
   high_water_pages: int = 0
   usable_pages: int = 0
   page_bytes: int = 0
@@ -142,6 +166,11 @@ class Stats:
   @property
   def mean_in_flight(self) -> float:
     return self.in_flight / self.steps if self.steps else 0.0
+
+  @property
+  def prefix_hit_rate(self) -> float:
+    """Of the context tokens looked up at admission, those found cached."""
+    return self.cached_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
 
 
 class Scheduler:
@@ -180,7 +209,7 @@ class Scheduler:
     self._waiting: list[Sequence] = []  # By arrival.
     self._running: list[Sequence] = []  # By arrival.
     self._prefilling: set[str] = set()  # Running; no sample since admitted.
-    self._live: set[str] = set()  # The ids waiting or running: O(1) checks.
+    self._live: dict[str, Sequence] = {}  # Waiting or running, by id.
     self._arrivals = 0
     self._pending: Plan | None = None  # Scheduled, not yet updated.
 
@@ -193,7 +222,7 @@ class Scheduler:
     seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
     seq.status, seq.num_computed, seq.finish_reason = Status.WAITING, 0, None
     self._waiting.append(seq)
-    self._live.add(seq.id)
+    self._live[seq.id] = seq
 
   def has_unfinished(self) -> bool:
     return bool(self._waiting or self._running)
@@ -234,12 +263,14 @@ class Scheduler:
     while (not plan.preempted and self._waiting and budget > 0 and  # 3. Admit.
            len(self._running) < self.max_rows):
       seq = self._waiting[0]
-      n = min(seq.context_len, self.prefill_chunk, budget)
-      if self.reserve and self._peak(seq) > (self.pages.free_count -
-                                             self._outstanding()):
+      hit = self._cached(seq)
+      # Pages shared with running sequences come from no free page.
+      if self.reserve and (self._peak(seq) - self.pages.held(hit) >
+                           self.pages.free_count - self._outstanding()):
         break
-      if not self.pages.ensure(seq.id, n):
+      if not self._take_pages(seq, hit, budget):
         break
+      n = min(seq.context_len - seq.num_computed, self.prefill_chunk, budget)
       self._waiting.pop(0)
       seq.status = Status.RUNNING
       self._running.append(seq)
@@ -255,6 +286,48 @@ class Scheduler:
     self.stats.prefill_tokens += plan.prefill_tokens
     self._pending = plan
     return plan
+
+  def _cached(self, seq: Sequence) -> list[int]:
+    """The cached pages seq's context starts with, up to the page of its
+    last token (excluded: a row must sample); [] when it reads none."""
+    if not (seq.reads_cache and self.pages.prefix_caching):
+      return []
+    before_last = (seq.context_len - 1) // self.pages.page_size
+    return self.pages.cached_prefix(self._hashes(seq)[:before_last])
+
+  def _take_pages(self, seq: Sequence, hit: list[int], budget: int) -> bool:
+    """Gives a sequence being admitted the cached pages `hit` its context
+    starts with and pages for its first chunk after them; False, nothing
+    held, if the pool lacks them."""
+    self.pages.share(seq.id, hit)
+    start = len(hit) * self.pages.page_size
+    n = min(seq.context_len - start, self.prefill_chunk, budget)
+    if not self.pages.ensure(seq.id, start + n):
+      self.pages.free(seq.id)
+      return False
+    if seq.reads_cache and self.pages.prefix_caching:
+      self.stats.lookup_tokens += seq.context_len
+      self.stats.cached_tokens += start
+    seq.num_computed = seq.cached_tokens = start
+    seq.keyed_pages = len(hit)
+    return True
+
+  def _hashes(self, seq: Sequence) -> list[bytes]:
+    """The hashes of seq's context's full pages, computed once each."""
+    if len(seq.page_hashes) < seq.context_len // self.pages.page_size:
+      pages_lib.page_hashes(seq.context, self.pages.page_size,
+                            seq.page_hashes)
+    return seq.page_hashes
+
+  def _key_pages(self, seq: Sequence):
+    """Keys seq's pages that its computed positions now fill."""
+    full = seq.num_computed // self.pages.page_size
+    if full <= seq.keyed_pages:
+      return
+    held, hashes = self.pages.pages(seq.id), self._hashes(seq)
+    for i in range(seq.keyed_pages, full):
+      self.pages.register(held[i], hashes[i])
+    seq.keyed_pages = full
 
   def _peak(self, seq: Sequence) -> int:
     """The most pages seq can hold: its prompt and max_new_tokens but the
@@ -283,6 +356,8 @@ class Scheduler:
     for row in plan.rows:
       seq = row.seq
       seq.num_computed = row.end
+      if self.pages.prefix_caching:
+        self._key_pages(seq)
       if not row.sample:
         continue
       self._prefilling.discard(seq.id)
@@ -295,11 +370,31 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.pages.free(seq.id)
         self._running.remove(seq)
-        self._live.discard(seq.id)
+        del self._live[seq.id]
         finished.append(seq)
     self.stats.done += len(finished)
     self.stats.tokens += sum(len(seq.generated) for seq in finished)
     return finished
+
+  def abort(self, seq_id: str) -> Sequence | None:
+    """Ends the sequence seq_id wherever it is (finish_reason 'abort'), its
+    pages returned now; None if none is waiting or running under that id.
+    Not between schedule() and update()."""
+    if self._pending is not None:
+      raise ValueError('abort() between schedule() and update(); abort '
+                       'after the step is updated')
+    seq = self._live.pop(seq_id, None)
+    if seq is None:
+      return None
+    if seq.status is Status.RUNNING:
+      self.pages.free(seq.id)
+      self._running.remove(seq)
+      self._prefilling.discard(seq.id)
+    else:  # Waiting: it holds no pages.
+      self._waiting.remove(seq)
+    seq.status, seq.finish_reason = Status.FINISHED, 'abort'
+    self.stats.aborted += 1
+    return seq
 
   def _chunk(self, seq: Sequence, n: int) -> Row:
     start = seq.num_computed
@@ -328,7 +423,7 @@ class Scheduler:
     self._prefilling.discard(seq.id)
     self.stats.preemptions += 1
     self.stats.recomputed_tokens += seq.num_computed
-    seq.status, seq.num_computed = Status.PREEMPTED, 0
+    seq.status, seq.num_computed, seq.keyed_pages = Status.PREEMPTED, 0, 0
     bisect.insort(self._waiting, seq, key=lambda s: s.arrival)
     plan.decode = [row for row in plan.decode if row.seq is not seq]
     plan.prefill = [row for row in plan.prefill if row.seq is not seq]

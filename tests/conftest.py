@@ -103,3 +103,12 @@ def trained(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('trained')
   loop.train_and_evaluate(tiny.get_config(), str(workdir))
   return workdir
+
+
+@pytest.fixture(scope='session')
+def served(trained):
+  """(the Server, its base URL): `trained` served on a free localhost port
+  (its --seed 11), shared by the tests of the server and its clients."""
+  from tests import api_server  # pylint: disable=import-outside-toplevel
+  with api_server.running(trained, seed=11) as (server, url):
+    yield server, url
