@@ -128,3 +128,19 @@ def test_readme_exports_to_gguf_a_model_docs_gguf_exports():
   for source in sources:
     assert source in made and source in exported, (source, made, exported)
 
+
+def test_docs_point_to_the_page_whose_workflow_makes_their_model():
+  """'the model of PAGE's workflow (`runs/X`': PAGE has the command that
+  writes runs/X."""
+  pattern = (r"(README)'s workflow[^(]*\(`(runs/\w+)`|"
+             r"\[[^\]]*\]\(([\w./]+\.md)\)'s workflow[^(]*\(`(runs/\w+)`")
+  docs = README.parent / 'docs'
+  found = []
+  for page in docs.glob('*.md'):
+    for readme, readme_run, other, other_run in re.findall(
+        pattern, page.read_text()):
+      maker = README if readme else docs / other
+      run = readme_run or other_run
+      found.append((page.name, maker.name, run))
+      assert run in _written_workdirs(maker), found[-1]
+  assert ('gguf.md', 'hugging_face.md', 'runs/hf_gqa') in found, found
