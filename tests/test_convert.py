@@ -178,3 +178,35 @@ def test_pooled_optimizer_needs_a_source_that_has_one(trained, tmp_path):
     convert.convert_workdir(str(tmp_path / 'gqa'), str(tmp_path / 'again'),
                             1, 'mean', optimizer='pooled')
   assert not (tmp_path / 'again' / 'config.json').exists()
+
+
+# Command lines refused before anything is read: each case names what its one
+# line must say.
+_REFUSED = {
+    'two outputs': (
+        ['--source=S', '--to_hf=H', '--to_gguf=G.gguf'],
+        'give only one of --workdir, --to_hf, --to_gguf (not --to_hf and '
+        '--to_gguf)'),
+    'an output and a workdir': (
+        ['--source=S', '--workdir=W', '--to_gguf=G.gguf'],
+        'give only one of --workdir, --to_hf, --to_gguf'),
+    'an import exported': (
+        ['--from_hf=H', '--to_hf=X'],
+        '--from_hf imports into a --workdir, not --to_hf'),
+}
+
+
+@pytest.mark.slow
+def test_a_command_line_with_two_outputs_is_one_line(tmp_path):
+  """Two outputs at once are refused before any work, in a line that says
+  which were given."""
+  running = {case: subprocess.Popen(  # Together: each mostly imports jax.
+      [sys.executable, '-m', 'train.convert', *args], cwd=tmp_path,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for case, (args, _) in _REFUSED.items()}
+  for case, process in running.items():
+    _, stderr = process.communicate(timeout=300)
+    says = _REFUSED[case][1]
+    assert process.returncode == 1, (case, stderr)
+    assert stderr.count('\n') == 1 and says in stderr, (case, stderr)
+  assert not any(tmp_path.iterdir())

@@ -95,11 +95,18 @@ def _check_ends(f):
   if bool(f.source) == bool(f.from_hf):
     raise UserError('give one of --source (a workdir) or --from_hf (a '
                     'Hugging Face folder)')
-  if sum(map(bool, (f.workdir, f.to_hf, f.to_gguf))) != 1 or (
-      f.from_hf and (f.to_hf or f.to_gguf)):
+  given = [f'--{name}' for name in ('workdir', 'to_hf', 'to_gguf')
+           if f[name].value]
+  if len(given) > 1:
+    raise UserError(f'give only one of --workdir, --to_hf, --to_gguf (not '
+                    f'{" and ".join(given)})')
+  if not given:
     raise UserError('give --workdir (to write a workdir) or, with --source, '
                     '--to_hf (to write a Hugging Face folder) or --to_gguf (a '
                     'GGUF file for llama.cpp)')
+  if f.from_hf and (f.to_hf or f.to_gguf):
+    raise UserError(f'--from_hf imports into a --workdir, not {given[0]}; '
+                    f'import first, then export that workdir with --source')
   ignored = [f'--{name}' for name in (
       'num_kv_heads', 'method', 'seed', 'optimizer', 'param_dtype',
       'kv_lora_rank', 'qk_rope_head_dim', 'latent_groups')
