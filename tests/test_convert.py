@@ -183,6 +183,31 @@ def test_pooled_optimizer_needs_a_source_that_has_one(trained, tmp_path):
 # Command lines refused before anything is read: each case names what its one
 # line must say.
 _REFUSED = {
+    'kv_lora_rank alone': (
+        ['--source=S', '--workdir=W', '--kv_lora_rank=8'],
+        '--kv_lora_rank is read only by --to_mla, not by a K/V-head '
+        'conversion (--source with --workdir); give it with --to_mla'),
+    'qk_rope_head_dim with K': (
+        ['--source=S', '--workdir=W', '--qk_rope_head_dim=4',
+         '--num_kv_heads=1'],
+        '--qk_rope_head_dim is read only by --to_mla or --to_gta'),
+    'tpa ranks without --to_tpa': (
+        ['--source=S', '--to_hf=H', '--num_kv_heads=1'],
+        '--num_kv_heads is read only by --from_hf or --to_gta or --to_tpa or '
+        'a K/V-head conversion (--source with --workdir), not by --to_hf'),
+    'param_dtype of an import': (
+        ['--source=S', '--workdir=W', '--param_dtype=bfloat16'],
+        '--param_dtype is read only by --from_hf, not by a K/V-head'),
+    'optimizer on import': (
+        ['--from_hf=H', '--workdir=W', '--optimizer=pooled'],
+        '--optimizer is read only by a K/V-head conversion (--source with '
+        '--workdir), not by --from_hf'),
+    'mla rank on import': (
+        ['--from_hf=H', '--workdir=W', '--kv_lora_rank=8'],
+        '--kv_lora_rank is read only by --to_mla, not by --from_hf'),
+    'seed with --to_mla': (
+        ['--source=S', '--workdir=W', '--to_mla', '--kv_lora_rank=8',
+         '--seed=1'], '--to_mla takes no --seed'),
     'two outputs': (
         ['--source=S', '--to_hf=H', '--to_gguf=G.gguf'],
         'give only one of --workdir, --to_hf, --to_gguf (not --to_hf and '
@@ -197,9 +222,9 @@ _REFUSED = {
 
 
 @pytest.mark.slow
-def test_a_command_line_with_two_outputs_is_one_line(tmp_path):
-  """Two outputs at once are refused before any work, in a line that says
-  which were given."""
+def test_a_flag_the_command_does_not_read_is_one_line_not_ignored(tmp_path):
+  """Every conversion-specific flag given without the command that reads it
+  (and two outputs at once) is refused before any work, not ignored."""
   running = {case: subprocess.Popen(  # Together: each mostly imports jax.
       [sys.executable, '-m', 'train.convert', *args], cwd=tmp_path,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
