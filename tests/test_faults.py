@@ -558,7 +558,7 @@ def _scripts(*args):
 
 @pytest.mark.parametrize('module, args, message', [
     ('train.main', ['--config=tiny', '--config.train.stepz=3'],
-     """unknown config field 'stepz' (Did you mean "steps" instead of "stepz"?)"""),
+     """unknown config field 'stepz' in --config.train.stepz (Did you mean "steps" instead of "stepz"?);"""),
     ('train.main', ['--config=tiny', '--config.model.local_window=0'],
      'model.local_window=0 must be'),
     ('train.convert', ['--num_kv_heads=1'],
