@@ -25,6 +25,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 from infra import peers, signals, workdir
 from lm import checkpoint, config_lib, data
@@ -209,6 +210,8 @@ def _corrupt(step_dir: pathlib.Path, kind: str):
   elif kind == 'overwritten':
     for p in arrays:
       p.write_bytes(np.random.default_rng(0).bytes(p.stat().st_size))
+  elif kind == 'no_metadata':
+    (default / '_METADATA').unlink()
   else:  # An empty metadata file.
     (default / '_METADATA').write_text('')
 
@@ -228,15 +231,47 @@ def _copy(workdir, target):
   return target
 
 
-@pytest.mark.parametrize('kind', ['truncated', 'overwritten', 'empty_metadata'])
+@pytest.mark.parametrize('kind', ['truncated', 'overwritten', 'empty_metadata',
+                                  'no_metadata'])
 def test_reading_a_corrupt_latest_checkpoint_names_the_step_to_remove(
     two_checkpoints, tmp_path, kind):
   copy = _copy(two_checkpoints, tmp_path / 'w')
   _corrupt(copy / 'checkpoints' / '20', kind)
+  verbosity = absl_logging.get_verbosity()
   with pytest.raises(UserError, match=r'checkpoint step 20 in .* cannot be '
                      r'read \(.+\); move or remove .*/checkpoints/20 to use '
                      r'step 10'):
     checkpoint.restore_latest(str(copy))
+  # Orbax's warnings are muted during the read only.
+  assert absl_logging.get_verbosity() == verbosity
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_metadata_is_one_line_from_sample_and_serve(
+    two_checkpoints, tmp_path):
+  """Orbax warns through absl (composite_checkpoint_handler: 'Item
+  "default" was found in the checkpoint, but could not be restored') before
+  our line says what to remove; the error must be the only line."""
+  copy = _copy(two_checkpoints, tmp_path / 'w')
+  _corrupt(copy / 'checkpoints' / '20', 'no_metadata')
+  (tmp_path / 'prompts.jsonl').write_text('{"id": "a", "prompt": "ab"}\n')
+  commands = [
+      ['train.sample', f'--workdir={copy}', '--prompt=ab',
+       '--max_new_tokens=2'],
+      ['serve.generate', f'--workdir={copy}',
+       f'--prompts={tmp_path / "prompts.jsonl"}',
+       f'--out={tmp_path / "out.jsonl"}', '--max_new_tokens=2']]
+  running = [subprocess.Popen(  # Together: each mostly imports jax.
+      [sys.executable, '-m', *command], cwd=REPO, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for command in commands]
+  for command, process in zip(commands, running):
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 1, (command[0], stderr[-3000:])
+    assert stderr.splitlines() == [
+        f'error: checkpoint step 20 in {copy / "checkpoints"} cannot be read '
+        '(Metadata file (named _METADATA) does not exist at '
+        f'{copy / "checkpoints" / "20" / "default"}.); move or remove '
+        f'{copy / "checkpoints" / "20"} to use step 10'], (command[0], stderr)
 
 
 def test_train_main_falls_back_to_the_newest_intact_checkpoint(
