@@ -14,7 +14,9 @@ def pip_install(extra: str, dist=None) -> str:
   """The command that installs gqa-lab's EXTRA packages where it is
   installed: in an editable install (a clone) its folder, `pip install -e
   'FOLDER[extra]'`; in any other, the package, `pip install
-  'gqa-lab[extra]'`. dist: an importlib.metadata distribution (gqa-lab's)."""
+  'gqa-lab[extra]'`, and beside it the docs' form for a checkout, `pip
+  install -e '.[extra]'`. dist: an importlib.metadata distribution
+  (gqa-lab's)."""
   import importlib.metadata  # pylint: disable=import-outside-toplevel
   import json  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
@@ -28,4 +30,5 @@ def pip_install(extra: str, dist=None) -> str:
   if direct.get('dir_info', {}).get('editable'):
     folder = urllib.parse.unquote(urllib.parse.urlparse(direct['url']).path)
     return f"pip install -e '{folder}[{extra}]'"
-  return f"pip install 'gqa-lab[{extra}]'"
+  return (f"pip install 'gqa-lab[{extra}]' (in a checkout: pip install -e "
+          f"'.[{extra}]')")

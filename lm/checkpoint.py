@@ -316,14 +316,22 @@ def _quiet_orbax():
   fail on the closed loop ("Event loop is closed", printed from TensorStore's
   threads for every pending array), and the coroutines' own failures go to
   sys.unraisablehook. Both are noise after ours: closed loops ignore
-  callbacks (they could only fail), and the hook is muted here.
+  callbacks (they could only fail), and the hook is muted here. So are
+  orbax's absl warnings (a checkpoint without _METADATA: 'Item "default" was
+  found in the checkpoint, but could not be restored'), which would print
+  before the one line that says what is wrong: absl's verbosity is ERROR
+  inside, and what it was after.
   """
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
   _ignore_callbacks_on_closed_loops()
   hook = sys.unraisablehook
   sys.unraisablehook = lambda _: None
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)
   try:
     yield
   finally:
+    absl_logging.set_verbosity(verbosity)
     sys.unraisablehook = hook
 
 

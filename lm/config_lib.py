@@ -257,6 +257,16 @@ RESUME_MAY_CHANGE = {
 }
 
 
+def field_paths() -> set[str]:
+  """Every field of the defaults as its dotted path, the sections too:
+  {'seed', 'model', 'model.rope_scaling', 'model.rope_scaling.kind', ...}."""
+  paths = set()
+  for leaf in _leaves(defaults().to_dict()):
+    parts = leaf.split('.')
+    paths |= {'.'.join(parts[:i]) for i in range(1, len(parts) + 1)}
+  return paths
+
+
 def _leaves(tree: dict, prefix: str = '') -> dict:
   """{'model.rope_scaling.kind': value, ...} of a nested dict."""
   out = {}

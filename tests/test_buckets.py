@@ -296,7 +296,10 @@ def test_the_install_hint_fits_how_gqa_lab_is_installed():
   assert errors.pip_install('gcs', editable) == (
       "pip install -e '/home/me/gqa lab[gcs]'")
   for wheel in (_Installed(None), _Installed('{"url": "file:///w.whl"}')):
-    assert errors.pip_install('gcs', wheel) == "pip install 'gqa-lab[gcs]'"
+    # The docs' form (pip install -e '.[gcs]') beside the package's.
+    assert errors.pip_install('gcs', wheel) == (
+        "pip install 'gqa-lab[gcs]' (in a checkout: pip install -e "
+        "'.[gcs]')")
 
 
 def test_only_errors_of_the_bucket_libraries_read_as_an_unreachable_bucket():

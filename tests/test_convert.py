@@ -178,3 +178,60 @@ def test_pooled_optimizer_needs_a_source_that_has_one(trained, tmp_path):
     convert.convert_workdir(str(tmp_path / 'gqa'), str(tmp_path / 'again'),
                             1, 'mean', optimizer='pooled')
   assert not (tmp_path / 'again' / 'config.json').exists()
+
+
+# Command lines refused before anything is read: each case names what its one
+# line must say.
+_REFUSED = {
+    'kv_lora_rank alone': (
+        ['--source=S', '--workdir=W', '--kv_lora_rank=8'],
+        '--kv_lora_rank is read only by --to_mla, not by a K/V-head '
+        'conversion (--source with --workdir); give it with --to_mla'),
+    'qk_rope_head_dim with K': (
+        ['--source=S', '--workdir=W', '--qk_rope_head_dim=4',
+         '--num_kv_heads=1'],
+        '--qk_rope_head_dim is read only by --to_mla or --to_gta'),
+    'tpa ranks without --to_tpa': (
+        ['--source=S', '--to_hf=H', '--num_kv_heads=1'],
+        '--num_kv_heads is read only by --from_hf or --to_gta or --to_tpa or '
+        'a K/V-head conversion (--source with --workdir), not by --to_hf'),
+    'param_dtype of an import': (
+        ['--source=S', '--workdir=W', '--param_dtype=bfloat16'],
+        '--param_dtype is read only by --from_hf, not by a K/V-head'),
+    'optimizer on import': (
+        ['--from_hf=H', '--workdir=W', '--optimizer=pooled'],
+        '--optimizer is read only by a K/V-head conversion (--source with '
+        '--workdir), not by --from_hf'),
+    'mla rank on import': (
+        ['--from_hf=H', '--workdir=W', '--kv_lora_rank=8'],
+        '--kv_lora_rank is read only by --to_mla, not by --from_hf'),
+    'seed with --to_mla': (
+        ['--source=S', '--workdir=W', '--to_mla', '--kv_lora_rank=8',
+         '--seed=1'], '--to_mla takes no --seed'),
+    'two outputs': (
+        ['--source=S', '--to_hf=H', '--to_gguf=G.gguf'],
+        'give only one of --workdir, --to_hf, --to_gguf (not --to_hf and '
+        '--to_gguf)'),
+    'an output and a workdir': (
+        ['--source=S', '--workdir=W', '--to_gguf=G.gguf'],
+        'give only one of --workdir, --to_hf, --to_gguf'),
+    'an import exported': (
+        ['--from_hf=H', '--to_hf=X'],
+        '--from_hf imports into a --workdir, not --to_hf'),
+}
+
+
+@pytest.mark.slow
+def test_a_flag_the_command_does_not_read_is_one_line_not_ignored(tmp_path):
+  """Every conversion-specific flag given without the command that reads it
+  (and two outputs at once) is refused before any work, not ignored."""
+  running = {case: subprocess.Popen(  # Together: each mostly imports jax.
+      [sys.executable, '-m', 'train.convert', *args], cwd=tmp_path,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for case, (args, _) in _REFUSED.items()}
+  for case, process in running.items():
+    _, stderr = process.communicate(timeout=300)
+    says = _REFUSED[case][1]
+    assert process.returncode == 1, (case, stderr)
+    assert stderr.count('\n') == 1 and says in stderr, (case, stderr)
+  assert not any(tmp_path.iterdir())

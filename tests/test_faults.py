@@ -25,6 +25,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 from infra import peers, signals, workdir
 from lm import checkpoint, config_lib, data
@@ -179,16 +180,25 @@ def test_a_run_failing_before_its_first_save_leaves_config_json_alone(
   before = (tmp_path / 'config.json').read_text()
   bad = _config(train__steps=20, train__learning_rate=1e12,
                 train__grad_clip=1e30, train__checkpoint_every=20)
-  with pytest.raises(UserError, match='last good checkpoint is step 10'):
+  with pytest.raises(UserError) as error:
     loop.train_and_evaluate(bad, str(tmp_path))
+  # Nothing after step 10 to move aside: the line still says what to do.
+  assert str(error.value).endswith(
+      '; the last good checkpoint is step 10; rerun to resume from it with '
+      'a lower train.learning_rate, or check the data'), str(error.value)
   assert (tmp_path / 'config.json').read_text() == before
 
 
 def test_no_checkpoint_yet_is_said_so(tmp_path):
   config = _config(train__learning_rate=1e12, train__grad_clip=1e30,
                    train__steps=20, train__checkpoint_every=20)
-  with pytest.raises(UserError, match='no checkpoint yet with a lower'):
+  with pytest.raises(UserError) as error:
     loop.train_and_evaluate(config, str(tmp_path))
+  message = str(error.value)
+  assert message.startswith('non-finite loss or gradient at step '), message
+  assert '; stopped (no checkpoint yet); ' in message, message
+  assert message.endswith('; rerun with a lower train.learning_rate, or check '
+                          'the data'), message
 
 
 def _corrupt(step_dir: pathlib.Path, kind: str):
@@ -200,6 +210,8 @@ def _corrupt(step_dir: pathlib.Path, kind: str):
   elif kind == 'overwritten':
     for p in arrays:
       p.write_bytes(np.random.default_rng(0).bytes(p.stat().st_size))
+  elif kind == 'no_metadata':
+    (default / '_METADATA').unlink()
   else:  # An empty metadata file.
     (default / '_METADATA').write_text('')
 
@@ -219,15 +231,47 @@ def _copy(workdir, target):
   return target
 
 
-@pytest.mark.parametrize('kind', ['truncated', 'overwritten', 'empty_metadata'])
+@pytest.mark.parametrize('kind', ['truncated', 'overwritten', 'empty_metadata',
+                                  'no_metadata'])
 def test_reading_a_corrupt_latest_checkpoint_names_the_step_to_remove(
     two_checkpoints, tmp_path, kind):
   copy = _copy(two_checkpoints, tmp_path / 'w')
   _corrupt(copy / 'checkpoints' / '20', kind)
+  verbosity = absl_logging.get_verbosity()
   with pytest.raises(UserError, match=r'checkpoint step 20 in .* cannot be '
                      r'read \(.+\); move or remove .*/checkpoints/20 to use '
                      r'step 10'):
     checkpoint.restore_latest(str(copy))
+  # Orbax's warnings are muted during the read only.
+  assert absl_logging.get_verbosity() == verbosity
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_metadata_is_one_line_from_sample_and_serve(
+    two_checkpoints, tmp_path):
+  """Orbax warns through absl (composite_checkpoint_handler: 'Item
+  "default" was found in the checkpoint, but could not be restored') before
+  our line says what to remove; the error must be the only line."""
+  copy = _copy(two_checkpoints, tmp_path / 'w')
+  _corrupt(copy / 'checkpoints' / '20', 'no_metadata')
+  (tmp_path / 'prompts.jsonl').write_text('{"id": "a", "prompt": "ab"}\n')
+  commands = [
+      ['train.sample', f'--workdir={copy}', '--prompt=ab',
+       '--max_new_tokens=2'],
+      ['serve.generate', f'--workdir={copy}',
+       f'--prompts={tmp_path / "prompts.jsonl"}',
+       f'--out={tmp_path / "out.jsonl"}', '--max_new_tokens=2']]
+  running = [subprocess.Popen(  # Together: each mostly imports jax.
+      [sys.executable, '-m', *command], cwd=REPO, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for command in commands]
+  for command, process in zip(commands, running):
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 1, (command[0], stderr[-3000:])
+    assert stderr.splitlines() == [
+        f'error: checkpoint step 20 in {copy / "checkpoints"} cannot be read '
+        '(Metadata file (named _METADATA) does not exist at '
+        f'{copy / "checkpoints" / "20" / "default"}.); move or remove '
+        f'{copy / "checkpoints" / "20"} to use step 10'], (command[0], stderr)
 
 
 def test_train_main_falls_back_to_the_newest_intact_checkpoint(
@@ -549,7 +593,7 @@ def _scripts(*args):
 
 @pytest.mark.parametrize('module, args, message', [
     ('train.main', ['--config=tiny', '--config.train.stepz=3'],
-     """unknown config field 'stepz' (Did you mean "steps" instead of "stepz"?)"""),
+     """unknown config field 'stepz' in --config.train.stepz (Did you mean "steps" instead of "stepz"?);"""),
     ('train.main', ['--config=tiny', '--config.model.local_window=0'],
      'model.local_window=0 must be'),
     ('train.convert', ['--num_kv_heads=1'],

@@ -103,3 +103,44 @@ def test_every_readme_command_is_taken_as_written(number, line, tmp_path):
         timeout=120, env={**os.environ, 'PYTHONPATH': str(README.parent)})
     assert result.returncode == 0, (line, result.stderr[-2000:])
     assert not list(tmp_path.iterdir()), line  # Nothing was written.
+
+
+def _written_workdirs(page: pathlib.Path) -> set[str]:
+  """The --workdir values of a page's `python -m` commands."""
+  return set(re.findall(r'^python -m \S+ .*?--workdir=(\S+)', page.read_text(),
+                        re.M))
+
+
+def test_readme_exports_to_gguf_a_model_docs_gguf_exports():
+  """The README's GGUF recipe exports docs/hugging_face.md's workflow model
+  (SwiGLU, a byte-level BPE tokenizer; test_hf runs that block) as
+  docs/gguf.md does, not a Llama 2 import, whose SentencePiece tokenizer
+  docs/gguf.md and train/convert/gguf_vocab.py refuse."""
+  docs = README.parent / 'docs'
+  made = _written_workdirs(docs / 'hugging_face.md')
+  exported = set(re.findall(r'--source=(\S+) --to_gguf=',
+                            (docs / 'gguf.md').read_text()))
+  sources = [t.split('=', 1)[1] for _, line in _command_lines()
+             for command in _invocations(line)
+             if any(t.startswith('--to_gguf=') for t in command)
+             for t in command if t.startswith('--source=')]
+  assert sources and exported, (sources, exported)
+  for source in sources:
+    assert source in made and source in exported, (source, made, exported)
+
+
+def test_docs_point_to_the_page_whose_workflow_makes_their_model():
+  """'the model of PAGE's workflow (`runs/X`': PAGE has the command that
+  writes runs/X."""
+  pattern = (r"(README)'s workflow[^(]*\(`(runs/\w+)`|"
+             r"\[[^\]]*\]\(([\w./]+\.md)\)'s workflow[^(]*\(`(runs/\w+)`")
+  docs = README.parent / 'docs'
+  found = []
+  for page in docs.glob('*.md'):
+    for readme, readme_run, other, other_run in re.findall(
+        pattern, page.read_text()):
+      maker = README if readme else docs / other
+      run = readme_run or other_run
+      found.append((page.name, maker.name, run))
+      assert run in _written_workdirs(maker), found[-1]
+  assert ('gguf.md', 'hugging_face.md', 'runs/hf_gqa') in found, found

@@ -201,7 +201,13 @@ def test_sigterm_saves_a_checkpoint_and_a_rerun_resumes(tmp_path):
     (['--config=tiny', '--config.model.nope=1'],
      "unknown config field 'nope'"),
     (['--config=tiny', '--config.modle.steps=1'],
-     "unknown config field 'modle'"),
+     "unknown config field 'modle' in --config.modle.steps"),
+    # The one bad override named, not the good one beside it, and where the
+    # field is.
+    (['--config=tiny', '--config.model.num_kv_heads=1',
+      '--config.train.seed=3'],
+     "error: unknown config field 'seed' in --config.train.seed (did you mean "
+     '--config.seed?); the fields are those of the config file'),
     (['--config=tiny', '--config.train.steps=ten'], 'config.train.steps=ten'),
     (['--config=tiny', '--config.model.num_kv_heads=3'],
      'model.num_heads=4 is not divisible by model.num_kv_heads=3'),

@@ -460,20 +460,22 @@ def _diverged(run: Run, step: int, what: str) -> str:
     run.config_file.after_divergence(last_good, run.start, config)
     with_config = f', with their config as {config.name}'
   line = f'non-finite loss or gradient {what}; stopped'
+  if last_good is None and not moved:
+    line += ' (no checkpoint yet)'
   if left < step:
     line += f'; the loss left its running range at step {left}'
-  if last_good is None:
-    line += '; no checkpoint yet' if not moved else (
-        f'; no checkpoint from before that (moved {len(moved)} to '
-        f'{run.workdir / DIVERGED_DIR}{with_config}), so a rerun starts '
-        'afresh')
-  else:
+  rerun = '; rerun'
+  if last_good is None and moved:
+    line += (f'; no checkpoint from before that (moved {len(moved)} to '
+             f'{run.workdir / DIVERGED_DIR}{with_config})')
+    rerun = '; rerun (it starts afresh)'
+  elif last_good is not None:
     line += f'; the last good checkpoint is step {last_good}'
     if moved:
       line += (f' (the {len(moved)} after it moved to '
-               f'{run.workdir / DIVERGED_DIR}{with_config}); rerun to resume '
-               'from it')
-  return line + ' with a lower train.learning_rate, or check the data'
+               f'{run.workdir / DIVERGED_DIR}{with_config})')
+    rerun = '; rerun to resume from it'
+  return line + rerun + ' with a lower train.learning_rate, or check the data'
 
 
 class _Window:

@@ -76,13 +76,31 @@ def parse_flags(argv):
     message = str(error.args[0]) if error.args else str(error)
     field, *hint = message.splitlines() or ['?']
     field = field.strip(chr(39) + chr(34) + ' ')
-    if not any(field in o.split('.')[1:] for o in overrides):
+    naming = [o for o in overrides if field in o.split('.')[1:]]
+    if not naming:
       raise  # Not an override naming a missing field: a bug, shown whole.
-    hint = f' ({" ".join(hint).strip()})' if hint else ''
+    flag, elsewhere = _bad_override(naming, field)
+    if elsewhere:
+      hint = f' (did you mean {" or ".join(elsewhere)}?)'
+    else:
+      hint = f' ({" ".join(hint).strip()})' if hint else ''
     raise UserError(
-        f'unknown config field {field!r}{hint} among '
-        f'{", ".join(overrides)}; the fields are those of the config file '
-        '(sections model, data, train, mesh)') from None
+        f'unknown config field {field!r} in {flag}{hint}; the fields are '
+        'those of the config file (sections model, data, train, mesh)'
+    ) from None
+
+
+def _bad_override(naming: list[str], field: str) -> tuple[str, list[str]]:
+  """Which of the overrides naming FIELD names no field of the defaults
+  (the first, if each does: a field the config file itself lacks), and the
+  overrides that would name FIELD where it is, in another section or at the
+  top level."""
+  paths = config_lib.field_paths()
+  flag = next((o for o in naming if o.removeprefix('--config.') not in paths),
+              naming[0])
+  elsewhere = sorted(f'--config.{p}' for p in paths
+                     if p.split('.')[-1] == field and f'--config.{p}' != flag)
+  return flag, elsewhere
 
 
 def run():

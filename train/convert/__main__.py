@@ -95,11 +95,18 @@ def _check_ends(f):
   if bool(f.source) == bool(f.from_hf):
     raise UserError('give one of --source (a workdir) or --from_hf (a '
                     'Hugging Face folder)')
-  if sum(map(bool, (f.workdir, f.to_hf, f.to_gguf))) != 1 or (
-      f.from_hf and (f.to_hf or f.to_gguf)):
+  given = [f'--{name}' for name in ('workdir', 'to_hf', 'to_gguf')
+           if f[name].value]
+  if len(given) > 1:
+    raise UserError(f'give only one of --workdir, --to_hf, --to_gguf (not '
+                    f'{" and ".join(given)})')
+  if not given:
     raise UserError('give --workdir (to write a workdir) or, with --source, '
                     '--to_hf (to write a Hugging Face folder) or --to_gguf (a '
                     'GGUF file for llama.cpp)')
+  if f.from_hf and (f.to_hf or f.to_gguf):
+    raise UserError(f'--from_hf imports into a --workdir, not {given[0]}; '
+                    f'import first, then export that workdir with --source')
   ignored = [f'--{name}' for name in (
       'num_kv_heads', 'method', 'seed', 'optimizer', 'param_dtype',
       'kv_lora_rank', 'qk_rope_head_dim', 'latent_groups')
@@ -147,11 +154,47 @@ def _check_targets(f):
   if ignored:  # Those of a GQA conversion or an import: not used here.
     raise UserError(f'--to_mla takes no {", ".join(ignored)} (a GQA '
                     'conversion\'s or an import\'s); leave them out')
+  _check_readers(f)
   if f.to_mla and f.kv_lora_rank is None:
     raise UserError('--to_mla needs --kv_lora_rank=A, the latent\'s width '
                     '(at most min(d_model, 2·K·H - --qk_rope_head_dim) for K '
                     'KV heads of H dims: the full rank, every K/V direction '
                     'kept)')
+
+
+# The flags that only some commands read, and those commands (a K/V-head
+# conversion is --source with --workdir and no --to_mla/--to_gta/--to_tpa):
+# any other command refuses them rather than ignore them.
+_HEADS = 'a K/V-head conversion (--source with --workdir)'
+READERS = {
+    'num_kv_heads': ('--from_hf', '--to_gta', '--to_tpa', _HEADS),
+    'method': ('--from_hf', '--to_gta', '--to_tpa', _HEADS),
+    'seed': ('--from_hf', '--to_gta', '--to_tpa', _HEADS),
+    'optimizer': (_HEADS,),
+    'param_dtype': ('--from_hf',),
+    'kv_lora_rank': ('--to_mla',),
+    'qk_rope_head_dim': ('--to_mla', '--to_gta'),
+    'latent_groups': ('--to_mla',),
+    'dtype': ('--to_gguf',),
+}
+
+
+def _command(f) -> str:
+  """The command the flags give, named as in READERS."""
+  for name in ('to_gguf', 'to_hf', 'from_hf', *TARGETS):
+    if f[name].value:
+      return f'--{name}'
+  return _HEADS
+
+
+def _check_readers(f):
+  """Every flag given is read by the command given: UserError if not."""
+  command = _command(f)
+  for name, readers in READERS.items():
+    if f[name].present and command not in readers:
+      with_ = readers[0] if len(readers) == 1 else 'one of those'
+      raise UserError(f'--{name} is read only by {" or ".join(readers)}, not '
+                      f'by {command}; give it with {with_}, or leave it out')
 
 
 def _interop(f):
