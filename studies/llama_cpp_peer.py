@@ -62,7 +62,7 @@ def check_installed():
   import importlib.util  # pylint: disable=import-outside-toplevel
   if importlib.util.find_spec('llama_cpp') is None:
     raise UserError('--llama_cpp needs llama-cpp-python (it builds llama.cpp, '
-                    f'~6 min): {pip_install("llama_cpp")}')
+                    f'~6 min): {pip_install("llama-cpp")}')
 
 
 def wait_policy() -> str:

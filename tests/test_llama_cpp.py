@@ -22,7 +22,7 @@ import pytest
 
 llama_cpp = pytest.importorskip(
     'llama_cpp', reason="llama-cpp-python is not installed (pip install -e "
-    "'.[llama_cpp]', which builds llama.cpp, ~6 min): GGUF exports are not "
+    "'.[llama-cpp]', which builds llama.cpp, ~6 min): GGUF exports are not "
     'run by llama.cpp')
 
 from configs import tiny  # pylint: disable=wrong-import-position
