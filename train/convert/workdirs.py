@@ -215,8 +215,6 @@ def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
         None if scores is None else to_mla.select_pairs(
             scores, qk_rope_head_dim), latent_groups)[1])
     recipe = apply_recipe(config, source_rate(source, config))
-    for name in ('tokenizer.json', 'hf'):
-      storage.copy(source / name, path / name)
     info = {'source': str(source), 'to_mla': True,
             'kv_lora_rank': kv_lora_rank,
             'qk_rope_head_dim': qk_rope_head_dim,
@@ -224,13 +222,9 @@ def convert_to_mla(source: str, workdir: str, kv_lora_rank: int,
             'source_num_kv_heads': model_config.num_kv_heads,
             'energy_kept': energies, 'rope_pairs': new_mc.layout.rope_pairs,
             'calibration': calibration,
-            'kv_bytes_per_token': model_lib.kv_bytes_per_token(
-                config_lib.model_config(config)),
-            'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
-                model_config), 'recipe': recipe}
-    _write_step0(path, new_params, config, info)
-    _record_losses(info, source, path)
-  return info
+            'recipe': recipe}
+    return _write_converted(path, source, model_config, new_params, config,
+                            info)
 
 
 def convert_to_gta(source: str, workdir: str, num_kv_heads: int,
@@ -260,19 +254,13 @@ def convert_to_gta(source: str, workdir: str, num_kv_heads: int,
         pooled_mc, qk_rope_head_dim, None if scores is None else
         to_gta.select_pairs(scores, qk_rope_head_dim))[1])
     recipe = apply_recipe(config, source_rate(source, config))
-    for name in ('tokenizer.json', 'hf'):
-      storage.copy(source / name, path / name)
     info = {'source': str(source), 'to_gta': True, 'num_kv_heads': k,
             'source_num_kv_heads': k_source, 'method': method,
             'qk_rope_head_dim': qk_rope_head_dim,
             'rope_pairs': new_mc.layout.rope_pairs, 'calibration': calibration,
-            'kv_bytes_per_token': model_lib.kv_bytes_per_token(
-                config_lib.model_config(config)),
-            'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
-                model_config), 'recipe': recipe}
-    _write_step0(path, new_params, config, info)
-    _record_losses(info, source, path)
-  return info
+            'recipe': recipe}
+    return _write_converted(path, source, model_config, new_params, config,
+                            info)
 
 
 def convert_to_tpa(source: str, workdir: str, num_kv_heads: int = -1,
@@ -296,17 +284,11 @@ def convert_to_tpa(source: str, workdir: str, num_kv_heads: int = -1,
     config.model.update(to_tpa.target_config(pooled_mc)[1])
     recipe = apply_recipe(config, source_rate(source, config))
     source = storage.path(source, '--source')
-    for name in ('tokenizer.json', 'hf'):
-      storage.copy(source / name, path / name)
     info = {'source': str(source), 'to_tpa': True, 'k_rank': k, 'v_rank': k,
             'source_num_kv_heads': k_source, 'method': method,
-            'kv_bytes_per_token': model_lib.kv_bytes_per_token(
-                config_lib.model_config(config)),
-            'source_kv_bytes_per_token': model_lib.kv_bytes_per_token(
-                model_config), 'recipe': recipe}
-    _write_step0(path, new_params, config, info)
-    _record_losses(info, source, path)
-  return info
+            'recipe': recipe}
+    return _write_converted(path, source, model_config, new_params, config,
+                            info)
 
 
 def _calibration_tokens(config, source: epath.Path):
@@ -316,6 +298,25 @@ def _calibration_tokens(config, source: epath.Path):
   tokens = dataset.batch('train', seed=0, step=0, batch_size=8,
                          seq_len=config.data.seq_len)[:, :-1]
   return tokens, f'{tokens.shape[0]} x {tokens.shape[1]} training tokens'
+
+
+def _write_converted(path: epath.Path, source: epath.Path, source_mc,
+                     params, config, info: dict) -> dict:
+  """A layout conversion's end (to_mla, to_gta, to_tpa): the source's
+  tokenizer files copied, both models' KV bytes per token put in `info`
+  before its recipe, step 0 written and both held-out losses recorded;
+  returns info, convert.json's record."""
+  for name in ('tokenizer.json', 'hf'):
+    storage.copy(source / name, path / name)
+  recipe = info.pop('recipe')
+  info.update(
+      kv_bytes_per_token=model_lib.kv_bytes_per_token(
+          config_lib.model_config(config)),
+      source_kv_bytes_per_token=model_lib.kv_bytes_per_token(source_mc),
+      recipe=recipe)
+  _write_step0(path, params, config, info)
+  _record_losses(info, source, path)
+  return info
 
 
 def _record_losses(info: dict, source: epath.Path, path: epath.Path):
