@@ -1,14 +1,30 @@
-"""scripts/bench_prefix_cache.py at tiny sizes: caching computes fewer
-prompt tokens (those it found cached: the shared prefix's full page, for
-every request admitted after the first two, which run together in two
-slots and find nothing cached yet), and the tokens are identical with it
-on and off."""
+"""scripts/bench_prefix_cache.py at tiny sizes, and the few-shot task its
+--harness mode scores.
+
+- The made-up trace: caching computes fewer prompt tokens (those it found
+  cached: the shared prefix's full page, for every request admitted after
+  the first two, which run together in two slots and find nothing cached
+  yet), and the tokens are identical with it on and off.
+- gqa_lab_fewshot (tests/lm_eval_tasks): every document's prompt starts
+  with the same shots, the first num_fewshot of their split; another
+  shots_seed starts with other shots (each benchmark pass cold); lm_eval's
+  default sampler, the control, shares less than one shot.
+- --harness: lm_eval's local-completions through two servers, caching on
+  and off: the same generations and metrics, and with caching on the
+  shots' full pages found cached for every document after the first POST.
+"""
 
 import json
+import os
+import pathlib
 
 import pytest
 
 from scripts import bench_prefix_cache
+from tests import api_server
+from tests.lm_eval_tasks import local_data
+
+TASK = pathlib.Path(__file__).parent / 'lm_eval_tasks' / 'gqa_lab_fewshot.yaml'
 
 
 @pytest.mark.slow
@@ -23,4 +39,61 @@ def test_caching_skips_the_shared_prefix_and_changes_no_token(trained,
   assert status == 0 and result['identical']
   on, off = result['on'], result['off']
   assert off['cached_tokens'] == 0 and on['cached_tokens'] >= 16 * 3
+  assert on['prefill_tokens'] == off['prefill_tokens'] - on['cached_tokens']
+
+
+def _contexts(**overrides) -> list[str]:
+  """The prompts of gqa_lab_fewshot's first 8 documents, its YAML's
+  settings replaced by overrides."""
+  pytest.importorskip('lm_eval')
+  from lm_eval.api.task import ConfigurableTask  # pylint: disable=import-outside-toplevel
+  from lm_eval.tasks import _yaml_loader  # pylint: disable=import-outside-toplevel
+  task = ConfigurableTask(config=_yaml_loader.load_yaml(TASK) | overrides)
+  task.build_all_requests(limit=8)
+  return [instance.args[0] for instance in task.instances]
+
+
+def test_the_fewshot_tasks_prompts_start_with_the_same_shots():
+  contexts = _contexts()
+  shots = [f'{d["question"]} {d["answer"]}\n'
+           for d in local_data.sums()['train']][:40]
+  docs = local_data.sums()['test']
+  assert contexts == [''.join(shots) + d['question'] for d in docs][:8]
+  other = _contexts(metadata={'shots_seed': 1})
+  assert len(os.path.commonprefix([contexts[0], other[0]])) < 16  # A page.
+  drawn = _contexts(fewshot_config={'sampler': 'default'})  # The control.
+  assert len(os.path.commonprefix(drawn)) < len(shots[0])
+
+
+def test_harness_flags_are_refused_without_harness_and_back():
+  with pytest.raises(bench_prefix_cache.UserError, match='--task is read '
+                     'only with --harness; add --harness or drop it'):
+    bench_prefix_cache.parse(['--workdir=W', '--task=x'])
+  with pytest.raises(bench_prefix_cache.UserError, match='--prefix_len, '
+                     '--new_tokens are read only without --harness; drop '
+                     'them'):
+    bench_prefix_cache.parse(['--workdir=W', '--harness', '--prefix_len=8',
+                              '--new_tokens=2'])
+
+
+@pytest.mark.slowest
+def test_harness_caching_skips_the_shots_and_changes_no_generation(
+    tmp_path):
+  pytest.importorskip('lm_eval')
+  workdir = api_server.train_workdir(tmp_path / 'tiny', max_len=128,
+                                     steps=2)
+  out = tmp_path / 'out'
+  status = bench_prefix_cache.main([
+      f'--workdir={workdir}', '--harness', '--docs=6', '--num_fewshot=4',
+      '--batch_size=2', '--kv_memory=1MiB', '--slots=2', '--repeats=1',
+      f'--out={out}'])
+  result = json.loads((out / 'bench_prefix_cache_harness.json').read_text())
+  assert status == 0 and result['identical'] and not result['failures']
+  on, off = result['on'], result['off']
+  assert on['requests'] == off['requests'] == 6
+  assert on['prompt_tokens'] == off['prompt_tokens']
+  # 4 shots, 52-56 characters: 3 full pages of 16, found by the 4
+  # documents after the first POST's 2 (which compute them side by side).
+  assert on['shared_prefix_chars'] >= 48
+  assert off['cached_tokens'] == 0 and on['cached_tokens'] >= 4 * 48
   assert on['prefill_tokens'] == off['prefill_tokens'] - on['cached_tokens']
