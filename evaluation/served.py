@@ -25,16 +25,39 @@ from unittest import mock
 from evaluation import evaluate as evaluate_lib
 
 
+# The model's methods lm_eval calls with a task's requests.
+REQUEST_TYPES = ('generate_until', 'loglikelihood', 'loglikelihood_rolling')
+
+
 @dataclasses.dataclass
 class Scored:
   """responses: {task: [each document's filtered responses]}; contexts:
   {task: [each document's first request's context]}; metrics: {task:
   lm_eval's metrics}; seconds: wall time of lm_eval's evaluation (tasks
-  built, every request answered, metrics computed)."""
+  built, every request answered, metrics computed); request_seconds: the
+  part in the model's request methods (contexts tokenized through the
+  server's /tokenize, then the completions POSTs), without lm_eval's own
+  work (building each document's prompt, scoring)."""
   responses: dict
   contexts: dict
   metrics: dict
   seconds: float
+  request_seconds: float
+
+
+def _time_requests(lm) -> list[float]:
+  """The seconds of each call lm_eval makes to lm's request methods, as
+  they come (the methods wrapped on the instance)."""
+  seconds = []
+  for name in REQUEST_TYPES:
+    def timed(*args, _method=getattr(lm, name), **kwargs):
+      start = time.perf_counter()
+      try:
+        return _method(*args, **kwargs)
+      finally:
+        seconds.append(time.perf_counter() - start)
+    setattr(lm, name, timed)
+  return seconds
 
 
 def evaluate(url: str, *, model: str, max_len: int, tasks: list[str],
@@ -47,6 +70,7 @@ def evaluate(url: str, *, model: str, max_len: int, tasks: list[str],
   evaluate_lib.require_lm_eval()
   import lm_eval  # pylint: disable=import-outside-toplevel
   from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
+  from lm_eval.api.registry import get_model  # pylint: disable=import-outside-toplevel
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
   evaluate_lib.check_tasks(tasks, include_path)
   manager = TaskManager(include_path=include_path,
@@ -56,12 +80,14 @@ def evaluate(url: str, *, model: str, max_len: int, tasks: list[str],
                 'tokenizer_backend': 'remote', 'max_length': max_len,
                 'batch_size': batch_size, 'num_concurrent': num_concurrent,
                 'max_retries': 1}
+  lm = get_model('local-completions').create_from_arg_obj(model_args)
+  requests = _time_requests(lm)
   start = time.perf_counter()
   # Its add_env_info runs torch's collect_env (pip list and more, seconds
   # in subprocesses) for keys not kept here; not part of scoring.
   with mock.patch.object(evaluator, 'add_env_info', lambda _: None):
     results = lm_eval.simple_evaluate(
-        model='local-completions', model_args=model_args, tasks=tasks,
+        model=lm, tasks=tasks,
         task_manager=manager, limit=limit, num_fewshot=num_fewshot,
         log_samples=True, bootstrap_iters=0)
   seconds = time.perf_counter() - start
@@ -73,4 +99,4 @@ def evaluate(url: str, *, model: str, max_len: int, tasks: list[str],
       contexts={t: [s['arguments'][0][0] for s in rows]
                 for t, rows in samples.items()},
       metrics={t: results['results'][t] for t in samples},
-      seconds=seconds)
+      seconds=seconds, request_seconds=sum(requests))

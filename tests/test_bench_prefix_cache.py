@@ -97,3 +97,5 @@ def test_harness_caching_skips_the_shots_and_changes_no_generation(
   assert on['shared_prefix_chars'] >= 48
   assert off['cached_tokens'] == 0 and on['cached_tokens'] >= 4 * 48
   assert on['prefill_tokens'] == off['prefill_tokens'] - on['cached_tokens']
+  for r in (on, off):  # The requests are a part of lm_eval's evaluation.
+    assert 0 < r['request_seconds'] < r['seconds']
