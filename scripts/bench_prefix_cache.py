@@ -47,11 +47,13 @@ prompts compute it side by side, the later ones find it. Reported: the
 server's counters over each timed pass (GET /metrics: prompt tokens
 computed by prefill, those found cached), the wall seconds of lm_eval's
 requests (its model's calls: contexts tokenized through /tokenize, the
-completions POSTs) and of its whole evaluation (which adds building each
-document's prompt, seconds for 256 documents of 40 shots, the same with
-caching on and off), medians, off / on, and whether every document's generation and the task's metrics
-are identical with caching on and off (exit status 1 if not, or if a
-server does not drain to exit 0). Writes OUT/bench_prefix_cache_harness.json.
+completions POSTs) and of its whole evaluation (which adds lm_eval's own
+work, building each document's prompt and scoring, alike with caching on
+and off), medians, off / on; and whether every document's generation and
+the task's metrics are identical with caching on and off (exit status 1
+if not, if a server counted another number of requests than lm_eval
+sent, or if a server does not drain to exit 0). Writes
+OUT/bench_prefix_cache_harness.json.
 """
 
 from __future__ import annotations
@@ -172,12 +174,16 @@ COUNTERS = {'prefill_tokens': 'gqa_lab_prefill_tokens_total',
             'requests': 'gqa_lab_requests_finished_total'}
 
 
-def counted(server: process.ServerProcess, before: dict, requests: int,
-            timeout: float = 60) -> dict:
+# Seconds a server has to count the requests a client has its answers to.
+COUNT_WAIT_S = 60.0
+
+
+def counted(server: process.ServerProcess, before: dict,
+            requests: int) -> dict:
   """The counters' growth since `before`, once the server has counted
   `requests` more finished (a client has its answer a moment before the
-  step's counters are mirrored)."""
-  deadline = time.monotonic() + timeout
+  step's counters are mirrored), or after COUNT_WAIT_S."""
+  deadline = time.monotonic() + COUNT_WAIT_S
   while True:
     now = server.counters()
     grown = {k: now.get(m, 0) - before.get(m, 0) for k, m in COUNTERS.items()}
@@ -192,11 +198,12 @@ def harness_pass(server, score, shots_seed: int, task: str) -> dict:
   before = server.counters()
   scored = score(server.url, metadata={'shots_seed': shots_seed})
   responses = scored.responses[task]
-  contexts = scored.contexts[task]
+  sent = sum(len(doc) for doc in responses)  # One a choice, a repeat.
   return {'seconds': scored.seconds,
-          'request_seconds': scored.request_seconds,
-          **counted(server, before, len(responses)),
-          'shared_prefix_chars': len(os.path.commonprefix(contexts)),
+          'request_seconds': scored.request_seconds, 'sent': sent,
+          **counted(server, before, sent),
+          'shared_prefix_chars': len(os.path.commonprefix(
+              scored.contexts[task])),
           'responses': responses, 'metrics': scored.metrics[task]}
 
 
@@ -225,6 +232,10 @@ def run_harness(args) -> dict:
     status = {caching: server.stop() for caching, server in servers.items()}
   failures = [f'the server with caching {"on" if c else "off"} exited {s} '
               'after SIGTERM' for c, s in status.items() if s != 0]
+  failures += [f'a pass sent {r["sent"]} requests and the server with '
+               f'caching {"on" if c else "off"} counted {r["requests"]}'
+               for c, runs in passes.items() for r in runs
+               if r['requests'] != r['sent']]
   identical = all(on['responses'] == off['responses']
                   and on['metrics'] == off['metrics']
                   for on, off in zip(passes[True], passes[False]))
@@ -232,7 +243,7 @@ def run_harness(args) -> dict:
   for caching, runs in passes.items():
     last = runs[-1]
     summary['on' if caching else 'off'] = {
-        **{f'{k}': float(np.median([r[k] for r in runs]))
+        **{k: float(np.median([r[k] for r in runs]))
            for k in ('seconds', 'request_seconds')},
         **{f'{k}_each': [r[k] for r in runs]
            for k in ('seconds', 'request_seconds')},

@@ -11,7 +11,9 @@
   default sampler, the control, shares less than one shot.
 - --harness: lm_eval's local-completions through two servers, caching on
   and off: the same generations and metrics, and with caching on the
-  shots' full pages found cached for every document after the first POST.
+  shots' full pages found cached for every document after the first POST;
+  and its checks fail (exit status 1) on a generation that differs, a
+  server that counts another number of requests, one that does not drain.
 """
 
 import json
@@ -20,6 +22,7 @@ import pathlib
 
 import pytest
 
+from evaluation import served
 from scripts import bench_prefix_cache
 from tests import api_server
 from tests.lm_eval_tasks import local_data
@@ -99,3 +102,63 @@ def test_harness_caching_skips_the_shots_and_changes_no_generation(
   assert on['prefill_tokens'] == off['prefill_tokens'] - on['cached_tokens']
   for r in (on, off):  # The requests are a part of lm_eval's evaluation.
     assert 0 < r['request_seconds'] < r['seconds']
+
+
+class _FakeServer:
+  """serve.process.ServerProcess's surface; each pass's requests counted
+  as its /metrics would (drop: fewer), its exit status after SIGTERM."""
+  drop, status = {True: 0, False: 0}, {True: 0, False: 0}
+  by_url = {}
+
+  def __init__(self, workdir, *flags):
+    del workdir
+    self.caching = '--noprefix_caching' not in flags
+    self.url, self.finished = f'fake-{self.caching}', 0
+    _FakeServer.by_url[self.url] = self
+
+  def model(self):
+    return {'id': 'fake', 'max_model_len': 64}
+
+  def counters(self):
+    return {'gqa_lab_requests_finished_total': self.finished}
+
+  def stop(self):
+    return self.status[self.caching]
+
+
+def _fake_evaluate(differ: bool):
+  """served.evaluate's surface: 3 documents, each one generation (another
+  with caching off if differ)."""
+  def evaluate(url, *, tasks, metadata, **unused):
+    del unused
+    server = _FakeServer.by_url[url]
+    server.finished += 3 - server.drop[server.caching]
+    text = 'x' if server.caching or not differ else 'y'
+    return served.Scored(
+        responses={tasks[0]: [[text]] * 3}, contexts={tasks[0]: ['a'] * 3},
+        metrics={tasks[0]: {'exact_match,none': 0.0}}, seconds=2.0,
+        request_seconds=1.0)
+  return evaluate
+
+
+@pytest.mark.parametrize('fault', ['none', 'differ', 'drop', 'exit'])
+def test_the_harness_checks_fail_on_what_they_catch(fault, monkeypatch,
+                                                    capsys):
+  monkeypatch.setattr(bench_prefix_cache.process, 'ServerProcess',
+                      _FakeServer)
+  monkeypatch.setattr(_FakeServer, 'drop', {True: 0, False: int(
+      fault == 'drop')})
+  monkeypatch.setattr(_FakeServer, 'status', {True: 0, False: int(
+      fault == 'exit')})
+  monkeypatch.setattr(bench_prefix_cache.served, 'evaluate',
+                      _fake_evaluate(differ=fault == 'differ'))
+  monkeypatch.setattr(bench_prefix_cache, 'COUNT_WAIT_S', 0.2)
+  status = bench_prefix_cache.main(['--workdir=W', '--harness',
+                                    '--repeats=2'])
+  said = capsys.readouterr().out
+  assert status == (0 if fault == 'none' else 1), said
+  assert ('identical: NO' in said) == (fault == 'differ')
+  assert ('a pass sent 3 requests and the server with caching off '
+          'counted 2' in said) == (fault == 'drop')
+  assert ('the server with caching off exited 1 after SIGTERM' in said) == (
+      fault == 'exit')
