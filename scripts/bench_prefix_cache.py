@@ -70,6 +70,7 @@ import numpy as np
 from infra import provenance
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
                        int_list, positive_int)
+from evaluation import evaluate
 from evaluation import served
 from infra.errors import UserError
 from lm import inference
@@ -209,6 +210,7 @@ def harness_pass(server, score, shots_seed: int, task: str) -> dict:
 
 def run_harness(args) -> dict:
   """Two servers, caching on and off, scoring --task in turns."""
+  evaluate.check_tasks([args.task], args.include_path)  # Before loading.
   flags = [f'--kv_memory={args.kv_memory}', f'--slots={args.slots}']
   servers = {}
   try:

@@ -162,3 +162,13 @@ def test_the_harness_checks_fail_on_what_they_catch(fault, monkeypatch,
           'counted 2' in said) == (fault == 'drop')
   assert ('the server with caching off exited 1 after SIGTERM' in said) == (
       fault == 'exit')
+
+
+@pytest.mark.slow  # lm_eval indexes its own ~15,000 tasks looking for it.
+def test_an_unknown_task_is_refused_before_a_server_starts(monkeypatch):
+  pytest.importorskip('lm_eval')
+  monkeypatch.setattr(bench_prefix_cache.process, 'ServerProcess', None)
+  with pytest.raises(bench_prefix_cache.UserError,
+                     match="unknown task 'gqa_lab_nothing'"):
+    bench_prefix_cache.main(['--workdir=W', '--harness',
+                             '--task=gqa_lab_nothing'])
