@@ -71,11 +71,7 @@ def evaluate(url: str, *, model: str, max_len: int, tasks: list[str],
   import lm_eval  # pylint: disable=import-outside-toplevel
   from lm_eval import evaluator  # pylint: disable=import-outside-toplevel
   from lm_eval.api.registry import get_model  # pylint: disable=import-outside-toplevel
-  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
-  evaluate_lib.check_tasks(tasks, include_path)
-  manager = TaskManager(include_path=include_path,
-                        include_defaults=include_path is None,
-                        metadata=metadata or {})
+  manager = evaluate_lib.task_manager(tasks, include_path, metadata=metadata)
   model_args = {'model': model, 'base_url': f'{url}/v1/completions',
                 'tokenizer_backend': 'remote', 'max_length': max_len,
                 'batch_size': batch_size, 'num_concurrent': num_concurrent,
