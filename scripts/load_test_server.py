@@ -53,8 +53,6 @@ import json
 import os
 import pathlib
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -69,6 +67,7 @@ from infra.errors import UserError
 from lm import inference
 from lm.sampling_params import SamplingParams
 from serve import generate
+from serve import process
 
 ALPHABET = np.array(list('abcdefghijklmnopqrstuvwxyz     '))
 
@@ -299,34 +298,6 @@ def reference(workdir: str, trace: list[Sent], temperature: float,
       'tpot_s': percentiles(line['per_token_s'] for line in lines)}
 
 
-class Server:
-  """python -m serve.api on a free localhost port, in its own process."""
-
-  def __init__(self, workdir: str, kv_memory: str, slots: int):
-    self.process = subprocess.Popen(
-        [sys.executable, '-m', 'serve.api', f'--workdir={workdir}',
-         '--port=0', f'--kv_memory={kv_memory}', f'--slots={slots}'],
-        stderr=subprocess.PIPE,
-        text=True, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
-    said = []
-    for line in self.process.stderr:
-      said.append(line)
-      found = re.search(r'listening on (http://\S+)', line)
-      if found:
-        self.url = found.group(1)
-        return
-    raise UserError('serve.api never listened: ' + ''.join(said[-3:]).strip())
-
-  def stop(self) -> int:
-    """SIGTERM (a drain); its exit status."""
-    self.process.send_signal(signal.SIGTERM)
-    try:
-      return self.process.wait(120)
-    finally:
-      if self.process.poll() is None:
-        self.process.kill()
-
-
 def programs() -> int:
   """Programs in JAX's persistent compilation cache (0 if none is set)."""
   folder = os.environ.get('JAX_COMPILATION_CACHE_DIR')
@@ -430,7 +401,9 @@ def main(argv=None) -> int:
   trace = make_trace(args.clients, args.disconnect, args.prompt_len,
                      args.output_len, args.seed)
   load_before = [round(x, 2) for x in os.getloadavg()]
-  server = Server(args.workdir, args.kv_memory, args.slots)
+  server = process.ServerProcess(args.workdir,
+                                 f'--kv_memory={args.kv_memory}',
+                                 f'--slots={args.slots}')
   try:
     served = load(server.url, trace, args.temperature, args.warmups)
   finally:
