@@ -69,7 +69,7 @@ import numpy as np
 
 from infra import provenance
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-                       int_list, positive_int)
+                       int_range, positive_int)
 from evaluation import evaluate
 from evaluation import served
 from infra.errors import UserError
@@ -295,7 +295,7 @@ def parse(argv=None):
   parser.add_argument('--harness', action='store_true')
   parser.add_argument('--requests', type=positive_int)
   parser.add_argument('--prefix_len', type=positive_int)
-  parser.add_argument('--suffix_len', type=int_list)
+  parser.add_argument('--suffix_len', type=int_range)
   parser.add_argument('--new_tokens', type=positive_int)
   parser.add_argument('--task')
   parser.add_argument('--include_path')
@@ -322,10 +322,6 @@ def parse(argv=None):
   for k, default in mine.items():
     if getattr(args, k) is None:
       setattr(args, k, default)
-  if not args.harness and (len(args.suffix_len) != 2
-                           or args.suffix_len[0] > args.suffix_len[1]):
-    raise UserError(f'--suffix_len={args.suffix_len}: give LOW,HIGH with '
-                    'LOW <= HIGH')
   if args.harness and args.num_fewshot is not None and args.num_fewshot < 0:
     raise UserError(f'--num_fewshot={args.num_fewshot} must be >= 0')
   if args.out:
