@@ -280,18 +280,26 @@ def test_report_only_rebuilds_the_report_identically(tmp_path, monkeypatch):
 def test_every_published_uptrain_report_is_what_its_json_makes():
   """docs/results/uptrain/**/report.md equals the report its results.json
   makes today (--report_only rebuilds it identically): no hand-written
-  text, no stale reading."""
+  text, no stale reading; and its provenance is true
+  (`report.published_problems`: measured and rebuilt at clean commits of
+  this history, by the command that rebuilds its folder)."""
   import pathlib  # pylint: disable=import-outside-toplevel
-  from studies import study  # pylint: disable=import-outside-toplevel
-  root = pathlib.Path(__file__).resolve().parent.parent / 'docs/results/uptrain'
-  found = sorted(root.glob('**/results.json'))
+  from studies import report, study  # pylint: disable=import-outside-toplevel
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  found = sorted((repo / 'docs/results/uptrain').glob('**/results.json'))
   assert len(found) >= 2
+  problems = []
   for path in found:
     results = study.saved(path)
-    assert uptrain_results.text(results) == (
-        path.parent / 'report.md').read_text(), (
-        f'{path.parent}/report.md is not what its results.json makes: '
-        f'python -m scripts.uptrain_study --out={path.parent} --report_only')
+    folder = str(path.parent.relative_to(repo))
+    text = (path.parent / 'report.md').read_text()
+    assert uptrain_results.text(results) == text, (
+        f'{folder}/report.md is not what its results.json makes: '
+        f'python -m scripts.uptrain_study --out={folder} --report_only')
+    problems += report.published_problems(
+        folder, results['provenance'], text, 'scripts.uptrain_study',
+        'results.json')
+  assert not problems, '\n'.join(problems)
 
 
 @pytest.mark.slowest
