@@ -33,12 +33,11 @@ a source and give intervals over sources, and the alpha = 0.05 gaps'
 trends over S paired by source seed; GTA and TPA are compared with the
 mean-pooled GQA arm of nearest bytes, GLA with the MLA, paired within the
 source. The
-default run (3 sources x 400, 1,600, 3,200 steps; 171 runs before the GTA
-and GLA arms, 207 with them) is about 28 CPU-minutes on the 2-core
-machine (docs/results/uptrain/: its first 117 runs 14 min 54 s of wall
-time at 3401e24, the 54 of the random and from-scratch arms 23 min 52 s
-beside other jobs at 1638762, the 36 of the GTA and GLA arms 5 min 9 s
-beside other jobs at b73ef2c); --quick: sources of 200 and 400 steps
+default run (3 sources x 400, 1,600, 3,200 steps: 225 runs, 207 before
+the TPA arm) is about 20 CPU-minutes on the 2-core machine
+(docs/results/uptrain/: all 225 trained in one pass at 50193ec on the
+AMD EPYC Zen 5 VM, 26 min 45 s of wall time and 20.0 CPU-minutes beside
+other jobs, load 5-7); --quick: sources of 200 and 400 steps
 (QUICK_SOURCE_STEPS), the same arms.
 
 --single_source, the former design (one source, seed 0; the seeds replicate

@@ -186,14 +186,19 @@ def test_tpa_is_paired_with_the_gqa_it_was_converted_from():
           'nearest bytes (256 bytes/token, so TPA caches 1.25x its bytes), '
           'α = 0.05, Holm over the 3 lengths: S = 400: TPA − GQA -0.0365') \
       in text
-  assert 'at most 0.0e+00 nats on any source (rounding).' in text
+  assert ('before uptraining (step 0) the two losses are equal on every '
+          'source, bit for bit.') in text
   assert 'GTA and TPA at (or nearest) its cache bytes' in text
   assert '| TPA − mean K of nearest bytes |' in text  # Its table column.
   # As good as GQA: below what 3 sources detect, not claimed.
   tie = replicated_summary.summary(_results(_growing, tpa=0.0))
   assert all(c['verdict'] == 'not claimed'
              for c in tie['tpa_vs_equal_bytes'])
-  # A conversion that is not exact is named, not read as rounding.
+  # Rounding is named as such, and a conversion that is not exact is
+  # named, not read as rounding.
+  near = replicated_report.text(_results(_growing, tpa_at0=2e-7))
+  assert 'TPA − GQA is at most 2.0e-07 nats on any source (rounding).' \
+      in near
   off = replicated_report.text(_results(_growing, tpa_at0=0.01))
   assert 'at most 1.0e-02 nats on any source (beyond 1e-05: not exact).' \
       in off

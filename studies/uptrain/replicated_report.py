@@ -289,13 +289,22 @@ def _tpa(plan: dict, summ: dict, cells: str) -> str:
       f'({t["partner_kv_bytes_per_token"]:g} bytes/token, so TPA caches '
       f'{t["kv_bytes_per_token"] / t["partner_kv_bytes_per_token"]:.3g}x '
       f'its bytes), α = {plan["paper_alpha"]}, Holm over the '
-      f'{len(summ["tpa_vs_equal_bytes"])} lengths: {cells}.' + (
-          '' if not exact else
-          ' Control: TPA is converted from that mean-pooled model, exactly '
-          'by construction; before uptraining (step 0) TPA − GQA is at most '
-          f'{max(exact):.1e} nats on any source (' + (
-              'rounding' if max(exact) <= EXACT else
-              f'beyond {EXACT:g}: not exact') + ').'))
+      f'{len(summ["tpa_vs_equal_bytes"])} lengths: {cells}.'
+      + _exactness(exact))
+
+
+def _exactness(exact: list[float]) -> str:
+  """The TPA comparison's control: its largest |TPA - GQA| before
+  uptraining, over the lengths (none: not converted from its partner)."""
+  if not exact:
+    return ''
+  head = (' Control: TPA is converted from that mean-pooled model, exactly '
+          'by construction; before uptraining (step 0)')
+  if max(exact) == 0:
+    return head + ' the two losses are equal on every source, bit for bit.'
+  return head + (f' TPA − GQA is at most {max(exact):.1e} nats on any '
+                 'source (' + ('rounding' if max(exact) <= EXACT else
+                               f'beyond {EXACT:g}: not exact') + ').')
 
 
 def _steps(e: dict, S: int) -> str:
