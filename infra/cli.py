@@ -80,6 +80,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
   def __init__(self, *args, **kwargs):
     kwargs.setdefault('formatter_class', argparse.RawDescriptionHelpFormatter)
+    main = getattr(sys.modules.get('__main__'), '__spec__', None)
+    if main is not None and main.name.startswith('scripts.'):
+      # As it is run (python -m scripts.X), not argparse's 'X.py'.
+      kwargs.setdefault('prog', f'python -m {main.name}')
     super().__init__(*args, **kwargs)
 
   def error(self, message):

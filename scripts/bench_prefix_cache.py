@@ -2,7 +2,8 @@
 
   python -m scripts.bench_prefix_cache --workdir=W [--requests=256]
       [--prefix_len=512] [--suffix_len=8,32] [--new_tokens=16]
-      [--kv_memory=64MiB] [--slots=32] [--repeats=3] [--seed=0] [--out=DIR]
+      [--kv_memory=64MiB] [--slots=32] [--repeats=3] [--warmups=6]
+      [--seed=0] [--out=DIR]
   python -m scripts.bench_prefix_cache --workdir=W --harness
       [--task=gqa_lab_fewshot] [--include_path=tests/lm_eval_tasks]
       [--docs=N] [--num_fewshot=N] [--batch_size=16] [--num_concurrent=1]
@@ -19,9 +20,13 @@ the workdir's (speed does not depend on the weights; a model of max_len
 at least prefix + suffix + new).
 
 Two engines (`serve.engine.Engine`, --kv_memory, --slots), prefix caching
-on and off, each compiled by a warm-up pass over a trace of the same
-shapes but another prefix (so the timed pass finds nothing of its own
-prefix cached before it starts), then timed --repeats times, taking turns.
+on and off, each warmed up by passes over traces of the same lengths but
+other prefixes (so a timed pass finds nothing of its own prefix cached
+before it starts) until a pass compiles nothing new (the engine's step
+shapes depend on how requests interleave, so one pass can leave programs
+for the next), at most --warmups passes, then timed --repeats times,
+taking turns; the programs still compiled in the timed passes are
+counted in the report (`studies.timing.compiles`).
 Each timed pass has a fresh prefix, so caching starts cold every time and
 only what the pass itself computed can be shared: the requests admitted
 in the first step (up to --slots) compute the prefix side by side (a page
@@ -78,6 +83,7 @@ from lm.sampling_params import SamplingParams
 from serve import engine as engine_lib
 from serve import pages
 from serve import process
+from studies import timing
 
 # The lab's local lm_eval tasks (each a YAML over data built locally).
 TASKS_DIR = pathlib.Path(__file__).resolve().parent.parent / 'tests' / (
@@ -98,12 +104,25 @@ def make_trace(rng, vocab_size: int, requests: int, prefix_len: int,
   return trace
 
 
+def warm_up(engine: engine_lib.Engine, traces, most: int) -> int:
+  """Passes over traces (an iterator of them) until one compiles nothing
+  new, at most `most` (at least one); how many ran."""
+  for passes in range(1, max(most, 1) + 1):
+    known = timing.compiles()
+    list(engine.run(next(traces)))
+    if timing.compiles() == known:
+      break
+  return passes
+
+
 def timed(engine: engine_lib.Engine, trace) -> dict:
-  """One pass: wall seconds, prefill tokens computed and found cached, and
-  each request's tokens."""
+  """One pass: wall seconds, prefill tokens computed and found cached, the
+  programs compiled in it, and each request's tokens."""
+  known = timing.compiles()
   start = time.perf_counter()
   outputs = list(engine.run(trace))
   seconds = time.perf_counter() - start
+  compiled = timing.compiles() - known
   errors = [o.error for o in outputs if o.error]
   if errors:
     raise UserError(f'{len(errors)} requests refused ({errors[0]}); raise '
@@ -111,6 +130,7 @@ def timed(engine: engine_lib.Engine, trace) -> dict:
   s = engine.stats
   return {'seconds': seconds, 'prefill_tokens': s.prefill_tokens,
           'cached_tokens': s.cached_tokens, 'preemptions': s.preemptions,
+          'compiled': compiled,
           'tokens': {o.id: list(o.tokens) for o in outputs}}
 
 
@@ -129,9 +149,11 @@ def run(args) -> dict:
     engines[caching] = engine_lib.Engine(
         mc, params, kv_memory=pages.parse_bytes(args.kv_memory),
         slots=args.slots, prefix_caching=caching)
-  warm_up = make_trace(np.random.default_rng(args.seed + 1), *shape)
-  for engine in engines.values():
-    list(engine.run(warm_up))
+  warmups = {}
+  for caching, engine in engines.items():  # Other prefixes than the timed.
+    traces = (make_trace(np.random.default_rng([args.seed, 1, i]), *shape)
+              for i in range(args.warmups))
+    warmups[caching] = warm_up(engine, traces, args.warmups)
   passes = {True: [], False: []}
   for _ in range(args.repeats):
     trace = make_trace(rng, *shape)  # A fresh prefix: a cold cache.
@@ -144,6 +166,8 @@ def run(args) -> dict:
     summary['on' if caching else 'off'] = {
         'seconds': float(np.median([r['seconds'] for r in runs])),
         'seconds_each': [r['seconds'] for r in runs],
+        'warmup_passes': warmups[caching],
+        'compiled_when_timed': sum(r['compiled'] for r in runs),
         **{k: runs[-1][k] for k in ('prefill_tokens', 'cached_tokens',
                                     'preemptions')}}
   return {'identical': identical, **summary,
@@ -164,6 +188,11 @@ def report(result: dict, args) -> str:
                 f'{r["seconds"]:18.2f}')
   rows.append(f'off / on: {result["speedup"]:.2f}x wall time; tokens '
               f'identical: {"yes" if result["identical"] else "NO"}')
+  rows.append('warm-up passes (programs still compiled in the timed '
+              'passes): ' + ', '.join(
+                  f'{name} {result[name]["warmup_passes"]} '
+                  f'({result[name]["compiled_when_timed"]})'
+                  for name in ('on', 'off')))
   return '\n'.join(rows)
 
 
@@ -283,7 +312,7 @@ def report_harness(result: dict, args) -> str:
 # Flags read by one mode only: None unless given, then refused in the
 # other mode, and their defaults filled in here.
 SYNTHETIC = {'requests': 256, 'prefix_len': 512, 'suffix_len': [8, 32],
-             'new_tokens': 16}
+             'new_tokens': 16, 'warmups': 6}
 HARNESS = {'task': 'gqa_lab_fewshot', 'include_path': str(TASKS_DIR),
            'docs': None, 'num_fewshot': None, 'batch_size': 16,
            'num_concurrent': 1}
@@ -291,23 +320,49 @@ HARNESS = {'task': 'gqa_lab_fewshot', 'include_path': str(TASKS_DIR),
 
 def parse(argv=None):
   parser = ArgumentParser(description=__doc__)
-  parser.add_argument('--workdir', required=True)
-  parser.add_argument('--harness', action='store_true')
-  parser.add_argument('--requests', type=positive_int)
-  parser.add_argument('--prefix_len', type=positive_int)
-  parser.add_argument('--suffix_len', type=int_range)
-  parser.add_argument('--new_tokens', type=positive_int)
-  parser.add_argument('--task')
-  parser.add_argument('--include_path')
-  parser.add_argument('--docs', type=positive_int)
-  parser.add_argument('--num_fewshot', type=int)
-  parser.add_argument('--batch_size', type=positive_int)
-  parser.add_argument('--num_concurrent', type=positive_int)
-  parser.add_argument('--kv_memory', default='64MiB')
-  parser.add_argument('--slots', type=positive_int, default=32)
-  parser.add_argument('--repeats', type=positive_int, default=3)
-  parser.add_argument('--seed', type=int, default=0)
-  parser.add_argument('--out', default=None)
+  parser.add_argument('--workdir', required=True,
+                      help='a train.main workdir: the model served')
+  parser.add_argument('--harness', action='store_true',
+                      help='an lm_eval task through two serve.api '
+                      'processes instead of the made-up trace')
+  synthetic = parser.add_argument_group(
+      'the made-up trace (without --harness)')
+  synthetic.add_argument('--requests', type=positive_int,
+                         help='prompts (default 256)')
+  synthetic.add_argument('--prefix_len', type=positive_int,
+                         help='tokens of the prefix they share (default 512)')
+  synthetic.add_argument('--suffix_len', type=int_range,
+                         help="LOW,HIGH: each prompt's own tokens after the "
+                         'prefix (default 8,32)')
+  synthetic.add_argument('--new_tokens', type=positive_int,
+                         help='tokens sampled per request (default 16)')
+  synthetic.add_argument('--warmups', type=positive_int,
+                         help='warm-up passes at most, until one compiles '
+                         'nothing new (default 6)')
+  harness = parser.add_argument_group('the harness (with --harness)')
+  harness.add_argument('--task', help='an lm_eval task whose documents '
+                       'share their shots (default gqa_lab_fewshot)')
+  harness.add_argument('--include_path', help="the task's folder (default "
+                       'tests/lm_eval_tasks)')
+  harness.add_argument('--docs', type=positive_int,
+                       help="documents scored (default: the task's all)")
+  harness.add_argument('--num_fewshot', type=int,
+                       help="shots per document (default: the task's)")
+  harness.add_argument('--batch_size', type=positive_int,
+                       help='prompts per POST (default 16)')
+  harness.add_argument('--num_concurrent', type=positive_int,
+                       help='POSTs at a time (default 1)')
+  parser.add_argument('--kv_memory', default='64MiB',
+                      help="each engine's KV pages, in bytes with a unit "
+                      '(default 64MiB)')
+  parser.add_argument('--slots', type=positive_int, default=32,
+                      help='sequences in flight at most (default 32)')
+  parser.add_argument('--repeats', type=positive_int, default=3,
+                      help='timed passes of each (default 3)')
+  parser.add_argument('--seed', type=int, default=0,
+                      help='seeds the trace, or the shots (default 0)')
+  parser.add_argument('--out', default=None,
+                      help='a folder for the JSON result (default: none)')
   args = parser.parse_args(argv)
   mine, other = (HARNESS, SYNTHETIC) if args.harness else (SYNTHETIC,
                                                             HARNESS)
@@ -324,6 +379,7 @@ def parse(argv=None):
       setattr(args, k, default)
   if args.harness and args.num_fewshot is not None and args.num_fewshot < 0:
     raise UserError(f'--num_fewshot={args.num_fewshot} must be >= 0')
+  pages.parse_bytes(args.kv_memory)  # A bad size: one line, before loading.
   if args.out:
     check_output_dir(args.out)
   return args

@@ -67,6 +67,7 @@ from infra.errors import UserError
 from lm import inference
 from lm.sampling_params import SamplingParams
 from serve import generate
+from serve import pages
 from serve import process
 
 ALPHABET = np.array(list('abcdefghijklmnopqrstuvwxyz     '))
@@ -351,20 +352,37 @@ def report(result: dict) -> str:
 
 def parse(argv=None):
   parser = ArgumentParser(description=__doc__)
-  parser.add_argument('--workdir', required=True)
-  parser.add_argument('--clients', type=positive_int, default=200)
-  parser.add_argument('--disconnect', type=float, default=0.1)
-  parser.add_argument('--prompt_len', type=int_range, default=[8, 200])
-  parser.add_argument('--output_len', type=int_range, default=[8, 128])
-  parser.add_argument('--temperature', type=float, default=0.8)
-  parser.add_argument('--kv_memory', default='64MiB')
-  parser.add_argument('--slots', type=positive_int, default=32)
-  parser.add_argument('--warmups', type=int, default=6)
-  parser.add_argument('--seed', type=int, default=0)
-  parser.add_argument('--out', default=None)
+  parser.add_argument('--workdir', required=True,
+                      help='a train.main workdir: the model served')
+  parser.add_argument('--clients', type=positive_int, default=200,
+                      help='concurrent clients, one request each (default '
+                      '200)')
+  parser.add_argument('--disconnect', type=float, default=0.1,
+                      help='the share of clients that leave after their '
+                      'first chunk (default 0.1)')
+  parser.add_argument('--prompt_len', type=int_range, default=[8, 200],
+                      help='LOW,HIGH: prompt characters (default 8,200)')
+  parser.add_argument('--output_len', type=int_range, default=[8, 128],
+                      help='LOW,HIGH: max_tokens (default 8,128)')
+  parser.add_argument('--temperature', type=float, default=0.8,
+                      help='sampling temperature, each request its own '
+                      'seed (default 0.8)')
+  parser.add_argument('--kv_memory', default='64MiB',
+                      help="the server's KV pages, in bytes with a unit "
+                      '(default 64MiB)')
+  parser.add_argument('--slots', type=positive_int, default=32,
+                      help='sequences in flight at most (default 32)')
+  parser.add_argument('--warmups', type=int, default=6,
+                      help='warm-up passes at most, until one compiles '
+                      'nothing new (default 6)')
+  parser.add_argument('--seed', type=int, default=0,
+                      help='seeds the trace (default 0)')
+  parser.add_argument('--out', default=None,
+                      help='a folder for the JSON result (default: none)')
   args = parser.parse_args(argv)
   if not 0 <= args.disconnect <= 1:
     raise UserError(f'--disconnect={args.disconnect} must be in 0..1')
+  pages.parse_bytes(args.kv_memory)  # A bad size: one line, before a server.
   if args.out:
     check_output_dir(args.out)
   return args

@@ -23,6 +23,25 @@ from train import loop
 from lm.model import Transformer, unroll_layers
 
 
+# XLA programs compiled in this process since `compiles` was first called
+# (jax.monitoring's backend-compile event, which fires once per program).
+_COMPILED = []
+
+
+def compiles() -> int:
+  """Programs XLA has compiled in this process since the first call: a
+  benchmark's timed pass that compiled is not a steady-state number."""
+  if not _COMPILED:
+    _COMPILED.append(0)
+
+    def count(event: str, duration: float, **kwargs):
+      del duration, kwargs
+      if event == '/jax/core/compile/backend_compile_duration':
+        _COMPILED[0] += 1
+    jax.monitoring.register_event_duration_secs_listener(count)
+  return _COMPILED[0]
+
+
 def median_time(fn, repeats: int) -> float:
   return median_times({'fn': fn}, repeats)['fn']
 

@@ -20,10 +20,12 @@ import json
 import os
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from evaluation import served
-from scripts import bench_prefix_cache
+from scripts import bench_prefix_cache, load_test_server
 from tests import api_server
 from tests.lm_eval_tasks import local_data
 
@@ -43,6 +45,47 @@ def test_caching_skips_the_shared_prefix_and_changes_no_token(trained,
   on, off = result['on'], result['off']
   assert off['cached_tokens'] == 0 and on['cached_tokens'] >= 16 * 3
   assert on['prefill_tokens'] == off['prefill_tokens'] - on['cached_tokens']
+  for mode in (on, off):  # Warmed up until a pass compiled nothing new.
+    assert 1 <= mode['warmup_passes'] <= 6
+    assert mode['compiled_when_timed'] >= 0
+
+
+@jax.jit
+def _program(x):
+  return x * 3 + 1
+
+
+class _Compiling:
+  """An engine stand-in whose passes compile a program of a new shape for
+  the first `new` of them, then only programs compiled already."""
+
+  def __init__(self, new: int, shapes_from: int):
+    self.new, self.passes, self.shapes_from = new, 0, shapes_from
+
+  def run(self, trace):
+    del trace
+    self.passes += 1
+    _program(jnp.ones(self.shapes_from + min(self.passes, self.new)))
+    return []
+
+
+def test_warming_up_stops_at_the_first_pass_that_compiles_nothing_new():
+  traces = iter(range(100))
+  engine = _Compiling(new=3, shapes_from=100)
+  # Passes 1-3 compile a shape each; pass 4 compiles nothing: it stops.
+  assert bench_prefix_cache.warm_up(engine, traces, most=6) == 4
+  assert bench_prefix_cache.warm_up(_Compiling(new=9, shapes_from=200),
+                                     traces, most=5) == 5
+  known = bench_prefix_cache.timing.compiles()
+  engine.run(None)  # The shape of pass 3, compiled already.
+  assert bench_prefix_cache.timing.compiles() == known
+
+
+def test_a_bad_kv_memory_is_one_line_before_any_model_loads():
+  for parse in (bench_prefix_cache.parse, load_test_server.parse):
+    with pytest.raises(bench_prefix_cache.UserError,
+                       match="--kv_memory='lots' is not a size"):
+      parse(['--workdir=/no/such/workdir', '--kv_memory=lots'])
 
 
 def _contexts(**overrides) -> list[str]:
