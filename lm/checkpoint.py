@@ -458,7 +458,9 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
 
 def load_workdir_step(workdir: str, flag: str = '--workdir'):
   """(ModelConfig, params, ConfigDict, step): `load_workdir` and the step
-  its parameters were saved at."""
+  its parameters were saved at. A config.json whose model's parameters are
+  not the checkpoint's (edited after training) is refused in one line
+  naming the first array that differs, before any array is read."""
   from lm import config_lib  # pylint: disable=import-outside-toplevel
   path = storage.path(workdir, flag) / 'config.json'
   if not path.parent.is_dir():
