@@ -206,17 +206,28 @@ class Checkpointer:
     ours = serialization.to_state_dict(abstract_state)
     sections = ['params'] + (['opt_state'] if 'opt_state' in saved else [])
     for section in sections:
-      theirs_flat = dict(_flatten(saved[section]))
-      ours_flat = dict(_flatten(ours[section]))
-      for path in [*ours_flat, *(p for p in theirs_flat if p not in ours_flat)]:
-        mine = _shape(ours_flat.get(path))
-        theirs = _shape(theirs_flat.get(path))
-        if mine != theirs:
-          raise UserError(
-              f'{self.directory} (step {step}) holds another model: '
-              f'{section}{path} is {theirs} there and {mine} here; use the '
-              f'config that wrote it ({self.workdir / "config.json"}) or a '
-              'new --workdir; nothing was changed')
+      mismatch = first_mismatch(saved[section], ours[section])
+      if mismatch:
+        path, theirs, mine = mismatch
+        raise UserError(
+            f'{self.directory} (step {step}) holds another model: '
+            f'{section}{path} is {theirs} there and {mine} here; use the '
+            f'config that wrote it ({self.workdir / "config.json"}) or a '
+            'new --workdir; nothing was changed')
+
+
+def first_mismatch(saved, ours) -> tuple[str, str, str] | None:
+  """(path, saved shape, our shape) of the first array present in only one
+  of two trees, or shaped differently in them (shapes as '[2, 64, 128]' or
+  'absent'); None when they agree. `saved` may be orbax metadata."""
+  theirs_flat = dict(_flatten(saved))
+  ours_flat = dict(_flatten(ours))
+  for path in [*ours_flat, *(p for p in theirs_flat if p not in ours_flat)]:
+    mine = _shape(ours_flat.get(path))
+    theirs = _shape(theirs_flat.get(path))
+    if mine != theirs:
+      return path, theirs, mine
+  return None
 
 
 def save_params(workdir: str | epath.Path, params) -> None:
@@ -376,10 +387,14 @@ def _ignore_callbacks_on_closed_loops():
   loop_class.call_soon_threadsafe = call_soon_threadsafe
 
 
-def restore_latest(workdir: str | epath.Path) -> tuple[int, dict]:
+def restore_latest(workdir: str | epath.Path,
+                   check: Callable[[int, dict], None] | None = None
+                   ) -> tuple[int, dict]:
   """(step, saved state as a dict of arrays) of WORKDIR's latest checkpoint.
 
-  Read-only: nothing in WORKDIR is created, moved or changed.
+  Read-only: nothing in WORKDIR is created, moved or changed. check(step,
+  metadata), if given, sees the checkpoint's metadata (shapes, dtypes)
+  before any array is read, and may raise UserError to refuse it.
   """
   directory = storage.path(workdir) / 'checkpoints'
   manager = None
@@ -396,11 +411,16 @@ def restore_latest(workdir: str | epath.Path) -> tuple[int, dict]:
       # Onto this process's first device, whatever devices wrote it (a
       # pod's checkpoint sampled on a laptop).
       here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      metadata = manager.item_metadata(step)
+      if check:
+        check(step, metadata)
       target = jax.tree.map(
           lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
-          manager.item_metadata(step))
+          metadata)
       return step, manager.restore(step,
                                    args=ocp.args.StandardRestore(target))
+  except UserError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     older = [s for s in manager.all_steps() if s < step]
     fallback = (f'to use step {max(older)}' if older else
@@ -438,7 +458,9 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
 
 def load_workdir_step(workdir: str, flag: str = '--workdir'):
   """(ModelConfig, params, ConfigDict, step): `load_workdir` and the step
-  its parameters were saved at."""
+  its parameters were saved at. A config.json whose model's parameters are
+  not the checkpoint's (edited after training) is refused in one line
+  naming the first array that differs, before any array is read."""
   from lm import config_lib  # pylint: disable=import-outside-toplevel
   path = storage.path(workdir, flag) / 'config.json'
   if not path.parent.is_dir():
@@ -448,5 +470,19 @@ def load_workdir_step(workdir: str, flag: str = '--workdir'):
     raise UserError(f'{path} not found; {flag} must be a train.main workdir '
                     'with a checkpoint')
   config = config_lib.from_json(path)
-  step, state = restore_latest(workdir)
-  return config_lib.model_config(config), state['params'], config, step
+  mc = config_lib.model_config(config)
+
+  def check(step, saved):
+    """A config.json edited after training would otherwise load the
+    checkpoint as it is and build another model around it."""
+    from lm import model  # pylint: disable=import-outside-toplevel
+    mismatch = first_mismatch(saved['params'], model.parameter_shapes(mc))
+    if mismatch:
+      where, theirs, mine = mismatch
+      raise UserError(
+          f'{path} does not match its checkpoint at step {step}: '
+          f'params{where} is {theirs} in the checkpoint, {mine} by '
+          'config.json; restore the config.json the run wrote, or retrain')
+
+  step, state = restore_latest(workdir, check)
+  return mc, state['params'], config, step

@@ -373,8 +373,20 @@ def layer_subtrees(config: ModelConfig, params) -> list:
     tree = params
     for key in path:
       tree = tree[key]
-    return tree if index is None else jax.tree.map(lambda x: x[index], tree)
+    return tree if index is None else jax.tree.map(
+        lambda x: _take_layer(x, index, i, config), tree)
   return [get(i) for i in range(config.num_layers)]
+
+
+def _take_layer(x, index: int, i: int, config: ModelConfig):
+  # jax clamps an index past the end: layer i would silently be a copy of
+  # the last layer the params have.
+  if index >= x.shape[0]:
+    raise ValueError(
+        f'layer {i} of num_layers={config.num_layers} is not in the params '
+        f'({x.shape[0]} stacked on an axis of shape {list(x.shape)}); the '
+        'params were made for fewer layers')
+  return x[index]
 
 
 def with_layer_subtrees(params, config: ModelConfig, layers: list) -> dict:

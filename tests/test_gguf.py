@@ -2,6 +2,7 @@
 back with the gguf package's reader; llama.cpp itself runs the exports in
 tests/test_llama_cpp.py."""
 
+import errno
 import math
 import subprocess
 import sys
@@ -242,14 +243,29 @@ def test_a_failure_while_writing_leaves_no_file(tmp_path, monkeypatch):
   def fail_on_the_third(self, tensor, *args, **kwargs):
     written.append(tensor.shape)
     if len(written) == 3:
-      raise OSError('No space left on device')
+      raise OSError(errno.ENOSPC, 'No space left on device')
     return original(self, tensor, *args, **kwargs)
   original = gguf.GGUFWriter.write_tensor_data
   monkeypatch.setattr(gguf.GGUFWriter, 'write_tensor_data', fail_on_the_third)
   (tmp_path / 'out').mkdir()
-  with pytest.raises(OSError):
-    to_gguf.export(str(tmp_path / 'w'), str(tmp_path / 'out' / 'm.gguf'))
+  out = tmp_path / 'out' / 'm.gguf'
+  with pytest.raises(UserError) as raised:  # Not a traceback.
+    to_gguf.export(str(tmp_path / 'w'), str(out))
+  assert str(raised.value) == (
+      f'--to_gguf={out}: writing {out} failed (No space left on device); '
+      'nothing was left there: free space or choose another disk, and rerun')
   assert len(written) == 3 and not any((tmp_path / 'out').iterdir())
+
+
+@pytest.mark.parametrize('folder', ['/sys', '/proc'])
+def test_a_folder_that_takes_no_file_is_one_line(tmp_path, folder):
+  """As root, os.access says /sys and /proc are writable; creating the
+  temporary file there fails (EACCES, ENOENT): still one line."""
+  gguf_models.random_workdir(tmp_path / 'w', **gguf_models.SILU)
+  with pytest.raises(UserError, match=f'--to_gguf={folder}/x.gguf: cannot '
+                                      f'(create a file in|write into) '
+                                      f'{folder}[;( ]'):
+    to_gguf.export(str(tmp_path / 'w'), f'{folder}/x.gguf')
 
 
 def test_the_byte_alphabet_is_byte_level_bpes():

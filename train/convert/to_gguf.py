@@ -230,26 +230,36 @@ def export(source: str, out: str, dtype: str | None = None) -> dict:
   vocab = gguf_vocab.of_workdir(storage.path(source, '--source'),
                                 mc.vocab_size)
   infos, arrays = tensors(params, mc, arch, dtype)
-  with _replaced_at_the_end(target) as partial:
-    writer = gguf.GGUFWriter(partial, arch)
-    try:
-      write_metadata(writer, mc, arch, dtype, pathlib.Path(source).name)
-      gguf_vocab.write(writer, vocab)
-      for name, (np_dtype, shape) in infos.items():
-        raw = gguf.GGMLQuantizationType[DTYPES[dtype][1]] if (
-            np_dtype == np.dtype(ml_dtypes.bfloat16)) else None
-        writer.add_tensor_info(name, shape, np_dtype, int(
-            np.prod(shape)) * np_dtype.itemsize, raw_dtype=raw)
-      writer.write_header_to_file()
-      writer.write_kv_data_to_file()
-      writer.write_ti_data_to_file()
-      for array in arrays:
-        if array.dtype == np.dtype(ml_dtypes.bfloat16):
-          array = array.view(np.uint16)  # Raw BF16: its bits.
-        writer.write_tensor_data(array)
-    finally:
-      writer.close()
+  try:
+    with _replaced_at_the_end(target) as partial:
+      writer = gguf.GGUFWriter(partial, arch)
+      try:
+        write_metadata(writer, mc, arch, dtype, pathlib.Path(source).name)
+        gguf_vocab.write(writer, vocab)
+        _write_tensors(gguf, writer, dtype, infos, arrays)
+      finally:
+        writer.close()
+  except OSError as e:  # A full disk, a file size limit, a failing mount.
+    raise UserError(f'--to_gguf={out}: writing {target} failed '
+                    f'({e.strerror or e}); nothing was left there: free space '
+                    'or choose another disk, and rerun') from None
   return {'arch': arch, 'dtype': dtype, 'bytes': target.stat().st_size}
+
+
+def _write_tensors(gguf, writer, dtype: str, infos, arrays):
+  """The header, the keys added so far, and the tensors (`tensors`)."""
+  for name, (np_dtype, shape) in infos.items():
+    raw = gguf.GGMLQuantizationType[DTYPES[dtype][1]] if (
+        np_dtype == np.dtype(ml_dtypes.bfloat16)) else None
+    writer.add_tensor_info(name, shape, np_dtype, int(
+        np.prod(shape)) * np_dtype.itemsize, raw_dtype=raw)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_ti_data_to_file()
+  for array in arrays:
+    if array.dtype == np.dtype(ml_dtypes.bfloat16):
+      array = array.view(np.uint16)  # Raw BF16: its bits.
+    writer.write_tensor_data(array)
 
 
 def _check_target(out: str) -> pathlib.Path:
@@ -270,13 +280,18 @@ def _check_target(out: str) -> pathlib.Path:
 def _replaced_at_the_end(target: pathlib.Path):
   """A temporary file beside TARGET, renamed onto it when the block ends
   well and removed when it does not."""
-  fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f'.{target.name}.',
-                                 suffix='.partial')
+  try:  # As root os.access passes on /sys and /proc: creating says no.
+    fd, partial = tempfile.mkstemp(dir=target.parent,
+                                   prefix=f'.{target.name}.', suffix='.partial')
+  except OSError as e:
+    raise UserError(f'--to_gguf={target}: cannot create a file in '
+                    f'{target.parent} ({e.strerror or e}); give a file in a '
+                    'folder you can write to') from None
   os.close(fd)
   umask = os.umask(0)
   os.umask(umask)
-  os.chmod(partial, 0o666 & ~umask)  # A new file's mode, not mkstemp's 0600.
   try:
+    os.chmod(partial, 0o666 & ~umask)  # A new file's mode, not mkstemp's 0600.
     yield partial
     os.replace(partial, target)
   except BaseException:
