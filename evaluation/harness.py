@@ -5,9 +5,10 @@
                           model_args='workdir=W,batch_size=8', tasks=[...])
 
 or from a shell, lm_eval's own command line with the model registered:
-`gqa-lab-lm-eval --model gqa-lab --model_args workdir=W,batch_size=8
+`gqa-lab-lm-eval --model gqa-lab --model_args workdir=W --batch_size 8
 --tasks ...` (lm_eval 0.4.13 reads no plugins: a plain `lm_eval` does not
-import this module; docs/evaluation.md).
+import this module; docs/evaluation.md). There the batch size is lm_eval's
+--batch_size, which it passes beside --model_args (in both: given twice).
 
 The three request types follow lm_eval's `hf` model (lm_eval/models/
 huggingface.py) step for step, so that a workdir and its `--to_hf` export

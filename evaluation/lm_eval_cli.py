@@ -1,7 +1,10 @@
 """lm_eval's own command line, with the `gqa-lab` model registered.
 
-  gqa-lab-lm-eval --model gqa-lab --model_args workdir=W,batch_size=8 \
+  gqa-lab-lm-eval --model gqa-lab --model_args workdir=W --batch_size 8 \
       --tasks hellaswag [any other lm_eval flag]
+
+(The batch size is lm_eval's --batch_size, which lm_eval passes to the model
+beside --model_args: in both, it is given twice.)
 
 lm_eval 0.4.13 finds a model only in its registry and imports no plugins
 (no entry-point group), so its `lm_eval` command cannot see a model defined

@@ -1,7 +1,9 @@
-"""An OpenAI-compatible completions server over the engine.
+r"""An OpenAI-compatible completions server over the engine.
 
   python -m serve.api --workdir=DIR [--host=127.0.0.1] [--port=8000] \
-      [--kv_memory=256MiB] [--slots=32] [--seed=0] [--noprefix_caching] \
+      [--served_model_name=NAME] [--kv_memory=256MiB] [--slots=32] \
+      [--page_size=16] [--prefill_chunk=64] [--admission=reserve] \
+      [--kv_cache_dtype=int8] [--noprefix_caching] [--seed=0] \
       [--max_body=1MiB] [--drain_timeout=30]
 
 Routes: POST /v1/completions (`serve.protocol`: OpenAI's parameters, SSE
@@ -270,8 +272,12 @@ def build(workdir: str, *, kv_memory: str = '256MiB', page_size: int = 16,
 
 def main(argv):
   from absl import flags  # pylint: disable=import-outside-toplevel
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
   del argv
   logging.basicConfig(level=logging.WARNING)
+  # absl's handler has its own level (INFO under absl.app): without this,
+  # orbax's INFO lines on restoring the checkpoint fill the terminal.
+  absl_logging.set_verbosity(absl_logging.WARNING)
   f = flags.FLAGS
   if f.drain_timeout < 0:
     raise UserError(f'--drain_timeout={f.drain_timeout} must be >= 0')

@@ -6,6 +6,7 @@ signal exits at once)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import sys
 import time
@@ -65,6 +66,10 @@ def listen(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
   except OSError as e:
     sock.close()
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+      raise UserError(f'--host={host}: cannot listen there ({e.strerror}); '
+                      'give an address of this machine (127.0.0.1, the '
+                      'default; 0.0.0.0 for every interface)') from None
     raise UserError(f'--host={host} --port={port}: cannot listen there '
                     f'({e.strerror}); pick another port, or --port=0 for a '
                     'free one') from None

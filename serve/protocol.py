@@ -102,7 +102,8 @@ def parse(body, *, request_id: str, model: str, max_len: int,
                    f'server serves {model!r} (GET /v1/models)', 'model',
                    'not_found_error')
   prompts = _prompts(body.get('prompt'), vocab_size, encode)
-  max_tokens = _int(body, 'max_tokens', DEFAULT_MAX_TOKENS, 0, max_len)
+  # A prompt holds at least one token: max_len - 1 new ones at most.
+  max_tokens = _int(body, 'max_tokens', DEFAULT_MAX_TOKENS, 0, max_len - 1)
   echo = _bool(body, 'echo')
   logprobs = body.get('logprobs')
   if logprobs is not None and not (is_int(logprobs) and
@@ -124,13 +125,18 @@ def parse(body, *, request_id: str, model: str, max_len: int,
     raise ApiError(400, f'seed={seed!r} must be an integer in 0..2**32 - 1',
                    'seed')
   settings = _checked(settings, vocab_size)
-  options = body.get('stream_options') or {}
+  stream = _bool(body, 'stream')
+  options = body.get('stream_options')
+  if options is not None and not stream:  # As OpenAI and vLLM answer.
+    raise ApiError(400, 'stream_options is for a streamed request only; give '
+                   'stream=true or leave stream_options out', 'stream_options')
+  options = options or {}
   if not isinstance(options, dict) or set(options) - {'include_usage'}:
     raise ApiError(400, 'stream_options takes only include_usage',
                    'stream_options')
   completion = Completion(
       request_id, [], prompts, max_tokens, settings.stop,
-      stream=_bool(body, 'stream'), include_usage=bool(
+      stream=stream, include_usage=bool(
           options.get('include_usage')), echo=echo, logprobs=logprobs,
       created=int(time.time()))
   for i, tokens in enumerate(prompts):
@@ -152,8 +158,9 @@ def parse(body, *, request_id: str, model: str, max_len: int,
 def _prompts(prompt, vocab_size: int, encode) -> list[list[int]]:
   """Token ids of each prompt (text through `encode`, ids checked)."""
   if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
-                                 all(is_int(t) for t in prompt)):
-    prompt = [prompt]
+                                 all(is_int(t) or t is None for t in prompt)
+                                 and any(is_int(t) for t in prompt)):
+    prompt = [prompt]  # One prompt of ids (a null among them: _ids says).
   if not (isinstance(prompt, list) and prompt):
     raise ApiError(400, 'prompt must be a string, a list of strings, a list '
                    'of token ids or a list of lists of them', 'prompt')
@@ -165,16 +172,30 @@ def _prompts(prompt, vocab_size: int, encode) -> list[list[int]]:
       except UnicodeEncodeError:
         raise ApiError(400, f'prompt {i} is not valid UTF-8 text (a lone '
                        'surrogate); fix its escapes', 'prompt') from None
-    elif isinstance(p, list) and all(is_int(t) for t in p):
-      bad = [t for t in p if not 0 <= t < vocab_size]
-      if bad:
-        raise ApiError(400, f'prompt {i} holds token id {bad[0]}, outside the '
-                       f'vocabulary 0..{vocab_size - 1}', 'prompt')
-      out.append(list(p))
+    elif isinstance(p, list):
+      out.append(_ids(i, p, vocab_size))
     else:
       raise ApiError(400, f'prompt {i} must be a string or a list of token '
                      'ids', 'prompt')
   return out
+
+
+def _ids(i: int, prompt: list, vocab_size: int) -> list[int]:
+  """Prompt i's token ids, each checked: an integer in the vocabulary."""
+  for j, t in enumerate(prompt):
+    if t is None:  # lm_eval's context for a model with no BOS nor EOS.
+      raise ApiError(400, f'prompt {i} holds null at position {j}, not a '
+                     'token id (lm_eval\'s local-completions sends that for '
+                     'a model without a prefix token: give it '
+                     'custom_prefix_token_id=<id> in --model_args, 10 for a '
+                     'byte-level model)', 'prompt')
+    if not is_int(t):
+      raise ApiError(400, f'prompt {i} holds {t!r} at position {j}; a prompt '
+                     'of token ids holds integers only', 'prompt')
+    if not 0 <= t < vocab_size:
+      raise ApiError(400, f'prompt {i} holds token id {t}, outside the '
+                     f'vocabulary 0..{vocab_size - 1}', 'prompt')
+  return list(prompt)
 
 
 def _int(body, name, default, low, high) -> int:

@@ -51,7 +51,12 @@ BAD = [  # (body, status, the parameter named)
     ({'prompt': 'x', 'best_of': 3}, 400, 'best_of'),
     ({'prompt': 'x', 'presence_penalty': 0.5}, 400, 'presence_penalty'),
     ({'prompt': 'x', 'stream': 'yes'}, 400, 'stream'),
-    ({'prompt': 'x', 'stream_options': {'bogus': 1}}, 400, 'stream_options'),
+    ({'prompt': 'x', 'stream': True, 'stream_options': {'bogus': 1}}, 400,
+     'stream_options'),
+    ({'prompt': 'x', 'stream_options': {}}, 400, 'stream_options'),  # No
+    # stream.
+    ({'prompt': [[None, 104]], 'max_tokens': 0, 'echo': True}, 400,
+     'prompt'),  # lm_eval's for a model without a prefix token.
     ({'prompt': 'x', 'stop': [3]}, 400, 'stop'),
     ({'prompt': 7}, 400, 'prompt'),
     ({'prompt': ['a', 3]}, 400, 'prompt'),
