@@ -1,4 +1,4 @@
-"""Scores a workdir on lm-evaluation-harness tasks (the `eval` extra).
+r"""Scores a workdir on lm-evaluation-harness tasks (the `eval` extra).
 
   python -m evaluation.evaluate --workdir=W --tasks=T1,T2 --out=DIR \
       [--include_path=DIR] [--limit=N] [--batch_size=8] [--num_fewshot=N] \

@@ -1,4 +1,4 @@
-"""lm_eval's own command line, with the `gqa-lab` model registered.
+r"""lm_eval's own command line, with the `gqa-lab` model registered.
 
   gqa-lab-lm-eval --model gqa-lab --model_args workdir=W --batch_size 8 \
       --tasks hellaswag [any other lm_eval flag]

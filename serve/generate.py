@@ -1,4 +1,4 @@
-"""Generates continuations of many prompts at once, over a paged KV cache.
+r"""Generates continuations of many prompts at once, over a paged KV cache.
 
   python -m serve.generate --workdir=DIR --prompts=FILE.jsonl --out=OUT.jsonl \
       --kv_memory=256MiB --max_new_tokens=N [--temperature=0] [--top_k=0] \

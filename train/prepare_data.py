@@ -1,4 +1,4 @@
-"""Tokenizes a corpus once into shards of token ids: `python -m train.prepare_data`.
+r"""Tokenizes a corpus once into shards of token ids: `python -m train.prepare_data`.
 
   python -m train.prepare_data --input=PATH[,PATH...] --out=DIR \
       --tokenizer=WORKDIR_OR_tokenizer.json [--text_field=text] \

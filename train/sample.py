@@ -1,4 +1,4 @@
-"""Generates text from a trained workdir with the KV cache.
+r"""Generates text from a trained workdir with the KV cache.
 
   python -m train.sample --workdir=DIR --prompt=TEXT --max_new_tokens=200 \
       [--temperature=0.8] [--top_k=40] [--top_p=0.95] [--seed=0] [--stop=STR]
