@@ -196,11 +196,21 @@ def test_the_report_gives_each_family_its_claim_correction_and_verdicts():
       if line.startswith('| TPA1_G_share1 − K2_G_share1 |'))
   lines = reading.panel_reading('heads', panel)
   (bullet,) = [b for b in lines if '**TPA, heads-matched**' in b]
-  assert ('resolved worse: TPA1_G_share1 than K2_G_share1; the rest not '
+  assert ('. Resolved worse: TPA1_G_share1 than K2_G_share1; the rest not '
           'claimed.') in bullet
   assert 'Holm over the family of 3 NLL differences' in bullet
   d = panel['analysis']['families'][0]['pairs'][1]['diff']['nll']
   assert reading.said(d, ' nats', rejected=False) in bullet
+  # The same family the other way round: better, said as such.
+  for m in panel['models']:
+    if m['variant'].startswith('TPA'):
+      for cache in ('float', 'int8'):
+        m['seeds'][cache]['nll'] = list(2 * 1.0 - np.array(
+            m['seeds'][cache]['nll']))
+  panel['analysis'] = analysis.analyse(panel['models'], panel['families'])
+  (bullet,) = [b for b in reading.panel_reading('heads', panel)
+               if '**TPA, heads-matched**' in b]
+  assert '. Resolved better: TPA1_G_share1 than K2_G_share1' in bullet
   # Nothing resolved: said so, and no pair called worse or better.
   flat = _heads_panel()
   for m in flat['models']:
@@ -209,7 +219,7 @@ def test_the_report_gives_each_family_its_claim_correction_and_verdicts():
   (bullet,) = [b for b in reading.panel_reading('heads', flat)
                if '**TPA, heads-matched**' in b]
   assert 'On NLL nothing is claimed either way.' in bullet
-  assert 'resolved worse:' not in bullet
+  assert 'Resolved worse:' not in bullet
 
 
 def test_a_report_without_families_has_no_family_section():

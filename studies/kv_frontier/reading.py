@@ -253,14 +253,14 @@ def _families(p: _Panel) -> list[str]:
              for e in f['pairs']]
     resolved = [e for e in f['pairs'] if stats.decide(
         e['diff']['nll'], rejected=e['holm']) == 'resolved']
-    claimed = [f'resolved {word}: ' + ', '.join(
+    claimed = [f'{word}: ' + ', '.join(
         f'{e["a"]} than {e["b"]}' for e in group) for word, group in (
             ('worse', [e for e in resolved if e['diff']['nll']['mean'] > 0]),
             ('better', [e for e in resolved if e['diff']['nll']['mean'] < 0]))
                if group]
-    outcome = ('; '.join(claimed) + ('; the rest not claimed' if len(
-        resolved) < len(f['pairs']) else '') + '.' if claimed else
-               'On NLL nothing is claimed either way.')
+    outcome = ('Resolved ' + '; resolved '.join(claimed) + (
+        '; the rest not claimed' if len(resolved) < len(f['pairs']) else '')
+               + '.' if claimed else 'On NLL nothing is claimed either way.')
     bullets.append(
         f'{HEAD}, **{f["name"]}** ({holm_family(f["pairs"])}, fixed in the '
         'design before any run): ' + '; '.join(pairs) + f'. {outcome} '
