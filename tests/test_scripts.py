@@ -638,7 +638,8 @@ def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
 
 
 @pytest.mark.parametrize('folder', ['kv_frontier', 'kv_frontier/quick',
-                                    'kv_frontier/zadouri'])
+                                    'kv_frontier/zadouri',
+                                    'kv_frontier/tpa'])
 def test_a_published_kv_frontier_report_rebuilds_identically(
     tmp_path, monkeypatch, folder):
   """docs/results/{folder}/report.md is what `python -m scripts.kv_frontier
