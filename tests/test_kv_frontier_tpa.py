@@ -35,7 +35,7 @@ def test_a_tpa_point_is_named_as_the_benchmarks_name_it_and_set_in_model_tpa():
     bench = variants.Variant.parse(v.name.split('_')[0])
     assert v.name == f'{bench.name}_G_share1'
     assert v.layout() == {'attention': 'tpa', 'tpa': dict(
-        q_rank=q_rank, k_rank=v.rank, v_rank=v.rank)}
+        k_rank=v.rank, v_rank=v.rank, **({'q_rank': 0} if v.kv_only else {}))}
     mc = _model_config('lm', v)
     assert mc.layout == tensor_product.TPA(q_rank=q_rank, k_rank=v.rank,
                                            v_rank=v.rank)

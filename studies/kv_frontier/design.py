@@ -58,11 +58,10 @@ class Variant:
           latent_groups=self.groups)}
     if self.tie:
       return {'attention': 'gta', 'gta': dict(qk_rope_head_dim=self.rope)}
-    if self.rank:  # Every rank named, so that a record reads back alone.
-      t6 = config_lib.defaults().model.tpa.q_rank
+    if self.rank:  # T6's queries: the config's q_rank (the layout's default).
       return {'attention': 'tpa', 'tpa': dict(
-          q_rank=0 if self.kv_only else t6, k_rank=self.rank,
-          v_rank=self.rank)}
+          k_rank=self.rank, v_rank=self.rank,
+          **({'q_rank': 0} if self.kv_only else {}))}
     return {'attention': 'gqa'}
 
 
