@@ -23,22 +23,24 @@ from infra import provenance as provenance_lib
 from infra.errors import UserError
 
 
-def _task_manager(tasks: list[str], include_path: str | None,
-                  include_defaults: bool = True):
+def task_manager(tasks: list[str], include_path: str | None,
+                  include_defaults: bool = True, metadata=None):
   """lm_eval's TaskManager that knows `tasks`. Indexing lm_eval's own
   ~15,000 tasks takes seconds, so --include_path alone is tried first.
-  include_defaults: False, the tasks of --include_path only."""
+  include_defaults: False, the tasks of --include_path only. metadata:
+  given to every task's config (lm_eval's --metadata)."""
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
   if include_path is not None and not pathlib.Path(include_path).is_dir():
     raise UserError(f'--include_path={include_path} is not a folder; give '
                     'the folder of your task YAMLs')
   if include_path:
-    manager = TaskManager(include_path=include_path, include_defaults=False)
+    manager = TaskManager(include_path=include_path, include_defaults=False,
+                          metadata=metadata)
     if not include_defaults or not (
         set(tasks) - set(manager.match_tasks(tasks))):
       return _check_known(manager, tasks, include_path)
-  return _check_known(TaskManager(include_path=include_path), tasks,
-                      include_path)
+  return _check_known(TaskManager(include_path=include_path,
+                                  metadata=metadata), tasks, include_path)
 
 
 def require_lm_eval():
@@ -55,7 +57,7 @@ def check_tasks(tasks: list[str], include_path: str | None):
   name neither lm_eval nor --include_path knows (what `evaluate` would
   meet only after loading the model)."""
   require_lm_eval()
-  _task_manager(tasks, include_path)
+  task_manager(tasks, include_path)
 
 
 def _check_known(manager, tasks: list[str], include_path: str | None):
@@ -81,7 +83,7 @@ def evaluate(workdir: str, tasks: list[str], *, include_path=None,
   from evaluation import harness  # pylint: disable=import-outside-toplevel
   model = harness.WorkdirLM(workdir, batch_size=batch_size, seed=seed,
                             max_gen_toks=max_gen_toks, flag='--workdir')
-  manager = _task_manager(tasks, include_path)
+  manager = task_manager(tasks, include_path)
   _check_generation_room(manager.load(tasks)['tasks'], model)
   # Its add_env_info runs torch's collect_env (pip list and more in
   # subprocesses: 4 of a small task's 5.7 s, measured) for keys that

@@ -107,6 +107,16 @@ def int_list(text: str) -> list[int]:
     ) from None
 
 
+def int_range(text: str) -> list[int]:
+  """'8,96' -> [8, 96]: an argparse type of an inclusive range LOW,HIGH of
+  positive integers, LOW <= HIGH."""
+  values = int_list(text)
+  if len(values) != 2 or values[0] > values[1]:
+    raise argparse.ArgumentTypeError(
+        f'{text!r} is not LOW,HIGH with 0 < LOW <= HIGH')
+  return values
+
+
 def float_list(text: str) -> list[float]:
   """'0,0.05' -> [0.0, 0.05]: an argparse type of numbers >= 0."""
   try:

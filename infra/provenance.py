@@ -17,19 +17,64 @@ import sys
 from typing import Sequence
 
 
-def commit() -> str:
-  """The repository's commit, '+dirty' when files differ from it, or
-  'unknown' outside a git checkout."""
-  root = pathlib.Path(__file__).resolve().parent.parent
+DIRTY = '+dirty'  # After a commit: the files that ran were not all its.
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # This checkout.
+
+
+def commit(root: pathlib.Path = ROOT) -> str:
+  """The commit of the repository at ROOT, with DIRTY when files differ
+  from it (a tracked file changed, or an untracked Python file that is not
+  ignored: a module the run may have imported, which the commit does not
+  hold), or 'unknown' outside a git checkout."""
   def git(*args):
     return subprocess.run(['git', '-C', str(root), *args], capture_output=True,
                           text=True, timeout=30, check=True).stdout.strip()
   try:
     head = git('rev-parse', '--short=7', 'HEAD')
-    dirty = git('status', '--porcelain', '--untracked-files=no')
+    dirty = (git('status', '--porcelain', '--untracked-files=no')
+             or git('ls-files', '--others', '--exclude-standard', '--',
+                    '*.py'))
   except (OSError, subprocess.SubprocessError):
     return 'unknown'
-  return head + ('+dirty' if dirty else '')
+  return head + (DIRTY if dirty else '')
+
+
+def ended(record: dict) -> dict:
+  """RECORD (a `record`, or its commit and machine, made as a command or
+  run started: the code it runs) with 'commit_at_end', the checkout's
+  commit now, where that is no longer the one it started at (a commit
+  made, or a file changed, while it ran: what a module imported late would
+  have read)."""
+  now = commit()
+  if now != record['commit']:
+    record['commit_at_end'] = now
+  return record
+
+
+def is_clean(c: str) -> bool:
+  """Whether commit C (as `commit()` wrote it) names the files that ran:
+  a commit, not DIRTY, not 'unknown'."""
+  return bool(c) and c != 'unknown' and not c.endswith(DIRTY)
+
+
+def in_history(c: str, root: pathlib.Path = ROOT) -> bool | None:
+  """Whether commit C (as `commit()` wrote it, DIRTY removed) is HEAD or
+  one of its ancestors in the repository at ROOT; None where that cannot
+  be told (outside a git checkout, or a shallow clone that lacks the
+  history)."""
+  git = lambda *args: subprocess.run(
+      ['git', '-C', str(root), *args], capture_output=True, text=True,
+      timeout=30, check=False)
+  try:
+    shallow = git('rev-parse', '--is-shallow-repository')
+    if shallow.returncode or shallow.stdout.strip() != 'false':
+      return None
+    return git('merge-base', '--is-ancestor', c.removesuffix(DIRTY),
+               'HEAD').returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return None
 
 
 # The flags that say which vector kernels a CPU runs (what a benchmark's

@@ -31,14 +31,13 @@ import tempfile
 import time
 
 import flax.linen as nn
-import numpy as np
 
 from train import loop
 from lm import checkpoint
 from lm import config_lib
 from infra import provenance
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-                       int_list, positive_int)
+                       int_list, int_range, positive_int)
 from infra.errors import UserError
 from lm.model import Transformer
 from studies import timing
@@ -83,7 +82,7 @@ def main():
   parser.add_argument('--config', default='tiny')
   parser.add_argument('--sizes', type=int_list, default=[1000, 10000, 100000])
   parser.add_argument('--max_new_tokens', type=positive_int, default=4)
-  parser.add_argument('--prompt_len', type=int_list, default=[8, 24])
+  parser.add_argument('--prompt_len', type=int_range, default=[8, 24])
   parser.add_argument('--kv_memory', default='64MiB')
   parser.add_argument('--slots', type=positive_int, default=128)
   parser.add_argument('--seed', type=int, default=0)
@@ -91,8 +90,6 @@ def main():
   args = parser.parse_args()
   check_output_dir(args.out)
   config = config_lib.load(args.config)
-  if len(args.prompt_len) != 2:
-    raise UserError('--prompt_len must be LOW,HIGH')
   if args.prompt_len[1] + args.max_new_tokens > config.model.max_len:
     raise UserError(f'--prompt_len and --max_new_tokens reach '
                     f'{args.prompt_len[1] + args.max_new_tokens} tokens, past '

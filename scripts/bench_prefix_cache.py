@@ -3,6 +3,10 @@
   python -m scripts.bench_prefix_cache --workdir=W [--requests=256]
       [--prefix_len=512] [--suffix_len=8,32] [--new_tokens=16]
       [--kv_memory=64MiB] [--slots=32] [--repeats=3] [--seed=0] [--out=DIR]
+  python -m scripts.bench_prefix_cache --workdir=W --harness
+      [--task=gqa_lab_fewshot] [--include_path=tests/lm_eval_tasks]
+      [--docs=N] [--num_fewshot=N] [--batch_size=16] [--num_concurrent=1]
+      [--kv_memory=64MiB] [--slots=32] [--repeats=3] [--seed=0] [--out=DIR]
 
 The trace: --requests prompts, each the same --prefix_len random tokens
 followed by a suffix of its own (random tokens, its length drawn from the
@@ -28,10 +32,33 @@ cached, wall seconds (median), the ratio off / on, and whether every
 request's tokens are identical with caching on and off (they must be: the
 exit status is 1 if not). Printed with the CPU model and vector extensions
 and the load average; writes OUT/bench_prefix_cache.json.
+
+--harness: a few-shot lm_eval task instead of a made-up trace, through the
+server as a user runs it: two `python -m serve.api` processes
+(`serve.process`, --kv_memory, --slots), one with --noprefix_caching,
+each scoring --task (default gqa_lab_fewshot: sums, its 40 shots the same
+for every document; tests/lm_eval_tasks) with lm_eval's local-completions
+(`evaluation.served`: greedy generate_until requests, --batch_size
+prompts a POST, --num_concurrent POSTs at a time). Each pass draws the
+task's documents and shots from its own `shots_seed` (--seed + the pass),
+so each starts cold as above; a warm-up pass on other shots compiles
+first. The task's prompts share their shots as a prefix: the first POST's
+prompts compute it side by side, the later ones find it. Reported: the
+server's counters over each timed pass (GET /metrics: prompt tokens
+computed by prefill, those found cached), the wall seconds of lm_eval's
+requests (its model's calls: contexts tokenized through /tokenize, the
+completions POSTs) and of its whole evaluation (which adds lm_eval's own
+work, building each document's prompt and scoring, alike with caching on
+and off), medians, off / on; and whether every document's generation and
+the task's metrics are identical with caching on and off (exit status 1
+if not, if a server counted another number of requests than lm_eval
+sent, or if a server does not drain to exit 0). Writes
+OUT/bench_prefix_cache_harness.json.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -42,12 +69,19 @@ import numpy as np
 
 from infra import provenance
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-                       int_list, positive_int)
+                       int_range, positive_int)
+from evaluation import evaluate
+from evaluation import served
 from infra.errors import UserError
 from lm import inference
 from lm.sampling_params import SamplingParams
 from serve import engine as engine_lib
 from serve import pages
+from serve import process
+
+# The lab's local lm_eval tasks (each a YAML over data built locally).
+TASKS_DIR = pathlib.Path(__file__).resolve().parent.parent / 'tests' / (
+    'lm_eval_tasks')
 
 
 def make_trace(rng, vocab_size: int, requests: int, prefix_len: int,
@@ -133,22 +167,163 @@ def report(result: dict, args) -> str:
   return '\n'.join(rows)
 
 
+# The server's counters (GET /metrics) a harness pass reports.
+COUNTERS = {'prefill_tokens': 'gqa_lab_prefill_tokens_total',
+            'cached_tokens': 'gqa_lab_prefix_cache_hits_total',
+            'prompt_tokens': 'gqa_lab_prompt_tokens_total',
+            'preemptions': 'gqa_lab_preemptions_total',
+            'requests': 'gqa_lab_requests_finished_total'}
+
+
+# Seconds a server has to count the requests a client has its answers to.
+COUNT_WAIT_S = 60.0
+
+
+def counted(server: process.ServerProcess, before: dict,
+            requests: int) -> dict:
+  """The counters' growth since `before`, once the server has counted
+  `requests` more finished (a client has its answer a moment before the
+  step's counters are mirrored), or after COUNT_WAIT_S."""
+  deadline = time.monotonic() + COUNT_WAIT_S
+  while True:
+    now = server.counters()
+    grown = {k: now.get(m, 0) - before.get(m, 0) for k, m in COUNTERS.items()}
+    if grown['requests'] >= requests or time.monotonic() > deadline:
+      return {k: int(v) for k, v in grown.items()}
+    time.sleep(0.05)
+
+
+def harness_pass(server, score, shots_seed: int, task: str) -> dict:
+  """One lm_eval evaluation through a server: its wall seconds, the
+  server's counters over it, each document's responses, the metrics."""
+  before = server.counters()
+  scored = score(server.url, metadata={'shots_seed': shots_seed})
+  responses = scored.responses[task]
+  sent = sum(len(doc) for doc in responses)  # One a choice, a repeat.
+  return {'seconds': scored.seconds,
+          'request_seconds': scored.request_seconds, 'sent': sent,
+          **counted(server, before, sent),
+          'shared_prefix_chars': len(os.path.commonprefix(
+              scored.contexts[task])),
+          'responses': responses, 'metrics': scored.metrics[task]}
+
+
+def run_harness(args) -> dict:
+  """Two servers, caching on and off, scoring --task in turns."""
+  evaluate.check_tasks([args.task], args.include_path)  # Before loading.
+  flags = [f'--kv_memory={args.kv_memory}', f'--slots={args.slots}']
+  servers = {}
+  try:
+    servers[True] = process.ServerProcess(args.workdir, *flags)
+    servers[False] = process.ServerProcess(args.workdir, *flags,
+                                           '--noprefix_caching')
+    card = servers[True].model()
+    score = functools.partial(
+        served.evaluate, model=card['id'], max_len=card['max_model_len'],
+        tasks=[args.task], include_path=args.include_path, limit=args.docs,
+        num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+        num_concurrent=args.num_concurrent)
+    for server in servers.values():  # Compiles, on shots of its own.
+      harness_pass(server, score, args.seed + args.repeats, args.task)
+    passes = {True: [], False: []}
+    for r in range(args.repeats):
+      for caching, server in servers.items():
+        passes[caching].append(harness_pass(server, score, args.seed + r,
+                                            args.task))
+  finally:
+    status = {caching: server.stop() for caching, server in servers.items()}
+  failures = [f'the server with caching {"on" if c else "off"} exited {s} '
+              'after SIGTERM' for c, s in status.items() if s != 0]
+  failures += [f'a pass sent {r["sent"]} requests and the server with '
+               f'caching {"on" if c else "off"} counted {r["requests"]}'
+               for c, runs in passes.items() for r in runs
+               if r['requests'] != r['sent']]
+  identical = all(on['responses'] == off['responses']
+                  and on['metrics'] == off['metrics']
+                  for on, off in zip(passes[True], passes[False]))
+  summary = {}
+  for caching, runs in passes.items():
+    last = runs[-1]
+    summary['on' if caching else 'off'] = {
+        **{k: float(np.median([r[k] for r in runs]))
+           for k in ('seconds', 'request_seconds')},
+        **{f'{k}_each': [r[k] for r in runs]
+           for k in ('seconds', 'request_seconds')},
+        **{k: last[k] for k in (*COUNTERS, 'shared_prefix_chars')},
+        'metrics': last['metrics']}
+  return {'identical': identical, 'failures': failures,
+          'documents': summary['on']['requests'], **summary,
+          'speedup': summary['off']['seconds'] / summary['on']['seconds'],
+          'request_speedup': (summary['off']['request_seconds']
+                              / summary['on']['request_seconds'])}
+
+
+def report_harness(result: dict, args) -> str:
+  on = result['on']
+  rows = [f'prefix caching: lm_eval task {args.task} through serve.api '
+          f'(local-completions, {result["documents"]} documents, their '
+          f'prompts sharing {on["shared_prefix_chars"]} characters of '
+          f'shots; {on["prompt_tokens"]:,} prompt tokens a pass); '
+          f'{provenance.describe(result["machine"])}; load average '
+          f'{result["load_before"]} before, {result["load_after"]} after',
+          f'{"caching":10}{"prefill tokens":>16}{"cached":>10}'
+          f'{"requests (s)":>14}{"lm_eval (s)":>13}  (medians)']
+  for name in ('on', 'off'):
+    r = result[name]
+    rows.append(f'{name:10}{r["prefill_tokens"]:16,}{r["cached_tokens"]:10,}'
+                f'{r["request_seconds"]:14.2f}{r["seconds"]:13.2f}')
+  rows.append(f'off / on: {result["request_speedup"]:.2f}x the requests\' '
+              f'wall time, {result["speedup"]:.2f}x lm_eval\'s; generations '
+              f'and metrics identical: '
+              f'{"yes" if result["identical"] else "NO"}')
+  rows += result['failures']
+  return '\n'.join(rows)
+
+
+# Flags read by one mode only: None unless given, then refused in the
+# other mode, and their defaults filled in here.
+SYNTHETIC = {'requests': 256, 'prefix_len': 512, 'suffix_len': [8, 32],
+             'new_tokens': 16}
+HARNESS = {'task': 'gqa_lab_fewshot', 'include_path': str(TASKS_DIR),
+           'docs': None, 'num_fewshot': None, 'batch_size': 16,
+           'num_concurrent': 1}
+
+
 def parse(argv=None):
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--workdir', required=True)
-  parser.add_argument('--requests', type=positive_int, default=256)
-  parser.add_argument('--prefix_len', type=positive_int, default=512)
-  parser.add_argument('--suffix_len', type=int_list, default=[8, 32])
-  parser.add_argument('--new_tokens', type=positive_int, default=16)
+  parser.add_argument('--harness', action='store_true')
+  parser.add_argument('--requests', type=positive_int)
+  parser.add_argument('--prefix_len', type=positive_int)
+  parser.add_argument('--suffix_len', type=int_range)
+  parser.add_argument('--new_tokens', type=positive_int)
+  parser.add_argument('--task')
+  parser.add_argument('--include_path')
+  parser.add_argument('--docs', type=positive_int)
+  parser.add_argument('--num_fewshot', type=int)
+  parser.add_argument('--batch_size', type=positive_int)
+  parser.add_argument('--num_concurrent', type=positive_int)
   parser.add_argument('--kv_memory', default='64MiB')
   parser.add_argument('--slots', type=positive_int, default=32)
   parser.add_argument('--repeats', type=positive_int, default=3)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--out', default=None)
   args = parser.parse_args(argv)
-  if len(args.suffix_len) != 2 or args.suffix_len[0] > args.suffix_len[1]:
-    raise UserError(f'--suffix_len={args.suffix_len}: give LOW,HIGH with '
-                    'LOW <= HIGH')
+  mine, other = (HARNESS, SYNTHETIC) if args.harness else (SYNTHETIC,
+                                                            HARNESS)
+  given = [f'--{k}' for k in other if getattr(args, k) is not None]
+  if given:
+    one = len(given) == 1
+    raise UserError(
+        f'{", ".join(given)} {"is" if one else "are"} read only '
+        f'{"without" if args.harness else "with"} --harness; '
+        f'{"" if args.harness else "add --harness or "}'
+        f'drop {"it" if one else "them"}')
+  for k, default in mine.items():
+    if getattr(args, k) is None:
+      setattr(args, k, default)
+  if args.harness and args.num_fewshot is not None and args.num_fewshot < 0:
+    raise UserError(f'--num_fewshot={args.num_fewshot} must be >= 0')
   if args.out:
     check_output_dir(args.out)
   return args
@@ -157,17 +332,20 @@ def parse(argv=None):
 def main(argv=None) -> int:
   args = parse(argv)
   load_before = [round(x, 2) for x in os.getloadavg()]
-  result = run(args)
+  result = run_harness(args) if args.harness else run(args)
   result = {**provenance.record('scripts.bench_prefix_cache', args.out or '',
                                 argv=argv),
             'load_before': load_before,
             'load_after': [round(x, 2) for x in os.getloadavg()], **result}
-  print(report(result, args))
+  print(report_harness(result, args) if args.harness
+        else report(result, args))
   if args.out:
     path = pathlib.Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / 'bench_prefix_cache.json').write_text(json.dumps(result, indent=1))
-  return 0 if result['identical'] else 1
+    name = ('bench_prefix_cache_harness.json' if args.harness
+            else 'bench_prefix_cache.json')
+    (path / name).write_text(json.dumps(result, indent=1))
+  return 0 if result['identical'] and not result.get('failures') else 1
 
 
 if __name__ == '__main__':

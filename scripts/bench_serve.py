@@ -91,7 +91,7 @@ from lm import config_lib
 from infra import provenance
 from lm import model as model_lib
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-                       int_list, positive_int)
+                       int_list, int_range, positive_int)
 from infra.errors import UserError
 from lm.model import Transformer
 from studies import llama_cpp_peer
@@ -143,8 +143,8 @@ def _parser() -> ArgumentParser:
   parser.add_argument('--slots', type=positive_int, default=32)
   parser.add_argument('--requests', type=positive_int, default=32)
   parser.add_argument('--page_size', type=positive_int, default=16)
-  parser.add_argument('--prompt_len', type=int_list, default=[8, 96])
-  parser.add_argument('--output_len', type=int_list, default=[8, 64])
+  parser.add_argument('--prompt_len', type=int_range, default=[8, 96])
+  parser.add_argument('--output_len', type=int_range, default=[8, 64])
   parser.add_argument('--length_step', type=positive_int, default=1)
   parser.add_argument('--admission', choices=['reserve', 'optimistic'],
                       default='reserve', help="the engine's (serve.engine)")
@@ -255,11 +255,6 @@ def _variants(args) -> list:
 
 def make_trace(args, vocab_size: int, max_len: int) -> list:
   """[(prompt tokens, output length)], seeded; lengths uniform in range."""
-  for name in ('prompt_len', 'output_len'):
-    value = getattr(args, name)
-    if len(value) != 2 or value[0] > value[1]:
-      raise UserError(f'--{name}={",".join(map(str, value))} must be LOW,HIGH '
-                      'with LOW <= HIGH')
   if args.prompt_len[1] + args.output_len[1] > max_len:
     raise UserError(f'--prompt_len and --output_len reach '
                     f'{args.prompt_len[1] + args.output_len[1]} tokens, past '

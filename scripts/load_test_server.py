@@ -53,8 +53,6 @@ import json
 import os
 import pathlib
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -64,11 +62,12 @@ import numpy as np
 
 from infra import provenance
 from infra.cli import (ArgumentParser, check_output_dir, exit_on_user_error,
-                       int_list, positive_int)
+                       int_range, positive_int)
 from infra.errors import UserError
 from lm import inference
 from lm.sampling_params import SamplingParams
 from serve import generate
+from serve import process
 
 ALPHABET = np.array(list('abcdefghijklmnopqrstuvwxyz     '))
 
@@ -299,34 +298,6 @@ def reference(workdir: str, trace: list[Sent], temperature: float,
       'tpot_s': percentiles(line['per_token_s'] for line in lines)}
 
 
-class Server:
-  """python -m serve.api on a free localhost port, in its own process."""
-
-  def __init__(self, workdir: str, kv_memory: str, slots: int):
-    self.process = subprocess.Popen(
-        [sys.executable, '-m', 'serve.api', f'--workdir={workdir}',
-         '--port=0', f'--kv_memory={kv_memory}', f'--slots={slots}'],
-        stderr=subprocess.PIPE,
-        text=True, env={**os.environ, 'PYTHONUNBUFFERED': '1'})
-    said = []
-    for line in self.process.stderr:
-      said.append(line)
-      found = re.search(r'listening on (http://\S+)', line)
-      if found:
-        self.url = found.group(1)
-        return
-    raise UserError('serve.api never listened: ' + ''.join(said[-3:]).strip())
-
-  def stop(self) -> int:
-    """SIGTERM (a drain); its exit status."""
-    self.process.send_signal(signal.SIGTERM)
-    try:
-      return self.process.wait(120)
-    finally:
-      if self.process.poll() is None:
-        self.process.kill()
-
-
 def programs() -> int:
   """Programs in JAX's persistent compilation cache (0 if none is set)."""
   folder = os.environ.get('JAX_COMPILATION_CACHE_DIR')
@@ -383,8 +354,8 @@ def parse(argv=None):
   parser.add_argument('--workdir', required=True)
   parser.add_argument('--clients', type=positive_int, default=200)
   parser.add_argument('--disconnect', type=float, default=0.1)
-  parser.add_argument('--prompt_len', type=int_list, default=[8, 200])
-  parser.add_argument('--output_len', type=int_list, default=[8, 128])
+  parser.add_argument('--prompt_len', type=int_range, default=[8, 200])
+  parser.add_argument('--output_len', type=int_range, default=[8, 128])
   parser.add_argument('--temperature', type=float, default=0.8)
   parser.add_argument('--kv_memory', default='64MiB')
   parser.add_argument('--slots', type=positive_int, default=32)
@@ -392,11 +363,6 @@ def parse(argv=None):
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--out', default=None)
   args = parser.parse_args(argv)
-  for flag in ('prompt_len', 'output_len'):
-    low_high = getattr(args, flag)
-    if len(low_high) != 2 or low_high[0] > low_high[1]:
-      raise UserError(f'--{flag}={",".join(map(str, low_high))}: give '
-                      'LOW,HIGH with LOW <= HIGH')
   if not 0 <= args.disconnect <= 1:
     raise UserError(f'--disconnect={args.disconnect} must be in 0..1')
   if args.out:
@@ -430,7 +396,9 @@ def main(argv=None) -> int:
   trace = make_trace(args.clients, args.disconnect, args.prompt_len,
                      args.output_len, args.seed)
   load_before = [round(x, 2) for x in os.getloadavg()]
-  server = Server(args.workdir, args.kv_memory, args.slots)
+  server = process.ServerProcess(args.workdir,
+                                 f'--kv_memory={args.kv_memory}',
+                                 f'--slots={args.slots}')
   try:
     served = load(server.url, trace, args.temperature, args.warmups)
   finally:

@@ -18,8 +18,10 @@ identity control (K = N), mean-pooled, first-head and random (fresh K/V
 heads, one draw per uptraining seed) to each --kv_heads (default N/2 and
 1), and MHA -> MLA with a latent below GQA's width (`mla_below_plan`: half
 of GQA-max(K)'s cache, so R < d_model), GTA at (or nearest) that MLA's
-cache bytes (`gta_plan`: K/V heads mean-pooled, then tied) and GLA with
-GLA_GROUPS latent groups at its latent width (`gla_plan`, issue #51), each
+cache bytes (`gta_plan`: K/V heads mean-pooled, then tied), GLA with
+GLA_GROUPS latent groups at its latent width (`gla_plan`, issue #51) and
+TPA nearest that MLA's bytes (`tpa_plan`: K/V heads mean-pooled to K, then
+rank-K factors whose head factors start one-hot, exact; issue #63), each
 uptrained once per uptraining seed (--seeds, default 2) at RATE_RATIO x
 the source's peak rate (warmup over alpha = 0.0125 of S, then constant)
 with a fresh Adam and read at alpha = 0.05 of S and at FIXED_STEPS
@@ -28,14 +30,14 @@ steps. Beside each source, each
 and seed (.../scratch/K{K}_s{seed}, evaluated every S/40 steps: claim 3,
 the cost). The statistics (`studies.uptrain.replicated_summary`) average within
 a source and give intervals over sources, and the alpha = 0.05 gaps'
-trends over S paired by source seed; GTA is compared with the mean-pooled
-GQA arm of nearest bytes, GLA with the MLA, paired within the source. The
-default run (3 sources x 400, 1,600, 3,200 steps; 171 runs before the GTA
-and GLA arms, 207 with them) is about 28 CPU-minutes on the 2-core
-machine (docs/results/uptrain/: its first 117 runs 14 min 54 s of wall
-time at 3401e24, the 54 of the random and from-scratch arms 23 min 52 s
-beside other jobs at 1638762, the 36 of the GTA and GLA arms 5 min 9 s
-beside other jobs at b73ef2c); --quick: sources of 200 and 400 steps
+trends over S paired by source seed; GTA and TPA are compared with the
+mean-pooled GQA arm of nearest bytes, GLA with the MLA, paired within the
+source. The
+default run (3 sources x 400, 1,600, 3,200 steps: 225 runs, 207 before
+the TPA arm) is about 20 CPU-minutes on the 2-core machine
+(docs/results/uptrain/: all 225 trained in one pass at 50193ec on the
+AMD EPYC Zen 5 VM, 26 min 45 s of wall time and 20.0 CPU-minutes beside
+other jobs, load 5-7); --quick: sources of 200 and 400 steps
 (QUICK_SOURCE_STEPS), the same arms.
 
 --single_source, the former design (one source, seed 0; the seeds replicate
@@ -80,8 +82,8 @@ only the uptraining data order):
 Every run is `train.main`'s loop (`studies.study.train`); a rerun with the
 same --out reuses finished runs and resumes an interrupted one (one made
 before the MLA arm: only the MLA runs train; a default-design one made
-before the random and from-scratch arms, or the GTA and GLA arms: only
-those train, and
+before the random and from-scratch arms, the GTA and GLA arms or the TPA
+arm: only those train, and
 results.json's provenance names the earlier passes and each run's commit). --single_source: 4 seeds,
 38.5 CPU-minutes with the MLA arm (the most its wall time is on an idle
 2-core machine; docs/results/uptrain/single_source/report.md); with

@@ -11,7 +11,8 @@ streaming), GET /v1/models, GET /health, GET /metrics (Prometheus text,
 count a context's tokens without a tokenizer of its own.
 
 A thin shell: Starlette routes on uvicorn's event loop turn a body into
-engine requests (`serve.protocol.parse`) and hand them to the device loop
+engine requests (`serve.protocol.parse`) and hand them, as a
+`serve.completion.CompletionRun`, to the device loop
 (`serve.service.EngineThread`), which steps one engine on its own thread, so
 requests from every connection share its continuous batch and the event
 loop never waits for the device. Each request's tokens come back as the
@@ -22,11 +23,11 @@ Faults: malformed JSON, an unknown or out-of-range parameter and a prompt
 too long for the model are a 400 with OpenAI's error body, naming what is
 wrong; a body over --max_body a 413; anything unforeseen a 500 with one
 line (the traceback goes to the server's log, never to a client). A full
-pool queues requests, never drops them. SIGTERM (or Ctrl-C) drains: new
-requests get 503, those in flight finish, and any still running after
---drain_timeout seconds end with finish_reason "abort" (what they had
-generated is returned); then the process exits 0. A second signal exits at
-once. It listens on 127.0.0.1 unless --host says otherwise.
+pool queues requests, never drops them. SIGTERM (or Ctrl-C) drains
+(`serve.listener`): new requests get 503, those in flight finish, and any
+still running after --drain_timeout seconds end with finish_reason "abort"
+(what they had generated is returned); then the process exits 0. A second
+signal exits at once. It listens on 127.0.0.1 unless --host says otherwise.
 
 Starlette and uvicorn, not FastAPI: the API's parameters are checked by
 `serve.protocol`, whose errors must be OpenAI's 400 bodies naming the
@@ -41,10 +42,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
-import socket
 import sys
-import time
 import pathlib
 import uuid
 
@@ -52,7 +50,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-import uvicorn
 
 from attention import layer
 from infra.cli import run_app
@@ -60,12 +57,16 @@ from infra.errors import UserError
 from lm import checkpoint
 from lm import inference
 from lm import tokenizer as tokenizer_lib
-from lm.sampling_params import cut, is_int
+from lm.sampling_params import is_int
 from serve import engine as engine_lib
 from serve import metrics as metrics_lib
 from serve import pages
 from serve import protocol
 from serve import service as service_lib
+from serve.completion import CompletionRun
+# The process around the app (a socket, uvicorn, the drain), which
+# tests/api_server.py and `main` use.
+from serve.listener import listen, serve  # pylint: disable=unused-import
 
 log = logging.getLogger('serve.api')
 
@@ -228,247 +229,11 @@ class Server:
           encode=self.tokenizer.encode, server_seed=self.seed)
     except protocol.ApiError as e:
       return JSONResponse(e.body(), status_code=e.status)
-    run = _Run(self, completion)
+    run = CompletionRun(self, completion)
     if completion.stream:
       return StreamingResponse(run.events(), media_type='text/event-stream',
                                headers={'Cache-Control': 'no-cache'})
     return await run.whole(request)
-
-
-class _Run:
-  """One completion in flight: its requests submitted to the device loop,
-  their Deltas gathered as they come (from the device thread, through the
-  event loop)."""
-
-  def __init__(self, server: Server, completion: protocol.Completion):
-    self.server, self.completion = server, completion
-    self.keys = [r.id for r in completion.requests]
-    self.queue: asyncio.Queue = asyncio.Queue()
-    self.outputs: dict[int, engine_lib.Output] = {}
-    # Prompts the engine does not hold (refused: the id may be another
-    # request's; or the engine failed): never to abort.
-    self.unheld: set[int] = set()
-    self.arrival = time.perf_counter()
-
-  def _submit(self):
-    server, loop = self.server, self.server.loop
-
-    def sink(i):
-      def put(item):
-        with contextlib.suppress(RuntimeError):  # The loop closed: shutdown.
-          loop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
-      return put
-    server.in_flight[self.completion.id] = self.keys
-    for i, request in enumerate(self.completion.requests):
-      request.arrival = self.arrival
-      server.thread.submit(request, sink(i))
-
-  def _abort(self):
-    """Aborts what has not finished (no-op for the rest)."""
-    for i, key in enumerate(self.keys):
-      if i not in self.outputs and i not in self.unheld:
-        self.server.thread.abort(key)
-
-  def _done(self):
-    self.server.in_flight.pop(self.completion.id, None)
-
-  async def deltas(self):
-    """(prompt index, Delta) as they come, until every prompt's Output;
-    an ApiError if the engine refused one (the others aborted)."""
-    while len(self.outputs) < len(self.keys):
-      i, item = await self.queue.get()
-      if isinstance(item, engine_lib.RequestRefused):
-        # Refused as a duplicate, its id is another request's: not aborted.
-        self.unheld.add(i)
-        self._abort()
-        raise protocol.ApiError(400, f'prompt {i}: {item.reason}', 'prompt')
-      if isinstance(item, Exception):  # The engine failed (service.py).
-        self.unheld.update(range(len(self.keys)))
-        raise protocol.ApiError(500, str(item), kind='internal_error')
-      if item.output is not None:
-        self.outputs[i] = item.output
-      yield i, item
-
-  async def whole(self, request: HttpRequest) -> Response:
-    """The completion as one response; aborted if the client leaves."""
-    self._submit()
-    gather = asyncio.ensure_future(self._gather())
-    left = asyncio.ensure_future(_disconnected(request))
-    try:
-      await asyncio.wait({gather, left}, return_when=asyncio.FIRST_COMPLETED)
-      if not gather.done():  # The client left: nothing to answer.
-        self._abort()
-        gather.cancel()
-        return Response(status_code=499)
-      return gather.result()
-    except protocol.ApiError as e:
-      return JSONResponse(e.body(), status_code=e.status)
-    finally:
-      left.cancel()
-      self._done()
-
-  async def _gather(self) -> Response:
-    async for _ in self.deltas():
-      pass
-    c, server = self.completion, self.server
-    choices, generated = [], 0
-    for i in range(len(self.keys)):
-      choice, n = self._choice(i, self.outputs[i])
-      choices.append(choice)
-      generated += n
-    use = protocol.usage(sum(map(len, c.prompts)), generated, sum(
-        o.cached_tokens for o in self.outputs.values()))
-    return JSONResponse(protocol.response(c, server.model, choices, use,
-                                          server.fingerprint))
-
-  def _choice(self, i: int, output: engine_lib.Output) -> tuple[dict, int]:
-    """Prompt i's choice and how many tokens it generated."""
-    c, decode = self.completion, self.server.tokenizer.decode
-    tokens = output.tokens if c.max_tokens else []
-    done = cut(tokens, eos_ids=(), decode=decode, stop=c.stop)
-    prompt_text = decode(c.prompts[i]) if c.echo else ''
-    logprobs = None
-    if c.logprobs is not None and output.logprobs is not None:  # Not cut.
-      entries = []
-      if c.echo:
-        entries = list(zip(c.prompts[i], [None] + output.prompt_logprobs))
-      entries += list(zip(tokens, output.logprobs[:len(tokens)]))
-      logprobs = protocol.logprobs_block(entries, decode)
-    return {'index': i, 'text': prompt_text + done.text, 'logprobs': logprobs,
-            'finish_reason': _finish_reason(output, done.reason)
-            }, len(tokens)
-
-  async def events(self):
-    """Server-sent events: OpenAI's chunks, then `data: [DONE]`. Closed
-    early (the client left), it aborts what has not finished."""
-    c, server = self.completion, self.server
-    decode = server.tokenizer.decode
-    streams = [protocol.TextStream(decode, c.stop) for _ in self.keys]
-    echoed, generated = set(), 0
-    self._submit()
-    try:
-      async for i, delta in self.deltas():
-        choices = []
-        if c.echo and i not in echoed:
-          echoed.add(i)
-          choices.append(self._echo(i, delta))
-        tokens = delta.tokens if c.max_tokens else []
-        generated += len(tokens)
-        text = streams[i].add(tokens)
-        choice = {'index': i, 'text': text, 'logprobs': None,
-                  'finish_reason': None}
-        if c.logprobs is not None and tokens:
-          choice['logprobs'] = protocol.logprobs_block(
-              zip(tokens, delta.logprobs), decode)
-        if delta.output is not None:
-          done = cut(delta.output.tokens if c.max_tokens else [], eos_ids=(),
-                     decode=decode, stop=c.stop)
-          choice['text'] += streams[i].finish(done.text)
-          choice['finish_reason'] = _finish_reason(delta.output, done.reason)
-        if choice['text'] or choice['logprobs'] or choice['finish_reason']:
-          choices.append(choice)
-        if choices:
-          yield _event(protocol.chunk(c, server.model, choices,
-                                      server.fingerprint))
-      if c.include_usage:
-        yield _event(protocol.chunk(c, server.model, [], server.fingerprint,
-                                    protocol.usage(
-                                        sum(map(len, c.prompts)), generated,
-                                        sum(o.cached_tokens for o in
-                                            self.outputs.values()))))
-    except protocol.ApiError as e:  # Headers are sent: the error as an event.
-      yield _event(e.body())
-    finally:  # Also when the client leaves (the stream is cancelled).
-      self._abort()
-      self._done()
-    yield 'data: [DONE]\n\n'
-
-  def _echo(self, i: int, delta: engine_lib.Delta) -> dict:
-    """The chunk of prompt i's echoed text (and its log-probabilities)."""
-    c, decode = self.completion, self.server.tokenizer.decode
-    logprobs = None
-    if c.logprobs is not None and delta.prompt_logprobs is not None:
-      logprobs = protocol.logprobs_block(
-          zip(c.prompts[i], [None] + delta.prompt_logprobs), decode)
-    return {'index': i, 'text': decode(c.prompts[i]), 'logprobs': logprobs,
-            'finish_reason': None}
-
-
-def _finish_reason(output: engine_lib.Output, cut_reason: str) -> str:
-  """OpenAI's: 'stop' (an end-of-sequence token or a stop string), 'length',
-  or 'abort' (cut by a disconnect or the drain deadline)."""
-  if output.finish_reason == 'abort':
-    return 'abort'
-  if output.finish_reason in ('eos', 'stop') or cut_reason == 'stop':
-    return 'stop'
-  return 'length'
-
-
-def _event(payload: dict) -> str:
-  return f'data: {json.dumps(payload)}\n\n'
-
-
-async def _disconnected(request: HttpRequest):
-  """Returns when the client disconnects (its body already read)."""
-  while (await request.receive())['type'] != 'http.disconnect':
-    pass
-
-
-class _Uvicorn(uvicorn.Server):
-  """uvicorn, its first SIGTERM or SIGINT a drain (see the module
-  docstring) and exit status 0; a second exits at once."""
-
-  def __init__(self, config: uvicorn.Config, server: Server,
-               drain_timeout: float):
-    super().__init__(config)
-    self.server, self.drain_timeout = server, drain_timeout
-    self._signalled = False
-
-  def handle_exit(self, sig, frame):
-    del frame
-    if self._signalled or self.server.loop is None:
-      self.should_exit = self.force_exit = True
-      return
-    self._signalled = True
-    print(f'serve.api: {signal.Signals(sig).name}: draining (new requests get '
-          f'503; in-flight ones have {self.drain_timeout:g}s)',
-          file=sys.stderr, flush=True)
-    self.server.loop.call_soon_threadsafe(
-        lambda: asyncio.ensure_future(self.drain()))
-
-  async def drain(self):
-    server = self.server
-    server.draining = True
-    deadline = time.monotonic() + self.drain_timeout
-    while server.in_flight and time.monotonic() < deadline:
-      await asyncio.sleep(0.05)
-    if server.in_flight:
-      print(f'serve.api: {len(server.in_flight)} request(s) still running at '
-            'the deadline end with finish_reason "abort"', file=sys.stderr,
-            flush=True)
-      for keys in list(server.in_flight.values()):
-        for key in keys:
-          server.thread.abort(key)
-      while server.in_flight and time.monotonic() < deadline + 10:
-        await asyncio.sleep(0.05)
-    self.should_exit = True
-
-
-def listen(host: str, port: int) -> socket.socket:
-  """A listening socket on host:port (0: a free port), IPv4 or IPv6."""
-  family = socket.AF_INET6 if ':' in host else socket.AF_INET
-  sock = socket.socket(family, socket.SOCK_STREAM)
-  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  try:
-    sock.bind((host, port))
-  except OSError as e:
-    sock.close()
-    raise UserError(f'--host={host} --port={port}: cannot listen there '
-                    f'({e.strerror}); pick another port, or --port=0 for a '
-                    'free one') from None
-  sock.listen(2048)
-  sock.set_inheritable(True)
-  return sock
 
 
 def build(workdir: str, *, kv_memory: str = '256MiB', page_size: int = 16,
@@ -501,17 +266,6 @@ def build(workdir: str, *, kv_memory: str = '256MiB', page_size: int = 16,
   return server, (f'{workdir} at step {step} (parameters {fingerprint}) as '
                   f'{name!r}, {engine.pages.usable} pages of {page_size} '
                   f'tokens, prefix caching {"on" if prefix_caching else "off"}')
-
-
-def serve(server: Server, sock: socket.socket, drain_timeout: float = 30.0,
-          log_level: str = 'warning'):
-  """Serves on sock until a signal drains it (main thread) or
-  `should_exit` (a thread, in tests: uvicorn then installs no handlers)."""
-  config = uvicorn.Config(server.app(), log_level=log_level,
-                          access_log=False, lifespan='on')
-  runner = _Uvicorn(config, server, drain_timeout)
-  server.uvicorn = runner
-  runner.run(sockets=[sock])
 
 
 def main(argv):

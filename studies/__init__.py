@@ -20,4 +20,11 @@ and one package a study, each its design, runs, analysis and report (a
 function of its saved results alone, so `--report_only` rebuilds it byte
 for byte): `compare`, `kv_frontier`, `uptrain`, and `recall_sweep` (one
 module).
+
+A published report (docs/results/) names clean commits: where its numbers
+were measured and where it was last rebuilt, each run's record named
+where it lacks one (`report.published_problems`, which the tests that
+rebuild the published reports apply). A rebuild writes the files it
+rebuilds, so rebuilding several reports takes a commit after each: the
+next would otherwise be made on a dirty tree, and say so.
 """

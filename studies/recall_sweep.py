@@ -235,8 +235,10 @@ def report_lines(cell, kvs, dims, meta) -> list[str]:
       f'steps of {meta["batch_size"]} rows per run (stopped once every query '
       f'is at ≥ {SOLVED}), {meta["seeds"]} seeds per cell, '
       f'{meta["minutes"]:.1f} minutes in all'
-      + (f'; commit {meta["provenance"]["commit"]}' if 'provenance' in meta
-         else '') + '.' + (f' {meta["note"]}' if meta.get('note') else ''),
+      + (f'; commit {meta["provenance"]["commit"]} on '
+         f'{report.machine(meta["provenance"])}' if 'provenance' in meta else
+         '; the run recorded neither its commit nor its machine')
+      + '.' + (f' {meta["note"]}' if meta.get('note') else ''),
       '', *report.rebuilt_lines(meta, 'sweep.json'),
       f'Statistics: {stats.CONVENTION}', '',
       _reading(cell, kvs, dims), '',
@@ -342,6 +344,8 @@ def run(args) -> dict:
   configs = plan(args)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  # The commit as the command starts: the code that runs.
+  prov = provenance.record(COMMAND, out, statistics=stats.CONVENTION)
   start, cells = time.perf_counter(), []
   for (K, H), cell in progress.runs(
       list(configs.items()), lambda c: f'cell K={c[0][0]} H={c[0][1]}, '
@@ -352,9 +356,7 @@ def run(args) -> dict:
                       kv_bytes=model_lib.kv_bytes_per_token(mc)))
   c = next(iter(configs.values()))[0]
   m = c.model
-  meta = dict(argv=sys.argv[1:],
-              provenance=provenance.record(COMMAND, out,
-                                           statistics=stats.CONVENTION),
+  meta = dict(argv=sys.argv[1:], provenance=provenance.ended(prov),
               minutes=(time.perf_counter() - start) / 60,
               description=task_description(c), pairs=c.data.recall_pairs,
               model=(f'{m.num_layers} layers, d_model {m.d_model}, MLP '

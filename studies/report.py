@@ -21,17 +21,26 @@ from studies import stats
 # --- provenance ---------------------------------------------------------------
 
 
-def command_at(run: Mapping, *, out: bool = False, unknown: str = '') -> str:
+def command_at(run: Mapping, *, out: bool = False,
+               unknown: str = 'a machine not recorded') -> str:
   """'`COMMAND` at commit C (--out O) on MACHINE' of a provenance record
   (`infra.provenance.record`, as a results file saved it): '(--out O)'
   where `out`, the machine where recorded, else `unknown` after ' on '
-  when given."""
+  (a record without its machine says so); where the checkout had moved by
+  the command's end (`provenance.ended`), 'at commit C (the checkout at D
+  by its end)'."""
   text = f'`{run["command"]}` at commit {run["commit"]}'
+  if run.get('commit_at_end'):
+    text += f' (the checkout at {run["commit_at_end"]} by its end)'
   if out:
     text += f' (--out {run["out"]})'
-  if run.get('machine'):
-    return f'{text} on {provenance.describe(run["machine"])}'
-  return f'{text} on {unknown}' if unknown else text
+  return f'{text} on {machine(run, unknown)}'
+
+
+def machine(run: Mapping, unknown: str = 'a machine not recorded') -> str:
+  """The machine of a provenance record, in words (`provenance.describe`),
+  or UNKNOWN where it records none."""
+  return provenance.describe(run['machine']) if run.get('machine') else unknown
 
 
 # A report rebuilt from its saved results (--report_only) says where, on a
@@ -64,6 +73,44 @@ def normalise_rebuilt(report: str) -> str:
   alone: what a rebuild at another commit or machine leaves unchanged."""
   return '\n'.join(REBUILT if line.startswith(REBUILT) else line
                    for line in report.split('\n'))
+
+
+def published_problems(folder: str, prov: Mapping, text: str, module: str,
+                       source: str, made: Mapping | None = None
+                       ) -> list[str]:
+  """What is untrue in the provenance of the published report FOLDER/
+  report.md (TEXT, made from FOLDER/SOURCE, whose provenance PROV holds
+  the rebuild; MADE: the measuring command's record, PROV where not
+  given), one line each, naming the report and what to do; [] when none:
+  numbers measured, or a report rebuilt, at a commit with uncommitted
+  changes (`provenance.DIRTY`) or at none known; a rebuild line that is
+  not the one PROV records (a hand edit); a recorded rebuild that does
+  not rebuild FOLDER (`python -m MODULE --out=FOLDER --report_only`); a
+  rebuild at a commit this checkout's history does not hold."""
+  made = prov if made is None else made
+  again = f'python -m {module} --out={folder} --report_only'
+  found = []
+  if made.get('commit') and not provenance.is_clean(made['commit']):
+    found.append(f'{folder}/{source}: measured at commit {made["commit"]}, '
+                 'which no commit holds: rerun its command at a clean commit')
+  rebuilt = prov.get('rebuilt')
+  if rebuilt is None:
+    return found
+  if not provenance.is_clean(rebuilt['commit']):
+    found.append(f'{folder}/report.md: rebuilt at commit {rebuilt["commit"]}'
+                 ' (not a clean commit): commit the changes, then rebuild it '
+                 f'at the clean commit: {again}')
+  elif provenance.in_history(rebuilt['commit']) is False:
+    found.append(f'{folder}/report.md: rebuilt at commit {rebuilt["commit"]}'
+                 f', not in this history: rebuild it: {again}')
+  if rebuilt['command'] != again:
+    found.append(f'{folder}/{source}: its rebuild was `{rebuilt["command"]}`'
+                 f', which does not rebuild this folder: rebuild it: {again}')
+  line = rebuilt_lines(prov, source)[0]
+  if any(l.startswith(REBUILT) and l != line for l in text.split('\n')):
+    found.append(f'{folder}/report.md: its rebuild line is not the one '
+                 f'{source} records ({line!r}): rebuild it: {again}')
+  return found
 
 
 # --- numbers ----------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import pathlib
 import shutil
 from typing import Callable
@@ -189,8 +190,8 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
   with log.open('a') as f, contextlib.redirect_stdout(f), (
       contextlib.redirect_stderr(f)):
     record = loop.train_and_evaluate(config, str(workdir), on_eval=on_eval)
-  (workdir / TRAINED_BY).write_text(json.dumps(
-      {k: trained[k] for k in ('commit', 'machine')}))
+  (workdir / TRAINED_BY).write_text(json.dumps(provenance.ended(
+      {k: trained[k] for k in ('commit', 'machine')})))
   return record
 
 
@@ -270,24 +271,48 @@ def _check_start(workdir: pathlib.Path, start: pathlib.Path):
                     f'{workdir} to train it again')
 
 
-def trained_by(workdirs) -> str | None:
-  """Where the runs in WORKDIRS were trained, from each one's TRAINED_BY:
-  'commit X on MACHINE (n runs); ...', with the runs that have no record
-  (trained before runs recorded it) counted; None when none has one."""
-  found, unknown = {}, 0
-  for workdir in workdirs:
-    path = pathlib.Path(workdir) / TRAINED_BY
-    if not path.exists():
-      unknown += 1
-      continue
-    t = json.loads(path.read_text())
-    key = (t['commit'], provenance.describe(t.get('machine', {})))
-    found[key] = found.get(key, 0) + 1
-  if not found:
-    return None
-  return '; '.join(
-      [f'commit {c} on {m} ({n} run{"s" * (n != 1)})'
-       for (c, m), n in sorted(found.items())]
-      + ([f'{unknown} run{"s" * (unknown != 1)} with no record'] if unknown
-         else []))
+def run_records(workdirs) -> dict[str, dict | None]:
+  """{name: {'commit', 'machine'}} of each run in WORKDIRS, as its
+  TRAINED_BY recorded where it was trained (None: a run with no record,
+  trained before runs kept one). A run's name is its folder's path below
+  the folder all of WORKDIRS share ('K2_s1', 'S400_s1/source')."""
+  paths = [pathlib.Path(w) for w in workdirs]
+  if not paths:
+    return {}
+  root = pathlib.Path(os.path.commonpath(paths))
+  root = root.parent if len(paths) == 1 else root
+  read = lambda p: json.loads(p.read_text()) if p.exists() else None
+  return {str(w.relative_to(root)): read(w / TRAINED_BY) for w in paths}
 
+
+def describe_runs(records: dict[str, dict | None]) -> str | None:
+  """Where the runs of RECORDS (`run_records`) were trained, in one line:
+  'commit C on MACHINE (n runs)' per commit and machine, the runs named
+  where the machine is not recorded ('commit C on a machine not recorded
+  (2 runs: K8_s1, K8_s2)'), then the runs with no record, named ('1 run
+  with no record: K1_s3'); never a run left out. None when RECORDS is
+  empty."""
+  found, unknown = {}, []
+  for name, r in records.items():
+    if r is None:
+      unknown.append(name)
+      continue
+    machine = r.get('machine') and provenance.describe(r['machine'])
+    c = r.get('commit') or 'not recorded'
+    if r.get('commit_at_end'):
+      c += f' (the checkout at {r["commit_at_end"]} by its end)'
+    found.setdefault((c, machine or ''), []).append(name)
+  runs = lambda names: f'{len(names)} run{"s" * (len(names) != 1)}'
+  parts = [f'commit {c} on {m} ({runs(names)})' if m else
+           f'commit {c} on a machine not recorded ({runs(names)}: '
+           f'{", ".join(names)})'
+           for (c, m), names in sorted(found.items())]
+  if unknown:
+    parts.append(f'{runs(unknown)} with no record: {", ".join(unknown)}')
+  return '; '.join(parts) or None
+
+
+def trained_by(workdirs) -> str | None:
+  """Where the runs in WORKDIRS were trained (`describe_runs` of their
+  `run_records`); None when there are none."""
+  return describe_runs(run_records(workdirs))

@@ -19,9 +19,11 @@ from scripts import compare
 from studies import report, stats, study
 from studies.compare import analysis, design, plots
 from studies.compare import runs as compare_runs, text as compare_text
+from infra import provenance
 from infra.errors import UserError
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / 'docs' / 'results'
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DOCS = REPO / 'docs' / 'results'
 
 
 def _losses(losses: dict[int, list[float]]) -> dict[int, dict[int, float]]:
@@ -260,9 +262,12 @@ def test_report_only_rebuilds_from_results_json_alone(tmp_path, monkeypatch):
   monkeypatch.setattr('sys.argv', ['compare', '--seeds=4',
                                    f'--out={tmp_path}'])
   args = types.SimpleNamespace(seeds=4, equal_params=False, config='gqa_small')
+  prov = provenance.record('scripts.compare', tmp_path,
+                           statistics=stats.CONVENTION)
+  prov['runs'] = {f'K{K}_s{seed}': {'commit': 'abc1234'}
+                  for K in (8, 1) for seed in range(4)}
   compare_text.write(tmp_path, compare_runs.results(
-      runs, {8: 1000.0, 1: 3000.0}, 20e9, tmp_path, args,
-      trained='commit abc1234 on Xeon (AVX-512F), 2 cores (8 runs)'))
+      runs, {8: 1000.0, 1: 3000.0}, 20e9, tmp_path, args, prov=prov))
   trained = (tmp_path / 'report.md').read_text()
   monkeypatch.setattr('sys.argv', ['compare', f'--out={tmp_path}',
                                    '--report_only'])
@@ -272,8 +277,9 @@ def test_report_only_rebuilds_from_results_json_alone(tmp_path, monkeypatch):
   assert (tmp_path / 'report.md').read_text() == rebuilt  # Idempotent.
   lines = rebuilt.split('\n')
   assert lines[2].startswith(
-      'Runs trained by commit abc1234 on Xeon (AVX-512F), 2 cores (8 runs); '
-      'decode timed and results.json written by `python -m scripts.compare '
+      'Runs trained by commit abc1234 on a machine not recorded (8 runs: '
+      'K8_s0, K8_s1, K8_s2, K8_s3, K1_s0, K1_s1, K1_s2, K1_s3); decode timed '
+      'and results.json written by `python -m scripts.compare '
       f'--seeds=4 --out={tmp_path}` at commit ')
   assert lines[4].startswith(
       f'{report.REBUILT} from results.json by `python -m scripts.compare '
@@ -317,21 +323,28 @@ def test_an_older_results_json_says_what_it_does_not_hold(tmp_path,
   assert 'results.json does not record the query heads' in report
 
 
-@pytest.mark.parametrize('folder', ['.', 'compare_aa'])
+@pytest.mark.parametrize('folder', ['docs/results', 'docs/results/compare_aa'])
 def test_a_published_report_rebuilds_identically_from_its_json(
     tmp_path, monkeypatch, folder):
-  """docs/results/{folder}/report.md is what `python -m scripts.compare
-  --out=DIR --report_only` makes from the results.json beside it, byte for
-  byte, rebuilt here into a fresh folder from a copy of that JSON alone.
-  Only the rebuild's own line (report.REBUILT: the command, commit and
-  machine of the rebuild) is normalised, in both."""
-  published = DOCS / folder
+  """FOLDER/report.md is what `python -m scripts.compare --out=DIR
+  --report_only` makes from the results.json beside it, byte for byte,
+  rebuilt here into a fresh folder from a copy of that JSON alone. Only
+  the rebuild's own line (report.REBUILT: the command, commit and machine
+  of the rebuild) is normalised, in both; that line is checked apart: the
+  rebuild its JSON records, at a clean commit of this history, by the
+  command that rebuilds FOLDER (`report.published_problems`)."""
+  published = REPO / folder
   shutil.copy(published / 'results.json', tmp_path / 'results.json')
   monkeypatch.setattr(sys, 'argv', ['compare', f'--out={tmp_path}',
                                     '--report_only'])
   compare.main()
+  text = (published / 'report.md').read_text()
   assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      report.normalise_rebuilt((published / 'report.md').read_text()))
+      report.normalise_rebuilt(text))
+  problems = report.published_problems(
+      folder, study.saved(published / 'results.json')['provenance'], text,
+      'scripts.compare', 'results.json')
+  assert not problems, '\n'.join(problems)
 
 
 def test_the_aa_control_measures_the_paired_sd_of_a_kv_redraw():
@@ -391,4 +404,4 @@ def test_an_aa_run_without_the_redraw_is_the_reference_run(tmp_path,
       'machine']['cores'] >= 1
   assert study.trained_by([tmp_path / 'K4_s1', tmp_path / 'aa_s1',
                            tmp_path / 'none']).endswith(
-                               '(2 runs); 1 run with no record')
+                               '(2 runs); 1 run with no record: none')

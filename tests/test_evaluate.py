@@ -242,8 +242,8 @@ def test_gqa_lab_is_lm_evals_and_its_model_args_win(trained):
 
 def test_an_unknown_task_is_refused_naming_it():
   with pytest.raises(UserError, match=r"unknown task 'no_such_task': "):
-    evaluate_lib._task_manager(['gqa_lab_choice', 'no_such_task'],  # pylint: disable=protected-access
-                               str(TASKS_DIR), include_defaults=False)
+    evaluate_lib.task_manager(['gqa_lab_choice', 'no_such_task'],
+                              str(TASKS_DIR), include_defaults=False)
 
 
 @pytest.mark.slow

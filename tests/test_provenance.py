@@ -57,3 +57,69 @@ def test_the_commit_is_this_checkout_head():
     assert provenance.commit() == 'unknown'
   else:
     assert provenance.commit().removesuffix('+dirty') == head.stdout.strip()
+
+
+def _git(root, *args):
+  return subprocess.run(
+      ['git', '-C', str(root), '-c', 'user.name=t', '-c', 'user.email=t@t',
+       *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _repo(tmp_path):
+  """A git repository holding one committed module, and its commit."""
+  _git(tmp_path, 'init', '-q')
+  (tmp_path / 'model.py').write_text('x = 1\n')
+  (tmp_path / '.gitignore').write_text('runs/\n')
+  _git(tmp_path, 'add', '.')
+  _git(tmp_path, 'commit', '-q', '-m', 'first')
+  return _git(tmp_path, 'rev-parse', '--short=7', 'HEAD')
+
+
+def test_the_commit_is_dirty_when_the_files_that_ran_are_not_all_its(
+    tmp_path):
+  """A changed tracked file, or an untracked module (which a run may import
+  and the commit does not hold), makes the commit +dirty; an untracked
+  file that is no module, or an ignored one, does not."""
+  head = _repo(tmp_path)
+  assert provenance.commit(tmp_path) == head
+  (tmp_path / 'notes.txt').write_text('a note\n')
+  (tmp_path / 'runs').mkdir()
+  (tmp_path / 'runs' / 'made.py').write_text('')  # Ignored.
+  assert provenance.commit(tmp_path) == head
+  (tmp_path / 'pkg').mkdir()
+  (tmp_path / 'pkg' / 'extra.py').write_text('y = 2\n')
+  assert provenance.commit(tmp_path) == head + provenance.DIRTY
+  (tmp_path / 'pkg' / 'extra.py').unlink()
+  (tmp_path / 'model.py').write_text('x = 2\n')
+  assert provenance.commit(tmp_path) == head + provenance.DIRTY
+  assert not provenance.is_clean(provenance.commit(tmp_path))
+  assert provenance.commit(tmp_path / 'runs' / 'nowhere') == 'unknown'
+  assert not provenance.is_clean('unknown') and provenance.is_clean(head)
+
+
+def test_in_history_tells_an_ancestor_from_a_commit_elsewhere(tmp_path):
+  first = _repo(tmp_path)
+  (tmp_path / 'model.py').write_text('x = 3\n')
+  _git(tmp_path, 'commit', '-q', '-am', 'second')
+  second = _git(tmp_path, 'rev-parse', '--short=7', 'HEAD')
+  _git(tmp_path, 'checkout', '-q', '-b', 'other', first)
+  (tmp_path / 'model.py').write_text('x = 4\n')
+  _git(tmp_path, 'commit', '-q', '-am', 'elsewhere')
+  assert provenance.in_history(first, tmp_path)
+  assert provenance.in_history(first + provenance.DIRTY, tmp_path)
+  assert provenance.in_history(second, tmp_path) is False  # Another branch.
+  assert provenance.in_history('0000000', tmp_path) is False
+  assert provenance.in_history(first, tmp_path / 'none') is None
+
+
+def test_a_checkout_that_moved_while_a_command_ran_is_recorded(monkeypatch):
+  """A record made as a command starts names the code it runs; where the
+  checkout is at another commit by its end (issue 60: the A/A run started
+  at 9dae49b recorded the 724679d checked out as it ended), the record
+  keeps both."""
+  started = {'commit': 'abc1234', 'machine': {}}
+  monkeypatch.setattr(provenance, 'commit', lambda: 'abc1234')
+  assert provenance.ended(dict(started)) == started
+  monkeypatch.setattr(provenance, 'commit', lambda: 'def5678+dirty')
+  assert provenance.ended(dict(started)) == {
+      **started, 'commit_at_end': 'def5678+dirty'}

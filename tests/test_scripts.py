@@ -19,7 +19,7 @@ from studies.kv_frontier import analysis as frontier_analysis
 from studies.kv_frontier import design as frontier_design
 from studies.kv_frontier import reading as frontier_reading
 from studies.kv_frontier import tables as frontier_tables
-from studies import report, stats, timing, variants
+from studies import report, stats, study, timing, variants
 from studies.compare import design
 from infra import provenance
 from lm import config_lib
@@ -345,7 +345,8 @@ def test_recall_sweep_writes_every_cell_with_its_seeds(tmp_path, monkeypatch):
   report = (tmp_path / 'report.md').read_text()
   assert '| 4 | ' in report and '| K=1 |' in report and '(0/2)' in report
   assert 'mean ± sd over seeds' in report
-  assert f'; commit {provenance.commit()}.' in report
+  assert (f'; commit {provenance.commit()} on '
+          f'{provenance.describe(provenance.machine())}.') in report
   assert sweep['meta']['provenance']['out'] == str(tmp_path)
   assert (tmp_path / 'recall.png').stat().st_size > 0
   # Rerun: its finished runs are reused, histories and all; under other
@@ -407,17 +408,26 @@ def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
   scripts.recall_sweep --out=DIR --report_only` makes from the sweep.json
   beside it, byte for byte, rebuilt here into a fresh folder from a copy of
   that JSON alone. Only the rebuild's own line (report.REBUILT: the command,
-  commit and machine of the rebuild) is normalised, in both."""
+  commit and machine of the rebuild) is normalised, in both; that line is
+  checked apart (`report.published_problems`: the rebuild sweep.json
+  records, at a clean commit of this history, by the command that rebuilds
+  this folder)."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
-               'results' / 'recall' / 'sweep')
+  folder = 'docs/results/recall/sweep'
+  published = pathlib.Path(__file__).resolve().parent.parent / folder
   shutil.copy(published / 'sweep.json', tmp_path / 'sweep.json')
   monkeypatch.setattr(sys, 'argv', ['recall_sweep', f'--out={tmp_path}',
                                     '--report_only'])
   recall_sweep.main()
+  text = (published / 'report.md').read_text()
   assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      report.normalise_rebuilt((published / 'report.md').read_text()))
+      report.normalise_rebuilt(text))
+  meta = json.loads((published / 'sweep.json').read_text())['meta']
+  problems = report.published_problems(
+      folder, meta, text, 'scripts.recall_sweep', 'sweep.json',
+      made=meta.get('provenance', {}))
+  assert not problems, '\n'.join(problems)
 
 
 def _fake_model(K, pattern, share, nll, accuracy, nbytes,
@@ -637,27 +647,35 @@ def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
   assert '(not claimed; detectable' in said
 
 
-@pytest.mark.parametrize('folder', ['kv_frontier', 'kv_frontier/quick',
-                                    'kv_frontier/zadouri',
-                                    'kv_frontier/tpa'])
+@pytest.mark.parametrize('folder', ['docs/results/kv_frontier',
+                                    'docs/results/kv_frontier/quick',
+                                    'docs/results/kv_frontier/zadouri',
+                                    'docs/results/kv_frontier/tpa'])
 def test_a_published_kv_frontier_report_rebuilds_identically(
     tmp_path, monkeypatch, folder):
-  """docs/results/{folder}/report.md is what `python -m scripts.kv_frontier
-  --out=DIR --report_only` makes from the frontier.json beside it, byte for
-  byte, rebuilt here into a fresh folder from a copy of that JSON alone:
-  the reading included (nothing hand-written). Only the rebuild's own line
+  """FOLDER/report.md is what `python -m scripts.kv_frontier --out=DIR
+  --report_only` makes from the frontier.json beside it, byte for byte,
+  rebuilt here into a fresh folder from a copy of that JSON alone: the
+  reading included (nothing hand-written). Only the rebuild's own line
   (report.REBUILT: the command, commit and machine of the rebuild) is
-  normalised, in both."""
+  normalised, in both; that line is checked apart
+  (`report.published_problems`: the rebuild frontier.json records, at a
+  clean commit of this history, by the command that rebuilds FOLDER; issue
+  60: zadouri and quick had been rebuilt on dirty trees)."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
-  published = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
-               'results' / folder)
+  published = pathlib.Path(__file__).resolve().parent.parent / folder
   shutil.copy(published / 'frontier.json', tmp_path / 'frontier.json')
   monkeypatch.setattr(sys, 'argv', ['kv_frontier', f'--out={tmp_path}',
                                     '--report_only'])
   kv_frontier.main()
+  text = (published / 'report.md').read_text()
   assert report.normalise_rebuilt((tmp_path / 'report.md').read_text()) == (
-      report.normalise_rebuilt((published / 'report.md').read_text()))
+      report.normalise_rebuilt(text))
+  problems = report.published_problems(
+      folder, json.loads((published / 'frontier.json').read_text())[
+          'provenance'], text, 'scripts.kv_frontier', 'frontier.json')
+  assert not problems, '\n'.join(problems)
 
 
 def test_kv_frontier_mla_variant_costs_what_mqa_costs():
@@ -828,6 +846,15 @@ def test_kv_frontier_trains_reads_and_reports_a_small_grid(tmp_path,
   result = json.loads((out / 'frontier.json').read_text())
   assert result['provenance']['commit'] and result['provenance'][
       'command'].startswith('python -m scripts.kv_frontier --out=')
+  # Each run's own record (commit and machine), by name, for the report.
+  prov = result['provenance']
+  assert sorted(prov['runs']) == sorted(
+      f'{v.name}_s{seed}' for v in frontier_design.PANELS[
+          'recall'].quick_variants for seed in (1, 2))
+  assert all(r == {'commit': prov['commit'], 'machine': prov['machine']}
+             for r in prov['runs'].values())
+  assert f'Runs trained: {study.describe_runs(prov["runs"])}.' in (
+      out / 'report.md').read_text()
   panel = result['panels']['recall']
   assert {m['variant'] for m in panel['models']} == {
       v.name for v in frontier_design.PANELS['recall'].quick_variants}

@@ -19,6 +19,7 @@ from studies.compare import design, plots
 from studies.compare import runs as compare_runs
 from lm import checkpoint
 from lm import config_lib
+from infra import provenance
 from infra.errors import UserError
 
 from tests.test_faults import REPO, _one_line_error
@@ -217,6 +218,15 @@ def test_compare_report_only_rebuilds_what_results_json_holds(
           '(--no_control, or one seed)') in rebuilt
   assert report.normalise_rebuilt(rebuilt).replace(
       f'{report.REBUILT}\n\n', '') == trained
+  # Each run's own record (its commit as it started, its machine), by name,
+  # is the report's sentence on where the runs were trained.
+  prov = json.loads((out / 'results.json').read_text())['provenance']
+  assert sorted(prov['runs']) == ['K4_s0', 'K4_s1', 'aa_s0', 'aa_s1']
+  assert all(r == {'commit': prov['commit'], 'machine': prov['machine']}
+             for r in prov['runs'].values())
+  assert (f'Runs trained by commit {prov["commit"]} on '
+          f'{provenance.describe(prov["machine"])} (4 runs); decode timed '
+          'and results.json written by `python -m scripts.compare') in rebuilt
   monkeypatch.setattr(sys, 'argv', argv + ['--seeds=1'])
   compare.main()
   assert not list(out.glob('control_s*'))
@@ -302,3 +312,102 @@ def test_task_scores_are_scored_again_for_another_checkpoint(
   _retrained(workdir)
   again = task_scores.score(what, workdir, tmp_path / 'scores')
   assert len(calls) == 2 and again['checkpoint'] != first['checkpoint']
+
+
+XEON = {'cpu': 'Intel Xeon', 'avx2': True, 'avx512f': True, 'cores': 2}
+
+
+def test_the_runs_missing_a_record_are_named_never_only_counted(tmp_path):
+  """Where each run was trained, from its own record (TRAINED_BY): runs
+  grouped by commit and machine; a run whose record has no machine, and a
+  run with no record, named (issue 60: '117 runs with no record')."""
+  runs = {'a/K8_s1': {'commit': 'abc1234', 'machine': XEON},
+          'a/K8_s2': {'commit': 'abc1234', 'machine': XEON},
+          'b/K1_s1': {'commit': 'abc1234'}, 'b/K1_s2': None}
+  for name, record in runs.items():
+    (tmp_path / name).mkdir(parents=True)
+    if record:
+      (tmp_path / name / study.TRAINED_BY).write_text(json.dumps(record))
+  records = study.run_records(tmp_path / name for name in runs)
+  assert records == {'a/K8_s1': {'commit': 'abc1234', 'machine': XEON},
+                     'a/K8_s2': {'commit': 'abc1234', 'machine': XEON},
+                     'b/K1_s1': {'commit': 'abc1234'}, 'b/K1_s2': None}
+  assert study.describe_runs(records) == (
+      'commit abc1234 on a machine not recorded (1 run: b/K1_s1); commit '
+      'abc1234 on Intel Xeon (AVX-512F), 2 cores (2 runs); 1 run with no '
+      'record: b/K1_s2')
+  assert study.trained_by([tmp_path / 'b' / 'K1_s2']) == (
+      '1 run with no record: K1_s2')
+  moved = {'commit': 'abc1234', 'commit_at_end': 'def5678', 'machine': XEON}
+  assert study.describe_runs({'K8_s1': moved}) == (
+      'commit abc1234 (the checkout at def5678 by its end) on Intel Xeon '
+      '(AVX-512F), 2 cores (1 run)')
+  assert report.command_at({'command': 'python -m x', **moved}) == (
+      '`python -m x` at commit abc1234 (the checkout at def5678 by its end) '
+      'on Intel Xeon (AVX-512F), 2 cores')
+  assert report.command_at({'command': 'python -m x', 'commit': 'abc1234'}
+                           ).endswith(' on a machine not recorded')
+  assert study.describe_runs({}) is None
+
+
+def _rebuilt(commit, folder='docs/results/x', module='scripts.compare'):
+  """A saved provenance rebuilt by `python -m MODULE --out=FOLDER
+  --report_only` at COMMIT, and the report's rebuild line it makes."""
+  prov = {'command': 'python -m scripts.compare --out=runs/x',
+          'commit': commit.removesuffix(provenance.DIRTY), 'machine': XEON,
+          'rebuilt': {'command': f'python -m {module} --out={folder} '
+                                 '--report_only',
+                      'commit': commit, 'machine': XEON}}
+  return prov, report.rebuilt_lines(prov, 'results.json')[0]
+
+
+def test_a_published_report_built_on_a_dirty_tree_is_named_with_the_fix():
+  """A report rebuilt, or numbers measured, at a commit with uncommitted
+  changes is a problem naming the report and the command that rebuilds it
+  at a clean commit (issue 60: kv_frontier/zadouri at cd9876c+dirty)."""
+  head = provenance.commit().removesuffix(provenance.DIRTY)
+  clean, line = _rebuilt(head)
+  assert report.published_problems('docs/results/x', clean, line,
+                                   'scripts.compare', 'results.json') == []
+  dirty, dirty_line = _rebuilt(head + provenance.DIRTY)
+  assert report.published_problems(
+      'docs/results/x', dirty, dirty_line, 'scripts.compare',
+      'results.json') == [
+          f'docs/results/x/report.md: rebuilt at commit {head}+dirty (not a '
+          'clean commit): commit the changes, then rebuild it at the clean '
+          'commit: python -m scripts.compare --out=docs/results/x '
+          '--report_only']
+  measured = {**clean, 'commit': 'abc1234+dirty'}
+  assert report.published_problems(
+      'docs/results/x', measured, line, 'scripts.compare',
+      'results.json') == ['docs/results/x/results.json: measured at commit '
+                          'abc1234+dirty, which no commit holds: rerun its '
+                          'command at a clean commit']
+  # The measuring record apart (sweep.json keeps it in meta.provenance).
+  assert report.published_problems(
+      'docs/results/x', clean, line, 'scripts.compare', 'results.json',
+      made={'commit': 'unknown'})[0].endswith('rerun its command at a clean '
+                                              'commit')
+
+
+def test_a_published_rebuild_that_is_not_what_its_json_records_is_named():
+  """The rebuild line edited by hand, a recorded rebuild of another folder,
+  and a rebuild at a commit outside this history each fail, saying what to
+  run."""
+  head = provenance.commit().removesuffix(provenance.DIRTY)
+  prov, line = _rebuilt(head)
+  again = 'rebuild it: python -m scripts.compare --out=docs/results/x'
+  edited = line.replace(f'commit {head}', 'commit 1234567')
+  found, = report.published_problems('docs/results/x', prov, edited,
+                                     'scripts.compare', 'results.json')
+  assert found.startswith('docs/results/x/report.md: its rebuild line is not '
+                          'the one results.json records') and again in found
+  other, line = _rebuilt(head, folder='docs/results/y')
+  found, = report.published_problems('docs/results/x', other, line,
+                                     'scripts.compare', 'results.json')
+  assert 'does not rebuild this folder' in found and again in found
+  if provenance.in_history(head) is not None:  # A full git checkout.
+    elsewhere, line = _rebuilt('0000000')
+    found, = report.published_problems('docs/results/x', elsewhere, line,
+                                       'scripts.compare', 'results.json')
+    assert 'rebuilt at commit 0000000, not in this history' in found

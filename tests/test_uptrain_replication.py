@@ -21,11 +21,14 @@ GTA = {'K': 1, 'qk_rope_head_dim': 14, 'method': 'gta', 'pooling': 'mean',
 GLA = {'K': 2, 'kv_lora_rank': 24, 'qk_rope_head_dim': 8, 'method': 'gla_half',
        'latent_groups': 2, 'kv_bytes_per_token': 256.0,
        'mla_kv_bytes_per_token': 256.0, 'energy_kept': [0.8, 0.82]}
+TPA = {'K': 1, 'method': 'tpa', 'pooling': 'mean', 'kv_bytes_per_token': 320.0,
+       'target_kv_bytes_per_token': 256.0, 'partner_K': 1,
+       'partner_kv_bytes_per_token': 256.0}
 
 
 def _results(gap, noise=0.003, sources=3, drift=-0.001,
              above_scratch=lambda S, K, seed: 0.01 * seed, random=0.05,
-             gta=0.05, gla=0.0, latent=True):
+             gta=0.05, gla=0.0, latent=True, tpa=-0.04, tpa_at0=0.0):
   """Sources of each length S (seeds 0..), 2 uptraining seeds each;
   mean-pooled K's loss at every read is the control's + gap(S, K, seed)
   (+ noise per uptraining seed), first-head 0.05 above mean, random
@@ -33,7 +36,10 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001,
   from scratch for S steps (evaluated every S/40) ends above_scratch(S, K,
   seed) below mean-pooled K's noiseless loss at alpha = 0.05, from 3.0 at
   S/40 in equal steps. latent: with GTA (K = 1, 240 bytes/token) `gta`
-  above mean-pooled K = 1 and GLA `gla` above MLA-half."""
+  above mean-pooled K = 1 and GLA `gla` above MLA-half; and, unless `tpa`
+  is None, TPA (K = 1, 320 bytes/token) `tpa` (+ 0.002 a source seed,
+  + 0.001 an uptraining seed) above mean-pooled K = 1 after uptraining,
+  and `tpa_at0` above it at its conversion (step 0: exact)."""
   rng = np.random.default_rng(0)
   plan = {'design': 'sources', 'source_steps': list(SOURCE),
           'source_seeds': list(range(sources)), 'seeds': [1, 2],
@@ -69,6 +75,14 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001,
                        'seed': up, 'curve': [{'step': t, 'loss': at(t),
                                               'accuracy': 0.0}
                                              for t in steps]})
+      with_tpa = latent and tpa is not None
+      for up in (1, 2) if with_tpa else ():  # From mean-pooled K = 1's.
+        mean1 = next(r for r in runs if (r['method'], r['K'], r['seed']) ==
+                     ('mean', 1, up))
+        runs.append({**mean1, 'method': 'tpa', 'curve': [
+            {**p, 'loss': p['loss'] + (tpa + 0.002 * seed + 0.001 * up
+                                       if p['step'] else tpa_at0)}
+            for p in mean1['curve']]})
       scratch = []
       for K in (2, 1):
         end = src + drift + gap(S, K, seed) - above_scratch(S, K, seed)
@@ -80,7 +94,8 @@ def _results(gap, noise=0.003, sources=3, drift=-0.001,
                   'runs': runs, 'scratch': scratch, 'reads': read,
                   'rate': 1e-3, 'warmup': design.unit_steps(S),
                   'mla': mla, **({'gta': GTA, 'gla': GLA} if latent
-                                 else {})})
+                                 else {}),
+                  **({'tpa': TPA} if with_tpa else {})})
   return {'provenance': {'command': 'python -m scripts.uptrain_study --out=x',
                          'commit': 'abc1234', 'out': 'x',
                          'machine': {'cpu': 'Xeon', 'avx2': True,
@@ -144,6 +159,55 @@ def test_gta_and_gla_are_paired_within_the_source_and_decided():
   assert 'gla_vs_mla' not in old and 'gta_vs_equal_bytes' not in old
   assert 'GTA' not in replicated_report.text(_results(_growing,
                                                          latent=False))
+
+
+def test_tpa_is_paired_with_the_gqa_it_was_converted_from():
+  # TPA 0.04 nats below mean-pooled K = 1 (its nearest bytes and its
+  # conversion's source) after uptraining, equal to it at step 0.
+  results = _results(_growing)
+  summ = replicated_summary.summary(results)
+  row = summ['lengths'][1600]
+  first = next(s for s in results['sources'] if (s['steps'], s['seed']) ==
+               (1600, 0))
+  by_hand = (replicated_summary.losses(first, 'tpa', 1, 80)
+             - replicated_summary.losses(first, 'mean', 1, 80)).mean()
+  assert row['tpa_vs_equal_bytes']['paper']['values'][0] == \
+      pytest.approx(by_hand)
+  assert row['tpa_vs_equal_bytes']['paper']['n'] == 3  # Over sources.
+  cells = summ['tpa_vs_equal_bytes']
+  assert [c['S'] for c in cells] == list(SOURCE)  # One Holm family.
+  assert all(c['verdict'] == 'resolved' and c['mean'] < 0 for c in cells)
+  assert row['tpa_conversion_exact'] == 0.0
+  text = replicated_report.text(results)
+  assert ('**TPA nearest MLA-below\'s cache bytes** (issue #63; K/V heads '
+          'mean-pooled to K = 1, then key and value factors of rank 1') in text
+  assert ('2·K·(N + H) = 40 numbers, 320 bytes/token, the layout nearest '
+          'MLA-below\'s 256) against mean-pooled K = 1, the GQA arm of '
+          'nearest bytes (256 bytes/token, so TPA caches 1.25x its bytes), '
+          'α = 0.05, Holm over the 3 lengths: S = 400: TPA − GQA -0.0365') \
+      in text
+  assert ('before uptraining (step 0) the two losses are equal on every '
+          'source, bit for bit.') in text
+  assert 'GTA and TPA at (or nearest) its cache bytes' in text
+  assert '| TPA − mean K of nearest bytes |' in text  # Its table column.
+  # As good as GQA: below what 3 sources detect, not claimed.
+  tie = replicated_summary.summary(_results(_growing, tpa=0.0))
+  assert all(c['verdict'] == 'not claimed'
+             for c in tie['tpa_vs_equal_bytes'])
+  # Rounding is named as such, and a conversion that is not exact is
+  # named, not read as rounding.
+  near = replicated_report.text(_results(_growing, tpa_at0=2e-7))
+  assert 'TPA − GQA is at most 2.0e-07 nats on any source (rounding).' \
+      in near
+  off = replicated_report.text(_results(_growing, tpa_at0=0.01))
+  assert 'at most 1.0e-02 nats on any source (beyond 1e-05: not exact).' \
+      in off
+  # Results made before the TPA arm (with GTA and GLA) report without it.
+  old = _results(_growing, tpa=None)
+  assert 'tpa_vs_equal_bytes' not in replicated_summary.summary(old)
+  old_text = replicated_report.text(old)
+  assert 'TPA' not in old_text
+  assert 'GTA at (or nearest) its cache bytes' in old_text
 
 
 def test_claim_1_is_decided_by_the_trend_over_source_length():
@@ -280,18 +344,26 @@ def test_report_only_rebuilds_the_report_identically(tmp_path, monkeypatch):
 def test_every_published_uptrain_report_is_what_its_json_makes():
   """docs/results/uptrain/**/report.md equals the report its results.json
   makes today (--report_only rebuilds it identically): no hand-written
-  text, no stale reading."""
+  text, no stale reading; and its provenance is true
+  (`report.published_problems`: measured and rebuilt at clean commits of
+  this history, by the command that rebuilds its folder)."""
   import pathlib  # pylint: disable=import-outside-toplevel
-  from studies import study  # pylint: disable=import-outside-toplevel
-  root = pathlib.Path(__file__).resolve().parent.parent / 'docs/results/uptrain'
-  found = sorted(root.glob('**/results.json'))
+  from studies import report, study  # pylint: disable=import-outside-toplevel
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  found = sorted((repo / 'docs/results/uptrain').glob('**/results.json'))
   assert len(found) >= 2
+  problems = []
   for path in found:
     results = study.saved(path)
-    assert uptrain_results.text(results) == (
-        path.parent / 'report.md').read_text(), (
-        f'{path.parent}/report.md is not what its results.json makes: '
-        f'python -m scripts.uptrain_study --out={path.parent} --report_only')
+    folder = str(path.parent.relative_to(repo))
+    text = (path.parent / 'report.md').read_text()
+    assert uptrain_results.text(results) == text, (
+        f'{folder}/report.md is not what its results.json makes: '
+        f'python -m scripts.uptrain_study --out={folder} --report_only')
+    problems += report.published_problems(
+        folder, results['provenance'], text, 'scripts.uptrain_study',
+        'results.json')
+  assert not problems, '\n'.join(problems)
 
 
 @pytest.mark.slowest
@@ -299,7 +371,8 @@ def test_every_published_uptrain_report_is_what_its_json_makes():
 def test_the_replicated_study_runs_end_to_end(tmp_path):
   """On `tiny`: sources of two lengths, two seeds each, every arm per
   source (random included) with two uptraining seeds read at both points,
-  MLA below d_model, K from scratch for the source's steps by its seed,
+  MLA below d_model, GTA, GLA and TPA by bytes, K from scratch for the
+  source's steps by its seed,
   the machine and each run's commit in the provenance; a rerun reuses
   everything and names the pass before it."""
   import subprocess  # pylint: disable=import-outside-toplevel
@@ -315,7 +388,8 @@ def test_the_replicated_study_runs_end_to_end(tmp_path):
     arms = {(r['method'], r['K'], r['seed']) for r in source['runs']}
     assert arms == {(m, k, s) for m, k in (
         ('identity', 4), ('mean', 2), ('first', 2), ('random', 2),
-        ('mla_half', 2), ('gta', source['gta']['K']), ('gla_half', 2))
+        ('mla_half', 2), ('gta', source['gta']['K']), ('gla_half', 2),
+        ('tpa', source['tpa']['K']))
                     for s in (1, 2)}
     [scratch] = source['scratch']
     assert (scratch['K'], scratch['seed']) == (2, source['seed'])
@@ -325,7 +399,7 @@ def test_the_replicated_study_runs_end_to_end(tmp_path):
       assert {0, source['reads']['paper'], source['reads']['fixed']} <= steps
     assert source['mla']['kv_lora_rank'] < source['mla']['d_model']
     # The cache the converted models report is the plan's.
-    for arm in ('mla', 'gta', 'gla'):
+    for arm in ('mla', 'gta', 'gla', 'tpa'):
       assert source[arm]['converted_kv_bytes_per_token'] == \
           source[arm]['kv_bytes_per_token']
     assert source['gla']['kv_bytes_per_token'] == \
@@ -335,16 +409,18 @@ def test_the_replicated_study_runs_end_to_end(tmp_path):
   assert 'avx512f' in results['provenance']['machine']
   commit = results['provenance']['commit']
   assert results['provenance']['trained'].startswith(f'commit {commit} on ')
-  assert results['provenance']['trained'].endswith(' (64 runs)')
+  assert results['provenance']['trained'].endswith(' (72 runs)')
   assert 'earlier' not in results['provenance']
   summary = results['summary']
   assert summary['lengths']['80']['gap_K2']['paper']['n'] == 2
   assert summary['lengths']['80']['vs_scratch_K2']['paper']['n'] == 2
-  assert len(summary['gta_vs_equal_bytes']) == len(summary['gla_vs_mla']) == 2
+  assert len(summary['gta_vs_equal_bytes']) == len(summary['gla_vs_mla']) == \
+      len(summary['tpa_vs_equal_bytes']) == 2
   assert len(summary['ranking']) == 4  # 2 lengths x 2 pairs.
   report = (out / 'report.md').read_text()
   assert '**Claim 3, GQA K = 2' in report  # K = 2 is the GQA target here.
   assert '**GLA against MLA-below at equal bytes**' in report
+  assert '**TPA nearest MLA-below\'s cache bytes**' in report
   again = subprocess.run(command, capture_output=True, text=True, check=True)
   assert 'source seed 0, 40 steps' in again.stdout
   rerun = json.loads((out / 'results.json').read_text())

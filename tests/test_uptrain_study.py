@@ -18,7 +18,8 @@ from studies import stats
 from studies.uptrain import (common, design, single_reading, single_summary,
                              single_tables)
 from lm import config_lib
-from train.convert import to_mla
+from lm import model as model_lib
+from train.convert import to_mla, to_tpa
 
 SOURCE = 2.0
 STEPS = [1, 2, 4, 8, 16]  # Uptraining steps of the alphas, S = 100.
@@ -321,6 +322,30 @@ def test_gta_and_gla_plans_sit_at_mla_belows_cache_bytes():
   # GLA needs 2 groups to divide the latent: tiny's MLA-below has R = 1.
   tiny = config_lib.model_config(design.source_config('tiny', 40))
   assert design.gla_plan(tiny, [1]) is None
+
+
+def test_tpa_plan_sits_nearest_mla_belows_bytes_beside_its_gqa_partner():
+  mc = config_lib.model_config(design.source_config('uptrain_source', None))
+  below = design.mla_below_plan(mc, [2, 1])
+  # TPA of rank K caches 2·K·(N + H) numbers (N = 4, H = 16): 40, 80, 160
+  # for K = 1, 2, 4; nearest MLA-below's 32 is K = 1, a quarter above it.
+  # Its partner: mean-pooled K = 1 (32 numbers), the model it converts.
+  tpa = design.tpa_plan(mc, below['kv_bytes_per_token'], [2, 1])
+  layer_bytes = mc.num_layers * 4  # float32.
+  assert (tpa['K'], tpa['method'], tpa['pooling']) == (1, 'tpa', 'mean')
+  assert tpa['kv_bytes_per_token'] == 40 * layer_bytes
+  assert tpa['target_kv_bytes_per_token'] == below['kv_bytes_per_token']
+  assert (tpa['partner_K'], tpa['partner_kv_bytes_per_token']) == (
+      1, 32 * layer_bytes)
+  # The bytes are the converted model's (`train.convert.to_tpa`).
+  converted, _ = to_tpa.target_config(dataclasses.replace(mc, num_kv_heads=1))
+  assert model_lib.kv_bytes_per_token(converted) == tpa['kv_bytes_per_token']
+  # At GQA-2's 64 numbers: K = 2 (80) is nearer than K = 1 (40); partner
+  # GQA-2. Midway between 40 and 80 the tie goes to the smaller cache.
+  at_gqa2 = design.tpa_plan(mc, 64 * layer_bytes, [2, 1])
+  assert (at_gqa2['K'], at_gqa2['partner_K']) == (2, 2)
+  assert at_gqa2['kv_bytes_per_token'] == 80 * layer_bytes
+  assert design.tpa_plan(mc, 60 * layer_bytes, [2, 1])['K'] == 1
 
 
 def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():

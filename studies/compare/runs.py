@@ -27,6 +27,9 @@ def run(args):
   plots (`text.write`). Every run's settings are refused, if bad, before
   any trains."""
   out = pathlib.Path(args.out)
+  # The commit as the command starts: the code that runs (a commit made
+  # while it trains, which its modules were not read from, is not it).
+  prov = provenance.record(COMMAND, out, statistics=stats.CONVENTION)
   configs = design.plan(args)
   for (K, seed), config in configs.items():
     config_lib.validate(config, batch_shards=1)
@@ -42,10 +45,12 @@ def run(args):
     decode[K] = design.DECODE_BATCH / timing.decode_step_seconds(
         mc, design.DECODE_BATCH, design.DECODE_CONTEXT, repeats=5)
     print(f'decode K={K}: {decode[K]:,.0f} tokens/s', flush=True)
+  prov = provenance.ended(prov)
+  prov['runs'] = study.run_records(
+      out / f'{design.run_name(K)}_s{seed}' for K, seed in configs)
   text.write(out, results(
       runs['variants'], decode, timing.read_bandwidth(5), out, args,
-      runs['control'], runs['aa'], trained=study.trained_by(
-          out / f'{design.run_name(K)}_s{seed}' for K, seed in configs)))
+      runs['control'], runs['aa'], prov=prov))
 
 
 def train(out: pathlib.Path, configs: dict, control_K: int, tasks
@@ -173,17 +178,17 @@ def _variant(K: int, runs: list[dict], decode: dict, bandwidth: float
 
 
 def results(runs, decode, bandwidth, out, args, control_runs=(), aa_runs=(),
-            trained=None, argv=None) -> dict:
+            prov: dict | None = None) -> dict:
   """OUT/results.json's values, as the runs gave them (`analysis.analyse`
-  adds what is read from them): the provenance (`trained`: where the runs
-  were trained, `study.trained_by`), the settings, the decode timings, per
-  variant its size, speeds and per-seed values (each run's curve too), the
-  controls' per-seed losses, and the task scores' settings (--tasks)."""
+  adds what is read from them): the provenance (PROV, the command's
+  `provenance.record` as it started, with `runs`: where each run was
+  trained, `study.run_records`; recorded now when not given), the
+  settings, the decode timings, per variant its size, speeds and per-seed
+  values (each run's curve too), the controls' per-seed losses, and the
+  task scores' settings (--tasks)."""
   variants = [_variant(K, runs, decode, bandwidth)
               for K in sorted({r['K'] for r in runs}, reverse=True)]
-  prov = provenance.record(COMMAND, out, argv, statistics=stats.CONVENTION)
-  if trained:
-    prov['trained'] = trained
+  prov = prov or provenance.record(COMMAND, out, statistics=stats.CONVENTION)
   reference = next(r for r in runs if r['K'] == variants[0]['K'])
   result = dict(
       provenance=prov,

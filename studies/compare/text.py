@@ -85,11 +85,15 @@ def reading(rows_, found, control=None) -> str:
 
 
 def made(prov: dict) -> str:
-  """Where the runs were trained and where results.json was written (the
-  decode timed), as results.json records them, and its note."""
+  """Where the runs were trained (each run's record, `runs`, or the
+  sentence an older results.json saved, `trained`) and where results.json
+  was written (the decode timed), as results.json records them, and its
+  note."""
   where = report.command_at(prov)
-  return ((f'Runs trained by {prov["trained"]}; decode timed and '
-           f'results.json written by {where}.' if prov.get('trained') else
+  trained = (study.describe_runs(prov['runs']) if prov.get('runs')
+             else prov.get('trained'))
+  return ((f'Runs trained by {trained}; decode timed and '
+           f'results.json written by {where}.' if trained else
            f'Made by {where}.')
           + (f' {prov["note"]}' if prov.get('note') else ''))
 

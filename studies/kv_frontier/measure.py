@@ -35,12 +35,14 @@ def run(plans: dict[str, Plan], out: pathlib.Path) -> dict:
   result = {'provenance': provenance.record(COMMAND, out,
                                             statistics=stats.CONVENTION),
             'panels': {}}
+  trained = []  # Every run trained (or reused), for its record.
   for name, (panel, variants, steps, seeds, conversions) in plans.items():
     base = variant_config(panel.config, variants[0], 1, steps, panel.window)
-    models = [measure(out / name, panel, v, seeds, steps) for v in variants]
+    models = [measure(out / name, panel, v, seeds, steps, trained)
+              for v in variants]
     for source, target, uptrain_steps in conversions:
       models += measure_conversion(out / name, source, target, seeds,
-                                   uptrain_steps)
+                                   uptrain_steps, trained)
     result['panels'][name] = {
         'config': panel.config, 'window': panel.window,
         'steps': base.train.steps, 'seeds': seeds,
@@ -51,6 +53,8 @@ def run(plans: dict[str, Plan], out: pathlib.Path) -> dict:
         'layers': base.model.num_layers, 'models': models,
         'families': [f for f in (family.record(variants)
                                  for family in panel.families) if f]}
+  provenance.ended(result['provenance'])
+  result['provenance']['runs'] = study.run_records(trained)
   result['minutes'] = (time.perf_counter() - start) / 60
   # All threads' CPU time: on an idle machine the wall time is about this
   # or less (less where XLA runs operations on both cores at once).
@@ -59,9 +63,10 @@ def run(plans: dict[str, Plan], out: pathlib.Path) -> dict:
   return result
 
 
-def measure(out: pathlib.Path, panel: Panel, v: Variant, seeds, steps: int
-            ) -> dict:
-  """One model's per-seed values through each cache, and its bytes."""
+def measure(out: pathlib.Path, panel: Panel, v: Variant, seeds, steps: int,
+            trained: list) -> dict:
+  """One model's per-seed values through each cache, and its bytes; its
+  runs' folders appended to TRAINED."""
   workdirs = []
   for seed in seeds:
     config = variant_config(panel.config, v, seed, steps, panel.window)
@@ -69,6 +74,7 @@ def measure(out: pathlib.Path, panel: Panel, v: Variant, seeds, steps: int
     print(f'=== {v.name}, seed {seed}{_reused(workdir)}', flush=True)
     study.train(config, workdir, workdir / 'log.txt')
     workdirs.append(workdir)
+  trained.extend(workdirs)
   return _record(v.name, v, workdirs)
 
 
@@ -104,11 +110,13 @@ def _record(name: str, v: Variant, workdirs, **fields) -> dict:
 
 
 def measure_conversion(out: pathlib.Path, source: Variant, target: Variant,
-                       seeds, uptrain_steps: int) -> list[dict]:
+                       seeds, uptrain_steps: int, trained: list
+                       ) -> list[dict]:
   """SOURCE's trained runs converted into MLA (`train.convert`'s
   --to_mla with TARGET's MLA settings), read through each cache as
   converted (no training) and after UPTRAIN_STEPS steps of the
-  conversion's uptraining recipe: two records, each naming its source."""
+  conversion's uptraining recipe: two records, each naming its source;
+  the uptrained runs' folders appended to TRAINED."""
   converted, uptrained = [], []
   name = f'{target.name}_from_{source.name}'
   for seed in seeds:
@@ -136,6 +144,7 @@ def measure_conversion(out: pathlib.Path, source: Variant, target: Variant,
           f'{_reused(up)}', flush=True)
     study.train(config, up, up / 'log.txt', start=workdir)
     uptrained.append(up)
+  trained.extend(uptrained)
   return [_record(f'{name} converted', target, converted,
                   source=source.name, uptrain_steps=0),
           _record(f'{name} +{uptrain_steps}', target, uptrained,

@@ -50,8 +50,9 @@ def _made(result: dict) -> str:
          'conversions of any source it holds; the default grid\'s runs '
          'are published apart.' if any(w.startswith('--variants')
                                         for w in flags) else '')
-      + (f' Runs trained: {prov["trained"]}.' if prov.get('trained')
-         else '')
+      + (f' Runs trained: {study.describe_runs(prov["runs"])}.'
+         if prov.get('runs') else f' Runs trained: {prov["trained"]}.'
+         if prov.get('trained') else '')
       + (f' {prov["note"]}' if prov.get('note') else ''))
 
 

@@ -4,7 +4,7 @@ docstring is the study's manual), in two designs: one source
 (`single_source`) and sources replicated over lengths (`replicated`).
 
   design              constants, the conversions (`Arm`), configs, and the
-                      layouts planned by cache bytes (MLA, GTA, GLA)
+                      layouts planned by cache bytes (MLA, GTA, GLA, TPA)
   runs                the source, the conversions, uptraining, scratch runs
   single_source       the single-source design's runs (pilot, arms, recall)
   replicated          the source-replicated design's runs

@@ -2,8 +2,8 @@
 alphas read, the paper's, the margin), the conversions (`Arm`: K/V heads
 by a method, an optimizer start), the source's and an uptraining run's
 configs, and the layouts compared by cache bytes (`mla_plan`,
-`mla_below_plan`, `gta_plan`, `gla_plan`; a plan holds its conversion's
-arguments, `train.convert.to_mla.arguments`)."""
+`mla_below_plan`, `gta_plan`, `gla_plan`, `tpa_plan`; a plan holds its
+conversion's arguments, `train.convert.to_mla.arguments`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 from infra.errors import UserError
 from lm import config_lib
 from lm import model as model_lib
-from train.convert import to_gta, to_mla
+from train.convert import to_gta, to_mla, to_tpa
 
 ALPHAS = (0.0125, 0.025, 0.05, 0.1, 0.2)  # Each twice the one before.
 PAPER_ALPHA = 0.05  # The paper's test point.
@@ -26,12 +26,13 @@ RECALL_TARGET = 0.95  # Held-out recall accuracy counted as regained.
 
 # The arms of other layouts, by their runs' method: MHA -> MLA at GQA-K's
 # cache bytes (single source); the replicated design's MLA below GQA's
-# width, GTA at (or nearest) its bytes, GLA at its latent width.
+# width, GTA and TPA at (or nearest) its bytes, GLA at its latent width.
 MLA = 'mla'  # Its runs: runs/fresh/mla_K{K}, K: GQA's match.
 MLA_BELOW = 'mla_half'  # Latent: half GQA-max(K)'s.
 GTA = 'gta'  # Grouped-tied attention (`gta_plan`).
 GLA = 'gla_half'  # MLA_BELOW's latent in GLA_GROUPS groups.
 GLA_GROUPS = 2  # Zadouri et al.'s GLA-2.
+TPA = 'tpa'  # Tensor product attention (`tpa_plan`).
 
 # The source-replicated design (issue #49).
 FIXED_STEPS = 80  # The fixed read: alpha = 0.05 of the 1,600-step source.
@@ -167,15 +168,46 @@ def gta_plan(mc, target_bytes: float, kv_heads: list[int]) -> dict:
   widths = range(2, H - 1, 2) if mc.use_rope else (0,)
   layouts = {(K, Y): size(K, Y) for K in range(1, N + 1) if N % K == 0
              for Y in widths}
-  (K, Y), got = min(layouts.items(), key=lambda kv: (
-      abs(kv[1] - target_bytes), kv[1]))
-  gqa = {k: model_lib.kv_bytes_per_token(dataclasses.replace(
-      mc, num_kv_heads=k)) for k in kv_heads}
-  partner = min(kv_heads, key=lambda k: (abs(gqa[k] - got), gqa[k]))
+  (K, Y), got = _nearest(layouts, target_bytes)
   return {'K': K, 'qk_rope_head_dim': Y, 'method': GTA, 'pooling': 'mean',
           'kv_bytes_per_token': got, 'target_kv_bytes_per_token': target_bytes,
-          'partner_K': partner,
-          'partner_kv_bytes_per_token': gqa[partner]}
+          **_partner(mc, got, kv_heads)}
+
+
+def tpa_plan(mc, target_bytes: float, kv_heads: list[int]) -> dict:
+  """TPA (`train.convert --to_tpa`: K/V heads mean-pooled to K, then key
+  and value factors of rank K whose head factors start one-hot) of the MHA
+  source `mc` [N heads of H] whose cache is nearest `target_bytes` (the
+  study passes MLA_BELOW's): over K dividing N it caches 2·K·(N + H)
+  numbers per token and layer, (N + H) / H times GQA-K's 2·K·H, so equal
+  bytes need not exist; a tie goes to the smaller cache, as `gta_plan`'s.
+  partner_K: the mean-pooled GQA arm of kv_heads whose bytes are nearest
+  TPA's (ties to the smaller), its comparison. Where partner_K is K, the
+  conversion computes the partner's conversion exactly (`to_tpa`), so the
+  two differ at step 0 by rounding alone: the comparison's control.
+  Bytes are `lm.model.kv_bytes_per_token`'s."""
+  N = mc.num_heads
+  layouts = {K: model_lib.kv_bytes_per_token(to_tpa.target_config(
+      dataclasses.replace(mc, num_kv_heads=K))[0])
+             for K in range(1, N + 1) if N % K == 0}
+  K, got = _nearest(layouts, target_bytes)
+  return {'K': K, 'method': TPA, 'pooling': 'mean',
+          'kv_bytes_per_token': got, 'target_kv_bytes_per_token': target_bytes,
+          **_partner(mc, got, kv_heads)}
+
+
+def _nearest(sizes: dict, target: float) -> tuple:
+  """(the key, its bytes) of SIZES {layout: bytes per token} nearest
+  `target`; a tie goes to the smaller cache."""
+  return min(sizes.items(), key=lambda kv: (abs(kv[1] - target), kv[1]))
+
+
+def _partner(mc, got: float, kv_heads: list[int]) -> dict:
+  """The mean-pooled GQA arm of kv_heads whose cache is nearest `got`
+  bytes per token (a tie to the smaller cache) and its bytes."""
+  partner, size = _nearest({k: model_lib.kv_bytes_per_token(
+      dataclasses.replace(mc, num_kv_heads=k)) for k in kv_heads}, got)
+  return {'partner_K': partner, 'partner_kv_bytes_per_token': size}
 
 
 def gla_plan(mc, kv_heads: list[int], groups: int = GLA_GROUPS

@@ -1,10 +1,10 @@
 """The source-replicated design (`python -m scripts.uptrain_study`, issue
 #49): sources of several lengths S, each with its own seeds, every one
 converted to each arm (the identity control, mean-pooled, first-head and
-random K/V heads; MLA below GQA's width, GTA at its bytes, GLA at its
-latent width), each uptrained once per uptraining seed and read at alpha =
-0.05 of S and at a fixed number of steps, and each K trained from scratch
-by the source's recipe and seed. Its statistics and report:
+random K/V heads; MLA below GQA's width, GTA and TPA at (or nearest) its
+bytes, GLA at its latent width), each uptrained once per uptraining seed
+and read at alpha = 0.05 of S and at a fixed number of steps, and each K
+trained from scratch by the source's recipe and seed. Its statistics and report:
 `studies.uptrain.replicated_summary`, `replicated_report`."""
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from studies import stats, study
 from studies.uptrain import results as results_lib
 from studies.uptrain.design import (FIXED_STEPS, GLA, GLA_GROUPS, GTA,
                                     MLA_BELOW, NEAR, PAPER_ALPHA,
-                                    QUICK_SOURCE_STEPS, RATE_RATIO, Arm,
+                                    QUICK_SOURCE_STEPS, RATE_RATIO, TPA, Arm,
                                     gla_plan, gta_plan, mla_below_plan, reads,
-                                    replicated_arms, source_config,
+                                    replicated_arms, source_config, tpa_plan,
                                     unit_steps)
 from studies.uptrain.runs import (convert_gta, convert_mla, convert_one,
-                                  recorded, scratch, train_source, uptrain)
+                                  convert_tpa, recorded, scratch,
+                                  train_source, uptrain)
 from train.convert import to_mla
 
 COMMAND = 'scripts.uptrain_study'  # The entry point, as provenance names it.
@@ -100,21 +101,23 @@ def one_source(out: pathlib.Path, config, kv_heads, seeds, fixed: int,
           'reads': read, 'rate': rate,
           'warmup': min(unit_steps(S), read['top'] - 1),  # uptrain_config's.
           'mla': latent[MLA_BELOW], 'gta': latent[GTA],
-          'gla': latent.get(GLA)}
+          'gla': latent.get(GLA), 'tpa': latent[TPA]}
 
 
 def latent_arms(out: pathlib.Path, source_dir: pathlib.Path, config,
                 kv_heads, seeds, rate: float, read: dict
                 ) -> tuple[dict, list[dict]]:
   """MLA below GQA's width (`mla_below_plan`), GTA at (or nearest) its
-  cache bytes and GLA at its latent width (issue #51), converted from the
-  source in SOURCE_DIR and uptrained as the GQA arms are (at `rate`, to
-  `read`): ({method: its plan with its conversion's record}, the runs)."""
+  cache bytes and GLA at its latent width (issue #51), TPA nearest its
+  cache bytes (issue #63), converted from the source in SOURCE_DIR and
+  uptrained as the GQA arms are (at `rate`, to `read`): ({method: its plan
+  with its conversion's record}, the runs)."""
   S = config.train.steps
   mc = config_lib.model_config(config)
   plan = mla_below_plan(mc, kv_heads)
   gta = gta_plan(mc, plan['kv_bytes_per_token'], kv_heads)
   gla = gla_plan(mc, kv_heads)
+  tpa = tpa_plan(mc, plan['kv_bytes_per_token'], kv_heads)
   if gla is None:
     print(f'=== no GLA arm: {GLA_GROUPS} latent groups do not divide K = '
           f'{mc.num_heads} and the latent {to_mla.latent(plan).width}',
@@ -123,6 +126,7 @@ def latent_arms(out: pathlib.Path, source_dir: pathlib.Path, config,
             (gta, *convert_gta(out, source_dir, gta))]
   if gla is not None:
     latent.append((gla, *convert_mla(out, source_dir, gla)))
+  latent.append((tpa, *convert_tpa(out, source_dir, tpa)))
   runs = []
   for arm, at, seed in progress.runs(
       [(a, w, s) for a, w, _ in latent for s in seeds],

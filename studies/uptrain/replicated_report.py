@@ -13,10 +13,14 @@ import numpy as np
 
 from studies import report, stats
 from studies.uptrain.common import made
-from studies.uptrain.design import GLA, GTA
+from studies.uptrain.design import GLA, GTA, TPA
 from studies.uptrain.replicated_summary import (READS, by_length, scratch_ks,
                                                 summary)
 from train.convert import to_mla
+
+# The largest loss difference an exact conversion is granted (rounding):
+# TPA's at step 0 against the model it was converted from.
+EXACT = 1e-5
 
 
 def text(results: dict) -> str:
@@ -84,7 +88,8 @@ def _design(results: dict, summ: dict) -> str:
           'mean-pooled and first-head') + ' K = '
       + ' and '.join(map(str, kv)) + f', and MLA below '
       f'GQA-{first["mla"]["K"]}\'s width' + (
-          ', GTA at (or nearest) its cache bytes and GLA at its latent width'
+          ', GTA' + ' and TPA' * (TPA in first) + ' at (or nearest) its '
+          'cache bytes and GLA at its latent width'
           if GLA in first and GTA in first else '')
       + f'; {len(plan["seeds"])} uptraining seeds per arm '
       f'({", ".join(map(str, plan["seeds"]))}), averaged within the source. '
@@ -228,8 +233,8 @@ def _pseudo_replication(plan: dict, summ: dict) -> str:
 
 
 def _latent_arms(plan: dict, summ: dict) -> list[str]:
-  """The reading's GTA and GLA lines (issue #51), where the results have
-  those arms."""
+  """The reading's GTA and GLA lines (issue #51) and TPA's (issue #63),
+  where the results have those arms."""
   first = next(iter(summ['lengths'].values()))
   H, a, lines = plan['head_dim'], plan['paper_alpha'], []
 
@@ -260,7 +265,46 @@ def _latent_arms(plan: dict, summ: dict) -> list[str]:
         f'{g["mla_kv_bytes_per_token"]:g}), α = {a}, Holm over the '
         f'{len(summ["gla_vs_mla"])} lengths: '
         + cells('gla_vs_mla', 'GLA − MLA') + '.')
+  if summ.get('tpa_vs_equal_bytes'):
+    lines.append(_tpa(plan, summ, cells('tpa_vs_equal_bytes', 'TPA − GQA')))
   return lines
+
+
+def _tpa(plan: dict, summ: dict, cells: str) -> str:
+  """TPA nearest MLA-below's bytes against the GQA arm of nearest bytes,
+  with the conversion's exactness where it was converted from that arm."""
+  t = next(iter(summ['lengths'].values()))[TPA]
+  N, H = plan['num_heads'], plan['head_dim']
+  exact = [row['tpa_conversion_exact'] for row in summ['lengths'].values()
+           if 'tpa_conversion_exact' in row]
+  return (
+      f'- **TPA nearest MLA-below\'s cache bytes** (issue #63; K/V heads '
+      f'mean-pooled to K = {t["K"]}, then key and value factors of rank '
+      f'{t["K"]} whose head factors start as constant one-hots, the paper\'s '
+      'Section 4, and are made contextual by the uptraining: 2·K·(N + H) = '
+      f'{2 * t["K"] * (N + H)} numbers, {t["kv_bytes_per_token"]:g} '
+      'bytes/token, the layout nearest MLA-below\'s '
+      f'{t["target_kv_bytes_per_token"]:g}) against mean-pooled K = '
+      f'{t["partner_K"]}, the GQA arm of nearest bytes '
+      f'({t["partner_kv_bytes_per_token"]:g} bytes/token, so TPA caches '
+      f'{t["kv_bytes_per_token"] / t["partner_kv_bytes_per_token"]:.3g}x '
+      f'its bytes), α = {plan["paper_alpha"]}, Holm over the '
+      f'{len(summ["tpa_vs_equal_bytes"])} lengths: {cells}.'
+      + _exactness(exact))
+
+
+def _exactness(exact: list[float]) -> str:
+  """The TPA comparison's control: its largest |TPA - GQA| before
+  uptraining, over the lengths (none: not converted from its partner)."""
+  if not exact:
+    return ''
+  head = (' Control: TPA is converted from that mean-pooled model, exactly '
+          'by construction; before uptraining (step 0)')
+  if max(exact) == 0:
+    return head + ' the two losses are equal on every source, bit for bit.'
+  return head + (f' TPA − GQA is at most {max(exact):.1e} nats on any '
+                 'source (' + ('rounding' if max(exact) <= EXACT else
+                               f'beyond {EXACT:g}: not exact') + ').')
 
 
 def _steps(e: dict, S: int) -> str:
@@ -331,7 +375,8 @@ def _labels(kv: list[int]) -> dict[str, str]:
           'mla_vs_equal_bytes': 'MLA-half − mean K at equal bytes',
           'mla_vs_gqa': 'MLA-half − mean GQA-K (twice its bytes)',
           'gta_vs_equal_bytes': 'GTA − mean K of nearest bytes',
-          'gla_vs_mla': 'GLA − MLA-half (equal bytes)'}
+          'gla_vs_mla': 'GLA − MLA-half (equal bytes)',
+          'tpa_vs_equal_bytes': 'TPA − mean K of nearest bytes'}
 
 
 def tables(results: dict, summ: dict) -> list[str]:
@@ -348,7 +393,8 @@ def tables(results: dict, summ: dict) -> list[str]:
       ('between conversions (claim 2, the MLA arm)', present(
           [f'{n}_K{K}' for n in ('order', 'first_random', 'mean_random')
            for K in kv] + ['mla_vs_equal_bytes', 'mla_vs_gqa',
-                           'gta_vs_equal_bytes', 'gla_vs_mla']))]
+                           'gta_vs_equal_bytes', 'gla_vs_mla',
+                           'tpa_vs_equal_bytes']))]
   lines = []
   for title, names in groups:
     lines += _by_source(results, rows, title, names)

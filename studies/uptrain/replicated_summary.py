@@ -17,14 +17,14 @@ number of uptraining steps ('fixed'), both of one run per (arm, seed).
 The arms of a source: the identity control (K = N), mean-pooled,
 first-head and random K/V heads to each K (claims 1 and 2: mean-pooled
 against the control; mean < first < random, each pair paired within the
-source), MLA below GQA's width, GTA at (or nearest) its cache bytes and
-GLA at its latent width (issue #51: GTA against the mean-pooled GQA arm
-of nearest bytes, GLA against MLA-below, each paired within the source,
-Holm over the lengths), and K trained from scratch for the source's S
-steps by its recipe and seed (claim 3: the uptrained mean-pooled K at
-alpha = 0.05 minus it, with the scratch steps at which its curve,
-evaluated every S/40, reaches the uptrained loss:
-`common.equivalent_steps`). Claims 1 and 3 are read against one margin
+source), MLA below GQA's width, GTA and TPA at (or nearest) its cache
+bytes and GLA at its latent width (issues #51, #63: GTA and TPA each
+against the mean-pooled GQA arm of nearest bytes, GLA against MLA-below,
+each paired within the source, Holm over the lengths), and K trained
+from scratch for the source's S steps by its recipe and seed (claim 3:
+the uptrained mean-pooled K at alpha = 0.05 minus it, with the scratch
+steps at which its curve, evaluated every S/40, reaches the uptrained
+loss: `common.equivalent_steps`). Claims 1 and 3 are read against one margin
 (`nearness_verdict`): NEAR and the control gate at the longest source,
 "contradicted" or "not reproduced at this scale" by the trend.
 """
@@ -41,6 +41,8 @@ from studies.uptrain.design import MLA_BELOW
 from train.convert import to_mla
 
 READS = ('paper', 'fixed')
+# The arms compared by cache bytes beside MLA-below's, each one Holm family.
+LATENT = ('gta_vs_equal_bytes', 'gla_vs_mla', 'tpa_vs_equal_bytes')
 
 
 def _runs(source: dict, method: str, K: int) -> list[dict]:
@@ -177,8 +179,8 @@ def _versus_scratch(plan: dict, sources: list[dict], steps: dict, K: int
 
 def _latent_arms(plan: dict, sources: list[dict], steps: dict) -> dict:
   """MLA-below against mean-pooled GQA of equal bytes and of its K; GTA
-  against the GQA arm of nearest bytes, GLA against MLA-below (results
-  made before the GTA and GLA arms lack them)."""
+  and TPA against the GQA arm of nearest bytes, GLA against MLA-below
+  (results made before those arms lack them)."""
   first = sources[0]
   mla = (MLA_BELOW, first['mla']['K'])
   out = {'mla_partner_K': _equal_bytes_K(plan, first['mla'])}
@@ -189,10 +191,16 @@ def _latent_arms(plan: dict, sources: list[dict], steps: dict) -> dict:
   for name, arm, b in (
       ('gta_vs_equal_bytes', first.get('gta'),
        first.get('gta') and ('mean', first['gta']['partner_K'])),
-      ('gla_vs_mla', first.get('gla'), mla)):
+      ('gla_vs_mla', first.get('gla'), mla),
+      ('tpa_vs_equal_bytes', first.get('tpa'),
+       first.get('tpa') and ('mean', first['tpa']['partner_K']))):
     if arm:
       out[name] = _compare(sources, (arm['method'], arm['K']), b, steps)
       out[arm['method']] = arm
+  tpa = first.get('tpa')
+  if tpa and tpa['partner_K'] == tpa['K']:  # Converted from it, exactly.
+    out['tpa_conversion_exact'] = max(
+        abs(v) for v in out['tpa_vs_equal_bytes']['conversion']['values'])
   return out
 
 
@@ -327,10 +335,11 @@ def summary(results: dict) -> dict:
                    if name in row])
   mla = _holm([{'S': S, **row['mla_vs_equal_bytes']['paper']}
                for S, row in lengths.items() if 'mla_vs_equal_bytes' in row])
-  # GTA - GQA of nearest bytes, GLA - MLA-below: one Holm family each.
+  # GTA - GQA of nearest bytes, GLA - MLA-below, TPA - GQA of nearest
+  # bytes: one Holm family each.
   latent = {name: _holm([{'S': S, **row[name]['paper']}
                          for S, row in lengths.items() if name in row])
-            for name in ('gta_vs_equal_bytes', 'gla_vs_mla')}
+            for name in LATENT}
   return {'lengths': lengths, 'trend': trend, 'claim1': claim1,
           'claim3': claim3, 'ranking': ranking, 'ordering': {
               S: {K: ranking_verdict(

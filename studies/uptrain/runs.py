@@ -1,7 +1,7 @@
 """The uptraining study's runs, in both designs: the MHA source trained, its
-conversions (`train.convert`: K/V heads pooled, MLA, GTA), each uptrained
-from its conversion's evaluation at step 0, and K trained from scratch by
-the source's recipe. Every run is `train.main`'s loop
+conversions (`train.convert`: K/V heads pooled, MLA, GTA, TPA), each
+uptrained from its conversion's evaluation at step 0, and K trained from
+scratch by the source's recipe. Every run is `train.main`'s loop
 (`studies.study.train`): a finished run is reused, an interrupted one
 resumed."""
 
@@ -109,6 +109,21 @@ def convert_gta(out: pathlib.Path, source: pathlib.Path, plan: dict
       lambda workdir: convert.convert_to_gta(
           str(source), str(workdir), plan['K'], plan['qk_rope_head_dim'],
           plan['pooling']))
+  return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
+
+
+def convert_tpa(out: pathlib.Path, source: pathlib.Path, plan: dict
+                ) -> tuple[pathlib.Path, dict]:
+  """PLAN's TPA conversion of SOURCE (`design.tpa_plan`: K/V heads
+  mean-pooled to its K, then rank-K factors with one-hot head factors,
+  exactly; deterministic, one for every seed) and its convert.json
+  record."""
+  workdir = _convert_once(
+      out, Arm(plan['method'], plan['K']).name, source, dict(
+          conversion='convert_to_tpa', num_kv_heads=plan['K'],
+          pooling=plan['pooling']),
+      lambda workdir: convert.convert_to_tpa(
+          str(source), str(workdir), plan['K'], plan['pooling']))
   return workdir, json.loads((workdir / workdir_lib.CONVERT_INFO).read_text())
 
 
