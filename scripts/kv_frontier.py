@@ -23,7 +23,8 @@ kv_share, and MLA's, GTA's and TPA's settings) trained with train.main's loop
 - lm (configs/gqa_small.py): held-out loss on text: MQA, GQA-2 with CLA2
   and MLA (a latent of 48 and a RoPE key of 16), all at MQA's bytes; GQA-2;
   tensor product attention (TPA, T6's factored queries) of rank 1 and 2,
-  at the bytes nearest MQA's and MLA's, and GQA-2's.
+  at the bytes nearest MQA's and MLA's, and GQA-2's; MHA, against T6 with
+  its heads and with 17 (MHA's parameters: the paper's framing).
 - heads (configs/gqa_small_h16.py: gqa_small with 16 heads of 16): TPA
   against GQA at equal query heads and exactly equal bytes (N = H: TPA-R
   caches GQA-2R's), TPA-KV-only (per-head queries) beside T6's.
@@ -55,7 +56,7 @@ a function of it: the reading included, every verdict `stats.decide`'s; the
 provenance's `note`, where a run's history is recorded, rendered as saved),
 recording the rebuild beside the command that measured. The default: the
 recall panel's 10 layouts at 1,000 steps and the conversion; the LM panel's
-8 and the heads panel's 5 at 40 steps; 3 seeds each (about 135
+10 and the heads panel's 5 at 40 steps; 3 seeds each (about 140
 CPU-minutes here by the per-run costs of docs/results/kv_frontier/report.md,
 a run that predates the layouts of GTA and GLA, published apart in
 docs/results/kv_frontier/zadouri/, and TPA's, in

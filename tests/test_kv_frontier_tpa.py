@@ -74,20 +74,30 @@ def test_tpa_points_cost_the_bytes_the_design_states():
   assert not gqa & {_bytes('lm', V(0, 'G', 1, rank=R)) for R in (1, 2, 3)}
 
 
-def test_every_family_pair_is_trained_by_its_panel_at_equal_query_heads():
+def test_every_family_pair_is_trained_by_its_panel_as_its_family_says():
   """The design's families name pairs of their own panel's grid (so the
-  default run makes every one), each pair's arms with the same query
-  heads; the heads family's at equal bytes; the negative control stays."""
+  default run makes every one): the bytes- and heads-matched families'
+  arms with the same query heads, the heads family's at equal bytes; the
+  paper's framing T6 with more heads than MHA at MHA's parameters (within
+  0.5%) beside T6 with MHA's heads. The negative control stays."""
+  params = lambda panel, v: model_lib.num_params(_model_config(panel, v))
   for name, panel in design.PANELS.items():
     for family in panel.families:
       assert family.record(panel.variants)['pairs'] == [
           [a.name, b.name] for a, b in family.pairs]
       for a, b in family.pairs:
-        assert _model_config(name, a).num_heads == _model_config(
+        same_heads = _model_config(name, a).num_heads == _model_config(
             name, b).num_heads
+        assert same_heads == (a != design.TPA2_PARAMS)
         if family.name == 'TPA, heads-matched':
           assert _bytes(name, a) == _bytes(name, b)
-  assert [len(p.families) for p in design.PANELS.values()] == [1, 1, 1]
+  assert [len(p.families) for p in design.PANELS.values()] == [1, 2, 1]
+  more_heads = _model_config('lm', design.TPA2_PARAMS).num_heads
+  assert more_heads > 2 * _model_config('lm', design.MHA8).num_heads
+  assert params('lm', design.TPA2_PARAMS) == pytest.approx(
+      params('lm', design.MHA8), rel=0.005)
+  assert params('lm', design.TPA[2]) < 0.9 * params('lm', design.MHA8)
+  assert design.TPA2_PARAMS.name == 'TPA2h17_G_share1'
   assert design.CONTROL in design.PANELS['recall'].variants
 
 

@@ -26,7 +26,9 @@ class Variant:
   model without RoPE), tie (grouped-tied attention, GTA), and TPA's rank
   of K and of V (0: not TPA) with kv_only (per-head queries, the paper's
   TPA-KV-only; else T6's factored queries, the config's model.tpa.q_rank).
-  Its name is the benchmarks' (`studies.variants`): TPA<r>, TPAKV<r>."""
+  Its name is the benchmarks' (`studies.variants`): TPA<r>, TPAKV<r>.
+  heads: its query heads N (0: the config's), named 'h<N>' after the
+  layout (TPA2h17): a point with other heads than its panel's."""
   K: int
   pattern: str  # model.attention_pattern.
   share: int  # model.kv_share.
@@ -36,6 +38,7 @@ class Variant:
   groups: int = 1
   rank: int = 0
   kv_only: bool = False
+  heads: int = 0
 
   @property
   def name(self) -> str:
@@ -47,6 +50,8 @@ class Variant:
             else f'MLA{self.latent}') + rope
     else:
       kv = f'GTA{self.K}{rope}' if self.tie else f'K{self.K}'
+    if self.heads:
+      kv += f'h{self.heads}'
     return f'{kv}_{self.pattern}_share{self.share}'
 
   def layout(self) -> dict:
@@ -192,6 +197,16 @@ _HEADS = Family('TPA, heads-matched', (
     'queries and with TPA-KV-only\'s per-head ones (GQA\'s).'),
     ((TPA[1], Variant(2, 'G', 1)), (TPA[2], Variant(4, 'G', 1)),
      (TPAKV1, Variant(2, 'G', 1))))
+# The paper's framing beside it: T6 with the query heads that bring its
+# parameters to MHA's (gqa_small: 17 heads, 3.55M against MHA-8's 3.54M, at
+# 38% of its bytes), and T6 with MHA's 8 heads (fewer parameters).
+TPA2_PARAMS, MHA8 = Variant(0, 'G', 1, rank=2, heads=17), Variant(8, 'G', 1)
+_PARAMS = Family('TPA, parameter-matched (the paper\'s framing)', (
+    f'{_PAPER}. Here as the paper compares: T6 (ranks 6/2/2) with the '
+    'query heads that bring its parameters to MHA\'s, beside T6 with '
+    'MHA\'s heads; if the first gains where the second does not, the head '
+    'count, not the factorisation, made the difference.'),
+    ((TPA2_PARAMS, MHA8), (TPA[2], MHA8)))
 PANELS = {
     # Local layers of 2 keys (themselves and the one before): enough for a
     # previous-token head, and four of them reach 4 positions back, short of
@@ -209,9 +224,9 @@ PANELS = {
     'lm': Panel(
         'gqa_small', window=64,
         variants=(REFERENCE, Variant(2, 'G', 2), _MLA_LM) + _ZADOURI_LM + (
-            Variant(2, 'G', 1), TPA[1], TPA[2]),
+            Variant(2, 'G', 1), TPA[1], TPA[2], MHA8, TPA2_PARAMS),
         quick_variants=(), steps=40, quick_steps=0, seeds=3, quick_seeds=0,
-        families=(_BYTES,)),
+        families=(_BYTES, _PARAMS)),
     # gqa_small with 16 query heads of 16 (configs/gqa_small_h16.py): TPA
     # and GQA at equal heads and exactly equal bytes.
     'heads': Panel(
@@ -227,8 +242,9 @@ def variant_config(base: str, v: Variant, seed: int, steps: int,
                    window: int):
   """BASE with v's layout; `steps` > 0 replaces its steps (0 keeps them)."""
   config = config_lib.load(base)
+  heads = v.heads or config.model.num_heads
   # MLA: each query head's K/V from the latent (num_kv_heads = num_heads).
-  config.model.update(num_kv_heads=v.K or config.model.num_heads,
+  config.model.update(num_heads=heads, num_kv_heads=v.K or heads,
                       attention_pattern=v.pattern,
                       local_window=window if 'L' in v.pattern else None,
                       kv_share=v.share, **v.layout())
@@ -282,7 +298,8 @@ def plan(args) -> dict[str, Plan]:
       panel = dataclasses.replace(panel, config=args.config)
     if args.kv_heads:  # MLA's K: as many as the query heads.
       heads = config_lib.load(panel.config).model.num_heads
-      variants = tuple(v for v in variants if (v.K or heads) in args.kv_heads)
+      variants = tuple(v for v in variants
+                       if (v.K or v.heads or heads) in args.kv_heads)
     steps = ((args.steps if name == 'recall' else args.lm_steps)
              or (panel.quick_steps if args.quick else panel.steps))
     seeds = args.seeds or (panel.quick_seeds if args.quick else panel.seeds)
