@@ -2,11 +2,11 @@
 layers, cross-layer sharing and int8 caches, compared at equal bytes.
 
   python -m scripts.kv_frontier --out=DIR [--quick] [--seeds=N]
-      [--panels=recall,lm] [--steps=N] [--lm_steps=N] [--variants=A,B,..]
-      [--report_only]
+      [--panels=recall,lm,heads] [--steps=N] [--lm_steps=N]
+      [--variants=A,B,..] [--report_only]
 
-Two panels, each a grid of layouts (Variant: K/V heads K, layer pattern,
-kv_share, and MLA's latent width) trained with train.main's loop
+Three panels, each a grid of layouts (Variant: K/V heads K, layer pattern,
+kv_share, and MLA's, GTA's and TPA's settings) trained with train.main's loop
 (`studies.study.train`), one run per seed, into DIR/<panel>/runs/:
 
 - recall (configs/kv_recall.py): the recall probe with a gap of filler
@@ -16,11 +16,18 @@ kv_share, and MLA's latent width) trained with train.main's loop
   'L', the negative control: no pair is within its reach, so it must fail
   where the global layouts succeed, or the setup cannot see attention at
   all. MQA, GQA-2 with CLA2 and MLA with a latent of MQA's width hold the
-  same bytes per token. MQA's runs are also converted into MLA at half its
-  bytes (`train.convert --to_mla`), read as converted and after 100 steps
-  of the conversion's uptraining recipe.
+  same bytes per token; tensor product attention (TPA) of rank 1 holds
+  1.25x theirs. MQA's runs are also converted into MLA at half its bytes
+  (`train.convert --to_mla`), read as converted and after 100 steps of the
+  conversion's uptraining recipe.
 - lm (configs/gqa_small.py): held-out loss on text: MQA, GQA-2 with CLA2
-  and MLA (a latent of 48 and a RoPE key of 16), all at MQA's bytes.
+  and MLA (a latent of 48 and a RoPE key of 16), all at MQA's bytes; GQA-2;
+  tensor product attention (TPA, T6's factored queries) of rank 1 and 2,
+  at the bytes nearest MQA's and MLA's, and GQA-2's; MHA, against T6 with
+  its heads and with 17 (MHA's parameters: the paper's framing).
+- heads (configs/gqa_small_h16.py: gqa_small with 16 heads of 16): TPA
+  against GQA at equal query heads and exactly equal bytes (N = H: TPA-R
+  caches GQA-2R's), TPA-KV-only (per-head queries) beside T6's.
 
 Every trained model is then read through its decode cache twice, float and
 int8 (`model.ThroughCache`: the logits decoding gives, each held-out row of
@@ -34,10 +41,13 @@ Comparisons are paired by seed (studies/stats.py): the negative control
 against all-global; the equal-bytes pairs (GQA-2 with CLA2 against MQA, in
 each pattern, and MLA against both); the main effects of the pattern, of
 kv_share and of K over the GQA grid, Holm-corrected as one family; each
-conversion against its source; int8 against float for every model. A point
-is on the frontier when its NLL is resolved lower (paired interval) than
-that of every point with fewer bytes: no point is there by noise. The
-negative control is a control, not a design: it is left out of the frontier.
+conversion against its source; the families of pairs the design fixes
+(`design.Family`: TPA at other layouts' bytes, and TPA against GQA at
+equal heads and bytes), each Holm-corrected; int8 against float for every
+model. A point is on the frontier when its NLL is resolved lower (paired
+interval) than that of every point with fewer bytes: no point is there by
+noise. The negative control is a control, not a design: it is left out of
+the frontier.
 
 Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
 DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
@@ -45,11 +55,12 @@ DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
 a function of it: the reading included, every verdict `stats.decide`'s; the
 provenance's `note`, where a run's history is recorded, rendered as saved),
 recording the rebuild beside the command that measured. The default: the
-recall panel's 9 layouts at 1,000 steps and the conversion; the LM panel's
-5 at 40 steps of gqa_small; 3 seeds each (about 70 CPU-minutes here by the
-per-run costs of docs/results/kv_frontier/report.md, a run that predates
-the 3 recall and 2 LM layouts of GTA and GLA, published apart in
-docs/results/kv_frontier/zadouri/). --variants=NAME,... trains a subset.
+recall panel's 10 layouts at 1,000 steps and the conversion; the LM panel's
+10 and the heads panel's 5 at 40 steps; 3 seeds each (about 140
+CPU-minutes here by the per-run costs of docs/results/kv_frontier/report.md,
+a run that predates the layouts of GTA and GLA, published apart in
+docs/results/kv_frontier/zadouri/, and TPA's, in
+docs/results/kv_frontier/tpa/). --variants=NAME,... trains a subset.
 --quick: the recall
 panel only, its 6 layouts at 100 steps, 3 seeds, no conversion (6.7
 CPU-minutes here, docs/results/kv_frontier/quick/): a check that everything runs and reports, too short for
@@ -74,9 +85,10 @@ def main():
                  'num_heads)',
                  steps="the recall panel's steps (default: the config's)"))
   parser.add_argument('--panels', default=None,
-                      help="comma-separated of 'recall', 'lm' (default both; "
-                      '--quick: recall)')
-  parser.add_argument('--lm_steps', type=positive_int, default=None)
+                      help="comma-separated of 'recall', 'lm', 'heads' "
+                      '(default all; --quick: recall)')
+  parser.add_argument('--lm_steps', type=positive_int, default=None,
+                      help="the LM panels' steps (lm and heads; default 40)")
   parser.add_argument('--variants', default=None,
                       help='comma-separated variant names (e.g. '
                       'K1_G_share1,GTA2_G_share1): train only these of the '

@@ -649,7 +649,8 @@ def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
 
 @pytest.mark.parametrize('folder', ['docs/results/kv_frontier',
                                     'docs/results/kv_frontier/quick',
-                                    'docs/results/kv_frontier/zadouri'])
+                                    'docs/results/kv_frontier/zadouri',
+                                    'docs/results/kv_frontier/tpa'])
 def test_a_published_kv_frontier_report_rebuilds_identically(
     tmp_path, monkeypatch, folder):
   """FOLDER/report.md is what `python -m scripts.kv_frontier --out=DIR
@@ -862,6 +863,7 @@ def test_kv_frontier_trains_reads_and_reports_a_small_grid(tmp_path,
       for metric in ('nll', 'accuracy', 'first'):
         assert len(m['seeds'][cache][metric]) == 2
     assert all(k > -1e-6 for k in m['kl'])  # A KL, up to rounding.
+    assert m['num_heads'] == 2 and m['params'] > 0
   # The runs are the loop's: the float cache reads what the evaluator did.
   final = json.loads((out / 'recall' / 'runs' / 'K1_G_share1_s1' /
                       'final.json').read_text())

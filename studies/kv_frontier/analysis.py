@@ -1,9 +1,10 @@
 """What the frontier reads from its per-seed values: the negative control,
 the equal-bytes pairs, Zadouri et al.'s pairs, the conversions against
-their sources, the main effects of the GQA grid (Holm), int8 against float
-for every model, and the frontier. Pure functions of the model records (as
-`measure` writes them, or a test makes them up); every verdict is
-`stats.decide`'s."""
+their sources, the main effects of the GQA grid (Holm), the panel's
+families of pairs fixed in the design (Holm within each: TPA's), int8
+against float for every model, and the frontier. Pure functions of the
+model records (as `measure` writes them, or a test makes them up); every
+verdict is `stats.decide`'s."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ def _compare(a: dict, b: dict, cache: str = 'float') -> dict:
   return out
 
 
-def analyse(models: list[dict]) -> dict:
+def analyse(models: list[dict], declared: list[dict] = ()) -> dict:
   """The negative control, the equal-bytes pairs, the main effects (Holm),
-  int8 against float per model, and the frontier."""
+  the DECLARED families (`design.Family.record`'s, as frontier.json holds
+  them), int8 against float per model, and the frontier."""
   # Conversions are points of the frontier, compared with their source;
   # not layouts of the grid.
   designs = [m for m in models if 'source' not in m]
@@ -63,7 +65,8 @@ def analyse(models: list[dict]) -> dict:
                uptrain_steps=m['uptrain_steps'],
                diff=_compare(m, names[m['source']]))
           for m in models if m.get('source') in names],
-      'same_heads': same_heads(designs, by_point)}
+      'same_heads': same_heads(designs, by_point),
+      'families': [family(f, by_name) for f in declared]}
 
 
 def control(by_name: dict) -> dict | None:
@@ -136,6 +139,29 @@ def same_heads(designs: list[dict], by_point: dict) -> list[dict]:
                       / other['kv_bytes_per_token']['float'],
                       diff=_compare(m, other)))
   return out
+
+
+def family(declared: dict, by_name: dict) -> dict:
+  """A declared family's pairs (a minus b, paired by seed), each with both
+  arms' query heads, parameters and float bytes per token, and the p of
+  its NLL difference; Holm's correction over the family's NLL p values
+  ('holm': whether it rejects no difference). A pair an arm of which was
+  not trained is left out (`Family.record` cuts to the trained ones)."""
+  pairs = []
+  for a_name, b_name in declared['pairs']:
+    a, b = by_name.get(a_name), by_name.get(b_name)
+    if not (a and b):
+      continue
+    pairs.append(dict(
+        a=a_name, b=b_name, **{f'{key}_{side}': m.get(key) for key in (
+            'num_heads', 'params') for side, m in (('a', a), ('b', b))},
+        bytes_a=a['kv_bytes_per_token']['float'],
+        bytes_b=b['kv_bytes_per_token']['float'], diff=_compare(a, b),
+        p=stats.p_value(np.subtract(a['seeds']['float']['nll'],
+                                    b['seeds']['float']['nll']))))
+  for pair, rejected in zip(pairs, stats.holm([e['p'] for e in pairs])):
+    pair['holm'] = bool(rejected)
+  return dict(name=declared['name'], claim=declared['claim'], pairs=pairs)
 
 
 def main_effects(by: dict) -> list[dict]:

@@ -50,7 +50,9 @@ def run(plans: dict[str, Plan], out: pathlib.Path) -> dict:
                  f'pairs, {base.data.recall_gap} filler tokens, then the '
                  'queries' if base.data.task == 'recall' else
                  'held-out text'),
-        'layers': base.model.num_layers, 'models': models}
+        'layers': base.model.num_layers, 'models': models,
+        'families': [f for f in (family.record(variants)
+                                 for family in panel.families) if f]}
   provenance.ended(result['provenance'])
   result['provenance']['runs'] = study.run_records(trained)
   result['minutes'] = (time.perf_counter() - start) / 60
@@ -84,7 +86,8 @@ def _reused(workdir: pathlib.Path) -> str:
 def _record(name: str, v: Variant, workdirs, **fields) -> dict:
   """The models in WORKDIRS (one per seed) read through each cache: the
   per-seed values, and the cache's bytes per token; the layout named as
-  the config names it (`Variant.layout`)."""
+  the config names it (`Variant.layout`), its query heads and its
+  parameters (`model.num_params`)."""
   per_seed = {cache: {} for cache in CACHES}
   kl = []
   for workdir in workdirs:
@@ -102,6 +105,7 @@ def _record(name: str, v: Variant, workdirs, **fields) -> dict:
         f'{np.mean(per_seed["int8"]["nll"]):.4f}', flush=True)
   return dict(variant=name, num_kv_heads=mc.num_kv_heads,
               attention_pattern=v.pattern, kv_share=v.share, **v.layout(),
+              num_heads=mc.num_heads, params=model_lib.num_params(mc),
               kv_bytes_per_token=nbytes, seeds=per_seed, kl=kl, **fields)
 
 

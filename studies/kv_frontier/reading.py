@@ -48,6 +48,12 @@ def said(d: dict, unit: str = '', rejected: bool | None = None) -> str:
   return f'{text} ({verdict}; detectable {d["detectable"]:.2g})'
 
 
+def holm_family(pairs: list) -> str:
+  """How a family of PAIRS was corrected, in words."""
+  return (f'Holm over the family of {len(pairs)} NLL differences'
+          if len(pairs) > 1 else 'a family of 1, uncorrected')
+
+
 def retrieves(m: dict) -> tuple[int, int]:
   """(seeds whose first-query accuracy is at least RETRIEVES, seeds)."""
   first = m['seeds']['float']['first']
@@ -93,8 +99,8 @@ HEAD = '{head}'
 def panel_reading(name: str, panel: dict) -> list[str]:
   p = _Panel.of(panel)
   bullets = [*_control(p), *_retrieval(p), *_main_effects(p),
-             *_equal_bytes(p), *_zadouri(p), *_conversions(p), *_int8(p),
-             _frontier(p), *_wants(p)]
+             *_equal_bytes(p), *_zadouri(p), *_families(p), *_conversions(p),
+             *_int8(p), _frontier(p), *_wants(p)]
   heads = [f'**{name}** ({panel["steps"]} steps of `{panel["config"]}`)'] + [
       f'**{name}**'] * (len(bullets) - 1)
   return [b.replace(HEAD, h, 1) for b, h in zip(bullets, heads)]
@@ -229,6 +235,41 @@ def _zadouri(p: _Panel) -> list[str]:
       'detect, in either direction. GTA with K heads and a RoPE key of Y '
       'caches (K·H + Y) / (2·K·H) of GQA-K\'s: about half for many heads, '
       'more with few (one head and Y = H/2: 75%).']
+
+
+def _families(p: _Panel) -> list[str]:
+  """Each family fixed in the design (TPA's): its pairs with Holm's
+  verdicts, which are resolved which way, and what that says of the claim
+  it tests (a pair resolved worse is against 'matches or beats'; one not
+  claimed is not a match)."""
+  bullets = []
+  for f in p.a.get('families', []):
+    if not f['pairs']:
+      continue
+    pairs = [f'{e["a"]} − {e["b"]} ({e["num_heads_a"]} and '
+             f'{e["num_heads_b"]} query heads, '
+             f'{e["bytes_a"] / e["bytes_b"]:.2f}x its bytes): NLL '
+             f'{said(e["diff"]["nll"], " nats", rejected=e["holm"])}'
+             for e in f['pairs']]
+    resolved = [e for e in f['pairs'] if stats.decide(
+        e['diff']['nll'], rejected=e['holm']) == 'resolved']
+    claimed = [f'{word}: ' + ', '.join(
+        f'{e["a"]} than {e["b"]}' for e in group) for word, group in (
+            ('worse', [e for e in resolved if e['diff']['nll']['mean'] > 0]),
+            ('better', [e for e in resolved if e['diff']['nll']['mean'] < 0]))
+               if group]
+    outcome = ('Resolved ' + '; resolved '.join(claimed) + (
+        '; the rest not claimed' if len(resolved) < len(f['pairs']) else '')
+               + '.' if claimed else 'On NLL nothing is claimed either way.')
+    bullets.append(
+        f'{HEAD}, **{f["name"]}** ({holm_family(f["pairs"])}, fixed in the '
+        'design before any run): ' + '; '.join(pairs) + f'. {outcome} '
+        'A pair resolved worse is against "matches or beats" for that '
+        f'baseline at this scale ({p.record["steps"]} steps of '
+        f'`{p.record["config"]}`, not the paper\'s 124M-770M parameters); '
+        'one not claimed is not a match either: a difference below what '
+        'these seeds detect, in either direction.')
+  return bullets
 
 
 def _conversions(p: _Panel) -> list[str]:

@@ -11,14 +11,15 @@ import pathlib
 from studies import report, stats, study
 from studies.kv_frontier import analysis, plot
 from studies.kv_frontier.design import RETRIEVES
-from studies.kv_frontier.reading import reading
+from studies.kv_frontier.reading import holm_family, reading
 
 
 def write(out: pathlib.Path, result: dict):
   """DIR/frontier.json (each panel analysed again from its per-seed
   values), DIR/report.md (`text`) and DIR/frontier.png."""
   for panel in result['panels'].values():
-    panel['analysis'] = analysis.analyse(panel['models'])
+    panel['analysis'] = analysis.analyse(panel['models'],
+                                         panel.get('families', []))
   (out / 'frontier.json').write_text(study.to_json(result))
   (out / 'report.md').write_text(text(result))
   plot.plot(result, out / 'frontier.png')
@@ -84,8 +85,8 @@ def panel_lines(name: str, panel: dict) -> list[str]:
           f'local layers (L) of {panel["window"]} keys; {panel["steps"]} '
           f'steps; seeds {panel["seeds"]}.', '',
           *_control(a['control'], models), *_equal_bytes(a, first),
-          *_zadouri(a, first), *_main_effects(a), *_conversions(a, models,
-                                                                first),
+          *_zadouri(a, first), *_families(a, first), *_main_effects(a),
+          *_conversions(a, models, first),
           *_below_detectable(a), *_int8(a, models), *_frontier(a, models),
           '']
 
@@ -164,6 +165,41 @@ def _zadouri(a: dict, first: bool) -> list[str]:
                for e in a['same_heads'])), '']
 
 
+def _arms(e: dict, key: str, spec: str = ',') -> str:
+  """'a vs b' of a family pair's two arms' KEY ('?' for a record written
+  before it was kept)."""
+  cell = lambda v: '?' if v is None else f'{v:{spec}}'
+  return f'{cell(e[f"{key}_a"])} vs {cell(e[f"{key}_b"])}'
+
+
+def _families(a: dict, first: bool) -> list[str]:
+  """Each family fixed in the design (TPA's): its claim, then a row a pair:
+  both arms' query heads, parameters and bytes, the NLL difference with
+  Holm's decision and `stats.decide`'s verdict."""
+  lines = []
+  for f in a.get('families', []):
+    if not f['pairs']:
+      continue
+    lines += [f'**{f["name"]}** (a minus b, paired by seed; the family '
+              f'fixed in the design before any run, {holm_family(f["pairs"])}'
+              f'; H0: no difference). {f["claim"]}', '', *report.table(
+                  ['pair', 'query heads', 'parameters', 'bytes/token',
+                   'ΔNLL', 'Holm', 'ΔNLL verdict (detectable)', 'Δaccuracy',
+                   *(['Δfirst query'] if first else [])],
+                  ([f'{e["a"]} − {e["b"]}', _arms(e, 'num_heads', 'd'),
+                    _arms(e, 'params'),
+                    f'{_arms(e, "bytes", ",.0f")} '
+                    f'({e["bytes_a"] / e["bytes_b"]:.2f}x)',
+                    _ci(e['diff']['nll']),
+                    'rejects H0' if e['holm'] else 'does not reject H0',
+                    f'{stats.decide(e["diff"]["nll"], rejected=e["holm"])} '
+                    f'({e["diff"]["nll"]["detectable"]:.4f})',
+                    _ci(e['diff']['accuracy'], '+.3f'),
+                    *_first(e['diff'], first)]
+                   for e in f['pairs'])), '']
+  return lines
+
+
 def _main_effects(a: dict) -> list[str]:
   if not a['main_effects']:
     return []
@@ -208,7 +244,9 @@ def _below_detectable(a: dict) -> list[str]:
   unresolved = [(f'{e["a"]} − {e["b"]}', e['diff']['nll'], None)
                 for e in a['equal_bytes']] + [
                     (e['factor'], e['nll'], e['holm'])
-                    for e in a['main_effects']]
+                    for e in a['main_effects']] + [
+                        (f'{e["a"]} − {e["b"]}', e['diff']['nll'], e['holm'])
+                        for f in a.get('families', []) for e in f['pairs']]
   unresolved = [(n, d) for n, d, holm in unresolved
                 if stats.decide(d, rejected=holm) != 'resolved']
   if not unresolved:
