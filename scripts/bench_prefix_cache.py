@@ -318,7 +318,7 @@ HARNESS = {'task': 'gqa_lab_fewshot', 'include_path': str(TASKS_DIR),
            'num_concurrent': 1}
 
 
-def parse(argv=None):
+def _parser() -> ArgumentParser:
   parser = ArgumentParser(description=__doc__)
   parser.add_argument('--workdir', required=True,
                       help='a train.main workdir: the model served')
@@ -363,7 +363,13 @@ def parse(argv=None):
                       help='seeds the trace, or the shots (default 0)')
   parser.add_argument('--out', default=None,
                       help='a folder for the JSON result (default: none)')
-  args = parser.parse_args(argv)
+  return parser
+
+
+def parse(argv=None):
+  """The flags, checked: the other mode's refused, this mode's defaults
+  filled in."""
+  args = _parser().parse_args(argv)
   mine, other = (HARNESS, SYNTHETIC) if args.harness else (SYNTHETIC,
                                                             HARNESS)
   given = [f'--{k}' for k in other if getattr(args, k) is not None]

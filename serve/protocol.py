@@ -82,10 +82,10 @@ class Completion:
   created: int = 0
 
 
-def parse(body, *, request_id: str, model: str, max_len: int,
-          vocab_size: int, encode, server_seed: int) -> Completion:
-  """The body of a completions request, checked: a Completion, or an
-  ApiError (400, or 404 for another model). encode(text) -> token ids."""
+def _check_envelope(body, model: str):
+  """What a body must be before its parameters are read: a JSON object of
+  known parameters, those this server cannot honour left at their neutral
+  values, and this server's model (or none named)."""
   if not isinstance(body, dict):
     raise ApiError(400, 'the body must be a JSON object of the request\'s '
                    'parameters')
@@ -101,15 +101,10 @@ def parse(body, *, request_id: str, model: str, max_len: int,
     raise ApiError(404, f'the model {body["model"]!r} does not exist; this '
                    f'server serves {model!r} (GET /v1/models)', 'model',
                    'not_found_error')
-  prompts = _prompts(body.get('prompt'), vocab_size, encode)
-  # A prompt holds at least one token: max_len - 1 new ones at most.
-  max_tokens = _int(body, 'max_tokens', DEFAULT_MAX_TOKENS, 0, max_len - 1)
-  echo = _bool(body, 'echo')
-  logprobs = body.get('logprobs')
-  if logprobs is not None and not (is_int(logprobs) and
-                                   0 <= logprobs <= MAX_LOGPROBS):
-    raise ApiError(400, f'logprobs={logprobs!r} must be an integer in '
-                   f'0..{MAX_LOGPROBS}, or null', 'logprobs')
+
+
+def _sampling(body: dict, vocab_size: int) -> tuple[SamplingParams, int]:
+  """(the request's sampling settings, checked; its seed, or None)."""
   stop = body.get('stop')
   stop = (() if stop is None else (stop,) if isinstance(stop, str) else stop)
   if not (isinstance(stop, (list, tuple)) and
@@ -124,8 +119,11 @@ def parse(body, *, request_id: str, model: str, max_len: int,
   if seed is not None and not (is_int(seed) and 0 <= seed < 1 << 32):
     raise ApiError(400, f'seed={seed!r} must be an integer in 0..2**32 - 1',
                    'seed')
-  settings = _checked(settings, vocab_size)
-  stream = _bool(body, 'stream')
+  return _checked(settings, vocab_size), seed
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+  """stream_options' include_usage: for a streamed request only."""
   options = body.get('stream_options')
   if options is not None and not stream:  # As OpenAI and vLLM answer.
     raise ApiError(400, 'stream_options is for a streamed request only; give '
@@ -134,11 +132,29 @@ def parse(body, *, request_id: str, model: str, max_len: int,
   if not isinstance(options, dict) or set(options) - {'include_usage'}:
     raise ApiError(400, 'stream_options takes only include_usage',
                    'stream_options')
+  return bool(options.get('include_usage'))
+
+
+def parse(body, *, request_id: str, model: str, max_len: int,
+          vocab_size: int, encode, server_seed: int) -> Completion:
+  """The body of a completions request, checked: a Completion, or an
+  ApiError (400, or 404 for another model). encode(text) -> token ids."""
+  _check_envelope(body, model)
+  prompts = _prompts(body.get('prompt'), vocab_size, encode)
+  # A prompt holds at least one token: max_len - 1 new ones at most.
+  max_tokens = _int(body, 'max_tokens', DEFAULT_MAX_TOKENS, 0, max_len - 1)
+  echo = _bool(body, 'echo')
+  logprobs = body.get('logprobs')
+  if logprobs is not None and not (is_int(logprobs) and
+                                   0 <= logprobs <= MAX_LOGPROBS):
+    raise ApiError(400, f'logprobs={logprobs!r} must be an integer in '
+                   f'0..{MAX_LOGPROBS}, or null', 'logprobs')
+  settings, seed = _sampling(body, vocab_size)
+  stream = _bool(body, 'stream')
   completion = Completion(
       request_id, [], prompts, max_tokens, settings.stop,
-      stream=stream, include_usage=bool(
-          options.get('include_usage')), echo=echo, logprobs=logprobs,
-      created=int(time.time()))
+      stream=stream, include_usage=_include_usage(body, stream), echo=echo,
+      logprobs=logprobs, created=int(time.time()))
   for i, tokens in enumerate(prompts):
     key = f'{request_id}-{i}'
     new = max(max_tokens, 1)  # max_tokens=0 generates one, not returned.
