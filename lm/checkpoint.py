@@ -412,7 +412,7 @@ def restore_latest(workdir: str | epath.Path,
       # pod's checkpoint sampled on a laptop).
       here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       metadata = manager.item_metadata(step)
-      if check:
+      if check and metadata is not None:  # None: restore names the fault.
         check(step, metadata)
       target = jax.tree.map(
           lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here),
@@ -456,11 +456,10 @@ def load_workdir(workdir: str, flag: str = '--workdir'):
   return load_workdir_step(workdir, flag)[:3]
 
 
-def load_workdir_step(workdir: str, flag: str = '--workdir'):
-  """(ModelConfig, params, ConfigDict, step): `load_workdir` and the step
-  its parameters were saved at. A config.json whose model's parameters are
-  not the checkpoint's (edited after training) is refused in one line
-  naming the first array that differs, before any array is read."""
+def load_workdir_config(workdir: str, flag: str = '--workdir'):
+  """(its path, ConfigDict, ModelConfig) of a train.main WORKDIR's
+  config.json, read without the checkpoint: what a command can refuse
+  before reading any array."""
   from lm import config_lib  # pylint: disable=import-outside-toplevel
   path = storage.path(workdir, flag) / 'config.json'
   if not path.parent.is_dir():
@@ -470,7 +469,15 @@ def load_workdir_step(workdir: str, flag: str = '--workdir'):
     raise UserError(f'{path} not found; {flag} must be a train.main workdir '
                     'with a checkpoint')
   config = config_lib.from_json(path)
-  mc = config_lib.model_config(config)
+  return path, config, config_lib.model_config(config)
+
+
+def load_workdir_step(workdir: str, flag: str = '--workdir'):
+  """(ModelConfig, params, ConfigDict, step): `load_workdir` and the step
+  its parameters were saved at. A config.json whose model's parameters are
+  not the checkpoint's (edited after training) is refused in one line
+  naming the first array that differs, before any array is read."""
+  path, config, mc = load_workdir_config(workdir, flag)
 
   def check(step, saved):
     """A config.json edited after training would otherwise load the

@@ -422,14 +422,17 @@ def export_hf(source: str, target: str) -> str:
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise UserError(f'--to_hf={target} exists and is not an empty folder; '
                     'give a new one')
-  mc, params, _ = checkpoint.load_workdir(source, '--source')
-  source = storage.path(source, '--source')
+  _, _, mc = checkpoint.load_workdir_config(source, '--source')
+  folder = storage.path(source, '--source')
   remembered = {}
-  if (source / 'hf' / 'config.json').exists():
-    remembered = json.loads((source / 'hf' / 'config.json').read_text())
+  if (folder / 'hf' / 'config.json').exists():
+    remembered = json.loads((folder / 'hf' / 'config.json').read_text())
+  # What no architecture computes is refused before any array is read.
   family = hf.family_of(mc, remembered.get('model_type'))
   if remembered.get('model_type') not in (None, family):
     remembered = {}  # Another architecture now: keep only its token ids.
+  mc, params, _ = checkpoint.load_workdir(source, '--source')
+  source = folder
   params = hf.unfused(params, mc)
   shapes, tensors = hf.hf_tensors(params, mc)
   out.mkdir(parents=True, exist_ok=True)
