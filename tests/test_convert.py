@@ -87,6 +87,7 @@ def test_keeping_all_heads_is_an_exact_copy(trained, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slowest  # 20-28 s on 2 cores.
 def test_converted_workdir_uptrains_from_the_converted_weights(
     trained, tmp_path, capsys):
   result = _convert(f'--source={trained}', f'--workdir={tmp_path}/mqa',

@@ -74,6 +74,7 @@ def harness_request(context, kwargs):
 
 
 @pytest.mark.slow
+@pytest.mark.slowest  # 11-17 s each on 2 cores.
 @pytest.mark.parametrize('settings', [
     SamplingParams(),
     SamplingParams(temperature=0.9, top_k=60, top_p=0.95, seed=7),

@@ -362,6 +362,7 @@ def decode_outputs(mc, params):
 
 
 @pytest.mark.slow
+@pytest.mark.slowest  # 20-28 s on 2 cores.
 @pytest.mark.cpu_only  # Simulated host devices.
 def test_gla_trains_and_decodes_over_tensor_as_on_one_device(tmp_path):
   """data=2, fsdp=2, tensor=2 with G=2: the losses and parameters of 4

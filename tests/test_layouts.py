@@ -229,6 +229,7 @@ def test_it_trains_samples_serves_and_evaluates(name, layout_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.slowest  # 20-28 s on 2 cores.
 @pytest.mark.cpu_only  # Simulated host devices.
 def test_a_tensor_parallel_mesh_trains_every_layout_as_one_device(tmp_path):
   """tensor=2 over 2 simulated devices (K/V heads, latent groups split
