@@ -253,15 +253,21 @@ def test_a_full_pool_queues_requests_and_drops_none(trained, tmp_path):
 def test_sigterm_drains_refuses_newcomers_and_exits_0(tmp_path):
   """In-flight requests finish, or are cut at --drain_timeout and say so;
   a request during the drain gets 503; loopback is the default address."""
-  workdir = api_server.train_workdir(tmp_path / 'long', max_len=2048,
+  # The long request's 4,000 tokens take seconds past the drain's 2 s even
+  # on a fast idle machine (about 600 tokens/s; 2,000 once finished in its
+  # 4 s); the short one's 8 need no compiling then: the warm-up ran two
+  # requests side by side, as the pair below run.
+  workdir = api_server.train_workdir(tmp_path / 'long', max_len=4096,
                                      steps=2)
-  with api_server.process(workdir, '--drain_timeout=4') as (proc, url):
+  with api_server.process(workdir, '--drain_timeout=2') as (proc, url):
     assert url.startswith('http://127.0.0.1:')
-    complete(url, prompt='warm up', max_tokens=4)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      list(pool.map(lambda p: complete(url, prompt=p, max_tokens=4),
+                    ['warm', 'up']))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       short = pool.submit(complete, url, prompt='a', max_tokens=8,
                           temperature=0)
-      long = pool.submit(complete, url, prompt='b', max_tokens=2000,
+      long = pool.submit(complete, url, prompt='b', max_tokens=4000,
                          temperature=0)
       time.sleep(0.5)
       proc.send_signal(signal.SIGTERM)
