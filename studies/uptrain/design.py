@@ -75,13 +75,15 @@ def source_config(name: str, steps: int | None):
 
 
 def uptrain_config(converted, source, steps: int, rate: float, seed: int,
-                   eval_every: int):
+                   eval_every: int, end_ratio: float = 1.0):
   """The converted workdir's config set to uptrain `steps` at `rate`: warmup
-  over the first alpha point's steps, then constant."""
+  over the first alpha point's steps, then constant (end_ratio 1) or a
+  cosine anneal to end_ratio x rate at `steps` (the recipe study's)."""
   config = config_lib.load(str(converted))
   warmup = min(unit_steps(source.train.steps), steps - 1) if steps > 1 else 0
   config.train.update(steps=steps, learning_rate=rate, warmup_steps=warmup,
-                      min_learning_rate_ratio=1.0, checkpoint_every=steps,
+                      min_learning_rate_ratio=end_ratio,
+                      checkpoint_every=steps,
                       keep_checkpoints=1, log_every=eval_every,
                       eval_every=eval_every)
   config.seed = seed

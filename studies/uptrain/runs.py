@@ -143,10 +143,12 @@ _AT0: dict = {}
 
 def uptrain(out: pathlib.Path, name: str, converted: pathlib.Path, source,
             steps: int, rate: float, seed: int, eval_every: int,
-            stop: bool = False) -> list[dict]:
-  """The conversion's evaluation (step 0) and its uptraining curve."""
+            stop: bool = False, end_ratio: float = 1.0) -> list[dict]:
+  """The conversion's evaluation (step 0) and its uptraining curve
+  (end_ratio: `uptrain_config`'s, 1 for a constant rate)."""
   workdir = out / name
-  config = uptrain_config(converted, source, steps, rate, seed, eval_every)
+  config = uptrain_config(converted, source, steps, rate, seed, eval_every,
+                          end_ratio)
   if converted not in _AT0:  # Deterministic: once per conversion.
     _AT0[converted] = evaluator.evaluate_workdir(str(converted))
   at0 = _AT0[converted]
@@ -156,10 +158,16 @@ def uptrain(out: pathlib.Path, name: str, converted: pathlib.Path, source,
 
 
 def scratch(out: pathlib.Path, source, K: int, seed: int, steps: int,
-            stop: bool = False) -> list[dict]:
-  """K heads trained from scratch for `steps` by the source's recipe."""
+            stop: bool = False, name: str | None = None,
+            eval_every: int | None = None) -> list[dict]:
+  """K heads trained from scratch for `steps` by the source's recipe (its
+  warmup, then a cosine anneal ending at `steps`), in OUT/scratch/NAME
+  (default K{K}_s{seed}), evaluated every `eval_every` (default the
+  source's period)."""
   config = source.copy_and_resolve_references()
   config.model.num_kv_heads = K
   config.seed = seed
   config.train.update(steps=steps, checkpoint_every=steps)
-  return _trained(config, out / 'scratch' / f'K{K}_s{seed}', stop)
+  if eval_every:
+    config.train.update(eval_every=eval_every, log_every=eval_every)
+  return _trained(config, out / 'scratch' / (name or f'K{K}_s{seed}'), stop)

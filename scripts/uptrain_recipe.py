@@ -1,0 +1,52 @@
+"""The uptraining claims under a swept recipe (issue #60): claims 1 and 3
+of Ainslie et al. (2023) read per recipe, both endpoints annealed, and a
+long-context panel (studies/uptrain/recipe.py has the design).
+
+  python -m scripts.uptrain_recipe --out=DIR [--part=all|sweep|carried|panel]
+      [--source_seeds=3] [--quick]
+  python -m scripts.uptrain_recipe --out=DIR --report_only
+
+--part trains one part and writes no report (two parts can train side by
+side into the same --out; 'carried' trains the sweep first, since it
+carries the sweep's best recipe); --part=all (the default) trains what is
+missing, reusing every finished run, and writes DIR/report.md,
+DIR/results.json and DIR/recipes.png. The default design is 294 runs,
+about 85 CPU-minutes on the 2-core AMD EPYC VM (the report states what
+each part took); --quick: sources of 160 and 80 steps and the 'tiny'
+panel, the same design, minutes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from infra.cli import check_output_dir, exit_on_user_error, positive_int
+from infra.cli import ArgumentParser
+from studies.uptrain import recipe, recipe_report
+
+
+def main():
+  parser = ArgumentParser(description=__doc__)
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--part', default='all',
+                      choices=('all', *recipe.PARTS),
+                      help='train one part only, no report')
+  parser.add_argument('--source_seeds', type=positive_int,
+                      default=recipe.SOURCE_SEEDS)
+  parser.add_argument('--quick', action='store_true',
+                      help='sources of a few steps: the design, in minutes')
+  parser.add_argument('--report_only', action='store_true',
+                      help='rebuild the report from results.json in --out')
+  args = parser.parse_args()
+  check_output_dir(args.out)
+  out = pathlib.Path(args.out)
+  if args.report_only:
+    recipe_report.rebuild(out)
+    return
+  results = recipe.run(out, args.part, args.source_seeds, args.quick)
+  if results is not None:  # --part=all: every part trained.
+    recipe_report.write(out, results)
+
+
+if __name__ == '__main__':
+  exit_on_user_error(main)
