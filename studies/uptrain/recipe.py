@@ -252,5 +252,23 @@ def run(out: pathlib.Path, which: str, seeds: int, quick: bool
               ('panel', panel['config'], panel['steps']))}}
   results = {'plan': plan, 'parts': parts,
              'reference': reference(parts['sweep'] + parts['carried'])}
-  results['trained'] = study.trained_by(workdirs(out, results))
+  runs = workdirs(out, results)
+  results['trained'] = study.trained_by(runs)
+  results['cost'] = cost(out, runs)
   return results
+
+
+def cost(out: pathlib.Path, runs: list[pathlib.Path]) -> dict:
+  """Per part: its runs, the steps they trained and the seconds their
+  training loops took (final.json's train_seconds: without compilation,
+  evaluation or conversion)."""
+  out_ = {}
+  for run in runs:
+    final = study.saved(run / 'final.json')
+    config = study.saved(run / 'config.json')
+    row = out_.setdefault(run.relative_to(out).parts[0],
+                          {'runs': 0, 'steps': 0, 'train_seconds': 0.0})
+    row['runs'] += 1
+    row['steps'] += config['train']['steps']
+    row['train_seconds'] += final.get('train_seconds', 0.0)
+  return out_
