@@ -12,7 +12,7 @@ import pytest
 
 from scripts import uptrain_recipe
 from studies import report, study
-from studies.uptrain import recipe, recipe_report
+from studies.uptrain import recipe
 from studies.uptrain import recipe_summary as rs
 from studies.uptrain.design import NEAR
 

@@ -170,8 +170,23 @@ def reading(results: dict, summ: dict) -> list[str]:
                'margin): ' + '; '.join(
                    f'{c["part"]} S = {c["steps"]:,}: {_cell(c)}'
                    for c in summ['negative']) + '.')
+  lines.append(power(summ))
   lines.append(reproduction(results, summ))
   return report.bullets(lines)
+
+
+def power(summ: dict) -> str:
+  """The smallest effects each family's cells can detect: nothing below
+  them is claimed."""
+  def span(cells):
+    d = sorted(c['detectable'] for c in cells
+               if math.isfinite(c['detectable']))
+    return f'{d[0]:.4f}-{d[-1]:.4f}' if d else 'none (no spread)'
+  return ('**Power** (the smallest difference from the margin each family\'s '
+          'cells detect, over their recipes and α; nothing smaller is '
+          'claimed): ' + '; '.join(
+              f'{name}: {span(summ[name])} nats' for name in rs.FAMILIES
+              if name not in ('trends',)) + '.')
 
 
 TOLERANCE = 1e-3  # Nats: a retrained run "reproduces" a published one.
