@@ -1,14 +1,15 @@
 """`python -m serve.api` in a process of its own, on a free localhost port:
 the server as its clients see it, for benchmarks and load tests.
 
-  server = process.ServerProcess('runs/tiny', '--kv_memory=64MiB')
-  ... clients against server.url ...
-  before = server.counters()   # {'gqa_lab_prefill_tokens_total': ..., ...}
-  status = server.stop()       # SIGTERM: a drain; its exit status
+  with process.ServerProcess('runs/tiny', '--kv_memory=64MiB') as server:
+    ... clients against server.url ...
+    before = server.counters()  # {'gqa_lab_prefill_tokens_total': ...}
+    status = server.stop()      # SIGTERM: a drain; its exit status
 
 Its stderr is read on a thread for as long as it runs (a pipe nobody reads
-fills and stops the server at its next line); the last lines are kept for
-an error message.
+fills and stops the server at its next line): the lines up to the one that
+says it listens are kept (`started`), and the last lines after (`said`).
+Leaving the `with` kills a server still running.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class ServerProcess:
         [sys.executable, '-m', 'serve.api', f'--workdir={workdir}',
          '--port=0', *flags], stderr=subprocess.PIPE, text=True,
         env={**os.environ, 'PYTHONUNBUFFERED': '1'})
-    self.said = collections.deque(maxlen=20)
+    self.started, self.said = [], collections.deque(maxlen=20)
     for line in self.process.stderr:
-      self.said.append(line)
+      self.started.append(line)
       found = re.search(r'listening on (http://\S+)', line)
       if found:
         self.url = found.group(1)
@@ -47,13 +48,28 @@ class ServerProcess:
     else:
       self.process.wait(30)
       raise UserError('serve.api never listened: '
-                      + ''.join(list(self.said)[-3:]).strip())
+                      + ''.join(self.started[-3:]).strip())
+    self.said.extend(self.started)
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
+
+  def __enter__(self) -> ServerProcess:
+    return self
+
+  def __exit__(self, *exc):
+    if self.process.poll() is None:
+      self.process.kill()
+    self.wait(30)
 
   def _read(self):
     for line in self.process.stderr:
       self.said.append(line)
+
+  def wait(self, timeout: float) -> int:
+    """Its exit status once it has exited and its last lines are read."""
+    status = self.process.wait(timeout)
+    self._reader.join(timeout)
+    return status
 
   def model(self) -> dict:
     """GET /v1/models' model card: its `id` and `max_model_len`."""

@@ -1,5 +1,5 @@
 """The completions server for tests: started on a free localhost port in a
-thread (`running`) or a process (`process`), and small HTTP helpers on the
+thread (`running`; in a process: `serve.process.ServerProcess`), and small HTTP helpers on the
 standard library (so that what is tested is the server, not a client's
 conveniences)."""
 
@@ -8,10 +8,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
-import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -54,30 +50,6 @@ def wait_healthy(url: str, timeout: float = 120):
     if time.monotonic() > deadline:
       raise TimeoutError(f'{url} not healthy after {timeout}s')
     time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def process(workdir, *flags):
-  """(the process, its base URL): python -m serve.api on a free port."""
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'serve.api', f'--workdir={workdir}', '--port=0',
-       *flags], stderr=subprocess.PIPE, text=True,
-      env={**os.environ, 'PYTHONUNBUFFERED': '1'})
-  lines = []
-  try:
-    for line in proc.stderr:
-      lines.append(line)
-      found = re.search(r'listening on (http://\S+)', line)
-      if found:
-        break
-    else:
-      raise AssertionError('the server never listened: ' + ''.join(lines))
-    proc.lines = lines
-    yield proc, found.group(1)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-    proc.wait(30)
 
 
 def get(url: str) -> tuple[int, str]:

@@ -14,7 +14,7 @@ import pytest
 
 from infra.errors import UserError
 from serve.listener import listen
-from tests import api_server
+from serve import process
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -61,8 +61,8 @@ def test_help_usage_names_every_flag_on_its_own_lines():
 
 @pytest.mark.slow
 def test_the_server_starts_without_the_libraries_info_log(trained):
-  with api_server.process(trained) as (proc, _):
-    lines = proc.lines
+  with process.ServerProcess(str(trained)) as server:
+    lines = server.started
   assert lines[-1].startswith('serve.api: listening on'), lines
   noise = [l for l in lines if re.match(r'I\d{4} |INFO', l)]
   assert not noise, ''.join(lines)

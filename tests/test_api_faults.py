@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from serve import protocol, runner
+from serve import process, protocol, runner
 from tests import api_server
 from tests.api_server import complete, post, stream
 from lm import inference
@@ -259,7 +259,8 @@ def test_sigterm_drains_refuses_newcomers_and_exits_0(tmp_path):
   # requests side by side, as the pair below run.
   workdir = api_server.train_workdir(tmp_path / 'long', max_len=4096,
                                      steps=2)
-  with api_server.process(workdir, '--drain_timeout=2') as (proc, url):
+  with process.ServerProcess(str(workdir), '--drain_timeout=2') as server:
+    url = server.url
     assert url.startswith('http://127.0.0.1:')
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       list(pool.map(lambda p: complete(url, prompt=p, max_tokens=4),
@@ -270,12 +271,12 @@ def test_sigterm_drains_refuses_newcomers_and_exits_0(tmp_path):
       long = pool.submit(complete, url, prompt='b', max_tokens=4000,
                          temperature=0)
       time.sleep(0.5)
-      proc.send_signal(signal.SIGTERM)
+      server.process.send_signal(signal.SIGTERM)
       time.sleep(0.5)
       status, answer = post(url + '/v1/completions', {'prompt': 'late'})
       assert status == 503 and 'shutting down' in answer['error']['message']
       assert short.result()['choices'][0]['finish_reason'] == 'length'
       cut = long.result()['choices'][0]
     assert cut['finish_reason'] == 'abort' and cut['text']
-    assert proc.wait(60) == 0
-    assert 'end with finish_reason "abort"' in proc.stderr.read()
+    assert server.wait(60) == 0
+    assert 'end with finish_reason "abort"' in ''.join(server.said)
