@@ -121,12 +121,14 @@ def design(results: dict) -> list[str]:
       'scratch beside each.',
       f'**Claims** (the margin NEAR = {NEAR:g} nats, fixed in advance as '
       'the replicated study\'s): claim 1, GQA uptrained minus the control; '
-      'claim 3, GQA uptrained minus GQA from scratch for S(1 + α) steps. A '
-      'cell is "reproduced" when resolved below the margin, "not '
-      'reproduced" when resolved beyond it, after Holm over its family; a '
-      'claim is reproduced in a part if one recipe reproduces it at α = '
+      'claim 3, GQA uptrained minus GQA from scratch for S(1 + α) steps. '
+      'Each cell\'s difference from the margin is decided by '
+      '`stats.decision` after Holm over its family: "reproduced" where it '
+      'is claimed below the margin, "not reproduced" where it is claimed '
+      'beyond it, else the decision\'s words. A claim is reproduced in a '
+      'part if one recipe reproduces it at α = '
       f'{plan["paper_alpha"]:g}, and "not reproduced at this scale" only '
-      'if every recipe is resolved beyond the margin.',
+      'if every recipe is "not reproduced" there.',
       '**Holm families** (each corrected on its own): ' + '; '.join(
           f'{k}: {v}' for k, v in rs.FAMILIES.items()) + '.',
       '**Cost** (as trained): ' + (spent or 'not recorded') + '.',
@@ -166,7 +168,7 @@ def reading(results: dict, summ: dict) -> list[str]:
                    f'claim {t["claim"][-1]}: {_f(t)} ({_det(t)}; '
                    f'{t["verdict"]})' for t in summ['trends']) + '.')
   lines.append('**Negative control** (GQA\'s conversion before uptraining '
-               'minus the control, which must be resolved beyond the '
+               'minus the control, which must be claimed beyond the '
                'margin): ' + '; '.join(
                    f'{c["part"]} S = {c["steps"]:,}: {_cell(c)}'
                    for c in summ['negative']) + '.')

@@ -8,8 +8,8 @@ the replicated study, against the margin NEAR fixed in advance: a cell
 mean-pooled GQA from the control (claim 1, both by the same recipe) or
 from GQA trained from scratch for S(1 + alpha) steps (claim 3), minus
 NEAR; `stats.decide` reads it after Holm over its family (FAMILIES,
-fixed before the runs): 'reproduced' when resolved below the margin,
-'not reproduced' when resolved beyond it, else not claimed. A claim is
+fixed before the runs): 'reproduced' when claimed below the margin,
+'not reproduced' when claimed beyond it, else the decision's words. A claim is
 reproduced in a part if a recipe reproduces it at the paper's alpha, and
 "not reproduced at this scale" only if every recipe is resolved beyond
 the margin there.
@@ -39,7 +39,7 @@ FAMILIES = {
     'panel_claim3': 'claim 3 in the long-context panel: every recipe',
     'negative': 'the negative control: GQA before uptraining (its '
                 'conversion) minus the control, at every source length '
-                'and the panel, must be resolved beyond the margin',
+                'and the panel, must be claimed beyond the margin',
 }
 
 
@@ -94,8 +94,7 @@ def difference(values) -> dict:
 
 CLAIM = ('reproduced', 'not reproduced')  # Within, beyond the margin.
 # The negative control must be resolved beyond the margin.
-NEGATIVE = ('resolved within the margin: the control fails',
-            'resolved beyond the margin')
+NEGATIVE = ('within the margin: the control fails', 'beyond the margin')
 
 
 def near_outcome(cell: dict, words: tuple = CLAIM) -> str:
@@ -132,7 +131,7 @@ def cells(sources: list[dict], recipes: list[dict], claim: str) -> list[dict]:
 def claim_verdict(family: list[dict], alpha: float) -> str:
   """A claim in one part at ALPHA over its recipes: reproduced if some
   recipe reproduces it; not reproduced at this scale only if every recipe
-  is resolved beyond the margin; else not claimed (every cell's reading
+  is 'not reproduced'; else undecided (every cell's reading
   is in the report)."""
   at = [c for c in family if c['alpha'] == alpha]
   good = [name(c['recipe']) for c in at if c['outcome'] == 'reproduced']
@@ -140,8 +139,8 @@ def claim_verdict(family: list[dict], alpha: float) -> str:
     return 'reproduced under ' + ', '.join(good)
   if all(c['outcome'] == 'not reproduced' for c in at):
     return f'not reproduced at this scale under any of the {len(at)} recipes'
-  return 'not claimed: some recipe is neither resolved within the margin ' \
-         'nor beyond it'
+  return ('undecided: no recipe reproduces it, and not every recipe is '
+          '"not reproduced"')
 
 
 def best(sources: list[dict], arm: str, alpha: float) -> dict:
