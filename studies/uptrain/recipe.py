@@ -22,6 +22,11 @@ the recipe is a factor, fixed in advance (RATES x SCHEDULES at ALPHAS):
   PAPER_ALPHA, so the claims' trend over S is read under that recipe.
 - 'panel': PANEL's source (rows of 512 tokens, d_model 128) of
   PANEL['steps'] steps, every recipe at PAPER_ALPHA.
+- 'probe': the sweep's sources uptrained at PROBE_RATE (the source's own
+  peak, above the grid) by both schedules at PAPER_ALPHA: a diagnostic of
+  the grid's edge, added after the sweep's first source showed GQA's best
+  recipe at the grid's highest rate; outside every Holm family, not
+  judged.
 
 One uptraining seed (SEED) per source: the control and GQA share its data
 order. Its statistics: `recipe_summary`; its report: `recipe_report`."""
@@ -52,7 +57,9 @@ PUBLISHED = {'rate': 1e-3, 'schedule': 'constant'}
 # --quick: the same design on sources of a few steps (minutes; tests).
 QUICK = {'sweep': 160, 'carried': (80,), 'panel': {'config': 'tiny',
                                                     'steps': 80}}
-PARTS = ('sweep', 'carried', 'panel')
+PROBE_RATE = 3e-3
+PARTS = ('sweep', 'carried', 'panel', 'probe')
+FOLDER = {'probe': 'sweep'}  # The probe uptrains the sweep's sources.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +180,7 @@ def workdirs(out: pathlib.Path, results: dict) -> list[pathlib.Path]:
   found = []
   for name in PARTS:
     for s in results['parts'].get(name, []):
-      root = out / name / f'S{s["steps"]}_s{s["seed"]}'
+      root = out / FOLDER.get(name, name) / f'S{s["steps"]}_s{s["seed"]}'
       found.append(root / 'source')
       for r in s['runs']:
         alpha = ('held' if r['schedule'] == 'constant'
@@ -182,7 +189,7 @@ def workdirs(out: pathlib.Path, results: dict) -> list[pathlib.Path]:
                      / Arm(r['method'], r['K'], r['start']).name / alpha)
       found += [root / 'scratch' / f'K{c["K"]}_a{c["alpha"]:g}_s{s["seed"]}'
                 for c in s['scratch']]
-  return found
+  return list(dict.fromkeys(found))  # The probe's sources are the sweep's.
 
 
 # The replicated study's published results: its sources and its runs of
@@ -235,6 +242,10 @@ def run(out: pathlib.Path, which: str, seeds: int, quick: bool
     parts['carried'] = [s for S in carried_steps for s in part(
         out, 'carried', 'uptrain_source', S, [carried], (PAPER_ALPHA,),
         seeds)]
+  if which in ('all', 'probe'):
+    parts['probe'] = part(out, 'sweep', 'uptrain_source', sweep_steps,
+                          [Recipe(PROBE_RATE, s) for s in SCHEDULES],
+                          (PAPER_ALPHA,), seeds)
   if which in ('all', 'panel'):
     parts['panel'] = part(out, 'panel', panel['config'], panel['steps'],
                           recipes(), (PAPER_ALPHA,), seeds)
@@ -245,6 +256,7 @@ def run(out: pathlib.Path, which: str, seeds: int, quick: bool
   plan = {'rates': list(RATES), 'schedules': list(SCHEDULES),
           'alphas': list(ALPHAS), 'paper_alpha': PAPER_ALPHA,
           'sweep_steps': sweep_steps, 'carried_steps': list(carried_steps),
+          'probe_rate': PROBE_RATE,
           'panel': panel, 'source_seeds': seeds, 'seed': SEED,
           'published': PUBLISHED, 'quick': quick,
           'configs': {name: source_config(c, S).to_dict() for name, c, S in (

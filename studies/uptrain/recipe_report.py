@@ -172,9 +172,27 @@ def reading(results: dict, summ: dict) -> list[str]:
                'margin): ' + '; '.join(
                    f'{c["part"]} S = {c["steps"]:,}: {_cell(c)}'
                    for c in summ['negative']) + '.')
+  if summ.get('probe'):
+    lines.append(probe(results, summ))
   lines.append(power(summ))
   lines.append(reproduction(results, summ))
   return report.bullets(lines)
+
+
+def probe(results: dict, summ: dict) -> str:
+  """The grid's edge: the source's own peak rate, outside the families."""
+  plan = results['plan']
+  best = rs.name(summ['sweep_best']['gqa']['recipe'])
+  return (f'**Probe above the grid** (rate {plan["probe_rate"]:g}, the '
+          'source\'s own peak, at α = '
+          f'{plan["paper_alpha"]:g} on the sweep\'s sources; added after the '
+          'sweep\'s first source put GQA\'s best recipe at the grid\'s top '
+          'rate; a diagnostic outside every Holm family, not judged): '
+          + '; '.join(
+              f'{rs.name(c["recipe"])}: claim 1 {_f(c["claim1"])} '
+              f'({_det(c["claim1"])}), claim 3 {_f(c["claim3"])} '
+              f'({_det(c["claim3"])}), GQA minus GQA by the grid\'s best '
+              f'({best}) {_f(c["vs_grid"])}' for c in summ['probe']) + '.')
 
 
 def power(summ: dict) -> str:

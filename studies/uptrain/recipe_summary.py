@@ -186,6 +186,23 @@ def _negative(parts: dict) -> list[dict]:
   return holm(out, NEGATIVE)
 
 
+def _probe(probe: list[dict], sweep: list[dict], grid_best: dict,
+           alpha: float) -> list[dict]:
+  """The probe's recipes (above the grid; a diagnostic, no Holm family,
+  no verdict): claims 1 and 3 per recipe, and its GQA minus the grid's
+  best GQA recipe, per source."""
+  out = []
+  for recipe in recipes_of(probe):
+    gqa = [read(s, 'gqa', recipe, alpha) for s in probe]
+    out.append({'recipe': recipe, 'claim1': difference(np.subtract(
+        gqa, [read(s, 'control', recipe, alpha) for s in probe])),
+                'claim3': difference(np.subtract(
+                    gqa, [scratch(s, alpha) for s in probe])),
+                'vs_grid': difference(np.subtract(gqa, [read(
+                    s, 'gqa', grid_best['recipe'], alpha) for s in sweep]))})
+  return out
+
+
 def _reproduction(results: dict) -> list[dict]:
   """This study's sources and PUBLISHED-recipe runs at the paper's alpha
   against the replicated study's published ones (same S, seed, recipe)."""
@@ -234,6 +251,9 @@ def summary(results: dict) -> dict:
   rejected = stats.holm([t['p'] for t in trends])
   out['trends'] = [{**t, 'holm': r, 'verdict': stats.decide(t, rejected=r)}
                    for t, r in zip(trends, rejected)]
+  if parts.get('probe'):
+    out['probe'] = _probe(parts['probe'], sweep, out['sweep_best']['gqa'],
+                          alpha)
   out['negative'] = _negative({'sweep': sweep, 'carried': parts['carried'],
                                'panel': panel})
   out['reproduction'] = _reproduction(results)
