@@ -281,6 +281,20 @@ def decide(est: Estimate | Mapping, *, rejected: bool | None = None
   return decision(est, rejected=rejected).verdict
 
 
+def sd_ratio(sd_a: float, n_a: int, sd_b: float, n_b: int, *,
+             level: float = LEVEL) -> tuple[float, float, float]:
+  """(sd_a / sd_b, and its two-sided `level` interval): the F interval of
+  a ratio of two sample variances with n_a - 1 and n_b - 1 degrees,
+  square-rooted (exact for independent normal samples; an A/A control
+  and a variant paired against the same reference share it, so read it as
+  approximate). At 5 seeds each it spans a factor of 3.1 either way."""
+  r = sd_a / sd_b
+  tail = (1 - level) / 2
+  f_hi = float(scipy_stats.f.ppf(1 - tail, n_a - 1, n_b - 1))
+  f_lo = float(scipy_stats.f.ppf(tail, n_a - 1, n_b - 1))
+  return r, r / math.sqrt(f_hi), r / math.sqrt(f_lo)
+
+
 def shifted(est: Estimate | Mapping, by: float) -> Estimate:
   """The estimate of (value - by): a margin or a null of 1 as a difference
   `decide` reads (the interval and sd move with it)."""

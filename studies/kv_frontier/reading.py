@@ -1,6 +1,6 @@
 """The frontier report's reading ('## What it shows'): what the tables show,
 in sentences made from the numbers. Every verdict on a difference is
-`stats.decide`'s; a text that reads an outcome (the control seen or not,
+`stats.decision`'s words; a text that reads an outcome (the control seen or not,
 seeds retrieving or not, a pair at the floor) is chosen by that outcome.
 One function a bullet, each given the panel as `_Panel` holds it."""
 
@@ -20,9 +20,8 @@ def reading(result: dict) -> list[str]:
   """'## What it shows': per panel, bullets from its analysis."""
   lines = [*report.section('What it shows'),
            'Made from frontier.json as the tables below are: every verdict '
-           'is `stats.decide`\'s (resolved, not claimed, equal on all '
-           'seeds), at the detectable effect the seeds give; the tables '
-           'have every interval.', '']
+           'and its reason are `stats.decision`\'s words, at the detectable '
+           'effect the seeds give; the tables have every interval.', '']
   for name, panel in result['panels'].items():
     lines += report.bullets(panel_reading(name, panel))
   return lines + ['']
@@ -38,14 +37,14 @@ def decimals(d: dict) -> int:
 
 
 def said(d: dict, unit: str = '', rejected: bool | None = None) -> str:
-  """A difference with its interval, `stats.decide`'s verdict and what
-  the seeds detect: '+0.05 [-0.16, +0.26] nats (not claimed; detectable
-  0.26)'."""
-  verdict = stats.decide(d, rejected=rejected)
+  """A difference with its interval, `stats.decision`'s words and what
+  the seeds detect: '+0.05 [-0.16, +0.26] nats (not claimed: interval
+  holds 0; detectable 0.26)'."""
+  decided = stats.decision(d, rejected=rejected)
   text = report.interval(d, f'+.{decimals(d)}f') + unit
-  if verdict in ('equal on all seeds', 'one seed'):
+  if decided.verdict in ('equal on all seeds', 'one seed'):
     return text  # The interval says it: there is none.
-  return f'{text} ({verdict}; detectable {d["detectable"]:.2g})'
+  return f'{text} ({decided.words}; detectable {d["detectable"]:.2g})'
 
 
 def holm_family(pairs: list) -> str:

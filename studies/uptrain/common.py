@@ -59,13 +59,14 @@ def _pair_outcome(c: dict) -> str:
 
 def ranking_verdict(family: list[dict], K: int) -> str:
   """Claim 2 for K: reproduced if every ordering is, contradicted if one is
-  resolved the other way, otherwise not resolved (each ordering named)."""
+  resolved the other way, otherwise not reproduced (each ordering named
+  with `_pair_outcome`'s words)."""
   cells = [c for c in family if c['K'] == K]
   outcomes = [_pair_outcome(c) for c in cells]
   if all(o == 'reproduced' for o in outcomes):
     return 'reproduced'
   label = ('contradicted' if 'contradicted' in outcomes else
-           'not claimed')
+           'not reproduced')
   return label + ' (' + '; '.join(
       f'{c["better"]} < {c["worse"]}: {o}'
       for c, o in zip(cells, outcomes)) + ')'
