@@ -121,8 +121,8 @@ def _control(p: _Panel) -> list[str]:
           f'{nll["mean"]:.2f}-nat effect); that does not show that it can '
           'see an effect of K or of the cache\'s capacity, which may be far '
           'smaller.' if control['sees_attention'] else
-          '**The control is not resolved worse: the setup is blind to '
-          'attention here, and nothing below can be read as an effect of '
+          f'**The control is not worse on NLL ({stats.decision(nll).words}): '
+          'the setup is blind to attention here, and nothing below can be read as an effect of '
           'the cache.**')]
 
 
@@ -214,9 +214,9 @@ def _equal_bytes(p: _Panel) -> list[str]:
   return [f'{HEAD}, **equal bytes** (uncorrected): ' + '; '.join(
       pairs) + '. ' + (
       'On NLL nothing is claimed either way.' if not claimed else
-      'Resolved on NLL: ' + '; '.join(
+      'Claimed on NLL: ' + '; '.join(
           f'{e["a"]} {"worse" if e["diff"]["nll"]["mean"] > 0 else "better"}'
-          f' than {e["b"]}' for e in claimed) + '; the rest not claimed.')]
+          f' than {e["b"]}' for e in claimed) + '; no other pair.')]
 
 
 def _zadouri(p: _Panel) -> list[str]:
@@ -229,8 +229,8 @@ def _zadouri(p: _Panel) -> list[str]:
       f'{HEAD}, **Zadouri et al.\'s pairs** (GTA against GQA with as many '
       'K/V heads, their claim being GQA\'s quality at about half its '
       'cache; GLA against MLA of the same bytes, their claim being MLA\'s '
-      'quality; uncorrected): ' + '; '.join(pairs) + '. A pair not '
-      'resolved is not a match: it is a difference below what these seeds '
+      'quality; uncorrected): ' + '; '.join(pairs) + '. A pair without a '
+      'claim is not a match: it is a difference below what these seeds '
       'detect, in either direction. GTA with K heads and a RoPE key of Y '
       'caches (K·H + Y) / (2·K·H) of GQA-K\'s: about half for many heads, '
       'more with few (one head and Y = H/2: 75%).']
@@ -257,16 +257,16 @@ def _families(p: _Panel) -> list[str]:
             ('worse', [e for e in resolved if e['diff']['nll']['mean'] > 0]),
             ('better', [e for e in resolved if e['diff']['nll']['mean'] < 0]))
                if group]
-    outcome = ('Resolved ' + '; resolved '.join(claimed) + (
-        '; the rest not claimed' if len(resolved) < len(f['pairs']) else '')
+    outcome = ('Claimed ' + '; claimed '.join(claimed) + (
+        '; no other pair' if len(resolved) < len(f['pairs']) else '')
                + '.' if claimed else 'On NLL nothing is claimed either way.')
     bullets.append(
         f'{HEAD}, **{f["name"]}** ({holm_family(f["pairs"])}, fixed in the '
         'design before any run): ' + '; '.join(pairs) + f'. {outcome} '
-        'A pair resolved worse is against "matches or beats" for that '
+        'A pair claimed worse is against "matches or beats" for that '
         f'baseline at this scale ({p.record["steps"]} steps of '
         f'`{p.record["config"]}`, not the paper\'s 124M-770M parameters); '
-        'one not claimed is not a match either: a difference below what '
+        'one without a claim is not a match either: a difference below what '
         'these seeds detect, in either direction.')
   return bullets
 
@@ -284,7 +284,7 @@ def _conversions(p: _Panel) -> list[str]:
            'uptraining recipe; uncorrected, and with no control for the '
            f'source itself training {e["uptrain_steps"]} more steps'
            if e['uptrain_steps'] else ', as converted (no training)')
-        + ('. Not claimed: it says neither that the conversion recovers '
+        + ('. Without a claim it says neither that the conversion recovers '
            'past its source nor that it falls short of it.'
            if e['uptrain_steps'] and stats.decide(d) != 'resolved' else '.'))
   return bullets
@@ -295,22 +295,22 @@ def _int8(p: _Panel) -> list[str]:
   if not deltas:
     return []
   nlls = [e['delta']['nll'] for e in deltas]
-  verdicts = [stats.decide(d) for d in nlls]
+  verdicts = [stats.decision(d).words for d in nlls]
   counts = ', '.join(f'{verdicts.count(v)} {v}' for v in dict.fromkeys(
       verdicts))
   bound = max(max(abs(d['low']), abs(d['high'])) for d in nlls
               if math.isfinite(d['low']))
   ratios = [m['kv_bytes_per_token']['int8'] / m['kv_bytes_per_token'][
       'float'] for m in p.designs]
-  resolved = [e['variant'] for e, v in zip(deltas, verdicts)
-              if v == 'resolved']
+  resolved = [e['variant'] for e, d in zip(deltas, nlls)
+              if stats.decide(d) == 'resolved']
   return [
       f'{HEAD}, **int8 cache** (every model'
       + (' but the control' if len(deltas) < len(p.a['int8']) else '')
       + '): '
-      + (f'NLL resolved for {", ".join(resolved)} ({counts}); '
+      + (f'NLL differs for {", ".join(resolved)} ({counts}); '
          if resolved else f'no NLL difference from the float cache is '
-         f'resolved ({counts}); ')
+         f'claimed ({counts}); ')
       + ('every interval contains 0 and ' if all(
           d['low'] <= 0 <= d['high'] for d in nlls) else '')
       + f'none reaches past ±{bound:.2g} nats; the KL from the float '

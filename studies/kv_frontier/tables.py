@@ -104,9 +104,10 @@ def _control(c: dict | None, models: list[dict]) -> list[str]:
       f'**Negative control.** All-local {c["control"]} against all-global '
       f'{c["reference"]}: NLL {_ci(nll)}, answer accuracy '
       f'{_ci(acc, "+.3f")} (control minus reference). '
-      + ('The control is resolved worse on NLL: the setup sees attention.'
-         if c['sees_attention'] else
-         '**The control is not resolved worse: the setup is blind to '
+      + (f'The control is worse on NLL ({stats.decision(nll).words}): the '
+         'setup sees attention.' if c['sees_attention'] else
+         f'**The control is not worse on NLL ({stats.decision(nll).words}): '
+         'the setup is blind to '
          'attention, and nothing below can be read as an effect of the '
          'cache.**'))
   if 'first' in ref['seeds']['float']:
@@ -295,9 +296,10 @@ def _frontier(a: dict, models: list[dict]) -> list[str]:
            'yes' if p['name'] in on else '']
           for p in sorted(analysis.points(models),
                           key=lambda p: -p['kv_bytes_per_token'])]
-  return ['', '**Frontier** (a point whose NLL is resolved lower than every '
-          'point with fewer bytes and not resolved higher than any with as '
-          'few; one not resolved lower than a cheaper point is off it' + (
+  return ['', '**Frontier** (a point whose NLL is lower, by '
+          '`stats.decide`, than every point with fewer bytes, and not higher '
+          'than any with as few; one not lower than a cheaper point is off '
+          'it' + (
               f'; the negative control {excluded} is left out, as a '
               'control, not a design' if excluded else '') + '): '
           + ', '.join(a['frontier']) + '.', '', *report.table(

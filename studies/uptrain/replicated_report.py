@@ -119,7 +119,7 @@ def _length_line(plan: dict, S: int, row: dict, gate: dict) -> str:
       + f'. Gate (4 × the largest |drift| = {gate["floor"]:.4f}): ' + (
           'passes' if gate['passes'] else 'fails for ' + ', '.join(
               f'{n} ({e:+.4f})' for n, e in gate['below'])
-          + ' (reported, not claimed)') + '.')
+          + ' (each of those cells says so)') + '.')
 
 
 def _trend(t: dict) -> str:
@@ -421,7 +421,7 @@ def _by_source(results: dict, rows: dict, title: str, names: list[str]
           f'Over sources, {title}: mean [95% t interval over sources] '
           '(detectable; verdict: after Holm for a cell in one of the '
           'reading\'s families, claim 2 and the arms compared by bytes at α '
-          '= 0.05, withheld where its length\'s control gate fails, '
+          '= 0.05, the gate applied where its length\'s control fails, '
           'otherwise uncorrected)', 3),
       *report.table(['S', 'read', *(label[n] for n in names)], (
           [f'{S:,}', f'{read} ({row["reads"][read]})',

@@ -111,7 +111,7 @@ def _setting(lm: dict, summ: dict) -> list[str]:
           for d in summ['control_drift'])
       + f'; the largest, {estimate(gate["drift"])} at α = '
       f'{gate["drift"]["alpha_steps"] / S:g}, sets the floor: effects under '
-      f'4 × |drift| = {gate["floor"]:.4f} nats are withheld. ' + (
+      f'4 × |drift| = {gate["floor"]:.4f} nats are not read as effects. ' + (
           ('It **passes**: every effect claimed below is at least that'
            if gate['claims'] else 'No effect is claimed, so nothing is '
            'below it') if gate['passes'] else
@@ -161,8 +161,8 @@ def _claim1_lines(plan: dict, summ: dict) -> list[str]:
         '.** Mean-pooled minus the control: ' + ', '.join(
             f'α = {s / S:g}: {estimate(r)}' for s, r in zip(a_steps, rows))
         + f' ({detectable(rows[paper])} at α = {plan["paper_alpha"]}). '
-        '(Reproduced: the distance from the margin resolved below it; not '
-        'reproduced at this scale: resolved beyond it. One source cannot '
+        '(Reproduced: the distance from the margin claimed below it; not '
+        'reproduced at this scale: claimed beyond it. One source cannot '
         'say "contradicted": that needs the gap\'s trend over sources of '
         'several lengths.)')
   return lines
@@ -181,7 +181,7 @@ def _claim2_lines(plan: dict, summ: dict) -> list[str]:
             f'{detectable(c)} '
             f'({stats.decision(c, rejected=c["holm"]).words})'
             for c in cells) + '. (Arm-vs-arm differences from one source: '
-        'the conversion is equal on all seeds; what varies is the uptraining '
+        'the conversion is the same on every seed; what varies is the uptraining '
         'data order.)')
   return lines
 
