@@ -132,7 +132,7 @@ def _gap_lines(plan: dict, summ: dict) -> list[str]:
         f'{len(plan["seeds"])} seeds): {estimate(gap["end"])} nats after '
         f'{gap["end_step"]} steps (detectable: {gap["end"]["detectable"]:.4f}),'
         f' {estimate(gap["at_source_steps"])} at step {plan["steps"]}. ' + (
-            stats.decision(gap['end']).words.capitalize() + '.' + (
+            f'The gap: {stats.decision(gap["end"]).words}.' + (
                 '' if _resolved(gap['end']) else ' Any gap is below about '
                 f'{gap["end"]["detectable"]:.3f} nats.')))
   return lines
