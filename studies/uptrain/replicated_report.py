@@ -210,7 +210,7 @@ def _mla(results: dict, summ: dict) -> list[str]:
       + '; '.join(
           f'S = {c["S"]:,}: MLA − GQA {_f(c)}, {_det(c)}, '
           f'**{c["verdict"]}**' + (
-              '' if c['verdict'] != 'resolved' else
+              '' if stats.decide(c, rejected=c['holm']) != 'resolved' else
               ' (MLA lower)' if c['mean'] < 0 else ' (GQA lower)')
           for c in summ['mla'])
       + '. Energy kept by the SVD per layer, by source: ' + '; '.join(
