@@ -55,6 +55,7 @@ def test_detectable_is_the_noncentral_t_s_80_percent_power(n, nc, central):
   assert nct_power(old) < 0.8 - 1e-3  # The old rule fell short.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('n', [3, 5])
 def test_a_difference_of_the_detectable_size_is_found_80_percent_of_the_time(n):
   sd = 0.02
