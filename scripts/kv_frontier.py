@@ -52,7 +52,7 @@ the frontier.
 Writes DIR/frontier.json (per-seed values, the comparisons, provenance),
 DIR/report.md and DIR/frontier.png. A rerun reuses finished runs;
 --report_only rebuilds the report from DIR/frontier.json alone (report.md is
-a function of it: the reading included, every verdict `stats.decide`'s; the
+a function of it: the reading included, every verdict `stats.decision`'s words; the
 provenance's `note`, where a run's history is recorded, rendered as saved),
 recording the rebuild beside the command that measured. The default: the
 recall panel's 10 layouts at 1,000 steps and the conversion; the LM panel's

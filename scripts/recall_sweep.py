@@ -21,7 +21,7 @@ seeds that reached 0.95 on it (k of n: a seed learns retrieval or not, all
 or nothing, so the seeds are counted) and their median step, and the KV
 cache bytes per token; then, at each head size, each K against the most K/V
 heads, paired by seed on whether the seed learnt (1) or not (0), with
-`stats.decide`'s verdict (resolved, not claimed, equal on all seeds): the
+`stats.decision`'s words (resolved, or not claimed with its reason): the
 only verdicts the report makes. A heat map and accuracy curves beside it
 (recall.png); everything as JSON (sweep.json).
 --quick: H = 16 only, 500 steps at most (under 10 minutes here).

@@ -3,7 +3,8 @@ scripts.NAME) and over everything else: it imports the model, training,
 serving and evaluation, and none of them imports it.
 
   stats        the one statistics convention every report states and
-               applies (`stats.decide`: every verdict on a difference)
+               applies (`stats.decision`: every verdict on a difference
+               and its reason, in the words every report prints)
   study        the flags every study takes, runs trained once and reused
                only under their settings, results saved as strict JSON
   timing       medians taken in turns, read bandwidth, a decode step, the

@@ -140,7 +140,7 @@ def comparisons(cell, kvs, dims) -> list[dict]:
   """At each head size H, each K against the most K/V heads (kvs[0]),
   paired by seed (the same seed: the same data order) on `learnt`: the
   counts, the paired difference of the 0/1 outcomes (a `stats.Estimate`),
-  what the seeds detect, and `stats.decide`'s verdict."""
+  what the seeds detect, and `stats.decision`'s words."""
   found = []
   for H in dims:
     base = {r['seed']: learnt(r) for r in cell[kvs[0], H]['runs']}
@@ -153,7 +153,7 @@ def comparisons(cell, kvs, dims) -> list[dict]:
                         reference_learnt=sum(base[s] for s in seeds),
                         difference=d,
                         detectable=stats.detectable(d.sd, d.n),
-                        verdict=stats.decide(d)))
+                        verdict=stats.decision(d).words))
   return found
 
 
@@ -171,14 +171,14 @@ def _reading(cell, kvs, dims) -> str:
   found = comparisons(cell, kvs, dims)
   if not found:
     return text + ' One K: nothing to compare.'
-  resolved = [c for c in found if c['verdict'] == 'resolved']
+  resolved = [c for c in found if stats.decide(c['difference']) == 'resolved']
   return text + (
       f' Against K={kvs[0]}, paired by seed on whether each seed learnt '
       'retrieval (the table below): ' + (
           '; '.join(f'K={c["K"]} at H={c["H"]} '
                     f'{"more" if c["difference"].mean > 0 else "fewer"} '
-                    'seeds learnt' for c in resolved)
-          + ' (resolved); no other difference is claimed.' if resolved else
+                    f'seeds learnt ({c["verdict"]})' for c in resolved)
+          + '; no other difference is claimed.' if resolved else
           'no difference of K is claimed at any head size (' + ', '.join(
               f'{sum(c["verdict"] == v for c in found)} {v}'
               for v in dict.fromkeys(c['verdict'] for c in found))
@@ -203,7 +203,7 @@ def _comparison_lines(cell, kvs, dims) -> list[str]:
           f'{REACHED}: 1, else 0; all or nothing, so counted k of n): the '
           'difference of the two arms\' outcomes over seeds, its 95% '
           'interval, the smallest difference these seeds detect and '
-          '`stats.decide`\'s verdict.', '', *report.table(
+          '`stats.decision`\'s words.', '', *report.table(
               ['head_dim H', 'K', f'learnt (K / K={kvs[0]})',
                'difference [95% interval]', 'detectable', 'verdict'], rows)]
 

@@ -12,9 +12,10 @@ quantity the seeds do not vary, such as a conversion of one source) are one
 measurement, not a replicated one: no interval, never resolved. A family of comparisons read together is
 corrected with Holm's method (`holm`).
 
-`decide` applies the convention: every report's verdict on a difference is
-its answer (resolved, not claimed, equal on all seeds, one seed), never a
-reading written by hand. Where the replicated unit is not a seed (a
+`decision` applies the convention: every report's verdict on a difference
+and its reason are its answer, written as its `words` ('resolved', or 'not
+claimed: ' and the first check that failed), never a reading written by
+hand; `decide` is its verdict alone. Where the replicated unit is not a seed (a
 source-replicated study averages within each source and replicates over
 sources), "seed" reads as that unit.
 """
@@ -26,6 +27,7 @@ import math
 from typing import Literal, Mapping, Sequence
 
 import numpy as np
+from scipy import integrate, optimize
 from scipy import stats as scipy_stats
 
 LEVEL = 0.95  # Two-sided confidence of every interval.
@@ -37,15 +39,19 @@ CONVENTION = (
     'difference between two arms is the mean of their per-seed differences '
     '(the same seed: the same data order, and the same initialisation of '
     'the weights both arms have in the same shape). "Detectable" is the '
-    'smallest paired difference the seeds run would find with 80% power at '
-    'the 5% level; nothing smaller is claimed. A value equal on every seed '
+    'smallest true mean difference that a two-sided paired t test at the 5% '
+    'level over the n seeds run detects with 80% power, taking the observed '
+    'sd of the differences as the true one (computed exactly from the '
+    'noncentral t: |mean| at least 5.65 sd/sqrt(n) at n = 3, 4.26 at 4, '
+    '3.76 at 5); nothing smaller is claimed. A value equal on every seed '
     'is given as "equal on all n seeds", without an interval (its sd is 0: '
     'a value the seeds do not vary, or one at a floor or ceiling on each), '
     'and is not counted as resolved. A difference is claimed (resolved) '
     'only when its interval excludes 0, it is at least its detectable '
-    'effect, and, in a family, Holm\'s correction rejects it; otherwise it '
-    'is "not claimed". Where sources, not seeds, are the unit of '
-    'replication, read "seed" as "source": values are averaged within a '
+    'effect, and, in a family, Holm\'s correction rejects it (and a control '
+    'gate, where a study has one, passes); otherwise it is "not claimed", '
+    'with the first of these that fails as its reason. Where sources, not '
+    'seeds, are the unit of replication, read "seed" as "source": values are averaged within a '
     'source and the interval is over sources.')
 
 
@@ -116,16 +122,52 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Estimate:
   return mean(a - b)
 
 
+def t_test_power(noncentrality: float, n: int, *, level: float = LEVEL) -> float:
+  """The power of a two-sided one-sample t test at 1 - `level` over n
+  seeds: P(|T| > t_crit) for T noncentral t with n - 1 degrees and that
+  noncentrality (delta sqrt(n) / sd). Integrated over the chi-square of the
+  sd, P(Z + nc > t_crit sqrt(V/df)) + P(Z + nc < -t_crit sqrt(V/df)),
+  rather than scipy's nct.sf, which returns NaN at some (df, nc)."""
+  df, crit = n - 1, t_quantile(n, level)
+
+  def given_v(v):
+    scale = crit * math.sqrt(v / df)
+    return (scipy_stats.norm.cdf(noncentrality - scale)
+            + scipy_stats.norm.cdf(-noncentrality - scale)
+            ) * scipy_stats.chi2.pdf(v, df)
+  return float(integrate.quad(given_v, 0, math.inf, epsabs=1e-13,
+                              epsrel=1e-11, limit=200)[0])
+
+
 def detectable(sd: float, n: int, *, level: float = LEVEL,
                power: float = POWER) -> float:
-  """The smallest true mean difference a paired t test over n seeds, with
-  per-seed differences of spread `sd`, detects with `power` at 1 - `level`:
-  (t_{1-a/2} + t_{power}) sd / sqrt(n). Infinite below 2 seeds, and for sd
-  0 (deterministic values: the seeds replicated nothing)."""
+  """The smallest true mean difference that a two-sided paired t test at
+  1 - `level` over n seeds detects with `power`, per-seed differences of
+  spread `sd` (the observed sd taken as the true one): nc sd / sqrt(n), nc
+  the noncentrality at which the noncentral t's power is `power` (5.65 at
+  n = 3, 4.26 at 4, 3.76 at 5 for 80% at 5%; the central-t approximation
+  t_{1-a/2} + t_power gives 5.36, 4.16, 3.72). Infinite below 2 seeds, and
+  for sd 0 (deterministic values: the seeds replicated nothing)."""
   if n < 2 or not math.isfinite(sd) or sd == 0:
     return math.inf
-  t_power = float(scipy_stats.t.ppf(power, n - 1))
-  return (t_quantile(n, level) + t_power) * sd / math.sqrt(n)
+  return _noncentrality(n, level, power) * sd / math.sqrt(n)
+
+
+_nc_cache: dict = {}
+
+
+def _noncentrality(n: int, level: float, target: float) -> float:
+  """The noncentrality whose two-sided power is `target` (bracketed from 0,
+  where the power is 1 - level, up by doubling; solved to 1e-12)."""
+  key = (n, level, target)
+  if key not in _nc_cache:
+    high = t_quantile(n, level) + 1
+    while t_test_power(high, n, level=level) < target:
+      high *= 2
+    _nc_cache[key] = optimize.brentq(
+        lambda nc: t_test_power(nc, n, level=level) - target, 0.0, high,
+        xtol=1e-12)
+  return _nc_cache[key]
 
 
 def p_value(values: Sequence[float]) -> float:
@@ -172,6 +214,30 @@ def ratio(a: Sequence[float], b: Sequence[float], *, resamples: int = 10_000,
 
 
 Verdict = Literal['resolved', 'not claimed', 'equal on all seeds', 'one seed']
+# Why a difference is not claimed: the first check of CONVENTION it fails,
+# in this order (a difference withheld by the gate passed every other).
+Reason = Literal['one seed', 'equal on all seeds', 'interval holds 0',
+                 'below the detectable effect', 'failed Holm',
+                 'withheld by the control gate']
+REASONS: tuple[Reason, ...] = Reason.__args__
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """CONVENTION's verdict on a difference and, when it is not resolved,
+  the reason; `words` is how every report writes it."""
+  verdict: Verdict
+  reason: Reason | None = None
+
+  @property
+  def words(self) -> str:
+    """'resolved', or 'not claimed: REASON' (for one seed and values equal
+    on all seeds too: neither is a claim)."""
+    return 'resolved' if self.reason is None else f'not claimed: {self.reason}'
+
+
+# Every text `Decision.words` can be: a report's verdict is one of these.
+WORDS: tuple[str, ...] = ('resolved', *(f'not claimed: {r}' for r in REASONS))
 
 
 def as_estimate(est: Estimate | Mapping) -> Estimate:
@@ -182,24 +248,51 @@ def as_estimate(est: Estimate | Mapping) -> Estimate:
                   *(float(est[k]) for k in ('low', 'high')))
 
 
-def decide(est: Estimate | Mapping, *, rejected: bool | None = None
-           ) -> Verdict:
-  """CONVENTION applied to a difference over seeds (or sources): 'one
-  seed' (n = 1, no interval), 'equal on all seeds' (sd 0: one measurement),
-  'resolved' when its interval excludes 0, |mean| is at least
-  `detectable(sd, n)` and, in a Holm family, `rejected` is True; otherwise
-  'not claimed' (the interval holds 0, or the effect is below what the
-  seeds detect). The one place a verdict on a difference is made."""
+def decision(est: Estimate | Mapping, *, rejected: bool | None = None,
+             withheld: bool | None = None) -> Decision:
+  """CONVENTION applied to a difference over seeds (or sources), the one
+  place a verdict on a difference and its reason are made. Checked in
+  order, the first that fails is the reason: n >= 2 ('one seed'), sd > 0
+  ('equal on all seeds': one measurement), the interval excludes 0
+  ('interval holds 0'), |mean| >= `detectable(sd, n)` ('below the
+  detectable effect'), in a Holm family `rejected` ('failed Holm'), and
+  where a control gate applies, not `withheld` ('withheld by the control
+  gate': a difference the statistics would claim, on a setup whose control
+  does not let it be read). All pass: 'resolved'."""
   e = as_estimate(est)
   if e.n < 2:
-    return 'one seed'
+    return Decision('one seed', 'one seed')
   if e.deterministic:
-    return 'equal on all seeds'
-  if rejected is False or not e.resolved:
-    return 'not claimed'
-  if abs(e.mean) < detectable(e.sd, e.n):
-    return 'not claimed'
-  return 'resolved'
+    return Decision('equal on all seeds', 'equal on all seeds')
+  for failed, reason in ((not e.resolved, 'interval holds 0'),
+                         (abs(e.mean) < detectable(e.sd, e.n),
+                          'below the detectable effect'),
+                         (rejected is False, 'failed Holm'),
+                         (bool(withheld), 'withheld by the control gate')):
+    if failed:
+      return Decision('not claimed', reason)
+  return Decision('resolved')
+
+
+def decide(est: Estimate | Mapping, *, rejected: bool | None = None
+           ) -> Verdict:
+  """`decision`'s verdict alone: 'one seed', 'equal on all seeds',
+  'resolved' or 'not claimed'."""
+  return decision(est, rejected=rejected).verdict
+
+
+def sd_ratio(sd_a: float, n_a: int, sd_b: float, n_b: int, *,
+             level: float = LEVEL) -> tuple[float, float, float]:
+  """(sd_a / sd_b, and its two-sided `level` interval): the F interval of
+  a ratio of two sample variances with n_a - 1 and n_b - 1 degrees,
+  square-rooted (exact for independent normal samples; an A/A control
+  and a variant paired against the same reference share it, so read it as
+  approximate). At 5 seeds each it spans a factor of 3.1 either way."""
+  r = sd_a / sd_b
+  tail = (1 - level) / 2
+  f_hi = float(scipy_stats.f.ppf(1 - tail, n_a - 1, n_b - 1))
+  f_lo = float(scipy_stats.f.ppf(tail, n_a - 1, n_b - 1))
+  return r, r / math.sqrt(f_hi), r / math.sqrt(f_lo)
 
 
 def shifted(est: Estimate | Mapping, by: float) -> Estimate:

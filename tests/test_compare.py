@@ -109,7 +109,7 @@ def test_gqa_crossing_the_near_margin_is_unresolved():
 
 def test_one_seed_and_no_mha_claim_nothing():
   one = analysis.comparisons(_losses({8: [2.2], 1: [2.3]}), 8)[0]
-  assert one['verdict'].startswith('one seed') and math.isinf(
+  assert one['verdict'].startswith('not claimed: one seed') and math.isinf(
       one['detectable'])
   no_mha = analysis.comparisons(_losses({4: list(SEEDS), 1: list(SEEDS)}),
                                8)[0]
@@ -164,7 +164,7 @@ def test_the_report_and_results_json_carry_every_seed(tmp_path, monkeypatch):
           f'{found["verdict"]} |') in report
   assert 'Shazeer compared at equal parameters: --equal_params' in report
   # The reading: each difference with stats.decide's verdict.
-  assert (f'K=1 {d.mean:+.3f} nats, {stats.decide(d)} (detectable: '
+  assert (f'K=1 {d.mean:+.3f} nats, {stats.decision(d).words} (detectable: '
           f'{found["detectable"]:.3f})') in report
   assert result['provenance']['command'] == (
       f'python -m scripts.compare --seeds=4 --out={tmp_path}')
@@ -208,8 +208,8 @@ def test_the_negative_control_says_whether_the_setup_sees_attention(
   assert control['reading'].startswith({
       0.3: 'the setup sees attention: without context the held-out loss '
            'is +0.300 nats worse',
-      0.0: 'not claimed (4 seeds detect',
-      -0.3: 'resolved BETTER without context (-0.300 nats): K=8 does not '
+      0.0: 'not claimed: interval holds 0 (4 seeds detect',
+      -0.3: 'BETTER without context (-0.300 nats, resolved): K=8 does not '
             'use its context'}[offset])
   reading = compare_text.reading([dict(K=8, decode=1.0),
                                   dict(K=1, decode=2.0)],

@@ -200,14 +200,14 @@ def test_the_report_gives_each_family_its_claim_correction_and_verdicts():
              if line.startswith('| TPA2_G_share1 − K4_G_share1 |'))
   assert ('| 16 vs 16 | 3,082,496 vs 3,148,032 | 2,048 vs 2,048 (1.00x) | '
           '+0.1567 [') in row
-  assert '| does not reject H0 | not claimed (0.' in row
+  assert '| does not reject H0 | not claimed: failed Holm (0.' in row
   assert '| rejects H0 | resolved (' in next(
       line for line in text.split('\n')
       if line.startswith('| TPA1_G_share1 − K2_G_share1 |'))
   lines = reading.panel_reading('heads', panel)
   (bullet,) = [b for b in lines if '**TPA, heads-matched**' in b]
-  assert ('. Resolved worse: TPA1_G_share1 than K2_G_share1; the rest not '
-          'claimed.') in bullet
+  assert ('. Claimed worse: TPA1_G_share1 than K2_G_share1; no other '
+          'pair.') in bullet
   assert 'Holm over the family of 3 NLL differences' in bullet
   d = panel['analysis']['families'][0]['pairs'][1]['diff']['nll']
   assert reading.said(d, ' nats', rejected=False) in bullet
@@ -220,7 +220,7 @@ def test_the_report_gives_each_family_its_claim_correction_and_verdicts():
   panel['analysis'] = analysis.analyse(panel['models'], panel['families'])
   (bullet,) = [b for b in reading.panel_reading('heads', panel)
                if '**TPA, heads-matched**' in b]
-  assert '. Resolved better: TPA1_G_share1 than K2_G_share1' in bullet
+  assert '. Claimed better: TPA1_G_share1 than K2_G_share1' in bullet
   # Nothing resolved: said so, and no pair called worse or better.
   flat = _heads_panel()
   for m in flat['models']:
@@ -229,7 +229,7 @@ def test_the_report_gives_each_family_its_claim_correction_and_verdicts():
   (bullet,) = [b for b in reading.panel_reading('heads', flat)
                if '**TPA, heads-matched**' in b]
   assert 'On NLL nothing is claimed either way.' in bullet
-  assert 'Resolved worse:' not in bullet
+  assert 'Claimed worse:' not in bullet
 
 
 def test_a_report_without_families_has_no_family_section():

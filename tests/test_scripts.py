@@ -381,25 +381,27 @@ def test_recall_sweep_verdicts_are_stats_decide_on_counted_seeds():
   cell = {(c['K'], c['H']): c for c in cells}
   found = {(c['H'], c['K']): c for c in recall_study.comparisons(
       cell, [8, 1], [16, 8])}
-  assert found[16, 1]['verdict'] == 'equal on all seeds'
+  assert found[16, 1]['verdict'] == 'not claimed: equal on all seeds'
   d = found[8, 1]['difference']
   assert (found[8, 1]['learnt'], found[8, 1]['reference_learnt']) == (2, 1)
   assert d.mean == pytest.approx(1 / 3)
-  assert found[8, 1]['verdict'] == stats.decide(d) == 'not claimed'
+  assert stats.decide(d) == 'not claimed'
+  assert found[8, 1]['verdict'] == stats.decision(d).words == (
+      'not claimed: interval holds 0')
   meta = dict(argv=['--out=x'], description='recall', model='m', steps=500,
               batch_size=64, seeds=3, minutes=1.0, pairs=8)
   report = '\n'.join(recall_study.report_lines(cell, [8, 1], [16, 8], meta))
-  assert ('no difference of K is claimed at any head size (1 equal on all '
-          'seeds, 1 not claimed)') in report
+  assert ('no difference of K is claimed at any head size (1 not claimed: '
+          'equal on all seeds, 1 not claimed: interval holds 0)') in report
   assert '| 8 | 1 | 2/3 / 1/3 | +0.33 [' in report
-  assert report.count('| not claimed |') == 1
+  assert report.count('| not claimed: interval holds 0 |') == 1
   # Six seeds that all learn with K = 1 and half with K = 8: still the
   # seeds' counts and stats.decide's verdict, whatever it is.
   cells = [_sweep_cell(8, 8, [0, 1, 0, 1, 0, 1]),
            _sweep_cell(1, 8, [1, 1, 1, 1, 1, 1])]
   (c,) = recall_study.comparisons({(x['K'], x['H']): x for x in cells},
                                   [8, 1], [8])
-  assert c['verdict'] == stats.decide(c['difference'])
+  assert c['verdict'] == stats.decision(c['difference']).words
 
 
 def test_the_published_recall_sweep_rebuilds_identically(tmp_path,
@@ -526,8 +528,9 @@ def test_kv_frontier_reads_the_control_pairs_equal_bytes_and_the_frontier():
   assert 'a family of 1, uncorrected' in made and '| rejects H0 |' in made
   # An unresolved pair: what its interval allows and what the seeds detect,
   # not "any true difference is likely below".
-  assert ('K2_LLGG_share2 − K1_LLGG_share1: the interval allows differences '
-          'up to 0.') in made and 'with 80% power' in made
+  assert ('K2_LLGG_share2 − K1_LLGG_share1 (not claimed: interval holds 0): '
+          'the interval allows differences up to 0.') in made
+  assert 'with 80% power' in made
   assert 'likely below' not in made and 'ties' not in made
   # A difference equal on every seed has no interval, not [-inf, +inf].
   assert report.interval(stats.paired([0.5] * 3, [0.5] * 3).as_dict()) == \
@@ -633,8 +636,8 @@ def test_kv_frontier_reading_is_made_from_the_numbers_by_stats_decide():
   blind = _fake_grid(control_accuracy=0.9, control_nll=1.0)
   blind_text = '\n'.join(frontier_reading.reading(dict(panels={'recall': dict(
       panel, models=blind, analysis=frontier_analysis.analyse(blind))})))
-  assert '**The control is not resolved worse: the setup is blind' \
-      in blind_text
+  assert '**The control is not worse on NLL (not claimed: ' in blind_text
+  assert '): the setup is blind' in blind_text
 
 
 def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
@@ -644,7 +647,7 @@ def test_kv_frontier_says_not_claimed_below_the_detectable_effect():
   assert d.resolved and stats.decide(d) == 'not claimed'
   said = frontier_reading.said({**d.as_dict(),
                             'detectable': stats.detectable(d.sd, d.n)})
-  assert '(not claimed; detectable' in said
+  assert '(not claimed: below the detectable effect; detectable' in said
 
 
 @pytest.mark.parametrize('folder', ['docs/results/kv_frontier',

@@ -148,12 +148,12 @@ def test_gta_and_gla_are_paired_within_the_source_and_decided():
   assert [c['S'] for c in gla] == list(SOURCE)  # One Holm family.
   for c in gla:
     assert abs(c['mean']) < c['detectable']
-    assert c['verdict'] == 'not claimed'
+    assert c['verdict'].startswith('not claimed: ')
   text = replicated_report.text(_results(_growing, gla=0.001))
   assert '**GTA at MLA-below\'s cache bytes** (K/V heads mean-pooled to ' \
       'K = 1, tied, a 14-wide shared RoPE key: K·H + Y = 30 numbers, ' \
       '240 bytes/token' in text
-  assert 'GLA − MLA' in text and '**not claimed**' in text
+  assert 'GLA − MLA' in text and '**not claimed: ' in text
   # Results made before these arms report without them.
   old = replicated_summary.summary(_results(_growing, latent=False))
   assert 'gla_vs_mla' not in old and 'gta_vs_equal_bytes' not in old
@@ -192,7 +192,7 @@ def test_tpa_is_paired_with_the_gqa_it_was_converted_from():
   assert '| TPA − mean K of nearest bytes |' in text  # Its table column.
   # As good as GQA: below what 3 sources detect, not claimed.
   tie = replicated_summary.summary(_results(_growing, tpa=0.0))
-  assert all(c['verdict'] == 'not claimed'
+  assert all(c['verdict'].startswith('not claimed: ')
              for c in tie['tpa_vs_equal_bytes'])
   # Rounding is named as such, and a conversion that is not exact is
   # named, not read as rounding.
@@ -223,13 +223,13 @@ def test_claim_1_is_decided_by_the_trend_over_source_length():
   # A gap whose distance from the margin is below what 3 sources detect.
   unsure = replicated_summary.summary(_results(
       lambda S, K, seed: 0.02 + 0.03 * (seed - 1), noise=0.0))
-  assert unsure['claim1']['paper'] == 'not claimed'
+  assert unsure['claim1']['paper'] == 'not claimed: interval holds 0'
 
 
 def test_the_gate_reads_the_drift_at_every_read_and_withholds_claim_1():
   summ = replicated_summary.summary(_results(_growing, drift=-0.08))
   assert not summ['gate'][3200]['passes']
-  assert summ['claim1']['paper'] == 'not claimed (below the control gate)'
+  assert summ['claim1']['paper'] == 'not claimed: withheld by the control gate'
   steps = [d['step'] for d in summ['lengths'][400]['drift']]
   assert steps == [20, 80]  # Both reads of a 400-step source.
 
@@ -247,8 +247,8 @@ def test_claim_2_is_holm_corrected_and_decided_by_the_convention():
   # detect, so the ordering is not claimed (and never contradicted).
   tie = replicated_summary.summary(_results(_growing, random=0.0))
   cells = [c for c in tie['ranking'] if c['worse'] == 'random']
-  assert all(c['verdict'] == 'not claimed' for c in cells)
-  assert all(v.startswith('not claimed (') and 'first < random: not claimed'
+  assert all(c['verdict'].startswith('not claimed: ') for c in cells)
+  assert all(v.startswith('not reproduced (') and 'first < random: not claimed'
              in v for by_K in tie['ordering'].values() for v in by_K.values())
   # Random worse than first by the same amount on every source: one
   # measurement, never resolved, so the ordering is not claimed either.
@@ -256,10 +256,11 @@ def test_claim_2_is_holm_corrected_and_decided_by_the_convention():
            **replicated_summary._over_sources([-0.05] * 3)}
           for b, w in (('mean', 'first'), ('first', 'random'))]
   family = replicated_summary._holm(same)
-  assert [c['verdict'] for c in family] == ['equal on all seeds'] * 2
+  assert [c['verdict'] for c in family] == [
+      'not claimed: equal on all seeds'] * 2
   assert common.ranking_verdict(family, 2) == (
-      'not claimed (mean < first: not claimed (equal on all seeds); '
-      'first < random: not claimed (equal on all seeds))')
+      'not reproduced (mean < first: not claimed: equal on all seeds; '
+      'first < random: not claimed: equal on all seeds)')
 
 
 def test_claim_3_is_judged_against_the_margin_and_by_the_trend():
@@ -284,10 +285,10 @@ def test_claim_3_is_judged_against_the_margin_and_by_the_trend():
   assert verdict == 'reproduced'  # Uptrained as good as scratch, or better.
   _, verdict = claim3(lambda S, K, seed: 0.02 + 0.03 * (seed - 1),
                       noise=0.0)
-  assert verdict == 'not claimed'
+  assert verdict == 'not claimed: interval holds 0'
   # Beyond the margin but below the control gate's floor: withheld.
   summ, verdict = claim3(lambda S, K, seed: 0.2 + 0.004 * seed, drift=-0.08)
-  assert verdict == 'not claimed (below the control gate)'
+  assert verdict == 'not claimed: withheld by the control gate'
   assert ('K=2 paper vs scratch', pytest.approx(0.204, abs=0.01)) in \
       summ['gate'][3200]['below']
 

@@ -158,13 +158,13 @@ def test_near_mha_and_the_optimizer_start_are_read_with_their_intervals():
       '**pooled** Adam wins')
   noisy = single_summary.summary(_results(near, noise=0.05))
   recommendation = single_reading._start_recommendation(noisy['start'])
-  assert recommendation.startswith('not claimed after Holm (mean K=1: '
-                                   'detectable 0.') and 'not as the better' \
+  assert recommendation.startswith('no start wins after Holm (mean K=1: '
+                                   'not claimed: ') and 'not as the better' \
       in recommendation
   # Claim 1 with an interval straddling the margin: not claimed, not
   # "not reproduced"; the detectable difference is printed.
   assert single_reading._near_verdict(noisy['near'][1], 2, 0.02).startswith(
-      'not claimed (detectable 0.')
+      'not claimed: interval holds 0 (detectable 0.')
 
 
 def test_claim_2_tells_unresolved_from_contradicted():
@@ -177,7 +177,7 @@ def test_claim_2_tells_unresolved_from_contradicted():
              'mean': -0.11, 'sd': 0.01, 'n': 4, 'low': -0.126,
              'high': -0.094, 'detectable': 0.02}]
   assert common.ranking_verdict(family, 1) == (
-      'not claimed (mean < first: not claimed, detectable 0.0213 nats; '
+      'not reproduced (mean < first: not claimed: interval holds 0; '
       'first < random: reproduced)')
   # Resolved the other way (first beats mean, beyond what seeds detect).
   family[0].update(holm=True, mean=0.05, low=0.03, high=0.07)
@@ -185,7 +185,7 @@ def test_claim_2_tells_unresolved_from_contradicted():
   # Resolved and Holm-rejected, but below the detectable effect: not claimed.
   family[0].update(mean=0.0043, sd=0.0025, low=0.0003, high=0.0083)
   assert common.ranking_verdict(family, 1).startswith(
-      'not claimed (mean < first: not claimed')
+      'not reproduced (mean < first: not claimed: ')
 
 
 def test_recall_median_counts_censored_seeds_beyond_every_observed_one():
@@ -366,8 +366,7 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
   small = {'mean': 0.0065, 'sd': 0.003457, 'n': 4, 'low': 0.0010,
            'high': 0.0120, 'holm': True, 'detectable': 0.0072}
   assert single_reading._mla_verdict(small) == (  # pylint: disable=protected-access
-      'GQA lower by less than the seeds detect: not claimed (detectable '
-      '0.0072 nats)')
+      'not claimed: below the detectable effect (detectable 0.0072 nats)')
   # E on GQA K=1's scratch curve: loss 2.9 at the paper's alpha.
   np.testing.assert_allclose(K1['compute'][2]['E'], [
       30 * (5.01 + 0.001 * (s - 2) - (2.9 - 0.002 * (s - 2)))
@@ -392,7 +391,7 @@ def test_mla_is_compared_with_mean_pooled_gqa_paired_by_seed():
       UP, noise=0.0005, mla=lambda s, seed: UP['mean'](s) + 0.001 * (
           seed - 2)))
   assert single_reading._mla_verdict(same['mla']['paper'][0]).startswith(
-      'not claimed (detectable 0.')
+      'not claimed: interval holds 0 (detectable 0.')
   # Results from before the MLA arm read as before.
   assert 'mla' not in single_summary.summary(_results(UP, noise=0.0005))
 

@@ -85,13 +85,16 @@ def control_check(arm: dict | None, losses: dict) -> dict | None:
                'interval, so the control is not counted as seen')
   elif seen:
     reading = (f'the setup sees attention: without context the held-out '
-               f'loss is {d.mean:+.3f} nats worse, resolved by {d.n} seeds')
+               f'loss is {d.mean:+.3f} nats worse over {d.n} seeds, '
+               f'{stats.decision(d).words}')
   elif decided == 'resolved':
-    reading = (f'resolved BETTER without context ({d.mean:+.3f} nats): '
+    reading = (f'BETTER without context ({d.mean:+.3f} nats, '
+               f'{stats.decision(d).words}): '
                f'K={K} does not use its context (too few steps, or a bug), '
                'so no difference below can be interpreted')
   else:
-    reading = (f'not claimed ({d.n} seeds detect {detectable:.3f} nats): '
+    reading = (f'{stats.decision(d).words} ({d.n} seeds detect '
+               f'{detectable:.3f} nats): '
                'these seeds and this evaluation cannot tell a model '
                f'without context from K={K}, so an unresolved difference '
                'between the variants says nothing about K')
@@ -124,14 +127,15 @@ def verdict(K: int, reference: int, num_heads: int | None, d: stats.Estimate,
             "paper's claim is tested")
   decided = stats.decide(d)
   if decided in ('one seed', 'equal on all seeds'):
-    return (f'{decided}: no interval, nothing claimed (rerun with --seeds=3 '
+    return (f'{stats.decision(d).words}: no interval (rerun with --seeds=3 '
             'or more)')
   more = lambda effect: (
       f'; about {n} seeds would detect {effect:.3f}'
       if (n := seeds_to_detect(d.sd, effect)) else '')
   if K == 1:
     low, high = SHAZEER_MQA_COST
-    return (f'MQA minus MHA {d.mean:+.3f} nats per {per}: {decided} '
+    return (f'MQA minus MHA {d.mean:+.3f} nats per {per}: '
+            f'{stats.decision(d).words} '
             f'(detectable {detectable:.3f}). Shazeer\'s MQA cost '
             f'({low:.3f}-{high:.3f} nats) is per subword token at equal '
             f'parameters, another unit: not compared')
@@ -149,6 +153,25 @@ def verdict(K: int, reference: int, num_heads: int | None, d: stats.Estimate,
           'nats or more' + more(NEAR_MHA))
 
 
+def _aa_spread(d: stats.Estimate, variants: list) -> str:
+  """The A/A sd against each variant's paired sd (`variants`: (K, its
+  difference's Estimate)), as a ratio with its 95% F interval, and what
+  the intervals allow: with few seeds, 'consistent with' at most."""
+  if not (d.n > 1 and d.sd > 0):
+    return ' against the variants\' paired sd: no spread to compare'
+  ratios = [(K, e, stats.sd_ratio(d.sd, d.n, e.sd, e.n)) for K, e in variants]
+  holds = all(lo <= 1 <= hi for _, _, (_, lo, hi) in ratios)
+  return (' against the variants\' paired sd (A/A sd / the variant\'s, 95% '
+          'F interval): ' + ', '.join(
+              f'K={K} {e.sd:.4f} ({r:.2f} [{lo:.2f}, {hi:.2f}])'
+              for K, e, (r, lo, hi) in ratios) + ': ' + (
+                  'consistent with a redraw alone making that much of their '
+                  'spread (every interval holds 1; these seeds cannot say '
+                  'that it does)' if holds else
+                  'a ratio\'s interval excludes 1: the redraw alone does not '
+                  'make their spread'))
+
+
 def aa_check(arm: dict | None, losses: dict, found) -> dict | None:
   """The A/A control against the reference, paired by seed (arm and
   losses as `control_check` takes them): the difference A/A - reference,
@@ -160,19 +183,15 @@ def aa_check(arm: dict | None, losses: dict, found) -> dict | None:
   K, seeds, a, b = _paired_arm(arm, losses)
   d = stats.paired(a, b)
   decided = stats.decide(d)
-  variants = [c for c in found if stats.as_estimate(c['difference']).n > 1]
-  sds = ', '.join(f'K={c["K"]} {stats.as_estimate(c["difference"]).sd:.4f}'
-                  for c in variants)
+  variants = [(c['K'], stats.as_estimate(c['difference'])) for c in found
+              if stats.as_estimate(c['difference']).n > 1]
   reading = (
       f'the reference with only its K/V initialisation redrawn differs by '
-      f'{d.mean:+.4f} nats ({decided}), sd {d.sd:.4f} over seeds' + (
-          f' against the variants\' paired sd ({sds}): ' + (
-              'a redraw alone makes that much of their spread'
-              if d.n > 1 and d.sd > 0 else 'no spread to compare')
-          if variants else
-          '; no other variant ran beside it here, so there is no paired sd '
-          'of a variant to set it against')
-      + ('; resolved, so the K/V initialisation alone moves the loss beyond '
+      f'{d.mean:+.4f} nats ({stats.decision(d).words}), sd {d.sd:.4f} over '
+      'seeds' + (_aa_spread(d, variants) if variants else
+                 '; no other variant ran beside it here, so there is no '
+                 'paired sd of a variant to set it against')
+      + ('; so the K/V initialisation alone moves the loss beyond '
          'what the seeds detect, and a variant\'s difference of that size '
          'says nothing about K' if decided == 'resolved' else ''))
   return dict(K=K, seeds=seeds, losses=a, reference_losses=b, difference=d,

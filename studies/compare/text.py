@@ -59,7 +59,7 @@ def rows(result) -> list[dict]:
 
 def reading(rows_, found, control=None) -> str:
   """What the negative control shows, each paired difference with
-  `stats.decide`'s verdict, then decoding; from the numbers."""
+  `stats.decision`'s words, then decoding; from the numbers."""
   parts = ['Negative control (a model without context): ' + (
       f'{control["reading"]}.' if control else
       'left out (--no_control, or one seed): nothing shows that these '
@@ -70,11 +70,10 @@ def reading(rows_, found, control=None) -> str:
     parts.append(
         f'Each variant minus K={found[0]["reference_K"]}, by scripts/'
         'stats.py\'s rule: ' + '; '.join(
-            f'K={c["K"]} {d.mean:+.3f} nats, {stats.decide(d)}'
+            f'K={c["K"]} {d.mean:+.3f} nats, {stats.decision(d).words}'
             + (f' (detectable: {c["detectable"]:.3f})' if d.n > 1 else '')
             for c, d in zip(found, est)) + '.'
-        + (' A difference below the detectable one is not claimed.'
-           if est[0].n > 1 else ' Rerun with --seeds=3 or more.'))
+        + ('' if est[0].n > 1 else ' Rerun with --seeds=3 or more.'))
   if len(rows_) > 1:
     fastest = max(rows_, key=lambda r: r['decode'])
     slowest = min(rows_, key=lambda r: r['decode'])

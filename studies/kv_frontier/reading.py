@@ -1,6 +1,6 @@
 """The frontier report's reading ('## What it shows'): what the tables show,
 in sentences made from the numbers. Every verdict on a difference is
-`stats.decide`'s; a text that reads an outcome (the control seen or not,
+`stats.decision`'s words; a text that reads an outcome (the control seen or not,
 seeds retrieving or not, a pair at the floor) is chosen by that outcome.
 One function a bullet, each given the panel as `_Panel` holds it."""
 
@@ -20,9 +20,8 @@ def reading(result: dict) -> list[str]:
   """'## What it shows': per panel, bullets from its analysis."""
   lines = [*report.section('What it shows'),
            'Made from frontier.json as the tables below are: every verdict '
-           'is `stats.decide`\'s (resolved, not claimed, equal on all '
-           'seeds), at the detectable effect the seeds give; the tables '
-           'have every interval.', '']
+           'and its reason are `stats.decision`\'s words, at the detectable '
+           'effect the seeds give; the tables have every interval.', '']
   for name, panel in result['panels'].items():
     lines += report.bullets(panel_reading(name, panel))
   return lines + ['']
@@ -38,14 +37,14 @@ def decimals(d: dict) -> int:
 
 
 def said(d: dict, unit: str = '', rejected: bool | None = None) -> str:
-  """A difference with its interval, `stats.decide`'s verdict and what
-  the seeds detect: '+0.05 [-0.16, +0.26] nats (not claimed; detectable
-  0.26)'."""
-  verdict = stats.decide(d, rejected=rejected)
+  """A difference with its interval, `stats.decision`'s words and what
+  the seeds detect: '+0.05 [-0.16, +0.26] nats (not claimed: interval
+  holds 0; detectable 0.26)'."""
+  decided = stats.decision(d, rejected=rejected)
   text = report.interval(d, f'+.{decimals(d)}f') + unit
-  if verdict in ('equal on all seeds', 'one seed'):
+  if decided.verdict in ('equal on all seeds', 'one seed'):
     return text  # The interval says it: there is none.
-  return f'{text} ({verdict}; detectable {d["detectable"]:.2g})'
+  return f'{text} ({decided.words}; detectable {d["detectable"]:.2g})'
 
 
 def holm_family(pairs: list) -> str:
@@ -122,8 +121,8 @@ def _control(p: _Panel) -> list[str]:
           f'{nll["mean"]:.2f}-nat effect); that does not show that it can '
           'see an effect of K or of the cache\'s capacity, which may be far '
           'smaller.' if control['sees_attention'] else
-          '**The control is not resolved worse: the setup is blind to '
-          'attention here, and nothing below can be read as an effect of '
+          f'**The control is not worse on NLL ({stats.decision(nll).words}): '
+          'the setup is blind to attention here, and nothing below can be read as an effect of '
           'the cache.**')]
 
 
@@ -215,9 +214,9 @@ def _equal_bytes(p: _Panel) -> list[str]:
   return [f'{HEAD}, **equal bytes** (uncorrected): ' + '; '.join(
       pairs) + '. ' + (
       'On NLL nothing is claimed either way.' if not claimed else
-      'Resolved on NLL: ' + '; '.join(
+      'Claimed on NLL: ' + '; '.join(
           f'{e["a"]} {"worse" if e["diff"]["nll"]["mean"] > 0 else "better"}'
-          f' than {e["b"]}' for e in claimed) + '; the rest not claimed.')]
+          f' than {e["b"]}' for e in claimed) + '; no other pair.')]
 
 
 def _zadouri(p: _Panel) -> list[str]:
@@ -230,8 +229,8 @@ def _zadouri(p: _Panel) -> list[str]:
       f'{HEAD}, **Zadouri et al.\'s pairs** (GTA against GQA with as many '
       'K/V heads, their claim being GQA\'s quality at about half its '
       'cache; GLA against MLA of the same bytes, their claim being MLA\'s '
-      'quality; uncorrected): ' + '; '.join(pairs) + '. A pair not '
-      'resolved is not a match: it is a difference below what these seeds '
+      'quality; uncorrected): ' + '; '.join(pairs) + '. A pair without a '
+      'claim is not a match: it is a difference below what these seeds '
       'detect, in either direction. GTA with K heads and a RoPE key of Y '
       'caches (K·H + Y) / (2·K·H) of GQA-K\'s: about half for many heads, '
       'more with few (one head and Y = H/2: 75%).']
@@ -258,16 +257,16 @@ def _families(p: _Panel) -> list[str]:
             ('worse', [e for e in resolved if e['diff']['nll']['mean'] > 0]),
             ('better', [e for e in resolved if e['diff']['nll']['mean'] < 0]))
                if group]
-    outcome = ('Resolved ' + '; resolved '.join(claimed) + (
-        '; the rest not claimed' if len(resolved) < len(f['pairs']) else '')
+    outcome = ('Claimed ' + '; claimed '.join(claimed) + (
+        '; no other pair' if len(resolved) < len(f['pairs']) else '')
                + '.' if claimed else 'On NLL nothing is claimed either way.')
     bullets.append(
         f'{HEAD}, **{f["name"]}** ({holm_family(f["pairs"])}, fixed in the '
         'design before any run): ' + '; '.join(pairs) + f'. {outcome} '
-        'A pair resolved worse is against "matches or beats" for that '
+        'A pair claimed worse is against "matches or beats" for that '
         f'baseline at this scale ({p.record["steps"]} steps of '
         f'`{p.record["config"]}`, not the paper\'s 124M-770M parameters); '
-        'one not claimed is not a match either: a difference below what '
+        'one without a claim is not a match either: a difference below what '
         'these seeds detect, in either direction.')
   return bullets
 
@@ -285,7 +284,7 @@ def _conversions(p: _Panel) -> list[str]:
            'uptraining recipe; uncorrected, and with no control for the '
            f'source itself training {e["uptrain_steps"]} more steps'
            if e['uptrain_steps'] else ', as converted (no training)')
-        + ('. Not claimed: it says neither that the conversion recovers '
+        + ('. Without a claim it says neither that the conversion recovers '
            'past its source nor that it falls short of it.'
            if e['uptrain_steps'] and stats.decide(d) != 'resolved' else '.'))
   return bullets
@@ -296,22 +295,22 @@ def _int8(p: _Panel) -> list[str]:
   if not deltas:
     return []
   nlls = [e['delta']['nll'] for e in deltas]
-  verdicts = [stats.decide(d) for d in nlls]
+  verdicts = [stats.decision(d).words for d in nlls]
   counts = ', '.join(f'{verdicts.count(v)} {v}' for v in dict.fromkeys(
       verdicts))
   bound = max(max(abs(d['low']), abs(d['high'])) for d in nlls
               if math.isfinite(d['low']))
   ratios = [m['kv_bytes_per_token']['int8'] / m['kv_bytes_per_token'][
       'float'] for m in p.designs]
-  resolved = [e['variant'] for e, v in zip(deltas, verdicts)
-              if v == 'resolved']
+  resolved = [e['variant'] for e, d in zip(deltas, nlls)
+              if stats.decide(d) == 'resolved']
   return [
       f'{HEAD}, **int8 cache** (every model'
       + (' but the control' if len(deltas) < len(p.a['int8']) else '')
       + '): '
-      + (f'NLL resolved for {", ".join(resolved)} ({counts}); '
+      + (f'NLL differs for {", ".join(resolved)} ({counts}); '
          if resolved else f'no NLL difference from the float cache is '
-         f'resolved ({counts}); ')
+         f'claimed ({counts}); ')
       + ('every interval contains 0 and ' if all(
           d['low'] <= 0 <= d['high'] for d in nlls) else '')
       + f'none reaches past ±{bound:.2g} nats; the KL from the float '

@@ -59,7 +59,7 @@ def _made(result: dict) -> str:
 def text(result: dict) -> str:
   """report.md from frontier.json alone: where it was made (and rebuilt),
   the convention, the reading (`reading`: from the numbers, every verdict
-  `stats.decide`'s) and each panel's tables."""
+  `stats.decision`'s words) and each panel's tables."""
   lines = ['# The KV-memory frontier on a task where the cache matters', '',
            _made(result), '',
            *report.rebuilt_lines(result['provenance'], 'frontier.json'),
@@ -104,9 +104,10 @@ def _control(c: dict | None, models: list[dict]) -> list[str]:
       f'**Negative control.** All-local {c["control"]} against all-global '
       f'{c["reference"]}: NLL {_ci(nll)}, answer accuracy '
       f'{_ci(acc, "+.3f")} (control minus reference). '
-      + ('The control is resolved worse on NLL: the setup sees attention.'
-         if c['sees_attention'] else
-         '**The control is not resolved worse: the setup is blind to '
+      + (f'The control is worse on NLL ({stats.decision(nll).words}): the '
+         'setup sees attention.' if c['sees_attention'] else
+         f'**The control is not worse on NLL ({stats.decision(nll).words}): '
+         'the setup is blind to '
          'attention, and nothing below can be read as an effect of the '
          'cache.**'))
   if 'first' in ref['seeds']['float']:
@@ -130,7 +131,8 @@ def _first(d: dict, first: bool) -> list[str]:
 def _equal_bytes(a: dict, first: bool) -> list[str]:
   if not a['equal_bytes']:
     return []
-  mark = lambda d: ' (resolved)' if stats.decide(d) == 'resolved' else ''
+  mark = lambda d: (f' ({stats.decision(d).words})'
+                    if stats.decide(d) == 'resolved' else '')
   return ['**Equal bytes** (layouts holding the same float bytes per '
           'token: GQA-2 with CLA2 minus MQA, and MLA, GLA or GTA at those '
           'bytes minus each; paired by seed, uncorrected; "detectable": '
@@ -148,7 +150,7 @@ def _equal_bytes(a: dict, first: bool) -> list[str]:
 
 def _verdict(d: dict) -> str:
   """'verdict (detectable)' of an NLL difference."""
-  return f'{stats.decide(d)} ({d["detectable"]:.4f})'
+  return f'{stats.decision(d).words} ({d["detectable"]:.4f})'
 
 
 def _zadouri(a: dict, first: bool) -> list[str]:
@@ -175,7 +177,7 @@ def _arms(e: dict, key: str, spec: str = ',') -> str:
 def _families(a: dict, first: bool) -> list[str]:
   """Each family fixed in the design (TPA's): its claim, then a row a pair:
   both arms' query heads, parameters and bytes, the NLL difference with
-  Holm's decision and `stats.decide`'s verdict."""
+  Holm's decision and `stats.decision`'s words."""
   lines = []
   for f in a.get('families', []):
     if not f['pairs']:
@@ -192,7 +194,7 @@ def _families(a: dict, first: bool) -> list[str]:
                     f'({e["bytes_a"] / e["bytes_b"]:.2f}x)',
                     _ci(e['diff']['nll']),
                     'rejects H0' if e['holm'] else 'does not reject H0',
-                    f'{stats.decide(e["diff"]["nll"], rejected=e["holm"])} '
+                    f'{stats.decision(e["diff"]["nll"], rejected=e["holm"]).words} '
                     f'({e["diff"]["nll"]["detectable"]:.4f})',
                     _ci(e['diff']['accuracy'], '+.3f'),
                     *_first(e['diff'], first)]
@@ -214,7 +216,7 @@ def _main_effects(a: dict) -> list[str]:
                'ΔNLL verdict', 'Δaccuracy', 'detectable ΔNLL'],
               ([e['factor'], e['pairs'], _ci(e['nll']),
                 'rejects H0' if e['holm'] else 'does not reject H0',
-                stats.decide(e['nll'], rejected=e['holm']),
+                stats.decision(e['nll'], rejected=e['holm']).words,
                 _ci(e['accuracy'], '+.3f'), f'{e["nll"]["detectable"]:.4f}']
                for e in a['main_effects'])), '']
 
@@ -247,14 +249,16 @@ def _below_detectable(a: dict) -> list[str]:
                     for e in a['main_effects']] + [
                         (f'{e["a"]} − {e["b"]}', e['diff']['nll'], e['holm'])
                         for f in a.get('families', []) for e in f['pairs']]
-  unresolved = [(n, d) for n, d, holm in unresolved
-                if stats.decide(d, rejected=holm) != 'resolved']
+  unresolved = [(n, d, stats.decision(d, rejected=holm))
+                for n, d, holm in unresolved]
+  unresolved = [(n, d, w.words) for n, d, w in unresolved
+                if w.verdict != 'resolved']
   if not unresolved:
     return []
-  return ['Not resolved on NLL (not claimed either way): ' + '; '.join(
-      f'{n}: the interval allows differences up to '
+  return ['The rest on NLL, with what the seeds reach: ' + '; '.join(
+      f'{n} ({words}): the interval allows differences up to '
       f'{max(abs(d["low"]), abs(d["high"])):.4f}; these seeds detect '
-      f'{d["detectable"]:.4f} with 80% power' for n, d in unresolved)
+      f'{d["detectable"]:.4f} with 80% power' for n, d, words in unresolved)
           + '.', '']
 
 
@@ -292,9 +296,10 @@ def _frontier(a: dict, models: list[dict]) -> list[str]:
            'yes' if p['name'] in on else '']
           for p in sorted(analysis.points(models),
                           key=lambda p: -p['kv_bytes_per_token'])]
-  return ['', '**Frontier** (a point whose NLL is resolved lower than every '
-          'point with fewer bytes and not resolved higher than any with as '
-          'few; one not resolved lower than a cheaper point is off it' + (
+  return ['', '**Frontier** (a point whose NLL is lower, by '
+          '`stats.decide`, than every point with fewer bytes, and not higher '
+          'than any with as few; one not lower than a cheaper point is off '
+          'it' + (
               f'; the negative control {excluded} is left out, as a '
               'control, not a design' if excluded else '') + '): '
           + ', '.join(a['frontier']) + '.', '', *report.table(

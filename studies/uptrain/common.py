@@ -49,26 +49,24 @@ def detectable(est: dict) -> str:
 
 def _pair_outcome(c: dict) -> str:
   """One claimed ordering (better < worse: a negative difference), read
-  after Holm by `stats.decide`: reproduced, contradicted (resolved the
-  other way) or not claimed (with the convention's reason where it is
-  not the size: equal on all seeds, one seed)."""
-  verdict = stats.decide(c, rejected=c['holm'])
-  if verdict == 'resolved':
+  after Holm by `stats.decision`: reproduced, contradicted (resolved the
+  other way) or its words with the reason ('not claimed: failed Holm')."""
+  decided = stats.decision(c, rejected=c['holm'])
+  if decided.verdict == 'resolved':
     return 'reproduced' if c['mean'] < 0 else 'contradicted'
-  if verdict != 'not claimed':
-    return f'not claimed ({verdict})'
-  return f'not claimed, {detectable(c)}'
+  return decided.words
 
 
 def ranking_verdict(family: list[dict], K: int) -> str:
   """Claim 2 for K: reproduced if every ordering is, contradicted if one is
-  resolved the other way, otherwise not resolved (each ordering named)."""
+  resolved the other way, otherwise not reproduced (each ordering named
+  with `_pair_outcome`'s words)."""
   cells = [c for c in family if c['K'] == K]
   outcomes = [_pair_outcome(c) for c in cells]
   if all(o == 'reproduced' for o in outcomes):
     return 'reproduced'
   label = ('contradicted' if 'contradicted' in outcomes else
-           'not claimed')
+           'not reproduced')
   return label + ' (' + '; '.join(
       f'{c["better"]} < {c["worse"]}: {o}'
       for c, o in zip(cells, outcomes)) + ')'

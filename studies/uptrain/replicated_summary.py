@@ -86,7 +86,7 @@ def _over_sources(values: list[float], within: list[float] | None = None
   out = {**est.as_dict(), 'values': list(values),
          'p': stats.p_value(values),
          'detectable': stats.detectable(est.sd, est.n),
-         'verdict': stats.decide(est)}
+         'verdict': stats.decision(est).words}
   if within is not None:
     out['within_sd'] = float(np.nanmean(within)) if within else math.nan
   return out
@@ -249,10 +249,25 @@ def _slopes(plan: dict, lengths: dict, name: str, read: str) -> dict:
 
 def _holm(cells: list[dict]) -> list[dict]:
   """Holm over a family of per-source differences; each cell's verdict
-  (`stats.decide`) with its Holm outcome."""
+  (`stats.decision`'s words) with its Holm outcome."""
   rejected = stats.holm([c['p'] for c in cells])
-  return [{**c, 'holm': r, 'verdict': stats.decide(c, rejected=r)}
+  return [{**c, 'holm': r, 'verdict': stats.decision(c, rejected=r).words}
           for c, r in zip(cells, rejected)]
+
+
+def _trend_family(trend: dict) -> dict:
+  """The trends over the source's length, one Holm family fixed before
+  reading them: every slope the report states (the gap to the control and
+  the difference from K trained from scratch, for each K, at both reads:
+  the fixed read's are diagnostics, but a verdict is printed beside them,
+  so they are counted). Each slope gets its `holm` and corrected verdict."""
+  keys = [(name, read) for name, by_read in trend.items()
+          for read, t in by_read.items() if t.get('n', 0) > 1]
+  cells = _holm([trend[name][read] for name, read in keys])
+  out = {name: dict(by_read) for name, by_read in trend.items()}
+  for (name, read), cell in zip(keys, cells):
+    out[name][read] = {**cell, 'family': len(keys)}
+  return out
 
 
 def nearness_verdict(longest: dict, trend: dict, near: float,
@@ -261,20 +276,24 @@ def nearness_verdict(longest: dict, trend: dict, near: float,
   most `near` nats above it: claim 1's control, claim 3's K trained from
   scratch), decided mechanically: 'reproduced'
   when the gap at the longest source is resolved below the margin;
-  'contradicted' when it is resolved beyond it and the gap is resolved to
-  grow with the source's length (more pretraining would not close it);
+  'contradicted' when it is resolved beyond it and the gap is resolved
+  (after Holm over the trend family) to grow with the source's length
+  (more pretraining would not close it);
   'not reproduced at this scale' when beyond it and the trend is resolved
-  to shrink, or not claimed either way; 'not claimed' when the gap's
-  distance from the margin is below what the sources detect, or the gap
-  is below the control gate's `floor` (4 x the control's largest drift)."""
+  to shrink, or not claimed either way; otherwise the words of
+  `stats.decision` on the gap's distance from the margin (its reason: the
+  interval holds 0, below what the sources detect, or withheld when a gap
+  beyond the margin is below the control gate's `floor`, 4 x the
+  control's largest drift)."""
   beyond = stats.shifted(longest, near)
-  if stats.decide(beyond) != 'resolved':
-    return 'not claimed'
+  decided = stats.decision(beyond, withheld=(
+      beyond.mean > 0 and abs(longest['mean']) < floor))
+  if decided.verdict != 'resolved':
+    return decided.words
   if beyond.mean < 0:
     return 'reproduced'
-  if abs(longest['mean']) < floor:
-    return 'not claimed (below the control gate)'
-  if trend.get('n', 0) > 1 and stats.decide(trend) == 'resolved':
+  if trend.get('n', 0) > 1 and stats.decide(
+      trend, rejected=trend['holm']) == 'resolved':
     if trend['mean'] > 0:
       return 'contradicted'
     return 'not reproduced at this scale (the gap shrinks with the source)'
@@ -291,8 +310,7 @@ def _gate(lengths: dict, near: float, kv: list[int]) -> dict:
   out = {}
   for S, row in lengths.items():
     worst = max(row['drift'], key=lambda d: abs(d['mean']))
-    claims = [(f'K={K} {read}' + (' vs scratch' if kind == 'vs_scratch'
-                                   else ''), row[f'{kind}_K{K}'][read]['mean'])
+    claims = [(_gate_name(kind, K, read), row[f'{kind}_K{K}'][read]['mean'])
               for kind in ('gap', 'vs_scratch') for K in kv for read in READS
               if f'{kind}_K{K}' in row
               and stats.decide(stats.shifted(row[f'{kind}_K{K}'][read], near))
@@ -304,15 +322,41 @@ def _gate(lengths: dict, near: float, kv: list[int]) -> dict:
   return out
 
 
+def _as_decided(lengths: dict, gate: dict, family_cells: list[dict]):
+  """Every cell of `lengths` whose verdict the reading decides otherwise
+  takes that verdict, so that a table never says what the reading does
+  not: a member of a Holm family its corrected verdict, a distance
+  withheld by its length's control gate 'withheld by the control gate'."""
+  for c in family_cells:
+    lengths[c['S']][c['name']]['paper'].update(holm=c['holm'],
+                                               verdict=c['verdict'])
+  for S, row in lengths.items():
+    withheld = {name for name, _ in gate[S]['below']}
+    for kind in ('gap', 'vs_scratch'):
+      for read in READS:
+        for K in [int(k[len(kind) + 2:]) for k in row
+                  if k.startswith(f'{kind}_K')]:
+          if _gate_name(kind, K, read) in withheld:
+            cell = row[f'{kind}_K{K}'][read]
+            cell['verdict'] = stats.decision(cell, withheld=True).words
+
+
+def _gate_name(kind: str, K: int, read: str) -> str:
+  """How the gate names a distance beyond the margin: 'K=2 paper',
+  'K=2 paper vs scratch'."""
+  return f'K={K} {read}' + (' vs scratch' if kind == 'vs_scratch' else '')
+
+
 def summary(results: dict) -> dict:
   """Every derived number of the report, from the per-run curves."""
   plan = results['plan']
   lengths = {S: _length(plan, v) for S, v in by_length(results).items()}
   kv, near = plan['kv_heads'], plan['near']
   longest, gate = lengths[max(lengths)], _gate(lengths, near, kv)
-  trend = {name: {read: _slopes(plan, lengths, name, read) for read in READS}
-           for kind in ('gap', 'vs_scratch') for K in kv
-           if (name := f'{kind}_K{K}') in longest}
+  trend = _trend_family({
+      name: {read: _slopes(plan, lengths, name, read) for read in READS}
+      for kind in ('gap', 'vs_scratch') for K in kv
+      if (name := f'{kind}_K{K}') in longest})
   K_gqa = max(kv)  # The paper's claims of nearness are for GQA, not MQA.
   # As the paper frames them: at alpha = 0.05 of each source's steps. The
   # fixed read is a diagnostic (its alpha falls as S grows), not judged.
@@ -326,20 +370,23 @@ def summary(results: dict) -> dict:
             if f'vs_scratch_K{K_gqa}' in longest else None)
   # Claim 2, mean < first < random: each adjacent pair (better - worse < 0)
   # at every (length, K), one Holm family.
-  ranking = _holm([{'S': S, 'K': K, 'better': b, 'worse': w,
+  ranking = _holm([{'S': S, 'K': K, 'better': b, 'worse': w, 'name': name,
                     **row[name]['paper']}
                    for S, row in lengths.items() for K in kv
                    for b, w, name in (('mean', 'first', f'order_K{K}'),
                                       ('first', 'random',
                                        f'first_random_K{K}'))
                    if name in row])
-  mla = _holm([{'S': S, **row['mla_vs_equal_bytes']['paper']}
+  mla = _holm([{'S': S, 'name': 'mla_vs_equal_bytes',
+                **row['mla_vs_equal_bytes']['paper']}
                for S, row in lengths.items() if 'mla_vs_equal_bytes' in row])
   # GTA - GQA of nearest bytes, GLA - MLA-below, TPA - GQA of nearest
   # bytes: one Holm family each.
-  latent = {name: _holm([{'S': S, **row[name]['paper']}
+  latent = {name: _holm([{'S': S, 'name': name, **row[name]['paper']}
                          for S, row in lengths.items() if name in row])
             for name in LATENT}
+  _as_decided(lengths, gate, [*ranking, *mla, *(
+      c for cells in latent.values() for c in cells)])
   return {'lengths': lengths, 'trend': trend, 'claim1': claim1,
           'claim3': claim3, 'ranking': ranking, 'ordering': {
               S: {K: ranking_verdict(

@@ -23,15 +23,14 @@ def _near_verdict(rows: list[dict], paper: int, near: float,
   shrinks with the source's length: never "contradicted"), otherwise not
   claimed, with the smallest difference the seeds detect."""
   row = rows[paper]
-  verdict = stats.decide(stats.shifted(row, near))
-  if verdict != 'resolved':
-    return ('not claimed (' + (verdict if verdict != 'not claimed' else
-                               detectable(row)) + ')')
+  decided = stats.decision(stats.shifted(row, near), withheld=(
+      near < row['mean'] < floor))
+  if decided.verdict != 'resolved':
+    return (f'{decided.words} (' + (detectable(row) if decided.reason !=
+        'withheld by the control gate' else
+        f'beyond the margin, below the gate\'s {floor:.4f} nats') + ')')
   if row['mean'] < near:
     return 'reproduced'
-  if row['mean'] < floor:
-    return (f'not claimed (beyond the margin, but below the control gate\'s '
-            f'{floor:.4f} nats)')
   return ('not reproduced at this scale (one source: whether the gap '
           'shrinks with the source\'s length is the source-replicated '
           'study\'s question)')
@@ -43,9 +42,10 @@ def _compute_verdict(row: dict) -> str:
   not claimed (censored seeds: not claimed)."""
   adv = row['advantage']
   if adv.get('censored'):
-    return 'not claimed (seeds beyond the scratch curve)'
-  if stats.decide(stats.shifted(adv, 1.0)) != 'resolved':
-    return 'not claimed'
+    return 'no verdict (seeds beyond the scratch curve: no interval)'
+  decided = stats.decision(stats.shifted(adv, 1.0))
+  if decided.verdict != 'resolved':
+    return decided.words
   return 'reproduced' if adv['mean'] > 1 else 'contradicted'
 
 
@@ -56,14 +56,19 @@ def _start_recommendation(family: list[dict]) -> str:
   means = [c for c in family if c['method'] == 'mean' and
            stats.decide(c, rejected=c['holm']) == 'resolved']
   won = {'pooled' if c['mean'] < 0 else 'fresh' for c in means}
+  words = lambda c: stats.decision(c, rejected=c['holm']).words
   if len(won) == 1:
-    return (f'**{won.pop()}** Adam wins (resolved after Holm over the '
-            f'{len(family)} comparisons at α = 0.05)')
+    return (f'**{won.pop()}** Adam wins (' + '; '.join(
+        f'{c["method"]} K={c["K"]}: {words(c)}' for c in means)
+            + f', after Holm over the {len(family)} comparisons at α = '
+            '0.05; one source: its uptraining seeds replicate the data '
+            'order only, not the source)')
   if not won:
-    return ('not claimed after Holm (' + '; '.join(
-        f'{c["method"]} K={c["K"]}: {detectable(c)}' for c in family
-        if c['method'] == 'mean') + '): **fresh** Adam is recommended, as '
-            'the simpler start (no state to carry), not as the better one')
+    return ('no start wins after Holm (' + '; '.join(
+        f'{c["method"]} K={c["K"]}: {words(c)}, {detectable(c)}'
+        for c in family if c['method'] == 'mean') + '): **fresh** Adam is '
+            'recommended, as the simpler start (no state to carry), not as '
+            'the better one')
   return 'mixed: pooled wins for one K and fresh for another'
 
 
@@ -106,13 +111,15 @@ def _setting(lm: dict, summ: dict) -> list[str]:
           for d in summ['control_drift'])
       + f'; the largest, {estimate(gate["drift"])} at α = '
       f'{gate["drift"]["alpha_steps"] / S:g}, sets the floor: effects under '
-      f'4 × |drift| = {gate["floor"]:.4f} nats are not claimed. ' + (
+      f'4 × |drift| = {gate["floor"]:.4f} nats are not read as effects. ' + (
           ('It **passes**: every effect claimed below is at least that'
            if gate['claims'] else 'No effect is claimed, so nothing is '
            'below it') if gate['passes'] else
           '**It fails for**: ' + ', '.join(
               f'{name} ({e:+.4f})' for name, e in gate['below'])
-          + ' (reported, not claimed)') + '. ' + GATE_RULE]
+          + ' (reported: '
+          + stats.Decision('not claimed', 'withheld by the control gate').words
+          + ')') + '. ' + GATE_RULE]
 
 
 def _gap_lines(plan: dict, summ: dict) -> list[str]:
@@ -125,9 +132,9 @@ def _gap_lines(plan: dict, summ: dict) -> list[str]:
         f'{len(plan["seeds"])} seeds): {estimate(gap["end"])} nats after '
         f'{gap["end_step"]} steps (detectable: {gap["end"]["detectable"]:.4f}),'
         f' {estimate(gap["at_source_steps"])} at step {plan["steps"]}. ' + (
-            'Resolved.' if _resolved(gap['end']) else
-            f'Not claimed: any gap is below about '
-            f'{gap["end"]["detectable"]:.3f} nats.'))
+            f'The gap: {stats.decision(gap["end"]).words}.' + (
+                '' if _resolved(gap['end']) else ' Any gap is below about '
+                f'{gap["end"]["detectable"]:.3f} nats.')))
   return lines
 
 
@@ -154,8 +161,8 @@ def _claim1_lines(plan: dict, summ: dict) -> list[str]:
         '.** Mean-pooled minus the control: ' + ', '.join(
             f'α = {s / S:g}: {estimate(r)}' for s, r in zip(a_steps, rows))
         + f' ({detectable(rows[paper])} at α = {plan["paper_alpha"]}). '
-        '(Reproduced: the distance from the margin resolved below it; not '
-        'reproduced at this scale: resolved beyond it. One source cannot '
+        '(Reproduced: the distance from the margin claimed below it; not '
+        'reproduced at this scale: claimed beyond it. One source cannot '
         'say "contradicted": that needs the gap\'s trend over sources of '
         'several lengths.)')
   return lines
@@ -171,9 +178,10 @@ def _claim2_lines(plan: dict, summ: dict) -> list[str]:
         f'{ranking_verdict(summ["ranking"], K)}** (Holm over '
         f'the {len(summ["ranking"])} comparisons): ' + '; '.join(
             f'{c["better"]} − {c["worse"]} {estimate(c)}, p = {c["p"]:.3g}, '
-            f'{detectable(c)} ({stats.decide(c, rejected=c["holm"])})'
+            f'{detectable(c)} '
+            f'({stats.decision(c, rejected=c["holm"]).words})'
             for c in cells) + '. (Arm-vs-arm differences from one source: '
-        'the conversion is equal on all seeds; what varies is the uptraining '
+        'the conversion is the same on every seed; what varies is the uptraining '
         'data order.)')
   return lines
 
@@ -210,7 +218,8 @@ def _claim3_lines(plan: dict, summ: dict) -> list[str]:
            f'separate K model. Here the uptrained model sits '
            f'{estimate(summ["above_scratch"][K])} nats above K trained {S} '
            f'steps from scratch (paired by seed; '
-           f'{stats.decide(summ["above_scratch"][K])}), so at this scale it '
+           f'{stats.decision(summ["above_scratch"][K]).words}), so at this '
+           'scale it '
            'does not replace one.'))
   return lines
 
@@ -220,7 +229,7 @@ def _start_line(plan: dict, summ: dict) -> str:
       '- **Optimizer start** (pooled Adam moments minus fresh Adam, '
       f'α = {plan["paper_alpha"]}, Holm over {len(summ["start"])}): ' +
       '; '.join(f'{c["method"]} K={c["K"]}: {estimate(c)}, {detectable(c)} '
-                f'({stats.decide(c, rejected=c["holm"])})'
+                f'({stats.decision(c, rejected=c["holm"]).words})'
                 for c in summ['start'])
       + f'. Recommendation: {_start_recommendation(summ["start"])}.')
 
@@ -247,13 +256,10 @@ def _mla_verdict(c: dict) -> str:
   """MLA minus GQA at one alpha, read after Holm: which is lower, or not
   resolved with the smallest difference the seeds detect. A difference
   below that is not claimed, resolved or not (stats.CONVENTION)."""
-  verdict = stats.decide(c, rejected=c['holm'])
-  if verdict == 'resolved':
+  decided = stats.decision(c, rejected=c['holm'])
+  if decided.verdict == 'resolved':
     return 'MLA lower' if c['mean'] < 0 else 'GQA lower'
-  if c['holm'] and stats.as_estimate(c).resolved:
-    return (f'{"MLA" if c["mean"] < 0 else "GQA"} lower by less than the '
-            f'seeds detect: not claimed ({detectable(c)})')
-  return f'not claimed ({detectable(c)})'
+  return f'{decided.words} ({detectable(c)})'
 
 
 def _mla_reading(results: dict, summ: dict) -> list[str]:
