@@ -38,6 +38,7 @@ PUBLISHED = [
     ('scripts.kv_frontier', 'docs/results/kv_frontier/zadouri',
      'frontier.json'),
     ('scripts.kv_frontier', 'docs/results/kv_frontier/tpa', 'frontier.json'),
+    ('scripts.uptrain_recipe', 'docs/results/uptrain_recipe', 'results.json'),
 ]
 
 

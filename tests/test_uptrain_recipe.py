@@ -60,12 +60,13 @@ def test_recipes_are_rate_by_schedule_and_cosine_runs_one_per_alpha():
 
 def test_a_cell_is_reproduced_only_when_resolved_within_the_margin():
   """Claim cells against NEAR: far below it 'reproduced', far beyond it
-  'not reproduced', at the margin not claimed (decide's verdict)."""
+  'not reproduced', at the margin stats.decision's words."""
   def outcome(values):
     return rs.holm([rs.difference(values)])[0]['outcome']
   assert outcome([0.001, 0.002, 0.0015]) == 'reproduced'
   assert outcome([0.2, 0.21, 0.205]) == 'not reproduced'
-  assert outcome([NEAR - 0.01, NEAR + 0.01, NEAR]) == 'not claimed'
+  assert outcome([NEAR - 0.01, NEAR + 0.01, NEAR]) == (
+      'not claimed: interval holds 0')
 
 
 def test_a_claim_is_not_reproduced_at_this_scale_only_if_no_recipe_is():
@@ -93,7 +94,7 @@ def test_holm_corrects_a_whole_family_not_a_cell():
   assert alone['holm']
   family = rs.holm([rs.difference(values)] * 18)
   assert not any(c['holm'] for c in family)
-  assert {c['outcome'] for c in family} == {'not claimed'}
+  assert {c['outcome'] for c in family} == {'not claimed: failed Holm'}
 
 
 @pytest.mark.slowest

@@ -11,7 +11,7 @@ NEAR; `stats.decide` reads it after Holm over its family (FAMILIES,
 fixed before the runs): 'reproduced' when claimed below the margin,
 'not reproduced' when claimed beyond it, else the decision's words. A claim is
 reproduced in a part if a recipe reproduces it at the paper's alpha, and
-"not reproduced at this scale" only if every recipe is resolved beyond
+"not reproduced at this scale" only if every recipe is claimed beyond
 the margin there.
 """
 
@@ -93,18 +93,18 @@ def difference(values) -> dict:
 
 
 CLAIM = ('reproduced', 'not reproduced')  # Within, beyond the margin.
-# The negative control must be resolved beyond the margin.
+# The negative control must be claimed beyond the margin.
 NEGATIVE = ('within the margin: the control fails', 'beyond the margin')
 
 
 def near_outcome(cell: dict, words: tuple = CLAIM) -> str:
   """A cell's reading against the margin after Holm (cell['holm']):
-  words[0] when resolved below NEAR, words[1] when resolved beyond it,
-  else `stats.decide`'s verdict (not claimed)."""
-  verdict = stats.decide(stats.shifted(cell, NEAR), rejected=cell['holm'])
-  if verdict == 'resolved':
+  words[0] when claimed below NEAR, words[1] when claimed beyond it,
+  else `stats.decision`'s words (not claimed, and why)."""
+  decision = stats.decision(stats.shifted(cell, NEAR), rejected=cell['holm'])
+  if decision.verdict == 'resolved':
     return words[0] if cell['mean'] < NEAR else words[1]
-  return verdict
+  return decision.words
 
 
 def holm(cells: list[dict], words: tuple = CLAIM) -> list[dict]:
@@ -249,7 +249,8 @@ def summary(results: dict) -> dict:
   trends = [{'claim': claim, **slope(lengths, ref, carried_recipe, alpha)}
             for claim, ref in (('claim1', 'control'), ('claim3', 'scratch'))]
   rejected = stats.holm([t['p'] for t in trends])
-  out['trends'] = [{**t, 'holm': r, 'verdict': stats.decide(t, rejected=r)}
+  out['trends'] = [{**t, 'holm': r,
+                    'verdict': stats.decision(t, rejected=r).words}
                    for t, r in zip(trends, rejected)]
   if parts.get('probe'):
     out['probe'] = _probe(parts['probe'], sweep, out['sweep_best']['gqa'],
