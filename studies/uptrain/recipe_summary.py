@@ -139,8 +139,10 @@ def claim_verdict(family: list[dict], alpha: float) -> str:
     return 'reproduced under ' + ', '.join(good)
   if all(c['outcome'] == 'not reproduced' for c in at):
     return f'not reproduced at this scale under any of the {len(at)} recipes'
-  return ('undecided: no recipe reproduces it, and not every recipe is '
-          '"not reproduced"')
+  beyond = [name(c['recipe']) for c in at if c['outcome'] == 'not reproduced']
+  return (f'undecided: no recipe reproduces it; {len(beyond)} of {len(at)} '
+          'are "not reproduced"' + (f' ({", ".join(beyond)})' if beyond
+                                    else '') + ', the others not claimed')
 
 
 def best(sources: list[dict], arm: str, alpha: float) -> dict:
