@@ -140,9 +140,9 @@ def claim_verdict(family: list[dict], alpha: float) -> str:
   if all(c['outcome'] == 'not reproduced' for c in at):
     return f'not reproduced at this scale under any of the {len(at)} recipes'
   beyond = [name(c['recipe']) for c in at if c['outcome'] == 'not reproduced']
-  return (f'undecided: no recipe reproduces it; {len(beyond)} of {len(at)} '
-          'are "not reproduced"' + (f' ({", ".join(beyond)})' if beyond
-                                    else '') + ', the others not claimed')
+  return (f'undecided: no recipe reproduces it; "not reproduced" by '
+          f'{len(beyond)} of {len(at)}' + (f' ({", ".join(beyond)})'
+                                           if beyond else ''))
 
 
 def best(sources: list[dict], arm: str, alpha: float) -> dict:
