@@ -46,7 +46,9 @@ def text(results: dict) -> str:
   summ = rs.summary(results)
   prov = results['provenance']
   return report.document([
-      TITLE, '', made(prov), '',
+      # The rebuild has its own line (report.REBUILT), not made()'s clause.
+      TITLE, '', made({k: v for k, v in prov.items() if k != 'rebuilt'}),
+      '',
       *report.rebuilt_lines(prov, 'results.json'), prov['statistics'], '',
       *report.section('Design, fixed before the runs'),
       *design(results), '', *report.section('Reading'),
