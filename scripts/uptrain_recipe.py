@@ -1,6 +1,6 @@
 """The uptraining claims under a swept recipe (issue #60): claims 1 and 3
-of Ainslie et al. (2023) read per recipe, both endpoints annealed, and a
-long-context panel (studies/uptrain/recipe.py has the design).
+of Ainslie et al. (2023) read per recipe (the endpoints annealed under the
+cosine recipes), and a long-context panel (studies/uptrain/recipe.py has the design).
 
   python -m scripts.uptrain_recipe --out=DIR [--part=all|sweep|carried|panel]
       [--source_seeds=3] [--quick]
@@ -10,10 +10,14 @@ long-context panel (studies/uptrain/recipe.py has the design).
 side into the same --out; 'carried' trains the sweep first, since it
 carries the sweep's best recipe); --part=all (the default) trains what is
 missing, reusing every finished run, and writes DIR/report.md,
-DIR/results.json and DIR/recipes.png. The default design is 294 runs,
-about 85 CPU-minutes on the 2-core AMD EPYC VM (the report states what
-each part took); --quick: sources of 160 and 80 steps and the 'tiny'
-panel, the same design, minutes.
+DIR/results.json and DIR/recipes.png. The default design is 150 runs
+(the sweep 96, carried 24, the panel 42 with its 3 sources of rows of
+512; the probe 12 more): on the 2-core AMD EPYC Zen 5 VM, 38.7
+CPU-minutes, the sweep with the carried part and the panel side by side
+in 30 minutes of wall time (docs/results.md; this docstring had said 294
+runs and about 85 CPU-minutes before the run: an overcount). --quick:
+sources of 160 and 80 steps and the 'tiny' panel, the same design, about
+a minute and a half.
 """
 
 from __future__ import annotations

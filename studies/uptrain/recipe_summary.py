@@ -138,9 +138,11 @@ def claim_verdict(family: list[dict], alpha: float) -> str:
   if good:
     return 'reproduced under ' + ', '.join(good)
   if all(c['outcome'] == 'not reproduced' for c in at):
-    return f'not reproduced at this scale under any of the {len(at)} recipes'
+    return (f'not reproduced at this scale under any of the grid\'s '
+            f'{len(at)} recipes')
   beyond = [name(c['recipe']) for c in at if c['outcome'] == 'not reproduced']
-  return (f'undecided: no recipe reproduces it; "not reproduced" by '
+  return (f'undecided: no recipe in the grid reproduces it; "not '
+          f'reproduced" by '
           f'{len(beyond)} of {len(at)}' + (f' ({", ".join(beyond)})'
                                            if beyond else ''))
 
@@ -151,6 +153,44 @@ def best(sources: list[dict], arm: str, alpha: float) -> dict:
           for r in recipes_of(sources) if alpha in alphas_of(sources, r)]
   loss, recipe = min(rows, key=lambda x: x[0])
   return {'recipe': recipe, 'loss': loss}
+
+
+def corrected(family: list[dict], alpha: float | None = None) -> dict:
+  """What Holm's first step asks of a FAMILY of m cells (at ALPHA only,
+  if given, among them): the |t| it needs (5%/m, two-sided), the smallest
+  difference from the margin each cell detects with 80% power there, and
+  the power of reading 'reproduced' at a true difference of 0 (the
+  margin's whole width), at each cell's sd."""
+  m = len(family)
+  level = 1 - (1 - stats.LEVEL) / m
+  cells = [c for c in family if alpha is None or c['alpha'] == alpha]
+  n = cells[0]['n']
+  return {'m': m, 't': stats.t_quantile(n, level),
+          'detectable': [stats.detectable(c['sd'], c['n'], level=level)
+                         for c in cells],
+          'power_at_0': [stats.t_test_power(NEAR * math.sqrt(c['n']) / c['sd'],
+                                            c['n'], level=level)
+                         for c in cells]}
+
+
+def uncorrected(family: list[dict], alpha: float) -> dict:
+  """A secondary reading, chosen after the runs: the claim 'not near the
+  control under every recipe' as an intersection-union test (each recipe's
+  cell at 5%, no correction); how many of the recipes' cells at ALPHA are
+  decided beyond the margin that way, and the lowest interval bound."""
+  at = [c for c in family if c['alpha'] == alpha]
+  beyond = [c for c in at if near_outcome({**c, 'holm': None}) ==
+            'not reproduced']
+  return {'beyond': len(beyond), 'of': len(at),
+          'lowest': min(c['low'] for c in at)}
+
+
+def best_against_best(sources: list[dict], alpha: float) -> dict:
+  """GQA by its best recipe minus the control by its own, per source
+  (each arm at its best: a reading beside the recipe-matched claim 1)."""
+  g, c = (best(sources, arm, alpha)['recipe'] for arm in ('gqa', 'control'))
+  return stats.mean([read(s, 'gqa', g, alpha) - read(s, 'control', c, alpha)
+                     for s in sources]).as_dict()
 
 
 def drift(sources: list[dict]) -> list[dict]:
@@ -243,11 +283,32 @@ def summary(results: dict) -> dict:
     out[f'{part}_verdict'] = {claim: claim_verdict(out[f'{part}_{claim}'],
                                                    alpha)
                               for claim in ('claim1', 'claim3')}
+    out[f'{part}_holm_needs'] = {
+        claim: corrected(out[f'{part}_{claim}'], alpha)
+        for claim in ('claim1', 'claim3')}
+    out[f'{part}_uncorrected'] = {
+        claim: uncorrected(out[f'{part}_{claim}'], alpha)
+        for claim in ('claim1', 'claim3')}
+    out[f'{part}_best_against_best'] = best_against_best(sources, alpha)
+    # A positive control (a diagnostic, not a family): the control minus
+    # its source, read against the margin, uncorrected: can the test say
+    # 'within the margin' where the difference is small?
+    within = [difference([read(s, 'control', d['recipe'], d['alpha'])
+                          - s['source']['loss'] for s in sources])
+              for d in out[f'{part}_drift']]
+    out[f'{part}_positive'] = {
+        'within': sum(near_outcome({**c, 'holm': None}) == 'reproduced'
+                      for c in within), 'of': len(within)}
   out['carried_recipe'] = carried_recipe
   for claim, ref in (('claim1', 'control'), ('claim3', 'scratch')):
     out[f'carried_{claim}'] = holm([c for S in carried for c in cells(
         carried[S], [carried_recipe], ref)])
   lengths = {**carried, plan['sweep_steps']: sweep}
+  out['carried_means'] = {
+      claim: {S: float(next(c for c in cells(v, [carried_recipe], ref)
+                            if c['alpha'] == alpha)['mean'])
+              for S, v in sorted(lengths.items())}
+      for claim, ref in (('claim1', 'control'), ('claim3', 'scratch'))}
   trends = [{'claim': claim, **slope(lengths, ref, carried_recipe, alpha)}
             for claim, ref in (('claim1', 'control'), ('claim3', 'scratch'))]
   rejected = stats.holm([t['p'] for t in trends])
