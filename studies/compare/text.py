@@ -68,7 +68,7 @@ def reading(rows_, found, control=None) -> str:
   if found:
     est = [stats.as_estimate(c['difference']) for c in found]
     parts.append(
-        f'Each variant minus K={found[0]["reference_K"]}, by scripts/'
+        f'Each variant minus K={found[0]["reference_K"]}, by studies/'
         'stats.py\'s rule: ' + '; '.join(
             f'K={c["K"]} {d.mean:+.3f} nats, {stats.decision(d).words}'
             + (f' (detectable: {c["detectable"]:.3f})' if d.n > 1 else '')
@@ -97,16 +97,10 @@ def made(prov: dict) -> str:
           + (f' {prov["note"]}' if prov.get('note') else ''))
 
 
-# The files the published reports name (scripts/timing.py, scripts/stats.py)
-# are where the timing and the rule were when they were written; they are
-# studies/timing.py and studies/stats.py now, and the words stay so that
-# every published report rebuilds byte for byte.
-
-
 def _settings_line(result) -> str:
   s, d = result.get('settings'), result['decode']
   decode = (f'Decode: batch {d["batch"]}, context {d["context"]}, the cache '
-            'updated in place as train.sample runs it (scripts/timing.py); '
+            'updated in place as train.sample runs it (studies/timing.py); '
             f'read bandwidth {d["read_bandwidth"] / 1e9:.1f} GB/s. Every '
             'value by seed, and the comparisons: results.json.')
   if not s:
