@@ -155,7 +155,7 @@ def test_near_mha_and_the_optimizer_start_are_read_with_their_intervals():
   assert all(c['holm'] and c['mean'] == pytest.approx(-0.03, abs=0.003)
              for c in summ['start'])
   assert single_reading._start_recommendation(summ['start']).startswith(
-      '**pooled** Adam wins')
+      '**pooled** Adam wins on this source')
   noisy = single_summary.summary(_results(near, noise=0.05))
   recommendation = single_reading._start_recommendation(noisy['start'])
   assert recommendation.startswith('no start wins after Holm (mean K=1: '

@@ -1,6 +1,7 @@
 """The recipe study (`python -m scripts.uptrain_recipe`, issue #60): the GQA
 paper's claims 1 and 3 read under a swept uptraining recipe, with both
-endpoints annealed, and at a context where the KV cache matters.
+endpoints annealed under the cosine recipes, and at a longer context (rows
+of 512 tokens).
 
 The replicated study (`studies.uptrain.replicated`) read claims 1 and 3
 under one recipe: a third of the source's peak rate, re-warmed, then

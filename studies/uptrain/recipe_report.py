@@ -130,7 +130,10 @@ def design(results: dict) -> list[str]:
       f'{plan["paper_alpha"]:g}, so the claims\' trend over S is read '
       'under it. Chosen on the sweep\'s sources, so its sweep cell is the '
       'best of six (the sweep\'s Holm family covers that choice); the '
-      'other lengths are new sources. A held recipe\'s endpoint is not '
+      'other lengths are new sources. Only GQA\'s best is carried, and the '
+      'control runs it too, so that claim 1 is recipe-matched (issue 60 '
+      'suggested each arm\'s best; each arm by its own best is read beside '
+      'it at S = 3,200 and in the panel). A held recipe\'s endpoint is not '
       'annealed, so where the carried recipe is held, claim 3 there sets a '
       'held endpoint against an annealed scratch run.',
       f'**Long-context panel**: {plan["source_seeds"]} sources of '

@@ -58,7 +58,7 @@ def _start_recommendation(family: list[dict]) -> str:
   won = {'pooled' if c['mean'] < 0 else 'fresh' for c in means}
   words = lambda c: stats.decision(c, rejected=c['holm']).words
   if len(won) == 1:
-    return (f'**{won.pop()}** Adam wins (' + '; '.join(
+    return (f'**{won.pop()}** Adam wins on this source (' + '; '.join(
         f'{c["method"]} K={c["K"]}: {words(c)}' for c in means)
             + f', after Holm over the {len(family)} comparisons at α = '
             '0.05; one source: its uptraining seeds replicate the data '
