@@ -77,7 +77,7 @@ def test_a_claim_is_not_reproduced_at_this_scale_only_if_no_recipe_is():
   part = _part(beyond, scratch_gap=0.0)
   cells = rs.holm(rs.cells(part, rs.recipes_of(part), 'control'))
   assert rs.claim_verdict(cells, 0.05) == (
-      'not reproduced at this scale under any of the 4 recipes')
+      'not reproduced at this scale under any of the grid\'s 4 recipes')
   one_good = {**beyond, (1e-4, 'cosine', 0.05): 0.001}
   part = _part(one_good, scratch_gap=0.0)
   cells = rs.holm(rs.cells(part, rs.recipes_of(part), 'control'))
