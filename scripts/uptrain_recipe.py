@@ -1,6 +1,7 @@
 """The uptraining claims under a swept recipe (issue #60): claims 1 and 3
 of Ainslie et al. (2023) read per recipe (the endpoints annealed under the
-cosine recipes), and a long-context panel (studies/uptrain/recipe.py has the design).
+cosine recipes), and a long-context panel (studies/uptrain/recipe.py has
+the design).
 
   python -m scripts.uptrain_recipe --out=DIR [--part=all|sweep|carried|panel]
       [--source_seeds=3] [--quick]

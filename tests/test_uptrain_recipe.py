@@ -51,7 +51,8 @@ def test_recipes_are_rate_by_schedule_and_cosine_runs_one_per_alpha():
   names = [r.name for r in recipe.recipes()]
   assert names == ['constant_0.0001', 'constant_0.0003', 'constant_0.001',
                    'cosine_0.0001', 'cosine_0.0003', 'cosine_0.001']
-  jobs = recipe._jobs(recipe.recipes(), recipe.ALPHAS)  # pylint: disable=protected-access
+  jobs = recipe._jobs(  # pylint: disable=protected-access
+      recipe.recipes(), recipe.ALPHAS)
   assert [a for r, a in jobs if r.schedule == 'constant'] == [None] * 3
   assert [a for r, a in jobs if r.schedule == 'cosine'] == list(
       recipe.ALPHAS) * 3

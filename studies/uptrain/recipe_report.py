@@ -93,6 +93,24 @@ def _where(c: dict) -> str:
   return f'{rs.name(c["recipe"])}, α = {c["alpha"]:g}'
 
 
+def _recipes(plan: dict, sweep: dict) -> str:
+  """The design's first bullet: the grid of recipes and how each is read."""
+  rates = ', '.join(f'{r:g}' for r in plan['rates'])
+  alphas = ', '.join(f'{a:g}' for a in plan['alphas'])
+  return (
+      f'**Recipes**: uptraining peak rate {{{rates}}} '
+      f'(the source\'s peak is {sweep["train"]["learning_rate"]:g}) × '
+      'schedule '
+      '{constant: re-warm over α = 0.0125 of S, then hold; cosine: the same '
+      're-warm, then a cosine anneal to '
+      f'{sweep["train"]["min_learning_rate_ratio"]:g} × the rate at α·S}}, '
+      f'read at α ∈ {{{alphas}}}. A constant run goes to '
+      f'α = {max(plan["alphas"]):g} and is read at each α (the same recipe '
+      'stopped earlier); a cosine run is one per α, so each endpoint is '
+      'annealed. The replicated study\'s recipe is constant '
+      f'{plan["published"]["rate"]:g}.')
+
+
 def design(results: dict) -> list[str]:
   plan, cost = results['plan'], results.get('cost', {})
   panel = plan['configs']['panel']
@@ -102,16 +120,7 @@ def design(results: dict) -> list[str]:
       f'{c["train_seconds"] / 60:.1f} minutes in the training loops'
       for part, c in cost.items())
   return report.bullets([
-      f'**Recipes**: uptraining peak rate {{{", ".join(f"{r:g}" for r in plan["rates"])}}} '
-      f'(the source\'s peak is {sweep["train"]["learning_rate"]:g}) × schedule '
-      '{constant: re-warm over α = 0.0125 of S, then hold; cosine: the same '
-      're-warm, then a cosine anneal to '
-      f'{sweep["train"]["min_learning_rate_ratio"]:g} × the rate at α·S}}, '
-      f'read at α ∈ {{{", ".join(f"{a:g}" for a in plan["alphas"])}}}. A constant run goes to '
-      f'α = {max(plan["alphas"]):g} and is read at each α (the same recipe '
-      'stopped earlier); a cosine run is one per α, so each endpoint is '
-      'annealed. The replicated study\'s recipe is constant '
-      f'{plan["published"]["rate"]:g}.',
+      _recipes(plan, sweep),
       f'**Sweep**: {plan["source_seeds"]} MHA sources (seeds 0 .. '
       f'{plan["source_seeds"] - 1}) of S = {plan["sweep_steps"]:,} steps '
       f'({sweep["model"]["num_layers"]} layers, d_model '
@@ -126,7 +135,8 @@ def design(results: dict) -> list[str]:
       '(or an anneal\'s gain) is in both arms of claim 1.',
       '**Carried**: the sweep\'s best recipe for GQA (lowest mean loss at '
       f'α = {plan["paper_alpha"]:g}) uptrains {plan["source_seeds"]} '
-      f'sources of each S in {{{", ".join(f"{S:,}" for S in plan["carried_steps"])}}} at α = '
+      'sources of each S in {' + ', '.join(
+          f'{S:,}' for S in plan['carried_steps']) + '} at α = '
       f'{plan["paper_alpha"]:g}, so the claims\' trend over S is read '
       'under it. Chosen on the sweep\'s sources, so its sweep cell is the '
       'best of six (the sweep\'s Holm family covers that choice); the '
