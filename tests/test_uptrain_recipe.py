@@ -10,6 +10,7 @@ import sys
 import chex
 import pytest
 
+from infra.cli import exit_on_user_error
 from scripts import uptrain_recipe
 from studies import report, study
 from studies.uptrain import recipe
@@ -162,3 +163,18 @@ def test_the_published_recipe_report_is_what_its_json_makes(tmp_path,
           PUBLISHED / 'results.json')['provenance'], text,
       'scripts.uptrain_recipe', 'results.json')
   assert not problems, '\n'.join(problems)
+
+
+def test_report_only_refuses_another_study_s_results(tmp_path, monkeypatch,
+                                                     capsys):
+  """--report_only on a folder whose results.json another study wrote (the
+  replicated uptraining study's) says so in one line and exits non-zero."""
+  (tmp_path / 'results.json').write_text(
+      (REPO / 'docs/results/uptrain/results.json').read_text())
+  monkeypatch.setattr(sys, 'argv', ['uptrain_recipe', f'--out={tmp_path}',
+                                    '--report_only'])
+  with pytest.raises(SystemExit) as exit_:
+    exit_on_user_error(uptrain_recipe.main)
+  assert exit_.value.code != 0
+  err = capsys.readouterr().err.strip()
+  assert "is not the recipe study's" in err and len(err.split('\n')) == 1

@@ -8,6 +8,7 @@ import math
 import pathlib
 
 from infra import provenance
+from infra.errors import UserError
 from studies import report, stats, study
 from studies.uptrain import recipe_summary as rs
 from studies.uptrain.design import NEAR
@@ -48,6 +49,10 @@ def rebuild(out: pathlib.Path):
   """--report_only: the runs as trained (OUT/results.json), the statistics
   and reading as this commit computes them."""
   results = study.saved(out / 'results.json')
+  if 'parts' not in results or 'provenance' not in results:
+    raise UserError(f'{out / "results.json"} is not the recipe study\'s '
+                    '(no parts, or no provenance): give --out the folder '
+                    '`python -m scripts.uptrain_recipe` wrote')
   report.record_rebuild(results['provenance'], COMMAND, out)
   write(out, results)
 
