@@ -124,7 +124,9 @@ def test_more_prompts_than_slots_in_a_small_pool_each_equal_to_decoding_alone():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('admission', ['optimistic', 'reserve'])
+@pytest.mark.parametrize('admission', [
+    pytest.param('optimistic', marks=pytest.mark.slowest),  # 16 s on 2 cores.
+    'reserve'])
 def test_preempted_requests_are_recomputed_to_the_same_tokens(admission):
   """Optimistic admission in a pool too small for every sequence's peak:
   the newest is preempted and recomputed, greedy or sampled, each output
