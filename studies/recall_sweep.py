@@ -94,7 +94,7 @@ def train_cell(configs, out: pathlib.Path, say=print) -> list[dict]:
       _write_json(saved, history)  # Before final.json: a reuse finds it.
       return by_query.min() >= SOLVED
 
-    reused = (workdir / 'final.json').exists()
+    reused = study.finished(workdir)
     study.train(config, workdir, workdir / 'log.txt', on_eval=on_eval)
     if not history:
       raise UserError(f'{workdir} holds a finished run without its '

@@ -148,7 +148,7 @@ def check_reusable(config, workdir: pathlib.Path,
   hours in."""
   if start is not None and workdir.exists():
     _check_start(workdir, start)
-  if not (workdir / 'final.json').exists():
+  if not finished(workdir):
     if (workdir / REQUESTED).exists():
       _refuse_if_changed(workdir / REQUESTED, config, workdir,
                          'an interrupted run', ', and resuming it would mix '
@@ -172,9 +172,8 @@ def train(config, workdir: pathlib.Path, log: pathlib.Path, *,
   into WORKDIR with its record of what it was made from, which a rerun
   checks."""
   check_reusable(config, workdir, start)
-  final = workdir / 'final.json'
-  if final.exists():
-    return json.loads(final.read_text())
+  if finished(workdir):
+    return json.loads((workdir / 'final.json').read_text())
   if start is not None and not workdir.exists():
     shutil.copytree(start, workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -199,8 +198,11 @@ TRAINED_BY = 'trained_by.json'  # Beside a run `train` trained: its commit.
 
 
 def finished(workdir: pathlib.Path) -> bool:
-  """Whether WORKDIR holds a finished run (which `train` would reuse)."""
-  return (pathlib.Path(workdir) / 'final.json').exists()
+  """Whether WORKDIR holds a finished run (which `train` would reuse): a
+  final.json that is not a stop's (the loop writes one, with 'stopped_at',
+  when a signal stops a run mid-way; that run is resumed, not reused)."""
+  final = pathlib.Path(workdir) / 'final.json'
+  return final.exists() and 'stopped_at' not in json.loads(final.read_text())
 
 
 _FINGERPRINTS: dict = {}

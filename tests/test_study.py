@@ -105,6 +105,31 @@ def test_an_interrupted_run_resumes_only_under_the_settings_it_started_with(
   assert (workdir / 'final.json').exists()
 
 
+def test_a_run_a_signal_stopped_mid_way_is_resumed_not_reused(tmp_path,
+                                                              monkeypatch):
+  """A signal stops a run mid-way with its checkpoint and a final.json that
+  says 'stopped_at' (train.loop): the study's rerun resumes it to its last
+  step; it had reused the half-trained run as finished (a fresh user's
+  Ctrl-C, issue 60's recipe study: a 25-step source read as its 160)."""
+  from train import loop  # pylint: disable=import-outside-toplevel
+  config = tiny.get_config()
+  config.train.update(steps=6, eval_every=6, checkpoint_every=2,
+                      log_every=1)
+  workdir, log = tmp_path / 'run', tmp_path / 'log.txt'
+  real = loop.train_and_evaluate
+  monkeypatch.setattr(loop, 'train_and_evaluate', lambda c, w, **k: real(
+      c, w, should_stop=lambda: True, **k))
+  stopped = study.train(config, workdir, log)
+  assert stopped['stopped_at'] < 6 and not study.finished(workdir)
+  monkeypatch.setattr(loop, 'train_and_evaluate', real)
+  record = study.train(config, workdir, log)
+  assert 'stopped_at' not in record and 'eval_loss' in record
+  assert study.finished(workdir)
+  steps = [r['step'] for r in map(json.loads, (
+      workdir / 'metrics.jsonl').read_text().splitlines())]
+  assert steps[-1] == 6
+
+
 @pytest.mark.slow
 def test_a_run_stopped_between_its_last_save_and_final_json_gets_its_record(
     trained, tmp_path, capsys):
