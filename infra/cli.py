@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Callable, Sequence
 
 from infra.errors import UserError
@@ -141,6 +143,8 @@ def check_output_dir(path: str, flag: str = '--out', *, new: bool = False):
   otherwise mix with, or report as, its own)."""
   from infra.storage import refuse_url  # pylint: disable=import-outside-toplevel
   refuse_url(path, flag)
+  if not str(path).strip():
+    raise UserError(f'{flag} is empty; give a folder for the results')
   out = pathlib.Path(path).expanduser()
   if out.exists() and not out.is_dir():
     raise UserError(f'{flag}={path} is a file; give a folder for the results')
@@ -152,3 +156,18 @@ def check_output_dir(path: str, flag: str = '--out', *, new: bool = False):
   if not parent.is_dir() or not os.access(parent, os.W_OK):
     raise UserError(f'{flag}={path} cannot be created in {parent}; give a '
                     'folder you can write to')
+  # Permission bits do not tell (root may write /proc's bits, not its
+  # files): a file is written where the results will go, and removed, with
+  # the folders made for it (a refused command leaves nothing behind).
+  made = next((p for p in (*reversed(out.absolute().parents), out.absolute())
+               if not p.exists()), None)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out):
+      pass
+  except OSError as e:
+    raise UserError(f'{flag}={path} cannot be written ({e.strerror}); give a '
+                    'folder you can write to') from None
+  finally:
+    if made is not None and made.is_dir():
+      shutil.rmtree(made, ignore_errors=True)

@@ -76,9 +76,11 @@ def to_json(result) -> str:
 def saved(path: pathlib.Path) -> dict:
   """What a finished run or study saved (JSON, `to_json`'s or Python's own
   with bare Infinity), for --report_only."""
-  if not path.exists():
-    raise UserError(f'{path} not found: --report_only rebuilds the report '
-                    'from finished runs in --out; run without it first')
+  if not path.is_file():
+    raise UserError(f'{path} not found' + (' (a folder)' if path.exists()
+                                           else '') +
+                    ': --report_only rebuilds the report from finished runs '
+                    'in --out; run without it first')
   def floats(x):
     if isinstance(x, str):
       return NON_FINITE.get(x, x)
@@ -87,7 +89,12 @@ def saved(path: pathlib.Path) -> dict:
     if isinstance(x, list):
       return [floats(v) for v in x]
     return x
-  return floats(json.loads(path.read_text()))
+  try:
+    return floats(json.loads(path.read_text()))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UserError(f'{path} is not the JSON a study writes ({e}); rerun the '
+                    'study without --report_only (finished runs are '
+                    'reused)') from None
 
 
 # Settings that cannot change a run's numbers (how often it logs and saves,

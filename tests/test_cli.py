@@ -3,6 +3,7 @@ naming the flag and what it must be, before any work."""
 
 import pytest
 
+from infra import cli
 from infra.cli import ArgumentParser, float_list, int_list, int_range
 from infra.errors import UserError
 
@@ -40,3 +41,25 @@ def test_a_bad_value_is_one_line_naming_the_flag(flag, said):
   assert '\n' not in message
   assert f'argument {flag.split("=")[0]}: {said}' in message
   assert message.endswith('; see --help')
+
+
+@pytest.mark.parametrize('path, says', [
+    ('', '--out is empty'),
+    ('/proc/gqa_lab_x', 'cannot be written'),  # Writable bits, as root.
+])
+def test_an_output_folder_that_takes_no_file_is_refused_first(path, says):
+  """check_output_dir writes a file where the results will go (permission
+  bits said yes to /proc as root, and a study trained for minutes before
+  failing), and an empty --out is refused, not read as the current folder."""
+  with pytest.raises(UserError, match=says):
+    cli.check_output_dir(path)
+
+
+def test_checking_an_output_folder_leaves_nothing_behind(tmp_path):
+  """The folders made to try a write are removed again: a command refused
+  later leaves no empty --out."""
+  cli.check_output_dir(str(tmp_path / 'a' / 'b'))
+  assert not (tmp_path / 'a').exists()
+  (tmp_path / 'kept').mkdir()
+  cli.check_output_dir(str(tmp_path / 'kept'))
+  assert (tmp_path / 'kept').is_dir() and not any((tmp_path / 'kept').iterdir())

@@ -436,3 +436,18 @@ def test_a_published_rebuild_that_is_not_what_its_json_records_is_named():
     found, = report.published_problems('docs/results/x', elsewhere, line,
                                        'scripts.compare', 'results.json')
     assert 'rebuilt at commit 0000000, not in this history' in found
+
+
+@pytest.mark.parametrize('text', ['{"provenance": {"com', '', '\x00\x01'])
+def test_a_damaged_results_file_is_one_line_not_a_traceback(tmp_path, text):
+  """--report_only on a truncated, empty or binary results file names it
+  and what to do (it had raised JSONDecodeError); a folder in its place
+  is named too."""
+  path = tmp_path / 'results.json'
+  path.write_text(text)
+  with pytest.raises(UserError, match='is not the JSON a study writes'):
+    study.saved(path)
+  path.unlink()
+  path.mkdir()
+  with pytest.raises(UserError, match=r'not found \(a folder\)'):
+    study.saved(path)

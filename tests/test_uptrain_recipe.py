@@ -42,7 +42,8 @@ def _part(gaps: dict, scratch_gap: float, steps: int = 3200) -> list[dict]:
   return [_source(seed, steps,
                   gqa={k: 2.0 + g + n for k, g in gaps.items()},
                   control={k: 2.0 for k in gaps},
-                  scratch={0.05: 2.0 + min(gaps.values()) - scratch_gap})
+                  scratch={0.05: 2.0 + min(gaps.values()) - scratch_gap},
+                  at0=(3.0 + 10 * n, 2.0))
           for seed, n in enumerate(noise)]
 
 
@@ -178,3 +179,31 @@ def test_report_only_refuses_another_study_s_results(tmp_path, monkeypatch,
   assert exit_.value.code != 0
   err = capsys.readouterr().err.strip()
   assert "is not the recipe study's" in err and len(err.split('\n')) == 1
+
+
+def test_one_source_is_refused_before_anything_trains(tmp_path, monkeypatch,
+                                                      capsys):
+  """The source is the unit of replication: one has no interval (it had
+  trained the whole design, then divided by zero)."""
+  monkeypatch.setattr(sys, 'argv', ['uptrain_recipe', f'--out={tmp_path}',
+                                    '--quick', '--source_seeds=1'])
+  with pytest.raises(SystemExit) as exit_:
+    exit_on_user_error(uptrain_recipe.main)
+  assert exit_.value.code != 0
+  assert '--source_seeds=1: give at least 2' in capsys.readouterr().err
+  assert not any(tmp_path.iterdir())
+
+
+def test_a_length_whose_negative_control_fails_has_its_claims_withheld():
+  """Where GQA's conversion is not beyond the margin before uptraining
+  (the setup cannot see the gap uptraining closes), that length's claim
+  cells are withheld, though their differences alone would decide."""
+  part = _part({(1e-4, 'cosine', 0.05): 0.001}, scratch_gap=0.0)
+  gate = {c['steps']: c['outcome'] == rs.NEGATIVE[1]
+          for c in rs._negative({'sweep': part})}  # pylint: disable=protected-access
+  assert gate == {3200: True}
+  cell, = rs.holm(rs.cells(part, rs.recipes_of(part), 'control'), gate=gate)
+  assert cell['outcome'] == 'reproduced'
+  cell, = rs.holm(rs.cells(part, rs.recipes_of(part), 'control'),
+                  gate={3200: False})
+  assert cell['outcome'] == 'not claimed: withheld by the control gate'

@@ -42,17 +42,19 @@ def write(out: pathlib.Path, results: dict):
   (out / 'report.md').write_text(text_)
   plot(out, results['summary'])
   print(text_[:text_.index('## Tables')])
-  print(f'wrote {out / "report.md"}, recipes.png')
+  print(f'wrote {out / "report.md"}, results.json, recipes.png')
 
 
 def rebuild(out: pathlib.Path):
   """--report_only: the runs as trained (OUT/results.json), the statistics
   and reading as this commit computes them."""
   results = study.saved(out / 'results.json')
-  if 'parts' not in results or 'provenance' not in results:
+  parts = results.get('parts') if isinstance(results, dict) else None
+  if (not isinstance(parts, dict) or 'provenance' not in results
+      or any(p not in parts for p in ('sweep', 'carried', 'panel'))):
     raise UserError(f'{out / "results.json"} is not the recipe study\'s '
-                    '(no parts, or no provenance): give --out the folder '
-                    '`python -m scripts.uptrain_recipe` wrote')
+                    '(its parts or provenance are missing): give --out the '
+                    'folder `python -m scripts.uptrain_recipe` wrote')
   report.record_rebuild(results['provenance'], COMMAND, out)
   write(out, results)
 
@@ -75,8 +77,8 @@ def made_by(prov: dict) -> str:
   that assembled the results, reusing them (the rebuild has its own line,
   report.REBUILT)."""
   return (f'Runs trained (by each run\'s own record) at {prov["trained"]}; '
-          'results assembled, reusing every run, by '
-          f'{report.command_at(prov, out=True)}.')
+          f'results written by {report.command_at(prov, out=True)}, which '
+          'trains what is missing and reuses every finished run.')
 
 
 def _f(est: dict, spec: str = '+.4f') -> str:
@@ -90,8 +92,9 @@ def _det(est: dict) -> str:
 
 def _cell(c: dict) -> str:
   """A claim's cell: GQA minus its reference [interval] (detectable;
-  reading after Holm)."""
-  return f'{_f(c)} ({_det(c)}; {c["outcome"]})'
+  its difference from the margin as read after Holm: the interval a
+  reason such as 'interval holds 0' speaks of is this one minus NEAR)."""
+  return f'{_f(c)} ({_det(c)}; against the margin: {c["outcome"]})'
 
 
 def _where(c: dict) -> str:
@@ -120,10 +123,13 @@ def design(results: dict) -> list[str]:
   plan, cost = results['plan'], results.get('cost', {})
   panel = plan['configs']['panel']
   sweep = plan['configs']['sweep']
+  probed = 'probe' in results['parts']
   spent = '; '.join(
-      f'{part}: {c["runs"]} runs, {c["steps"]:,} steps, '
-      f'{c["train_seconds"] / 60:.1f} minutes in the training loops'
-      for part, c in cost.items())
+      f'{part}' + (' (its probe\'s runs with it)' if part == 'sweep' and
+                   probed else '') + f': {c["runs"]} runs, {c["steps"]:,} '
+      f'steps, {c["train_seconds"] / 60:.1f} minutes of wall time in the '
+      'training loops' for part, c in cost.items()) + (
+          ' (wall time: parts trained side by side share the cores)')
   return report.bullets([
       _recipes(plan, sweep),
       f'**Sweep**: {plan["source_seeds"]} MHA sources (seeds 0 .. '
@@ -181,8 +187,10 @@ def reading(results: dict, summ: dict) -> list[str]:
   plan = results['plan']
   alpha = plan['paper_alpha']
   lines = []
+  panel = ('Long-context panel' if not plan['quick'] else
+           f'Panel (`{plan["panel"]["config"]}`, --quick)')
   for part, label in (('sweep', f'Sweep (S = {plan["sweep_steps"]:,})'),
-                      ('panel', 'Long-context panel')):
+                      ('panel', panel)):
     best = summ[f'{part}_best']
     for claim, ref in (('claim1', 'the control'),
                        ('claim3', 'GQA from scratch for S(1 + α) steps')):
@@ -247,9 +255,9 @@ def holm_needs(label: str, summ: dict, part: str, alpha: float) -> str:
     out.append(
         f'claim {claim[-1]}: Holm over its {need["m"]} cells needs |t| ≥ '
         f'{need["t"]:.2f} at its first step (5%/{need["m"]}), where each '
-        f'α = {alpha:g} cell detects {min(d):.4f}-{max(d):.4f} nats from the '
+        f'α = {alpha:g} cell detects {_span(d, ".4f")} nats from the '
         'margin, and "reproduced" at a true difference of 0 has power '
-        f'{min(pw):.3f}-{max(pw):.3f}' + (
+        f'{_span(pw, ".3f")}' + (
             ': no recipe could have reproduced it here, so its absence is no '
             'evidence against the claim' if max(pw) < 0.2 else '') +
         '. Read as an intersection-union test (a secondary reading chosen '
@@ -259,15 +267,22 @@ def holm_needs(label: str, summ: dict, part: str, alpha: float) -> str:
   return f'**{label}, what the correction asked**: ' + '; '.join(out) + '.'
 
 
+def _span(values: list[float], spec: str) -> str:
+  """'low-high' of VALUES, or the one value where they are equal."""
+  low, high = f'{min(values):{spec}}', f'{max(values):{spec}}'
+  return low if low == high else f'{low}-{high}'
+
+
 def probe(results: dict, summ: dict) -> str:
   """The grid's edge: the source's own peak rate, outside the families."""
   plan = results['plan']
   best = rs.name(summ['sweep_best']['gqa']['recipe'])
   return (f'**Probe above the grid** (rate {plan["probe_rate"]:g}, the '
           'source\'s own peak, at α = '
-          f'{plan["paper_alpha"]:g} on the sweep\'s sources; added after the '
-          'sweep\'s first source put GQA\'s best recipe at the grid\'s top '
-          'rate; a diagnostic outside every Holm family, not judged): '
+          f'{plan["paper_alpha"]:g} on the sweep\'s sources; '
+          + ('' if plan['quick'] else 'added after the sweep\'s first source '
+             'put GQA\'s best recipe at the grid\'s top rate; ')
+          + 'a diagnostic outside every Holm family, not judged): '
           + '; '.join(
               f'{rs.name(c["recipe"])}: claim 1 {_f(c["claim1"])} '
               f'({_det(c["claim1"])}), claim 3 {_f(c["claim3"])} '
@@ -281,7 +296,7 @@ def power(summ: dict) -> str:
   def span(cells):
     d = sorted(c['detectable'] for c in cells
                if math.isfinite(c['detectable']))
-    return f'{d[0]:.4f}-{d[-1]:.4f}' if d else 'none (no spread)'
+    return _span(d, '.4f') if d else 'none (no spread)'
   return ('**Power at 5%, before correction** (the smallest difference from '
           'the margin each family\'s cells detect, over their recipes and '
           'α; nothing smaller is claimed; at the corrected level, see "what '
