@@ -40,7 +40,7 @@ FAMILIES = {
     'negative': 'the negative control: GQA before uptraining (its '
                 'conversion) minus the control, at every source length '
                 'and the panel, must be claimed beyond the margin (where '
-                'it is not, that length\'s claim cells are withheld: a gate '
+                'it is not, that length\'s claim cells are held back: a gate '
                 'added after a fresh trial, which no published cell meets)',
 }
 
