@@ -30,6 +30,19 @@ def equivalent_steps(loss: float, steps, mean_curve, start_loss: float
                / (y[j - 1] - y[j]))
 
 
+def per_doubling(by_length: dict) -> list[float]:
+  """Per source seed, the least-squares slope of a per-source value
+  against log2 S (per doubling of the source's length), over the lengths
+  that seed has (sources of every length share seeds); BY_LENGTH: {S:
+  [(seed, value), ...]}. Seeds with one length give none."""
+  per_seed = {}
+  for S, pairs in by_length.items():
+    for seed, v in pairs:
+      per_seed.setdefault(seed, []).append((math.log2(S), v))
+  return [float(np.polyfit(*zip(*pts), 1)[0]) for pts in per_seed.values()
+          if len(pts) > 1]
+
+
 def estimate(est: dict, spec: str = '+.4f') -> str:
   """'mean [low, high]' of an Estimate dict over seeds; for steps some
   seeds never reached (censored), the bound and the count."""

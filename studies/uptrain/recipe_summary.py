@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from studies import stats
+from studies.uptrain.common import per_doubling
 from studies.uptrain.design import NEAR
 
 # The Holm families, fixed in advance (issue #60). Each is corrected on
@@ -210,14 +211,11 @@ def drift(sources: list[dict]) -> list[dict]:
 def slope(by_length: dict, claim: str, recipe: dict, alpha: float) -> dict:
   """Claim 1's or 3's difference against log2 S, a least-squares slope per
   source seed (sources of every length share seeds), then over seeds."""
-  per_seed = {}
-  for S, sources in by_length.items():
-    cell = next(c for c in cells(sources, [recipe], claim)
-                if c['alpha'] == alpha)
-    for s, v in zip(sources, cell['values']):
-      per_seed.setdefault(s['seed'], []).append((math.log2(S), v))
-  slopes = [float(np.polyfit(*zip(*pts), 1)[0]) for pts in per_seed.values()
-            if len(pts) > 1]
+  slopes = per_doubling({S: list(zip(
+      [s['seed'] for s in sources],
+      next(c for c in cells(sources, [recipe], claim)
+           if c['alpha'] == alpha)['values']))
+                         for S, sources in by_length.items()})
   est = stats.mean(slopes)
   return {**est.as_dict(), 'values': slopes, 'p': stats.p_value(slopes),
           'detectable': stats.detectable(est.sd, est.n)}

@@ -36,7 +36,8 @@ import math
 import numpy as np
 
 from studies import stats
-from studies.uptrain.common import equivalent_steps, ranking_verdict
+from studies.uptrain.common import (equivalent_steps, per_doubling,
+                                    ranking_verdict)
 from studies.uptrain.design import MLA_BELOW
 from train.convert import to_mla
 
@@ -236,15 +237,14 @@ def _slopes(plan: dict, lengths: dict, name: str, read: str) -> dict:
   """Per source seed, the least-squares slope of `name`'s per-source value
   at `read` against log2 S (per doubling of the source's length), over the
   lengths that seed has; then over the seeds."""
-  per_seed = {}
-  for S, row in lengths.items():
-    for seed, v in zip(plan['source_seeds'], row[name][read]['values']):
-      per_seed.setdefault(seed, []).append((math.log2(S), v))
-  slopes = [float(np.polyfit(*zip(*pts), 1)[0]) for pts in per_seed.values()
-            if len(pts) > 1]
+  by_length = {S: list(zip(plan['source_seeds'], row[name][read]['values']))
+               for S, row in lengths.items()}
+  slopes = per_doubling(by_length)
   if not slopes:
     return {'n': 0}
-  return {**_over_sources(slopes), 'seeds': sorted(per_seed)}
+  return {**_over_sources(slopes),
+          'seeds': sorted({seed for pairs in by_length.values()
+                           for seed, _ in pairs})}
 
 
 def _holm(cells: list[dict]) -> list[dict]:
